@@ -1,0 +1,16 @@
+#include "hetpipe/build_info.h"
+
+#include "hetpipe/device.h"
+
+namespace hetpipe {
+
+BuildInfo build_info() {
+  BuildInfo info;
+  info.version = HETPIPE_VERSION;
+  info.cuda_built = cuda_built();
+  info.cuda_device_count = cuda_device_count();
+  info.cuda_available = info.cuda_device_count > 0;
+  return info;
+}
+
+}  // namespace hetpipe

@@ -1,0 +1,10 @@
+"""The compiled core of hetpipe: pinned buffers, streams, WSP clocks, parameter-shard arithmetic.
+
+Framework-agnostic: importing it needs no torch, no MPI and no GPU. Memory leaves through DLPack and
+the buffer protocol, so torch, numpy or any other framework can view it without a copy.
+"""
+
+from hetpipe_core._C import *  # noqa: F401,F403
+from hetpipe_core._C import build_info
+
+__version__ = build_info()["version"]

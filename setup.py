@@ -1,0 +1,63 @@
+"""Build hetpipe: setup.py drives CMake (ninja) for the compiled core `hetpipe_core._C`.
+
+CMake options are passed through the environment variable CMAKE_ARGS, e.g.
+    CMAKE_ARGS="-DHETPIPE_WITH_CUDA=OFF" pip install --no-build-isolation -e .
+The defaults are HETPIPE_WITH_CUDA=AUTO (CUDA when nvcc is found) and a Release build.
+"""
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name: str, sourcedir: Path = ROOT) -> None:
+        super().__init__(name, sources=[])
+        self.sourcedir = os.fspath(sourcedir)
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext: CMakeExtension) -> None:
+        extdir = Path(self.get_ext_fullpath(ext.name)).parent.resolve()
+        cfg = "Debug" if self.debug else "Release"
+        cmake_args = [
+            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={extdir}{os.sep}",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-DCMAKE_BUILD_TYPE={cfg}",
+            "-G", "Ninja",
+        ]
+        cmake_args += shlex.split(os.environ.get("CMAKE_ARGS", ""))
+        build_temp = Path(self.build_temp) / ext.name
+        build_temp.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["cmake", ext.sourcedir, *cmake_args], cwd=build_temp, check=True)
+        subprocess.run(["cmake", "--build", ".", "--target", "_C", "-j", str(os.cpu_count() or 2)],
+                       cwd=build_temp, check=True)
+
+
+setup(
+    name="hetpipe",
+    version="0.1.0",
+    description="Pipelined model parallelism on heterogeneous GPU clusters with Wave Synchronous Parallel",
+    packages=["hetpipe_core"] + find_packages("python"),
+    package_dir={"hetpipe_core": "hetpipe_core", "": "python"},
+    package_data={"hetpipe_core": ["py.typed", "*.pyi"], "hetpipe": ["data/**/*"]},
+    ext_modules=[CMakeExtension("hetpipe_core._C")],
+    cmdclass={"build_ext": CMakeBuild},
+    python_requires=">=3.9",
+    install_requires=["numpy"],
+    extras_require={
+        "torch": ["torch>=2.3"],
+        "mpi": ["mpi4py"],
+        "plot": ["matplotlib"],
+        "test": ["pytest", "hypothesis", "scikit-learn"],
+    },
+    entry_points={"console_scripts": ["hetpipe=hetpipe.cli:main"]},
+    zip_safe=False,
+)
