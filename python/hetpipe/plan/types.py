@@ -1,0 +1,186 @@
+"""The Plan: what HetPipe runs — virtual workers, their stages, Nm, D, PS shards — as plain data.
+
+A Plan round-trips through JSON unchanged (``Plan.from_json(plan.to_json()) == plan``). Rank layout
+under MPI (the runtime's contract): ranks ``0 .. S-1`` are the stages, VW by VW and stage by stage
+(VW 0 stage 0, VW 0 stage 1, ..., VW 1 stage 0, ...); the PS shards follow, shard by shard.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Tuple, Union
+
+PLAN_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: layers ``[start, stop)`` on one device, with predicted per-minibatch costs."""
+
+    device: str                 # device id from the cluster spec, e.g. "n0.g1"
+    device_type: str            # key into the cluster's device types, e.g. "titan_v"
+    start: int
+    stop: int
+    fwd_time: float             # predicted forward seconds per minibatch on this device
+    bwd_time: float             # predicted backward seconds per minibatch (recomputation included)
+    send_time: float = 0.0      # predicted seconds to send the output activation to the next stage
+    memory_bytes: int = 0       # predicted peak memory of this stage
+    memory_capacity: int = 0    # the device's memory
+    recompute: Tuple[int, ...] = ()  # layers whose activations are recomputed in backward
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.stop)
+
+
+@dataclass(frozen=True)
+class VirtualWorkerPlan:
+    """A virtual worker: an ordered list of stages (one device each) forming one pipeline."""
+
+    index: int
+    stages: Tuple[StagePlan, ...]
+    throughput: float = 0.0     # predicted minibatches per second of this VW alone
+
+    @property
+    def devices(self) -> Tuple[str, ...]:
+        return tuple(s.device for s in self.stages)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """A parameter-server shard: the layers whose parameters it owns, and where it runs."""
+
+    index: int
+    node: str
+    layers: Tuple[int, ...]
+    param_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete HetPipe plan for one model on one cluster."""
+
+    num_layers: int
+    nm: int
+    d: int
+    policy: str
+    virtual_workers: Tuple[VirtualWorkerPlan, ...]
+    ps_shards: Tuple[ShardPlan, ...]
+    throughput: float = 0.0             # predicted minibatches per second, whole cluster, under WSP
+    minibatch_size: int = 0
+    layer_names: Tuple[str, ...] = ()
+    meta: Dict[str, Any] = field(default_factory=dict, compare=True)
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    # --- structure -------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise ValueError naming the culprit if the plan is not self-consistent."""
+        if self.nm < 1:
+            raise ValueError(f"plan: nm must be >= 1, got {self.nm}")
+        if self.d < 0:
+            raise ValueError(f"plan: d must be >= 0, got {self.d}")
+        if not self.virtual_workers:
+            raise ValueError("plan: no virtual workers")
+        for vw in self.virtual_workers:
+            if not vw.stages:
+                raise ValueError(f"plan: virtual worker {vw.index} has no stages")
+            pos = 0
+            for k, st in enumerate(vw.stages):
+                if st.start != pos or st.stop <= st.start:
+                    raise ValueError(
+                        f"plan: VW {vw.index} stage {k} on {st.device} covers layers [{st.start}, {st.stop}), "
+                        f"expected to start at layer {pos} and be non-empty")
+                pos = st.stop
+            if pos != self.num_layers:
+                raise ValueError(f"plan: VW {vw.index} covers {pos} layers, the model has {self.num_layers}")
+        owned = sorted(layer for sh in self.ps_shards for layer in sh.layers)
+        if self.ps_shards and owned != list(range(self.num_layers)):
+            raise ValueError(f"plan: PS shards must own every layer exactly once, they own {owned}")
+
+    @property
+    def num_stage_ranks(self) -> int:
+        return sum(len(vw.stages) for vw in self.virtual_workers)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.num_stage_ranks + len(self.ps_shards)
+
+    def rank_of(self, vw: int, stage: int) -> int:
+        return sum(len(v.stages) for v in self.virtual_workers[:vw]) + stage
+
+    def ps_rank(self, shard: int) -> int:
+        return self.num_stage_ranks + shard
+
+    def role_of(self, rank: int) -> Tuple[str, int, int]:
+        """``("stage", vw, stage)`` or ``("ps", shard, -1)`` for an MPI rank."""
+        r = rank
+        for vw in self.virtual_workers:
+            if r < len(vw.stages):
+                return ("stage", vw.index, r)
+            r -= len(vw.stages)
+        if r < len(self.ps_shards):
+            return ("ps", r, -1)
+        raise ValueError(f"plan: rank {rank} has no role; the plan needs {self.num_ranks} ranks")
+
+    def shard_of_layer(self, layer: int) -> int:
+        for sh in self.ps_shards:
+            if layer in sh.layers:
+                return sh.index
+        raise ValueError(f"plan: layer {layer} is owned by no PS shard")
+
+    # --- JSON ------------------------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d["format"] = PLAN_FORMAT
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "Plan":
+        d = dict(d)
+        fmt = d.pop("format", PLAN_FORMAT)
+        if fmt != PLAN_FORMAT:
+            raise ValueError(f"plan: format {fmt} is not supported (this hetpipe reads format {PLAN_FORMAT})")
+        try:
+            vws = tuple(
+                VirtualWorkerPlan(
+                    index=v["index"],
+                    stages=tuple(StagePlan(**{**s, "recompute": tuple(s.get("recompute", ()))}) for s in v["stages"]),
+                    throughput=v.get("throughput", 0.0))
+                for v in d.pop("virtual_workers"))
+            shards = tuple(ShardPlan(**{**s, "layers": tuple(s["layers"])}) for s in d.pop("ps_shards"))
+            return cls(virtual_workers=vws, ps_shards=shards,
+                       layer_names=tuple(d.pop("layer_names", ())), **d)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"plan: malformed plan data: {e}") from e
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"plan: not valid JSON: {e}") from e
+        return cls.from_dict(data)
+
+    def save(self, path: Union[str, Path]) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "Plan":
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise ValueError(f"plan: cannot read {p}: {e}") from e
+        return cls.from_json(text)
+
+
+def stage_layer_lists(plan: Plan) -> List[List[Tuple[int, int]]]:
+    """Per VW, the (start, stop) layer range of each stage."""
+    return [[(s.start, s.stop) for s in vw.stages] for vw in plan.virtual_workers]

@@ -1,0 +1,255 @@
+"""The schedule IR: typed, immutable instructions and the per-stage instruction streams.
+
+A schedule is, for each stage of one virtual worker (VW), a static list of instructions. Each stage
+executes its list in order; the weights every minibatch sees are therefore a function of the
+schedule alone, never of timing. Minibatch ``mb`` belongs to wave ``mb // nm``.
+
+Text form (round-trips through ``str`` and :func:`parse`)::
+
+    F3      Fwd(3)          RA3:0   RecvAct(3, peer=0)      PUSH1   Push(1)
+    B3      Bwd(3)          SA3:2   SendAct(3, peer=2)      PULL2   Pull(2)
+    R3      Recompute(3)    RG3:2   RecvGrad(3, peer=2)
+    A3      Apply(3)        SG3:0   SendGrad(3, peer=0)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar, Iterable, Sequence, Tuple, Union
+
+
+@dataclass(frozen=True)
+class Fwd:
+    """Run the stage's forward pass on minibatch ``mb`` with the stage's current weights.
+
+    The input comes from the preceding ``RecvAct(mb)`` (or the data loader on stage 0); the weight
+    version used is stashed so that ``Bwd(mb)`` differentiates the same version.
+    Pairs with: a later ``Bwd(mb)`` on the same stage.
+    """
+
+    mb: int
+    code: ClassVar[str] = "F"
+
+    def __str__(self) -> str:
+        return f"F{self.mb}"
+
+
+@dataclass(frozen=True)
+class Bwd:
+    """Back-propagate minibatch ``mb`` through the stage, with the weight version its ``Fwd`` used.
+
+    The output gradient comes from the preceding ``RecvGrad(mb)`` (or the loss on the last stage).
+    Pairs with: an earlier ``Fwd(mb)``; followed by ``Apply(mb)`` where the schedule updates weights.
+    """
+
+    mb: int
+    code: ClassVar[str] = "B"
+
+    def __str__(self) -> str:
+        return f"B{self.mb}"
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Re-run the forward of minibatch ``mb`` to rebuild activations that were dropped to save memory.
+
+    Pairs with: an earlier ``Fwd(mb)`` that kept only its input, and the ``Bwd(mb)`` that follows.
+    """
+
+    mb: int
+    code: ClassVar[str] = "R"
+
+    def __str__(self) -> str:
+        return f"R{self.mb}"
+
+
+@dataclass(frozen=True)
+class Apply:
+    """Apply minibatch ``mb``'s gradients to the stage's local weights (one optimizer step).
+
+    The change is added to the delta of wave ``mb // nm`` that the next ``Push`` of that wave sends.
+    Pairs with: an earlier ``Bwd(mb)`` on the same stage.
+    """
+
+    mb: int
+    code: ClassVar[str] = "A"
+
+    def __str__(self) -> str:
+        return f"A{self.mb}"
+
+
+@dataclass(frozen=True)
+class SendAct:
+    """Send minibatch ``mb``'s output activation to stage ``peer`` (the next stage).
+
+    Pairs with: ``RecvAct(mb, peer=this stage)`` on stage ``peer``.
+    """
+
+    mb: int
+    peer: int
+    code: ClassVar[str] = "SA"
+
+    def __str__(self) -> str:
+        return f"SA{self.mb}:{self.peer}"
+
+
+@dataclass(frozen=True)
+class RecvAct:
+    """Receive minibatch ``mb``'s input activation from stage ``peer`` (the previous stage).
+
+    Pairs with: ``SendAct(mb, peer=this stage)`` on stage ``peer``.
+    """
+
+    mb: int
+    peer: int
+    code: ClassVar[str] = "RA"
+
+    def __str__(self) -> str:
+        return f"RA{self.mb}:{self.peer}"
+
+
+@dataclass(frozen=True)
+class SendGrad:
+    """Send the gradient of minibatch ``mb``'s input activation to stage ``peer`` (the previous stage).
+
+    Pairs with: ``RecvGrad(mb, peer=this stage)`` on stage ``peer``.
+    """
+
+    mb: int
+    peer: int
+    code: ClassVar[str] = "SG"
+
+    def __str__(self) -> str:
+        return f"SG{self.mb}:{self.peer}"
+
+
+@dataclass(frozen=True)
+class RecvGrad:
+    """Receive the gradient of minibatch ``mb``'s output activation from stage ``peer`` (the next stage).
+
+    Pairs with: ``SendGrad(mb, peer=this stage)`` on stage ``peer``.
+    """
+
+    mb: int
+    peer: int
+    code: ClassVar[str] = "RG"
+
+    def __str__(self) -> str:
+        return f"RG{self.mb}:{self.peer}"
+
+
+@dataclass(frozen=True)
+class Push:
+    """Send the sum of this stage's updates of wave ``wave`` to the parameter-server shards.
+
+    Non-blocking for the stage: the transfer overlaps the instructions that follow. When every stage
+    of the VW has pushed wave ``wave``, the VW's clock becomes ``wave + 1``.
+    Pairs with: exactly one ``Push(wave)`` per stage per wave, after the stage's last ``Apply`` of it.
+    """
+
+    wave: int
+    code: ClassVar[str] = "PUSH"
+
+    def __str__(self) -> str:
+        return f"PUSH{self.wave}"
+
+
+@dataclass(frozen=True)
+class Pull:
+    """Wait until the global clock is at least ``wave - d``, then fetch the global weights.
+
+    The stage's weights become the pulled global weights plus its own updates that they do not yet
+    contain. Pairs with: the ``Push(wave - d - 1)`` of every VW, this stage's own among them, which
+    therefore precedes it in this stream.
+    """
+
+    wave: int
+    code: ClassVar[str] = "PULL"
+
+    def __str__(self) -> str:
+        return f"PULL{self.wave}"
+
+
+Instr = Union[Fwd, Bwd, Recompute, Apply, SendAct, RecvAct, SendGrad, RecvGrad, Push, Pull]
+COMPUTE = (Fwd, Bwd, Recompute, Apply)
+COMMS = (SendAct, RecvAct, SendGrad, RecvGrad)
+SYNC = (Push, Pull)
+
+_BY_CODE = {cls.code: cls for cls in (*COMPUTE, *COMMS, *SYNC)}
+_TOKEN = re.compile(r"^(PUSH|PULL|SA|RA|SG|RG|F|B|R|A)(\d+)(?::(\d+))?$")
+
+
+def parse(text: str) -> Instr:
+    """Parse one instruction from its text form, e.g. ``"SA3:1"`` → ``SendAct(3, peer=1)``."""
+    m = _TOKEN.match(text.strip())
+    if not m:
+        raise ValueError(f"not an instruction: {text!r} (expected e.g. F3, B3, SA3:1, PUSH0, PULL1)")
+    code, num, peer = m.group(1), int(m.group(2)), m.group(3)
+    cls = _BY_CODE[code]
+    takes_peer = cls in COMMS
+    if takes_peer != (peer is not None):
+        raise ValueError(f"instruction {text!r}: {cls.__name__} {'needs' if takes_peer else 'takes no'} ':peer'")
+    return cls(num, int(peer)) if takes_peer else cls(num)
+
+
+def parse_stream(text: str) -> Tuple[Instr, ...]:
+    """Parse a whitespace-separated instruction stream."""
+    return tuple(parse(tok) for tok in text.split())
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Instruction streams for the ``num_stages`` stages of one virtual worker.
+
+    ``streams[s]`` is stage ``s``'s instruction list. ``nm`` is the number of minibatches allowed in
+    flight (and the wave size), ``d`` the WSP staleness bound the Pull placement honours.
+    """
+
+    name: str
+    num_stages: int
+    num_minibatches: int
+    nm: int
+    d: int
+    streams: Tuple[Tuple[Instr, ...], ...]
+
+    def __post_init__(self) -> None:
+        if len(self.streams) != self.num_stages:
+            raise ValueError(f"schedule {self.name!r}: {len(self.streams)} streams for {self.num_stages} stages")
+        if self.nm < 1:
+            raise ValueError(f"schedule {self.name!r}: nm must be >= 1, got {self.nm}")
+        if self.d < 0:
+            raise ValueError(f"schedule {self.name!r}: d must be >= 0, got {self.d}")
+
+    def wave_of(self, mb: int) -> int:
+        return mb // self.nm
+
+    @property
+    def num_waves(self) -> int:
+        return -(-self.num_minibatches // self.nm)
+
+    def to_text(self) -> str:
+        """One header line, then one line per stage: ``<stage>: <instr> <instr> ...``."""
+        head = f"# {self.name} stages={self.num_stages} minibatches={self.num_minibatches} nm={self.nm} d={self.d}"
+        body = [f"{s}: " + " ".join(map(str, stream)) for s, stream in enumerate(self.streams)]
+        return "\n".join([head, *body]) + "\n"
+
+    @classmethod
+    def from_text(cls, text: str) -> "Schedule":
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        if not lines or not lines[0].startswith("# "):
+            raise ValueError("schedule text must start with a '# <name> stages=.. minibatches=.. nm=.. d=..' line")
+        name, *fields = lines[0][2:].split()
+        kv = dict(f.split("=", 1) for f in fields)
+        streams = []
+        for s, ln in enumerate(lines[1:]):
+            label, _, rest = ln.partition(":")
+            if label.strip() != str(s):
+                raise ValueError(f"schedule text line {s + 2}: expected stage {s}, got {label.strip()!r}")
+            streams.append(parse_stream(rest))
+        return cls(name, int(kv["stages"]), int(kv["minibatches"]), int(kv["nm"]), int(kv["d"]), tuple(streams))
+
+
+def instrs_of(stream: Iterable[Instr], kind: type) -> Sequence[Instr]:
+    """The instructions of one kind in a stream, in order."""
+    return [i for i in stream if isinstance(i, kind)]
