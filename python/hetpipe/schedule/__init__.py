@@ -7,3 +7,10 @@ from hetpipe.schedule.ir import (  # noqa: F401
     Apply, Bwd, Fwd, Instr, Pull, Push, Recompute, RecvAct, RecvGrad, Schedule, SendAct, SendGrad,
     parse, parse_stream,
 )
+from hetpipe.schedule.lower import lower  # noqa: F401
+from hetpipe.schedule.generators import (  # noqa: F401
+    gpipe_schedule, hetpipe_compute_schedule, hetpipe_schedule, one_f_one_b_schedule,
+)
+from hetpipe.schedule.replay import Replay, replay  # noqa: F401
+from hetpipe.schedule.grid import format_grid, format_replay  # noqa: F401
+from hetpipe.schedule.validate import ScheduleError, validate  # noqa: F401

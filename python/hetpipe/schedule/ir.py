@@ -204,6 +204,12 @@ class Schedule:
 
     ``streams[s]`` is stage ``s``'s instruction list. ``nm`` is the number of minibatches allowed in
     flight (and the wave size), ``d`` the WSP staleness bound the Pull placement honours.
+
+    Micro-batches: instructions name micro-batches. Normally micro-batch ``j`` is minibatch ``j``.
+    With ``split = n`` (AutoPipe-H's split start-up) each of the first ``n`` minibatches runs as two
+    half micro-batches: micro-batches ``2p`` and ``2p + 1`` are the halves of minibatch ``p < n`` and
+    micro-batch ``j >= 2n`` is minibatch ``j - n``. A split minibatch's ``Apply`` names its second
+    half and applies the gradients of both.
     """
 
     name: str
@@ -212,6 +218,7 @@ class Schedule:
     nm: int
     d: int
     streams: Tuple[Tuple[Instr, ...], ...]
+    split: int = 0
 
     def __post_init__(self) -> None:
         if len(self.streams) != self.num_stages:
@@ -220,9 +227,37 @@ class Schedule:
             raise ValueError(f"schedule {self.name!r}: nm must be >= 1, got {self.nm}")
         if self.d < 0:
             raise ValueError(f"schedule {self.name!r}: d must be >= 0, got {self.d}")
+        if not 0 <= self.split <= self.num_minibatches:
+            raise ValueError(f"schedule {self.name!r}: split must be in [0, {self.num_minibatches}], got {self.split}")
+
+    @property
+    def num_micro(self) -> int:
+        """Number of micro-batches the instructions name (``num_minibatches + split``)."""
+        return self.num_minibatches + self.split
+
+    def minibatch_of(self, mb: int) -> int:
+        """The minibatch that micro-batch ``mb`` belongs to."""
+        return mb // 2 if mb < 2 * self.split else mb - self.split
+
+    def micros_of(self, p: int) -> Tuple[int, ...]:
+        """The micro-batches of minibatch ``p``, in order."""
+        return (2 * p, 2 * p + 1) if p < self.split else (p + self.split,)
+
+    def fraction_of(self, mb: int) -> float:
+        """The share of its minibatch that micro-batch ``mb`` carries (0.5 for a half, else 1)."""
+        return 0.5 if mb < 2 * self.split else 1.0
 
     def wave_of(self, mb: int) -> int:
-        return mb // self.nm
+        """The wave of micro-batch ``mb``."""
+        return self.minibatch_of(mb) // self.nm
+
+    def last_micro_of_wave(self, wave: int) -> int:
+        """The last micro-batch of wave ``wave``."""
+        return self.micros_of(min((wave + 1) * self.nm, self.num_minibatches) - 1)[-1]
+
+    def first_micro_of_wave(self, wave: int) -> int:
+        """The first micro-batch of wave ``wave``."""
+        return self.micros_of(wave * self.nm)[0]
 
     @property
     def num_waves(self) -> int:
@@ -231,6 +266,8 @@ class Schedule:
     def to_text(self) -> str:
         """One header line, then one line per stage: ``<stage>: <instr> <instr> ...``."""
         head = f"# {self.name} stages={self.num_stages} minibatches={self.num_minibatches} nm={self.nm} d={self.d}"
+        if self.split:
+            head += f" split={self.split}"
         body = [f"{s}: " + " ".join(map(str, stream)) for s, stream in enumerate(self.streams)]
         return "\n".join([head, *body]) + "\n"
 
@@ -247,7 +284,8 @@ class Schedule:
             if label.strip() != str(s):
                 raise ValueError(f"schedule text line {s + 2}: expected stage {s}, got {label.strip()!r}")
             streams.append(parse_stream(rest))
-        return cls(name, int(kv["stages"]), int(kv["minibatches"]), int(kv["nm"]), int(kv["d"]), tuple(streams))
+        return cls(name, int(kv["stages"]), int(kv["minibatches"]), int(kv["nm"]), int(kv["d"]), tuple(streams),
+                   int(kv.get("split", 0)))
 
 
 def instrs_of(stream: Iterable[Instr], kind: type) -> Sequence[Instr]:

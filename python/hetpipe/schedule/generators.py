@@ -1,0 +1,155 @@
+"""Schedule generators: HetPipe/WSP, GPipe and 1F1B, as pure functions returning lowered schedules.
+
+Every generator first builds a compute-only order per stage (Fwd, Recompute, Bwd, Apply, Push,
+Pull) and then :func:`hetpipe.schedule.lower.lower` inserts the sends and receives.
+
+The 1F1B rule shared by HetPipe and 1F1B, for stage ``s`` of ``k`` with in-flight cap ``c``::
+
+    warm-up  w_s = min(c, k - s)       (>= 1; non-increasing in s, which makes it deadlock-free)
+    repeat:  run the next Fwd if (minibatches in flight on this stage after it) <= w_s
+             and the wave gate allows it; otherwise run the oldest pending Bwd (then its Apply).
+
+After the warm-up a stage therefore alternates Bwd, Fwd (backward has priority), and the last stage
+runs each Fwd immediately followed by its Bwd (Hippie's last-stage schedule: the loss gradient is
+ready at once, so the last stage never holds more than one activation).
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+from hetpipe.schedule.ir import Apply, Bwd, Fwd, Instr, Pull, Push, Recompute, Schedule
+from hetpipe.schedule.lower import lower
+
+
+def warmup(stage: int, num_stages: int, cap: int) -> int:
+    """Forwards stage ``stage`` runs before its first backward (``min(cap, num_stages - stage)``)."""
+    return min(cap, num_stages - stage)
+
+
+def _one_f_one_b(shape: Schedule, stage: int, cap: int, wsp: bool, recompute: bool) -> List[Instr]:
+    """One stage's compute-only order by the 1F1B rule above.
+
+    ``shape`` supplies the micro-batch/minibatch/wave arithmetic (its streams are ignored). With
+    ``wsp`` the order carries Apply right after each minibatch's last Bwd, ``Push(c)`` right after the
+    Apply that completes wave ``c``, and ``Pull(w)`` (w >= 1) right before the first Fwd of wave
+    ``w``, which waits until this stage has pushed wave ``w - d - 1``.
+    """
+    micro = shape.num_micro
+    w = warmup(stage, shape.num_stages, cap)
+    out: List[Instr] = []
+    nf = nb = 0
+
+    def in_flight(next_f: int) -> int:
+        # minibatches with a Fwd among micro-batches < next_f and a Bwd still pending from nb on
+        if next_f <= nb:
+            return 0
+        return shape.minibatch_of(next_f - 1) - shape.minibatch_of(nb) + 1
+
+    def gate_open(j: int) -> bool:
+        wave = shape.wave_of(j)
+        if not wsp or j != shape.first_micro_of_wave(wave) or wave - shape.d - 1 < 0:
+            return True
+        return nb > shape.last_micro_of_wave(wave - shape.d - 1)
+
+    while nb < micro:
+        if nf < micro and in_flight(nf + 1) <= w and gate_open(nf):
+            wave = shape.wave_of(nf)
+            if wsp and wave >= 1 and nf == shape.first_micro_of_wave(wave):
+                out.append(Pull(wave))
+            out.append(Fwd(nf))
+            nf += 1
+            continue
+        if recompute:
+            out.append(Recompute(nb))
+        out.append(Bwd(nb))
+        p = shape.minibatch_of(nb)
+        if wsp and nb == shape.micros_of(p)[-1]:
+            out.append(Apply(nb))
+            if nb == shape.last_micro_of_wave(shape.wave_of(nb)):
+                out.append(Push(shape.wave_of(nb)))
+        nb += 1
+    return out
+
+
+def _shape(name: str, num_stages: int, num_minibatches: int, nm: int, d: int, split: int = 0) -> Schedule:
+    if num_stages < 1 or num_minibatches < 1:
+        raise ValueError(f"{name}: need num_stages >= 1 and num_minibatches >= 1, "
+                         f"got {num_stages} and {num_minibatches}")
+    return Schedule(name, num_stages, num_minibatches, nm, d, tuple(() for _ in range(num_stages)), split)
+
+
+def _with_streams(shape: Schedule, streams) -> Schedule:
+    return Schedule(shape.name, shape.num_stages, shape.num_minibatches, shape.nm, shape.d,
+                    tuple(tuple(s) for s in streams), shape.split)
+
+
+def hetpipe_compute_schedule(num_stages: int, num_minibatches: int, nm: int, d: int, recompute: bool = False,
+                             split_startup: int = 0) -> Schedule:
+    """The compute-only HetPipe/WSP order (no sends or receives); :func:`hetpipe_schedule` lowers it."""
+    shape = _shape("hetpipe", num_stages, num_minibatches, nm, d, split_startup)
+    return _with_streams(shape, [_one_f_one_b(shape, s, nm, True, recompute) for s in range(num_stages)])
+
+
+def hetpipe_schedule(num_stages: int, num_minibatches: int, nm: int, d: int, recompute: bool = False,
+                     split_startup: int = 0) -> Schedule:
+    """One virtual worker under WSP: ``num_stages`` stages, ``nm`` minibatches in flight, staleness ``d``.
+
+    Minibatch ``p`` is in wave ``p // nm``. Each stage follows the 1F1B rule (module docstring) with
+    cap ``nm``; after ``Bwd(p)`` comes ``Apply(p)``, after the Apply that ends wave ``c`` comes
+    ``Push(c)`` (Hippie's early gradient sync: a stage pushes as soon as its own last backward of the
+    wave is done), and ``Pull(w)`` comes right before the first Fwd of wave ``w >= 1`` (lowering puts
+    the ``RecvAct`` between them). A Fwd of wave ``w`` waits until the stage has pushed wave
+    ``w - d - 1``; with ``d = 0`` this drains the pipeline at every wave boundary, with ``d >= 1``
+    the 1F1B order runs straight through. 2 stages, nm = 2, 4 minibatches (compute only)::
+
+        d = 0   stage 0: F0 F1 B0 A0 B1 A1 PUSH0 | PULL1 F2 F3 B2 A2 B3 A3 PUSH1
+                stage 1: F0 B0 A0 F1 B1 A1 PUSH0 | PULL1 F2 B2 A2 F3 B3 A3 PUSH1
+        d = 1   stage 0: F0 F1 B0 A0 PULL1 F2 B1 A1 PUSH0 F3 B2 A2 B3 A3 PUSH1
+                stage 1: F0 B0 A0 F1 B1 A1 PUSH0 PULL1 F2 B2 A2 F3 B3 A3 PUSH1
+
+    Weight versions: ``Fwd(p)`` on stage ``s`` follows ``Apply(p - w_s)`` with ``w_s <= nm``, so it sees
+    at least the VW's own updates of minibatches ``<= p - nm`` (local staleness ``nm - 1``).
+    ``recompute`` puts ``Recompute(p)`` right before each ``Bwd(p)``. ``split_startup = n`` runs the
+    first ``n`` minibatches as two half micro-batches each (AutoPipe-H), see :class:`Schedule`.
+    """
+    return lower(hetpipe_compute_schedule(num_stages, num_minibatches, nm, d, recompute, split_startup))
+
+
+def _flush(shape: Schedule, order: List[Instr]) -> List[Instr]:
+    """Append the flush: every minibatch's Apply, in minibatch order, then ``Push(0)``."""
+    return order + [Apply(j) for j in range(shape.num_micro)] + [Push(0)]
+
+
+def gpipe_schedule(num_stages: int, num_minibatches: int) -> Schedule:
+    """GPipe fill-drain: every stage runs all forwards, then all backwards in reverse, then the flush.
+
+    One wave (``nm = num_minibatches``, ``d = 0``): all minibatches see the same weights, and the
+    flush expresses the synchronous update as ``A0 .. A{m-1}`` after the stage's last Bwd (their
+    summed gradients, as one step of plain SGD), followed by ``Push(0)``; no Pull. 3 stages,
+    4 minibatches (compute only, time runs right)::
+
+        stage 0: F0 F1 F2 F3 .  .  .  .  .  .  B3 B2 B1 B0 | A0 A1 A2 A3 PUSH0
+        stage 1: .  F0 F1 F2 F3 .  .  .  .  B3 B2 B1 B0    | A0 ..
+        stage 2: .  .  F0 F1 F2 F3 B3 B2 B1 B0             | A0 ..
+    """
+    shape = _shape("gpipe", num_stages, num_minibatches, num_minibatches, 0)
+    m = num_minibatches
+    streams = [_flush(shape, [Fwd(j) for j in range(m)] + [Bwd(j) for j in reversed(range(m))])
+               for _ in range(num_stages)]
+    return lower(_with_streams(shape, streams))
+
+
+def one_f_one_b_schedule(num_stages: int, num_minibatches: int) -> Schedule:
+    """1F1B with a flush (PipeDream-flush): the 1F1B rule with cap ``num_stages``, then the flush.
+
+    Like :func:`gpipe_schedule`: one wave, every Apply at the flush, then ``Push(0)``. Stage ``s``
+    warms up with ``min(m, k - s)`` forwards. 3 stages, 4 minibatches (compute only)::
+
+        stage 0: F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3 | A0 A1 A2 A3 PUSH0
+        stage 1: .  F0 F1 .  B0 F2 B1 F3 B2 .  B3    | A0 ..
+        stage 2: .  .  F0 B0 F1 B1 F2 B2 F3 B3       | A0 ..
+    """
+    shape = _shape("1f1b", num_stages, num_minibatches, num_minibatches, 0)
+    streams = [_flush(shape, _one_f_one_b(shape, s, num_stages, False, False)) for s in range(num_stages)]
+    return lower(_with_streams(shape, streams))

@@ -1,0 +1,143 @@
+"""validate(): the checks a schedule must pass before any runtime executes it."""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+from hetpipe.schedule.grid import format_replay
+from hetpipe.schedule.ir import (
+    Apply, Bwd, Fwd, Pull, Push, Recompute, RecvAct, RecvGrad, Schedule, SendAct, SendGrad,
+)
+from hetpipe.schedule.replay import Slots, replay
+
+# The fixed order of one micro-batch's instructions on a stage (Recompute is checked separately,
+# and SendGrad / Apply may come in either order).
+_CHAIN = (RecvAct, Fwd, SendAct, RecvGrad, Bwd, SendGrad)
+
+
+class ScheduleError(ValueError):
+    """A schedule breaks a rule; the message names the stage and instruction (and, for a deadlock,
+    shows the step × stage grid ending in the stuck stages)."""
+
+
+def _fail(schedule: Schedule, stage: int, msg: str) -> None:
+    raise ScheduleError(f"schedule {schedule.name!r} stage {stage}: {msg}")
+
+
+def _check_stage(schedule: Schedule, s: int) -> None:
+    k, micro = schedule.num_stages, schedule.num_micro
+    stream = schedule.streams[s]
+    where: Dict[Tuple[type, int], int] = {}
+    for i, ins in enumerate(stream):
+        num = ins.wave if isinstance(ins, (Push, Pull)) else ins.mb
+        if isinstance(ins, (Push, Pull)):
+            if not 0 <= num < schedule.num_waves:
+                _fail(schedule, s, f"{ins} names wave {num}; the schedule has waves 0..{schedule.num_waves - 1}")
+        elif not 0 <= num < micro:
+            _fail(schedule, s, f"{ins} names micro-batch {num}; the schedule has 0..{micro - 1}")
+        if isinstance(ins, (SendAct, RecvGrad)) and ins.peer != s + 1:
+            _fail(schedule, s, f"{ins} must name the next stage {s + 1}")
+        if isinstance(ins, (RecvAct, SendGrad)) and ins.peer != s - 1:
+            _fail(schedule, s, f"{ins} must name the previous stage {s - 1}")
+        if (type(ins), num) in where:
+            _fail(schedule, s, f"{ins} appears twice (positions {where[(type(ins), num)]} and {i})")
+        where[(type(ins), num)] = i
+
+    need = [Fwd, Bwd] + ([RecvAct, SendGrad] if s > 0 else []) + ([SendAct, RecvGrad] if s < k - 1 else [])
+    for j in range(micro):
+        for kind in need:
+            if (kind, j) not in where:
+                _fail(schedule, s, f"{kind.__name__}({j}) is missing")
+        chain = [(kind, where[(kind, j)]) for kind in _CHAIN if (kind, j) in where]
+        for (ka, ia), (kb, ib) in zip(chain, chain[1:]):
+            if ia > ib:
+                _fail(schedule, s, f"{stream[ib]} at position {ib} must come after {stream[ia]} at {ia}")
+        if (Recompute, j) in where and not where[(Fwd, j)] < where[(Recompute, j)] < where[(Bwd, j)]:
+            _fail(schedule, s, f"R{j} must lie between F{j} and B{j}")
+    for j in range(micro):
+        if (Apply, j) in where and j != schedule.micros_of(schedule.minibatch_of(j))[-1]:
+            _fail(schedule, s, f"A{j}: Apply must name the last micro-batch of its minibatch")
+    for p in range(schedule.num_minibatches):
+        last = schedule.micros_of(p)[-1]
+        if (Apply, last) not in where:
+            _fail(schedule, s, f"A{last} (the update of minibatch {p}) is missing")
+        for j in schedule.micros_of(p):
+            if where[(Bwd, j)] > where[(Apply, last)]:
+                _fail(schedule, s, f"A{last} must come after B{j}")
+        if p >= schedule.nm:
+            older = schedule.micros_of(p - schedule.nm)[-1]
+            if where[(Apply, older)] > where[(Fwd, schedule.micros_of(p)[0])]:
+                _fail(schedule, s, f"F{schedule.micros_of(p)[0]} runs before A{older}: local staleness "
+                                   f"exceeds nm - 1 = {schedule.nm - 1}")
+
+    fwd_order = [ins.mb for ins in stream if isinstance(ins, Fwd)]
+    if fwd_order != sorted(fwd_order):
+        _fail(schedule, s, f"forwards must run in micro-batch order, got {' '.join(f'F{j}' for j in fwd_order)}")
+
+    in_flight: set = set()
+    for ins in stream:
+        if isinstance(ins, Fwd):
+            in_flight.add(schedule.minibatch_of(ins.mb))
+            if len(in_flight) > schedule.nm:
+                _fail(schedule, s, f"at {ins}, {len(in_flight)} minibatches are in flight; nm = {schedule.nm}")
+        elif isinstance(ins, Bwd):
+            p = schedule.minibatch_of(ins.mb)
+            if all(where[(Bwd, j)] <= where[(Bwd, ins.mb)] for j in schedule.micros_of(p)):
+                in_flight.discard(p)
+
+    for c in range(schedule.num_waves):
+        if (Push, c) not in where:
+            _fail(schedule, s, f"PUSH{c} is missing (each wave is pushed exactly once per stage)")
+        last = schedule.last_micro_of_wave(c)
+        if where[(Push, c)] < where[(Apply, last)]:
+            _fail(schedule, s, f"PUSH{c} must come after A{last}, the last update of wave {c}")
+        if c == 0:
+            continue
+        if (Pull, c) not in where:
+            _fail(schedule, s, f"PULL{c} is missing (every wave after the first starts with a Pull)")
+        first = schedule.first_micro_of_wave(c)
+        if where[(Pull, c)] > where[(Fwd, first)]:
+            _fail(schedule, s, f"PULL{c} must come before F{first}, the first forward of wave {c}")
+        if (Pull, c - 1) in where and where[(Pull, c - 1)] > where[(Pull, c)]:
+            _fail(schedule, s, f"PULL{c} comes before PULL{c - 1}")
+    if (Pull, 0) in where:
+        _fail(schedule, s, "PULL0 is not allowed: wave 0 starts from the initial weights")
+
+
+def _check_pairing(schedule: Schedule, s: int) -> None:
+    """Stage ``s`` and ``s + 1`` send and receive the same messages in the same order."""
+    up, down = schedule.streams[s], schedule.streams[s + 1]
+    for send, recv, src, dst, a, b in ((SendAct, RecvAct, s, s + 1, up, down),
+                                       (SendGrad, RecvGrad, s + 1, s, down, up)):
+        sent = [i.mb for i in a if isinstance(i, send)]
+        got = [i.mb for i in b if isinstance(i, recv)]
+        if sent != got:
+            at = next((n for n, (x, y) in enumerate(zip(sent, got)) if x != y), min(len(sent), len(got)))
+            raise ScheduleError(
+                f"schedule {schedule.name!r}: stage {src} sends {send.__name__} to stage {dst} in order "
+                f"{sent} but stage {dst} receives {got} (first difference at message {at})")
+
+
+def validate(schedule: Schedule, slots: Slots = None) -> None:
+    """Raise :class:`ScheduleError` unless ``schedule`` is executable and honours WSP.
+
+    Checks, per stage: every micro-batch has its Fwd and Bwd and the transfers its position needs,
+    in the order ``RecvAct < Fwd < SendAct < RecvGrad < Bwd < SendGrad`` (``Recompute`` between Fwd
+    and Bwd); forwards in micro-batch order; each minibatch's Apply after its Bwd(s); local staleness
+    (``Fwd`` of minibatch ``p`` after ``Apply`` of ``p - nm``); at most ``nm`` minibatches in flight;
+    each wave pushed exactly once, after its last Apply; ``Pull(w)`` for every wave ``w >= 1`` before
+    the wave's first Fwd. Between neighbours: sends and receives pair up in the same order. Finally
+    the lock-step replay of all stages (:mod:`hetpipe.schedule.replay`, with ``Pull(w)`` blocked until
+    every stage has pushed ``w - d - 1``, and buffers bounded by ``slots`` if given) must finish;
+    otherwise the error shows the last steps of the grid and the stuck stages.
+    """
+    for s in range(schedule.num_stages):
+        _check_stage(schedule, s)
+    for s in range(schedule.num_stages - 1):
+        _check_pairing(schedule, s)
+    rep = replay(schedule, slots)
+    if rep.stuck:
+        blocked = ", ".join(f"stage {s} on {ins}" for s, ins in sorted(rep.stuck.items()))
+        raise ScheduleError(f"schedule {schedule.name!r} deadlocks at step {len(rep.steps)}: {blocked}\n"
+                            + format_replay(rep, last=12))
+
