@@ -14,3 +14,4 @@ from hetpipe.schedule.generators import (  # noqa: F401
 from hetpipe.schedule.replay import Replay, replay  # noqa: F401
 from hetpipe.schedule.grid import format_grid, format_replay  # noqa: F401
 from hetpipe.schedule.validate import ScheduleError, validate  # noqa: F401
+from hetpipe.schedule.buffers import buffer_counts  # noqa: F401
