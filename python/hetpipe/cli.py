@@ -43,7 +43,7 @@ def _run_simulate(args) -> int:
     if plan.throughput:
         print(f"planner cost model: {plan.throughput:.3f} minibatches/s")
     if args.trace:
-        write_chrome_trace(result.timeline, args.trace, emulated=False)
+        write_chrome_trace(result.timeline, args.trace)
         print(f"trace: {args.trace}")
     if args.png:
         try:
