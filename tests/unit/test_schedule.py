@@ -312,3 +312,15 @@ def test_schedule_package_imports_without_torch_mpi_or_core():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_each_stage_pushes_as_soon_as_its_own_last_backward_of_the_wave_is_done():
+    s = hetpipe_schedule(4, 8, 4, 1)
+    rep = replay(s)
+    step_of = {(st_, str(ins)): t for t, row in enumerate(rep.steps) for st_, ins in enumerate(row) if ins}
+    for w in range(2):
+        push_steps = [step_of[(st_, f"PUSH{w}")] for st_ in range(4)]
+        assert push_steps == sorted(push_steps, reverse=True)   # the last stage pushes first
+        for st_ in range(4):
+            c = compute_only(s.streams[st_])
+            assert c[c.index(Push(w)) - 2] == Bwd(4 * w + 3)
