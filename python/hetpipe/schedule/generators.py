@@ -127,11 +127,11 @@ def gpipe_schedule(num_stages: int, num_minibatches: int) -> Schedule:
     One wave (``nm = num_minibatches``, ``d = 0``): all minibatches see the same weights, and the
     flush expresses the synchronous update as ``A0 .. A{m-1}`` after the stage's last Bwd (their
     summed gradients, as one step of plain SGD), followed by ``Push(0)``; no Pull. 3 stages,
-    4 minibatches (compute only, time runs right)::
+    4 minibatches, equal unit times (compute only, time runs right)::
 
-        stage 0: F0 F1 F2 F3 .  .  .  .  .  .  B3 B2 B1 B0 | A0 A1 A2 A3 PUSH0
-        stage 1: .  F0 F1 F2 F3 .  .  .  .  B3 B2 B1 B0    | A0 ..
-        stage 2: .  .  F0 F1 F2 F3 B3 B2 B1 B0             | A0 ..
+        stage 0: F0 F1 F2 F3 .  .  .  .  B3 B2 B1 B0 | A0 A1 A2 A3 PUSH0
+        stage 1: .  F0 F1 F2 F3 .  .  B3 B2 B1 B0    | A0 ..
+        stage 2: .  .  F0 F1 F2 F3 B3 B2 B1 B0       | A0 ..
     """
     shape = _shape("gpipe", num_stages, num_minibatches, num_minibatches, 0)
     m = num_minibatches
@@ -144,7 +144,7 @@ def one_f_one_b_schedule(num_stages: int, num_minibatches: int) -> Schedule:
     """1F1B with a flush (PipeDream-flush): the 1F1B rule with cap ``num_stages``, then the flush.
 
     Like :func:`gpipe_schedule`: one wave, every Apply at the flush, then ``Push(0)``. Stage ``s``
-    warms up with ``min(m, k - s)`` forwards. 3 stages, 4 minibatches (compute only)::
+    warms up with ``min(m, k - s)`` forwards. 3 stages, 4 minibatches, equal unit times::
 
         stage 0: F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3 | A0 A1 A2 A3 PUSH0
         stage 1: .  F0 F1 .  B0 F2 B1 F3 B2 .  B3    | A0 ..
