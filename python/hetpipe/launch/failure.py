@@ -1,0 +1,51 @@
+"""Failure handling: one failing rank brings every rank down, with a message naming it, never a hang.
+
+Contract: a rank that raises prints ``hetpipe: rank R (vw V stage S) failed: <error>`` to stderr and
+calls ``MPI.COMM_WORLD.Abort(1)``; mpiexec then tears the whole job down (as it does when a rank is
+killed). Ranks blocked on a peer that vanished without Abort time out (``HETPIPE_TIMEOUT`` seconds or
+the trainer's ``timeout``) with a message naming the peer, and take the same path.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Callable, Optional
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def timeout_s(explicit: Optional[float] = None) -> float:
+    """The run's peer timeout: ``explicit``, else ``HETPIPE_TIMEOUT``, else 120 s."""
+    if explicit is not None:
+        return float(explicit)
+    env = os.environ.get("HETPIPE_TIMEOUT")
+    return float(env) if env else DEFAULT_TIMEOUT_S
+
+
+def report(describe: str, exc: BaseException, with_traceback: bool = True) -> None:
+    """Print the one-line failure message (and the traceback below it) to stderr."""
+    lines = traceback.format_exception(type(exc), exc, exc.__traceback__) if with_traceback else []
+    sys.stderr.write(f"hetpipe: {describe} failed: {type(exc).__name__}: {exc}\n{''.join(lines)}")
+    sys.stderr.flush()
+
+
+def abort(comm, code: int = 1) -> None:
+    """Tear the job down; falls back to a hard exit if there is no communicator."""
+    if comm is not None:
+        comm.Abort(code)
+    os._exit(code)
+
+
+def install_excepthook(comm, describe: Callable[[], str]) -> None:
+    """Make any uncaught exception on this rank report and abort the job (``describe()`` names the rank)."""
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        if issubclass(exc_type, KeyboardInterrupt):
+            previous(exc_type, exc, tb)
+        report(describe(), exc)
+        abort(comm)
+
+    sys.excepthook = hook

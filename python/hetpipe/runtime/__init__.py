@@ -1,0 +1,1 @@
+"""Runtime: stage executor, transport, parameter-server shards, trainer and single-process replay (torch)."""

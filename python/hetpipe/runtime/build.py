@@ -1,0 +1,189 @@
+"""Builds a rank's part of a run — a stage executor or a PS shard server — and drives it to the end.
+
+Shared by the multi-process trainer and the single-process replay: both build every part with these
+functions, so the replay executes the same code as the real run, only over a loopback transport.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from torch import nn
+
+import hetpipe_core
+from hetpipe.plan.types import Plan
+from hetpipe.runtime.data import select, vw_minibatches
+from hetpipe.runtime.emulation import EmulatedClock
+from hetpipe.runtime.executor import Boundary, MinibatchFeed, StageContext, StageExecutor
+from hetpipe.runtime.ps import ShardServer, ShardState
+from hetpipe.runtime.stage import StageModel, layer_numels
+from hetpipe.runtime.transport import Backoff, Transport
+from hetpipe.schedule.ir import Schedule
+from hetpipe.schedule.trace import TraceEvent
+
+Steppable = Union[StageExecutor, ShardServer]
+
+
+@dataclass
+class RunSpec:
+    """Everything that defines a run, identical on every rank (each rank holds its own model copy)."""
+
+    plan: Plan
+    layers: List[nn.Module]
+    loss_fn: Callable
+    optimizer_factory: Callable
+    data: Iterable
+    epochs: int
+    schedules: List[Schedule]                   # per VW
+    boundaries: List[Boundary]                  # boundaries[i]: what enters layer i (i = L: the output)
+    sample_batch: int                           # batch size of the first minibatch (sizes the pool slots)
+    emulation_scale: Optional[float] = None     # None: no padding
+    devices: Dict[int, torch.device] = field(default_factory=dict)   # stage rank -> torch device
+    emulated: Dict[int, bool] = field(default_factory=dict)          # stage rank -> pad to the profile?
+
+
+def as_layers(model: Union[nn.Module, Sequence[nn.Module]]) -> List[nn.Module]:
+    """The ordered layers of an ``nn.Sequential`` (or of a list of modules)."""
+    if isinstance(model, nn.Sequential):
+        return list(model)
+    if isinstance(model, (list, tuple, nn.ModuleList)):
+        return list(model)
+    raise TypeError(f"hetpipe: the model must be an nn.Sequential or a list of modules, got {type(model).__name__}")
+
+
+def infer_boundaries(layers: Sequence[nn.Module], x: torch.Tensor) -> List[Boundary]:
+    """Shape and dtype entering each layer (and leaving the last), batch dimension dropped.
+
+    Runs on the meta device (no real compute); falls back to a real no-grad pass for layers meta cannot run."""
+    out = [Boundary(tuple(x.shape[1:]), x.dtype)]
+    cur = torch.empty(x.shape, dtype=x.dtype, device="meta")
+    real: Optional[torch.Tensor] = None
+    for layer in layers:
+        if real is None:
+            try:
+                params = {k: torch.empty_like(v, device="meta") for k, v in layer.named_parameters()}
+                cur = torch.func.functional_call(layer, params, (cur,))
+                out.append(Boundary(tuple(cur.shape[1:]), cur.dtype))
+                continue
+            except (NotImplementedError, RuntimeError):
+                real = torch.zeros(cur.shape, dtype=cur.dtype)
+        with torch.no_grad():
+            real = layer(real)
+        out.append(Boundary(tuple(real.shape[1:]), real.dtype))
+    return out
+
+
+def _round_slot(nbytes: int) -> int:
+    return max(4096, -(-nbytes // 4096) * 4096)
+
+
+def boundary_bytes(b: Boundary, batch: int) -> int:
+    n = batch
+    for s in b.shape:
+        n *= s
+    return n * torch.empty(0, dtype=b.dtype).element_size()
+
+
+def stage_pool(spec: RunSpec, vw: int, stage: int):
+    st = spec.plan.virtual_workers[vw].stages[stage]
+    param_bytes = 4 * sum(layer_numels(spec.layers[i]) for i in range(st.start, st.stop))
+    act = max(boundary_bytes(spec.boundaries[st.start], spec.sample_batch),
+              boundary_bytes(spec.boundaries[st.stop], spec.sample_batch))
+    slots = 2 * spec.plan.nm + 2 * len(spec.plan.ps_shards) + 8
+    return hetpipe_core.PinnedBufferPool(slots, _round_slot(max(act, param_bytes)))
+
+
+def shard_pool(spec: RunSpec, shard: int):
+    owned = spec.plan.ps_shards[shard].layers
+    biggest = max((4 * sum(layer_numels(spec.layers[l]) for l in owned if st.start <= l < st.stop)
+                   for vw in spec.plan.virtual_workers for st in vw.stages), default=0)
+    return hetpipe_core.PinnedBufferPool(2 * spec.plan.num_stage_ranks + 8, _round_slot(biggest))
+
+
+def shard_layers(plan: Plan) -> Dict[int, Sequence[int]]:
+    return {sh.index: tuple(sh.layers) for sh in plan.ps_shards}
+
+
+def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, *,
+                trace: Optional[List[TraceEvent]] = None, t0: float = 0.0) -> StageExecutor:
+    plan = spec.plan
+    st = plan.virtual_workers[vw].stages[stage]
+    num_stages = len(plan.virtual_workers[vw].stages)
+    rank = plan.rank_of(vw, stage)
+    device = spec.devices.get(rank, torch.device("cpu"))
+    model = StageModel(spec.layers, st.start, st.stop, nm=plan.nm, shard_layers=shard_layers(plan),
+                       optimizer_factory=spec.optimizer_factory, device=device, recompute=bool(st.recompute))
+    owning = {sh.index: plan.ps_rank(sh.index) for sh in plan.ps_shards
+              if any(st.start <= l < st.stop for l in sh.layers)}
+    ctx = StageContext(vw, stage, num_stages, lambda s: plan.rank_of(vw, s), owning,
+                       {sh.index: plan.ps_rank(sh.index) for sh in plan.ps_shards})
+    inputs = labels = None
+    if stage == 0:
+        inputs = MinibatchFeed(select(vw_minibatches(spec.data, vw, len(plan.virtual_workers), spec.epochs), 0))
+    if stage == num_stages - 1:
+        labels = MinibatchFeed(select(vw_minibatches(spec.data, vw, len(plan.virtual_workers), spec.epochs), 1))
+    emulated = spec.emulated.get(rank, False) and spec.emulation_scale is not None
+    clock = EmulatedClock(spec.emulation_scale if emulated else None)
+    return StageExecutor(ctx, spec.schedules[vw].streams[stage], model, transport, pool, loss_fn=spec.loss_fn,
+                         inputs=inputs, labels=labels,
+                         expect_in=spec.boundaries[st.start] if stage > 0 else None,
+                         expect_out=spec.boundaries[st.stop] if stage < num_stages - 1 else None,
+                         clock=clock, fwd_time=st.fwd_time, bwd_time=st.bwd_time, trace=trace, t0=t0, d=plan.d)
+
+
+def initial_weights(layers: Sequence[nn.Module], owned: Sequence[int]) -> Dict[int, np.ndarray]:
+    """Flat float32 weights of the given layers (each layer's ``named_parameters`` order)."""
+    out = {}
+    for l in owned:
+        ps = [p.detach().to("cpu").reshape(-1) for p in layers[l].parameters()]
+        out[l] = (torch.cat(ps) if ps else torch.zeros(0)).numpy().astype(np.float32, copy=True)
+    return out
+
+
+def build_shard(spec: RunSpec, shard: int, transport: Transport, pool) -> ShardServer:
+    plan = spec.plan
+    weights = initial_weights(spec.layers, plan.ps_shards[shard].layers)
+    stage_layers = [[(s.start, s.stop) for s in vw.stages] for vw in plan.virtual_workers]
+    state = ShardState(shard, weights, stage_layers, plan.d)
+    return ShardServer(state, transport, pool, plan.num_stage_ranks)
+
+
+class PeerTimeout(TimeoutError):
+    """A rank waited longer than the run's timeout for a peer."""
+
+
+def drive(part: Steppable, timeout: float, who: str, on_progress: Optional[Callable[[], None]] = None) -> None:
+    """Step ``part`` until it finishes; sleep with back-off while blocked; raise after ``timeout`` s idle."""
+    backoff = Backoff()
+    last = time.monotonic()
+    while not part.finished:
+        if part.step():
+            last = time.monotonic()
+            backoff.reset()
+            if on_progress is not None:
+                on_progress()
+            continue
+        if time.monotonic() - last > timeout:
+            raise PeerTimeout(f"{who} waited {timeout:g} s for {part.blocked_on}")
+        backoff.wait()
+
+
+def stage_layer_weights(ex: StageExecutor) -> Dict[int, np.ndarray]:
+    """The live weights of a stage's layers (flat float32 per layer)."""
+    return initial_weights([*([None] * ex.model.start), *ex.model.layers], range(ex.model.start, ex.model.stop))
+
+
+def load_layer_weights(layers: Sequence[nn.Module], weights: Dict[int, np.ndarray]) -> None:
+    """Write flat per-layer weights into the model's layers (in place)."""
+    with torch.no_grad():
+        for l, flat in weights.items():
+            off = 0
+            t = torch.from_numpy(np.asarray(flat, dtype=np.float32))
+            for p in layers[l].parameters():
+                n = p.numel()
+                p.copy_(t[off:off + n].view_as(p).to(p.device))
+                off += n

@@ -1,0 +1,311 @@
+"""The stage executor: runs one stage's instruction stream, in order, over a transport.
+
+``step()`` executes instructions until one cannot proceed yet (a receive whose message has not
+arrived, a Pull whose reply has not come) and returns whether it made progress. The multi-process
+driver polls ``step()`` with a back-off and a deadline; the single-process replay round-robins the
+``step()`` of every stage and shard. Both run exactly this code, so both compute the same numbers.
+
+Thread role: one thread per executor. Lifetime: built once per run, ``finished`` after its stream,
+its pushes' completion and its DONE messages to the PS shards.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from hetpipe.runtime.emulation import EmulatedClock
+from hetpipe.runtime.stage import StageModel
+from hetpipe.runtime.transport import ACT, DONE, GRAD, PULL, PUSH, WEIGHTS, Header, Transport, slot_bytes
+from hetpipe.schedule.ir import (Apply, Bwd, Fwd, Instr, Pull, Push, Recompute, RecvAct, RecvGrad, SendAct,
+                                 SendGrad)
+from hetpipe.schedule.trace import TraceEvent
+
+
+class StageError(RuntimeError):
+    """A stage received something it cannot use (wrong shape, dtype or header)."""
+
+
+@dataclass
+class Boundary:
+    """What crosses a stage boundary per minibatch: trailing shape (batch dimension excluded) and dtype."""
+
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class StageContext:
+    """Where this stage sits: its VW and index, the ranks of its neighbours and PS shards."""
+
+    vw: int
+    stage: int
+    num_stages: int
+    rank_of_stage: Callable[[int], int]         # stage index in this VW -> rank
+    shard_ranks: Dict[int, int]                 # PS shard index -> rank (shards owning this stage's layers)
+    all_shard_ranks: Dict[int, int] = field(default_factory=dict)   # every PS shard (DONE goes to all)
+
+    def who(self, stage: Optional[int] = None) -> str:
+        s = self.stage if stage is None else stage
+        return f"VW {self.vw} stage {s} (rank {self.rank_of_stage(s)})"
+
+
+class MinibatchFeed:
+    """Sequential access to this VW's minibatches: ``get(p)`` for p = 0, 1, 2, ... in order."""
+
+    def __init__(self, source: Iterator[torch.Tensor]) -> None:
+        self.source = source
+        self.next_index = 0
+
+    def get(self, mb: int) -> torch.Tensor:
+        if mb != self.next_index:
+            raise StageError(f"hetpipe: minibatch {mb} requested out of order (expected {self.next_index})")
+        self.next_index += 1
+        try:
+            return next(self.source)
+        except StopIteration:
+            raise StageError(f"hetpipe: the data ran out at minibatch {mb}") from None
+
+
+_TORCH_DTYPE_NAME = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
+                     torch.bfloat16: "bfloat16", torch.int64: "int64", torch.int32: "int32",
+                     torch.uint8: "uint8", torch.bool: "bool"}
+
+
+def tensor_to_slot(pool, t: torch.Tensor):
+    """Copy ``t`` into a fresh pool slot (device→host when ``t`` is on a GPU); returns (slot, dtype name)."""
+    t = t.detach().contiguous()
+    nbytes = t.numel() * t.element_size()
+    slot = pool.acquire(max(nbytes, 1))
+    if nbytes:
+        dst = torch.from_numpy(slot_bytes(slot, nbytes))
+        dst.copy_(t.reshape(-1).view(torch.uint8))
+    return slot, _TORCH_DTYPE_NAME[t.dtype]
+
+
+def payload_tensor(payload: np.ndarray, dtype: str, shape: Sequence[int], device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(payload).view(getattr(torch, dtype)).reshape(tuple(shape))
+    return t.to(device) if device.type != "cpu" else t
+
+
+class StageExecutor:
+    """Executes one stage's stream. See the module docstring for the stepping contract."""
+
+    def __init__(self, ctx: StageContext, stream: Sequence[Instr], model: StageModel, transport: Transport, pool, *,
+                 loss_fn: Optional[Callable] = None, inputs: Optional[MinibatchFeed] = None,
+                 labels: Optional[MinibatchFeed] = None, expect_in: Optional[Boundary] = None,
+                 expect_out: Optional[Boundary] = None, clock: Optional[EmulatedClock] = None,
+                 fwd_time: float = 0.0, bwd_time: float = 0.0, trace: Optional[List[TraceEvent]] = None,
+                 t0: float = 0.0, d: int = 0) -> None:
+        self.ctx, self.stream, self.model = ctx, list(stream), model
+        self.transport, self.pool = transport, pool
+        self.loss_fn, self.inputs, self.labels = loss_fn, inputs, labels
+        self.expect_in, self.expect_out = expect_in, expect_out
+        self.clock = clock if clock is not None else EmulatedClock(None)
+        self.fwd_time, self.bwd_time = fwd_time, bwd_time
+        self.trace, self.t0 = trace, t0
+        self.d = d
+        self.is_first = ctx.stage == 0
+        self.is_last = ctx.stage == ctx.num_stages - 1
+        if self.is_last and loss_fn is None:
+            raise ValueError(f"hetpipe: {ctx.who()} is the last stage and needs a loss function")
+        self.pc = 0
+        self.losses: Dict[int, float] = {}          # last stage: minibatch -> loss
+        self.batch_sizes: Dict[int, int] = {}
+        self.global_clock = 0                       # g of the latest Pull (min over shards)
+        self.pushes_sent: Dict[int, int] = {k: 0 for k in ctx.all_shard_ranks}
+        self.finished = False
+        self.blocked_on = ""
+        self._recv_act: Dict[int, torch.Tensor] = {}
+        self._recv_grad: Dict[int, torch.Tensor] = {}
+        self._outputs: Dict[int, torch.Tensor] = {}
+        self._losses_t: Dict[int, torch.Tensor] = {}
+        self._in_grads: Dict[int, Optional[torch.Tensor]] = {}
+        self._pull: Optional[Dict[int, Tuple[int, torch.Tensor]]] = None
+        self._labels: Dict[int, torch.Tensor] = {}
+        self._bwd_started: Dict[int, float] = {}
+        self._done_sent = False
+
+    # --- driver interface ---------------------------------------------------------------------
+    def step(self) -> bool:
+        """Run instructions until blocked or finished; True if anything happened."""
+        self.transport.progress()
+        progressed = False
+        while self.pc < len(self.stream):
+            instr = self.stream[self.pc]
+            started = time.perf_counter()
+            if not self._execute(instr):
+                return progressed
+            if self.trace is not None:
+                self._record(instr, started)
+            self.pc += 1
+            progressed = True
+        if not self._done_sent:
+            for k, rank in sorted(self.ctx.all_shard_ranks.items()):
+                self.transport.send(rank, Header(DONE, self.ctx.vw, self.ctx.stage, aux=self.pushes_sent[k]))
+            self._done_sent = True
+            progressed = True
+        self.transport.progress()
+        if self.transport.pending_sends():
+            self.blocked_on = "completion of its outgoing messages"
+            return progressed
+        if not self.finished:
+            self.finished = True
+            progressed = True
+        return progressed
+
+    def _record(self, instr: Instr, started: float) -> None:
+        mb = getattr(instr, "mb", -1)
+        wave = getattr(instr, "wave", -1)
+        if mb >= 0:
+            wave = mb // self.model.nm
+        self.trace.append(TraceEvent(self.ctx.vw, self.ctx.stage, instr.code, started - self.t0,
+                                     time.perf_counter() - started, mb, wave))
+
+    # --- instructions ---------------------------------------------------------------------------
+    def _execute(self, instr: Instr) -> bool:
+        if isinstance(instr, Fwd):
+            self._fwd(instr.mb)
+        elif isinstance(instr, Bwd):
+            self._bwd(instr.mb)
+        elif isinstance(instr, Recompute):
+            self._bwd_started[instr.mb] = time.perf_counter()
+            out = self.model.recompute_forward(instr.mb)
+            if self.is_last:
+                self._losses_t[instr.mb] = self.loss_fn(out, self._labels[instr.mb])
+            else:
+                self._outputs[instr.mb] = out
+        elif isinstance(instr, Apply):
+            self.model.apply(instr.mb)
+        elif isinstance(instr, SendAct):
+            self._send_tensor(ACT, instr.peer, instr.mb, self._outputs.pop(instr.mb).detach())
+        elif isinstance(instr, SendGrad):
+            g = self._in_grads.pop(instr.mb)
+            if g is None:
+                raise StageError(f"hetpipe: {self.ctx.who()} has no input gradient for minibatch {instr.mb}")
+            self._send_tensor(GRAD, instr.peer, instr.mb, g)
+        elif isinstance(instr, RecvAct):
+            return self._recv(ACT, instr.peer, instr.mb, self._recv_act, self.expect_in, "activation")
+        elif isinstance(instr, RecvGrad):
+            return self._recv(GRAD, instr.peer, instr.mb, self._recv_grad, self.expect_out, "gradient")
+        elif isinstance(instr, Push):
+            self._push(instr.wave)
+        elif isinstance(instr, Pull):
+            return self._pull_step(instr.wave)
+        else:
+            raise StageError(f"hetpipe: {self.ctx.who()} cannot execute {instr!r}")
+        return True
+
+    def _fwd(self, mb: int) -> None:
+        started = time.perf_counter()
+        if self.is_first:
+            x = self.inputs.get(mb).to(self.model.device)
+        else:
+            x = self._recv_act.pop(mb)
+        self.batch_sizes[mb] = int(x.shape[0]) if x.dim() else 1
+        out = self.model.forward(mb, x, needs_input_grad=not self.is_first)
+        if self.is_last:
+            y = self.labels.get(mb).to(self.model.device)
+            self._labels[mb] = y
+            loss = self.loss_fn(out, y)
+            if not self.model.recompute:
+                self._losses_t[mb] = loss
+            self.losses[mb] = float(loss.detach())
+        else:
+            self._outputs[mb] = out
+        self.clock.pad(started, self.fwd_time)
+
+    def _bwd(self, mb: int) -> None:
+        started = self._bwd_started.pop(mb, None) or time.perf_counter()
+        if self.is_last:
+            if self.model.recompute and mb not in self._losses_t:
+                raise StageError(f"hetpipe: {self.ctx.who()}: Recompute({mb}) must precede Bwd({mb})")
+            root, grad = self._losses_t.pop(mb), None
+            self._labels.pop(mb, None)
+        else:
+            root = self.model.output_of(mb)
+            grad = self._recv_grad.pop(mb)
+            self._outputs.pop(mb, None)
+        self._in_grads[mb] = self.model.backward(mb, root, grad)
+        if self.is_first:
+            self._in_grads.pop(mb)
+        self.clock.pad(started, self.bwd_time)
+
+    # --- stage-to-stage traffic -------------------------------------------------------------------
+    def _send_tensor(self, kind: int, peer: int, mb: int, t: torch.Tensor) -> None:
+        slot, dtype = tensor_to_slot(self.pool, t)
+        nbytes = t.numel() * t.element_size()
+        self.transport.send(self.ctx.rank_of_stage(peer),
+                            Header(kind, self.ctx.vw, self.ctx.stage, mb, -1, dtype, tuple(t.shape), nbytes), slot)
+
+    def _recv(self, kind: int, peer: int, mb: int, into: Dict[int, torch.Tensor], expect: Optional[Boundary],
+              what: str) -> bool:
+        msg = self.transport.try_recv(self.ctx.rank_of_stage(peer), kind)
+        if msg is None:
+            self.blocked_on = f"the {what} of minibatch {mb} from {self.ctx.who(peer)}"
+            return False
+        h = msg.header
+        if h.vw != self.ctx.vw or h.stage != peer or h.mb != mb:
+            raise StageError(f"hetpipe: {self.ctx.who()} expected the {what} of minibatch {mb} from "
+                             f"{self.ctx.who(peer)}, got one for minibatch {h.mb} from VW {h.vw} stage {h.stage}")
+        if expect is not None:
+            want = _TORCH_DTYPE_NAME.get(expect.dtype)
+            if tuple(h.shape[1:]) != tuple(expect.shape) or h.dtype != want:
+                raise StageError(
+                    f"hetpipe: shape mismatch between {self.ctx.who(peer)} and {self.ctx.who()}: the {what} of "
+                    f"minibatch {mb} is {h.dtype}{list(h.shape)}, {self.ctx.who()} expects "
+                    f"{want}[batch, {', '.join(map(str, expect.shape))}]")
+        into[mb] = payload_tensor(msg.payload, h.dtype, h.shape, self.model.device)
+        return True
+
+    # --- parameter servers ------------------------------------------------------------------------
+    def _push(self, wave: int) -> None:
+        """Send this stage's wave delta, shard by shard; the sends overlap the following instructions."""
+        for k, rank in sorted(self.ctx.shard_ranks.items()):
+            if k not in self.model.shard_index:
+                continue
+            delta = self.model.wave_delta(wave, k)
+            slot, dtype = tensor_to_slot(self.pool, delta)
+            self.transport.send(rank, Header(PUSH, self.ctx.vw, self.ctx.stage, -1, wave, dtype,
+                                             tuple(delta.shape), delta.numel() * 4), slot)
+            self.pushes_sent[k] += 1
+
+    def _pull_step(self, wave: int) -> bool:
+        shards = {k: r for k, r in self.ctx.shard_ranks.items() if k in self.model.shard_index}
+        if not shards:
+            return True
+        if self._pull is None:
+            for k, rank in sorted(shards.items()):
+                self.transport.send(rank, Header(PULL, self.ctx.vw, self.ctx.stage, -1, wave))
+            self._pull = {}
+        for k, rank in sorted(shards.items()):
+            if k in self._pull:
+                continue
+            msg = self.transport.try_recv(rank, WEIGHTS)
+            if msg is None:
+                continue
+            h = msg.header
+            if h.mb != wave or h.vw != self.ctx.vw or h.stage != self.ctx.stage:
+                raise StageError(f"hetpipe: {self.ctx.who()} pulled wave {wave} from PS shard {k}, got a reply "
+                                 f"for wave {h.mb} addressed to VW {h.vw} stage {h.stage}")
+            want = len(self.model.shard_index[k])
+            if h.shape != (want,) or h.dtype != "float32":
+                raise StageError(f"hetpipe: PS shard {k} sent {h.dtype}{list(h.shape)} weights, "
+                                 f"{self.ctx.who()} holds float32[{want}] of its layers")
+            self._pull[k] = (h.aux, payload_tensor(msg.payload, "float32", h.shape, self.model.device))
+        missing = sorted(set(shards) - set(self._pull))
+        if missing:
+            self.blocked_on = (f"the weights of wave {wave} from PS shard(s) {missing} "
+                               f"(rank(s) {[shards[k] for k in missing]})")
+            return False
+        if any(wave - self.d > g for g, _ in self._pull.values()):
+            raise StageError(f"hetpipe: {self.ctx.who()} pulled wave {wave} with D = {self.d} but got "
+                             f"global clocks {[g for g, _ in self._pull.values()]}")
+        self.model.merge_pull(self._pull)
+        self.global_clock = min(g for g, _ in self._pull.values())
+        self._pull = None
+        return True

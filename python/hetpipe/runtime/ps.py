@@ -1,0 +1,219 @@
+"""Parameter-server shard: WSP clocks, deterministic wave aggregation, staleness-gated pulls.
+
+A shard owns some layers' weights ``W`` (float32, one flat array per layer). Protocol (our WSP spec):
+
+* Push ``(vw, stage, wave, delta)``: the stage's wave delta for the shard's layers inside the stage.
+  A VW's clock at the shard becomes ``c + 1`` once every stage of that VW holding layers of this shard
+  has pushed wave ``c`` (waves complete in order). A duplicate push is an error.
+* Wave ``c``'s deltas are applied (``hetpipe_core.apply_delta``; VW 0 first, then 1, ...) exactly when
+  the global clock (min over VWs) passes ``c``; hence ``W`` is always ``W_g``, ``g`` = global clock.
+* Pull ``(vw, stage, w)``: queued until ``g >= w - D``, then answered with ``(g, W_g)`` restricted to
+  the stage's layers. With ``D = 0`` every pull gets ``g = w``: runs are reproducible.
+* DONE ``(vw, stage, n)``: the stage finished and sent ``n`` pushes here; the shard is finished once
+  every stage said DONE and all announced pushes have arrived.
+
+Invariant, checked at every clock change: ``0 <= clock_vw - global <= D + 1``.
+Thread role: :class:`ShardState` is pure logic for one thread; :class:`ShardServer` drives it over a
+transport from the shard rank's main thread (or from the replay loop).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
+
+import hetpipe_core
+from hetpipe.runtime.transport import ANY, DONE, PULL, PUSH, WEIGHTS, Header, Transport, slot_bytes
+
+
+class WSPViolation(RuntimeError):
+    """The PS saw something WSP forbids: a duplicate push, a broken clock bound, a malformed push."""
+
+
+@dataclass
+class ShardLog:
+    """What happened at a shard, for run-time checks and tests."""
+
+    pushes: List[Tuple[int, int, int]] = field(default_factory=list)      # (vw, stage, wave), arrival order
+    clocks: List[Tuple[int, int, int]] = field(default_factory=list)      # (vw, clock_vw, global) after each change
+    pulls: List[Tuple[int, int, int, int]] = field(default_factory=list)  # (vw, stage, wave, g) as answered
+    pushed_sum: Dict[int, np.ndarray] = field(default_factory=dict)       # layer -> float64 sum of all pushed deltas
+
+
+class ShardState:
+    """One shard's weights, clocks and pending wave deltas (no I/O)."""
+
+    def __init__(self, index: int, weights: Dict[int, np.ndarray], stage_layers: Sequence[Sequence[Tuple[int, int]]],
+                 d: int, *, log_sums: bool = True) -> None:
+        self.index = index
+        self.d = d
+        self.layers = sorted(weights)
+        self.W = {l: np.ascontiguousarray(weights[l], dtype=np.float32).copy() for l in self.layers}
+        self.num_vws = len(stage_layers)
+        # Per VW, the stages holding (non-empty) layers of this shard, and which of our layers each holds.
+        self.stage_layers: List[Dict[int, List[int]]] = []
+        for vw_stages in stage_layers:
+            per = {}
+            for s, (a, b) in enumerate(vw_stages):
+                mine = [l for l in self.layers if a <= l < b and self.W[l].size > 0]
+                if mine:
+                    per[s] = mine
+            self.stage_layers.append(per)
+        self.clock = hetpipe_core.ClockTable(self.num_vws)
+        self.applied = 0                                            # waves < applied are in W
+        self.pending: Dict[int, Dict[int, Dict[int, np.ndarray]]] = collections.defaultdict(dict)  # wave->vw->layer
+        self.arrived: Dict[Tuple[int, int], Set[int]] = collections.defaultdict(set)  # (vw, wave) -> stages
+        self.seen: Set[Tuple[int, int, int]] = set()
+        self.queued: List[Tuple[int, int, int, int]] = []           # (src, vw, stage, wave) waiting for the clock
+        self.log = ShardLog()
+        self.log_sums = log_sums
+        if log_sums:
+            self.log.pushed_sum = {l: np.zeros(self.W[l].size, dtype=np.float64) for l in self.layers}
+
+    @property
+    def global_clock(self) -> int:
+        return int(self.clock.global_clock())
+
+    def stage_numel(self, vw: int, stage: int) -> int:
+        return sum(self.W[l].size for l in self.stage_layers[vw].get(stage, ()))
+
+    # --- pushes ----------------------------------------------------------------------------------
+    def push(self, vw: int, stage: int, wave: int, delta: np.ndarray) -> None:
+        key = (vw, stage, wave)
+        if key in self.seen:
+            raise WSPViolation(f"PS shard {self.index}: duplicate push of wave {wave} from VW {vw} stage {stage}")
+        if stage not in self.stage_layers[vw]:
+            raise WSPViolation(f"PS shard {self.index}: VW {vw} stage {stage} holds none of its layers but pushed")
+        if delta.dtype != np.float32 or delta.size != self.stage_numel(vw, stage):
+            raise WSPViolation(f"PS shard {self.index}: push from VW {vw} stage {stage} wave {wave} is "
+                               f"{delta.dtype}[{delta.size}], expected float32[{self.stage_numel(vw, stage)}]")
+        if wave < int(self.clock.clock(vw)):
+            raise WSPViolation(f"PS shard {self.index}: VW {vw} stage {stage} pushed wave {wave} "
+                               f"but VW {vw} is already at clock {int(self.clock.clock(vw))}")
+        self.seen.add(key)
+        self.log.pushes.append(key)
+        off = 0
+        parts = self.pending[wave].setdefault(vw, {})
+        for l in self.stage_layers[vw][stage]:
+            n = self.W[l].size
+            parts[l] = delta[off:off + n].copy()
+            if self.log_sums:
+                self.log.pushed_sum[l] += parts[l]
+            off += n
+        self.arrived[(vw, wave)].add(stage)
+        self._advance(vw)
+
+    def _advance(self, vw: int) -> None:
+        need = set(self.stage_layers[vw])
+        while True:
+            c = int(self.clock.clock(vw))
+            if self.arrived.get((vw, c)) != need:
+                break
+            del self.arrived[(vw, c)]
+            self.clock.advance(vw)
+            g = self.global_clock
+            cv = int(self.clock.clock(vw))
+            self.log.clocks.append((vw, cv, g))
+            if not 0 <= cv - g <= self.d + 1:
+                raise WSPViolation(f"PS shard {self.index}: VW {vw} clock {cv} vs global {g} breaks "
+                                   f"0 <= clock - global <= D + 1 with D = {self.d}")
+            self._apply_ready()
+
+    def _apply_ready(self) -> None:
+        """Apply every wave the global clock has passed, VW by VW in index order (deterministic)."""
+        g = self.global_clock
+        while self.applied < g:
+            c = self.applied
+            wave = self.pending.pop(c)
+            for vw in range(self.num_vws):
+                for l, delta in sorted(wave[vw].items()):
+                    hetpipe_core.apply_delta(self.W[l], delta)
+            self.applied += 1
+
+    # --- pulls -----------------------------------------------------------------------------------
+    def pull(self, src: int, vw: int, stage: int, wave: int) -> None:
+        if stage not in self.stage_layers[vw]:
+            raise WSPViolation(f"PS shard {self.index}: VW {vw} stage {stage} holds none of its layers but pulled")
+        self.queued.append((src, vw, stage, wave))
+
+    def ready_pulls(self) -> List[Tuple[int, int, int, int]]:
+        """Remove and return the queued pulls the staleness bound now allows, in arrival order."""
+        g = self.global_clock
+        ready = [q for q in self.queued if q[3] - self.d <= g]
+        self.queued = [q for q in self.queued if q[3] - self.d > g]
+        for (_, vw, stage, wave) in ready:
+            self.log.pulls.append((vw, stage, wave, g))
+        return ready
+
+    def snapshot_into(self, vw: int, stage: int, out: np.ndarray) -> None:
+        """Copy ``W_g`` of the stage's layers (layer order) into ``out`` (float32)."""
+        off = 0
+        for l in self.stage_layers[vw][stage]:
+            n = self.W[l].size
+            hetpipe_core.snapshot(self.W[l], out[off:off + n])
+            off += n
+
+
+class ShardServer:
+    """Drives a :class:`ShardState` over a transport; ``step()`` handles what has arrived, never blocks."""
+
+    def __init__(self, state: ShardState, transport: Transport, pool, num_stage_ranks: int) -> None:
+        self.state = state
+        self.transport = transport
+        self.pool = pool
+        self.num_stage_ranks = num_stage_ranks
+        self.done: Dict[Tuple[int, int], int] = {}         # (vw, stage) -> pushes it announced
+        self.received: Dict[Tuple[int, int], int] = collections.Counter()
+        self.finished = False
+        self.blocked_on = "messages from the stages"
+
+    def step(self) -> bool:
+        t = self.transport
+        t.progress()
+        progressed = False
+        while True:
+            msg = t.try_recv(ANY, PUSH)
+            if msg is None:
+                break
+            h = msg.header
+            self.state.push(h.vw, h.stage, h.aux, msg.payload.view(np.float32))
+            self.received[(h.vw, h.stage)] += 1
+            progressed = True
+        while True:
+            msg = t.try_recv(ANY, PULL)
+            if msg is None:
+                break
+            h = msg.header
+            self.state.pull(msg.src, h.vw, h.stage, h.aux)
+            progressed = True
+        while True:
+            msg = t.try_recv(ANY, DONE)
+            if msg is None:
+                break
+            self.done[(msg.header.vw, msg.header.stage)] = msg.header.aux
+            progressed = True
+        g = self.state.global_clock
+        for src, vw, stage, wave in self.state.ready_pulls():
+            n = self.state.stage_numel(vw, stage)
+            slot = self.pool.acquire(max(4 * n, 1))
+            self.state.snapshot_into(vw, stage, slot_bytes(slot, 4 * n).view(np.float32))
+            t.send(src, Header(WEIGHTS, vw, stage, wave, g, "float32", (n,), 4 * n), slot)
+            progressed = True
+        t.progress()
+        if (len(self.done) == self.num_stage_ranks and not self.state.queued and t.pending_sends() == 0
+                and all(self.received[k] == n for k, n in self.done.items())):
+            if not self.finished:
+                self.finished = True
+                progressed = True
+        else:
+            waiting = self.num_stage_ranks - len(self.done)
+            self.blocked_on = (f"messages from the stages ({waiting} not done, global clock {g}, "
+                               f"{len(self.state.queued)} pull(s) queued)")
+        return progressed
+
+    @property
+    def weights(self) -> Dict[int, np.ndarray]:
+        return self.state.W

@@ -1,0 +1,313 @@
+"""The user-facing Trainer: plan, start every rank's role under MPI, train under WSP, report.
+
+Every rank of ``mpiexec -n N python train.py`` builds the same Trainer (same model seed, same data)
+and calls :meth:`Trainer.fit`. Rank 0 plans (or the given plan is used) and broadcasts the plan; each
+rank then runs its role — a pipeline stage of a virtual worker or a parameter-server shard — and at
+the end every rank receives the final global weights, loaded into its copy of the model.
+:meth:`Trainer.replay` runs the same spec in one process (the reference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from torch import nn
+
+from hetpipe.launch import failure
+from hetpipe.launch.mpi import gather_hosts, world
+from hetpipe.launch.roles import LaunchError, Role, check_world, resolve_device, role_of
+from hetpipe.plan.types import Plan
+from hetpipe.runtime.build import (RunSpec, as_layers, build_shard, build_stage, drive, infer_boundaries,
+                                   load_layer_weights, shard_pool, stage_layer_weights, stage_pool)
+from hetpipe.runtime.data import first_minibatch, minibatches_per_epoch
+from hetpipe.runtime.executor import StageExecutor
+from hetpipe.runtime.ps import ShardLog
+from hetpipe.runtime.replay import ReplayResult, replay_run
+from hetpipe.runtime.transport import MPITransport
+from hetpipe.schedule.trace import TraceEvent, write_chrome_trace
+
+
+@dataclass
+class TrainResult:
+    """What a run produced; identical on every rank (``rank``/``role`` aside)."""
+
+    plan: Plan
+    rank: int
+    role: str
+    losses: Dict[int, Dict[int, float]]             # vw -> minibatch -> loss
+    weights: Dict[int, np.ndarray]                  # layer -> final global weights (flat float32)
+    shard_logs: Dict[int, ShardLog]
+    elapsed_s: float
+    samples: int                                    # samples trained, all VWs
+    trace: List[TraceEvent] = field(default_factory=list)
+    emulated: bool = False
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def final_loss(self, last: int = 4) -> float:
+        vals = [v for per in self.losses.values() for _, v in sorted(per.items())[-last:]]
+        return float(np.mean(vals)) if vals else float("nan")
+
+
+class Trainer:
+    """Train ``model`` with HetPipe: pipelined virtual workers synchronised by WSP through PS shards.
+
+    model: an ``nn.Sequential`` or a list of modules (the layers the plan partitions), built
+        identically (same seed) on every rank. loss_fn(output, labels) -> scalar tensor.
+    optimizer: a factory ``params -> torch.optim.Optimizer``; each stage builds its own over its layers.
+    data: re-iterable ``(inputs, labels)`` minibatches, the same on every rank (see runtime.data).
+    plan: a :class:`Plan` or a plan JSON path; else rank 0 plans with ``policy`` on ``cluster``
+        (default: the ``cpu-emulated`` preset) from a profile of the model.
+    nm, d: minibatches in flight per VW and the staleness bound (override the plan's when given).
+    timeout: seconds a rank may wait for a peer before the job fails (default HETPIPE_TIMEOUT or 120).
+    emulate: pad stages to their device type's profile (None: when the device is emulated on this host).
+    metrics / trace: paths of the JSON-lines metrics file and of a Chrome trace of the run.
+    """
+
+    def __init__(self, model: Union[nn.Module, Sequence[nn.Module]], loss_fn: Callable,
+                 optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], data: Iterable, *,
+                 plan: Union[Plan, str, Path, None] = None, policy: str = "auto", cluster: Any = None,
+                 nm: Optional[int] = None, d: Optional[int] = None, epochs: int = 1,
+                 timeout: Optional[float] = None, emulate: Optional[bool] = None, emulation_scale: float = 1.0,
+                 metrics: Union[str, Path, None] = None, trace: Union[str, Path, None] = None,
+                 progress: bool = True, comm: Any = None, plan_callback: Optional[Callable[[Plan], None]] = None):
+        self.model = model
+        self.layers = as_layers(model)
+        self.loss_fn, self.optimizer, self.data = loss_fn, optimizer, data
+        self.plan_arg, self.policy, self.cluster = plan, policy, cluster
+        self.nm, self.d, self.epochs = nm, d, epochs
+        self.timeout = failure.timeout_s(timeout)
+        self.emulate, self.emulation_scale = emulate, emulation_scale
+        self.metrics = Path(metrics) if metrics else None
+        self.trace_path = Path(trace) if trace else None
+        self.progress = progress
+        self.comm = comm
+        self.plan_callback = plan_callback
+        self._describe = "rank ?"
+
+    # --- planning ----------------------------------------------------------------------------
+    def _make_plan(self) -> Plan:
+        if isinstance(self.plan_arg, Plan):
+            plan = self.plan_arg
+        elif self.plan_arg is not None:
+            plan = Plan.load(self.plan_arg)
+        else:
+            from hetpipe.cluster import load_cluster
+            from hetpipe.plan import make_plan
+            from hetpipe.profile import profile_model
+
+            cluster = self.cluster if self.cluster is not None else load_cluster("cpu-emulated")
+            if isinstance(cluster, str):
+                cluster = load_cluster(cluster)
+            x, y = first_minibatch(self.data)
+            profile = profile_model(nn.Sequential(*self.layers), x, cluster, loss_fn=lambda out: self.loss_fn(out, y))
+            plan = make_plan(cluster, profile, policy=self.policy, nm=self.nm, d=self.d or 0,
+                             minibatch_size=int(x.shape[0]))
+        changes = {}
+        if self.nm is not None and self.nm != plan.nm:
+            changes["nm"] = self.nm
+        if self.d is not None and self.d != plan.d:
+            changes["d"] = self.d
+        plan = dataclasses.replace(plan, **changes) if changes else plan
+        if plan.num_layers != len(self.layers):
+            raise LaunchError(f"hetpipe: the plan has {plan.num_layers} layers, the model {len(self.layers)}")
+        return plan
+
+    def spec(self, plan: Plan) -> RunSpec:
+        """The run's :class:`RunSpec` for ``plan`` (schedules, activation shapes) on this rank."""
+        from hetpipe.schedule import hetpipe_schedule
+
+        per_vw = minibatches_per_epoch(self.data) // len(plan.virtual_workers)
+        if per_vw < 1:
+            raise ValueError(f"hetpipe: one epoch has fewer minibatches than the {len(plan.virtual_workers)} VWs")
+        total = per_vw * self.epochs
+        x, _ = first_minibatch(self.data)
+        schedules = []
+        for vw in plan.virtual_workers:
+            recompute = any(st.recompute for st in vw.stages)
+            schedules.append(hetpipe_schedule(len(vw.stages), total, plan.nm, plan.d, recompute=recompute))
+        return RunSpec(plan, self.layers, self.loss_fn, self.optimizer, self.data, self.epochs, schedules,
+                       infer_boundaries(self.layers, x), int(x.shape[0]) if x.dim() else 1)
+
+    # --- single process ----------------------------------------------------------------------
+    def replay(self) -> ReplayResult:
+        """Run the whole plan in this process over a loopback transport (the reference; no padding)."""
+        torch.set_num_threads(1)
+        result = replay_run(self.spec(self._make_plan()))
+        load_layer_weights(self.layers, result.weights)
+        return result
+
+    # --- multi-process -----------------------------------------------------------------------
+    def fit(self) -> TrainResult:
+        """Train under MPI (every rank calls this); returns the run's result on every rank."""
+        torch.set_num_threads(1)
+        comm = self.comm if self.comm is not None else world()
+        rank, size = comm.Get_rank(), comm.Get_size()
+        self._describe = f"rank {rank}"
+        failure.install_excepthook(comm, lambda: self._describe)
+        try:
+            return self._fit(comm, rank, size)
+        except LaunchError as e:
+            # Every rank reaches the same verdict: each says it (no traceback), then the job ends.
+            failure.report(self._describe, e, with_traceback=False)
+            failure.abort(comm)
+        except BaseException as e:  # noqa: BLE001 - any failure must bring the job down, naming this rank
+            failure.report(self._describe, e)
+            failure.abort(comm)
+        raise AssertionError("unreachable")
+
+    def _fit(self, comm, rank: int, size: int) -> TrainResult:
+        hosts = gather_hosts(comm)
+        plan_text, error = None, None
+        if rank == 0:
+            try:
+                plan_text = self._make_plan().to_json()
+            except Exception as e:  # noqa: BLE001 - relayed to every rank below
+                error = f"planning on rank 0 failed: {type(e).__name__}: {e}"
+        plan_text, error = comm.bcast((plan_text, error), root=0)
+        if error:
+            raise LaunchError(f"hetpipe: {error}")
+        plan = Plan.from_json(plan_text)
+        if self.plan_callback is not None and rank == 0:
+            self.plan_callback(plan)
+        check_world(plan, size)
+        role = role_of(plan, rank)
+        self._describe = role.describe()
+        spec, problem = None, None
+        try:
+            spec = self.spec(plan)
+            if role.kind == "stage":
+                st = plan.virtual_workers[role.vw].stages[role.stage]
+                dev, emulated = resolve_device(st, emulate=self.emulate, cuda_count=len(hosts[rank]["cuda"]))
+                spec.devices[rank], spec.emulated[rank] = dev, emulated
+                spec.emulation_scale = self.emulation_scale
+        except (LaunchError, ValueError, TypeError) as e:
+            problem = f"{role.describe()}: {e}"
+        problems = [p for p in comm.allgather(problem) if p]
+        if problems:
+            raise LaunchError("; ".join(problems))
+        emulated_any = any(comm.allgather(spec.emulated.get(rank, False)))
+        return self._run_role(comm, plan, spec, role, emulated_any)
+
+    def _run_role(self, comm, plan: Plan, spec: RunSpec, role: Role, emulated: bool) -> TrainResult:
+        trace: Optional[List[TraceEvent]] = [] if self.trace_path else None
+        if role.kind == "stage":
+            pool = stage_pool(spec, role.vw, role.stage)
+        else:
+            pool = shard_pool(spec, role.shard)
+        transport = MPITransport(comm, pool)
+        comm.Barrier()
+        t0 = time.perf_counter()
+        reporter = None
+        if role.kind == "stage":
+            part = build_stage(spec, role.vw, role.stage, transport, pool, trace=trace, t0=t0)
+            if role.vw == 0 and part.is_last:
+                reporter = _Reporter(part, plan, self.metrics, self.progress, t0, spec.schedules[0].num_minibatches,
+                                     self.epochs)
+        else:
+            part = build_shard(spec, role.shard, transport, pool)
+        drive(part, self.timeout, f"hetpipe: {role.describe()}", reporter.update if reporter else None)
+        elapsed = time.perf_counter() - t0
+        transport.close()
+        mine: Dict[str, Any] = {"rank": role.rank, "elapsed": elapsed}
+        if isinstance(part, StageExecutor):
+            if part.is_last:
+                mine["losses"] = (part.ctx.vw, dict(part.losses))
+            if part.is_first:
+                mine["samples"] = sum(part.batch_sizes.values())
+            if not plan.ps_shards and part.ctx.vw == 0:
+                mine["weights"] = stage_layer_weights(part)
+            mine["trace"] = trace or []
+        else:
+            mine["weights"] = {l: w.copy() for l, w in part.weights.items()}
+            mine["log"] = (part.state.index, part.state.log)
+        everyone = comm.allgather(mine)
+        result = TrainResult(plan, role.rank, role.describe(), {}, {}, {},
+                             max(m["elapsed"] for m in everyone), 0, [], emulated)
+        for m in everyone:
+            if "losses" in m:
+                result.losses[m["losses"][0]] = m["losses"][1]
+            result.samples += m.get("samples", 0)
+            result.weights.update(m.get("weights", {}))
+            if "log" in m:
+                result.shard_logs[m["log"][0]] = m["log"][1]
+            result.trace.extend(m.get("trace", ()))
+        load_layer_weights(self.layers, result.weights)
+        if reporter is not None:
+            reporter.finish(result, self.trace_path)
+        return result
+
+
+class _Reporter:
+    """Progress bar and metrics file, on the last stage of VW 0 (the rank that sees VW 0's losses).
+
+    Per completed wave: one JSON line ``{"event": "wave", ...}``; at the end per epoch and a summary."""
+
+    def __init__(self, ex: StageExecutor, plan: Plan, metrics: Optional[Path], progress: bool, t0: float,
+                 total: int, epochs: int) -> None:
+        self.ex, self.plan, self.t0, self.total, self.epochs = ex, plan, t0, total, epochs
+        self.file = None
+        if metrics is not None:
+            metrics.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(metrics, "w")
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc="hetpipe VW 0", unit="mb", dynamic_ncols=True, mininterval=0.5)
+        self.seen = 0
+        self.wave = 0
+        self.samples = 0
+
+    def update(self) -> None:
+        losses = self.ex.losses
+        while self.seen in losses:
+            self.samples += self.ex.batch_sizes.get(self.seen, 0)
+            self.seen += 1
+            if self.bar is not None:
+                self.bar.update(1)
+        nm = self.plan.nm
+        while (self.wave + 1) * nm <= self.seen or (self.seen == self.total and self.wave * nm < self.total):
+            mbs = range(self.wave * nm, min((self.wave + 1) * nm, self.total))
+            loss = float(np.mean([losses[p] for p in mbs]))
+            now = time.perf_counter() - self.t0
+            rate = self.samples * len(self.plan.virtual_workers) / now if now > 0 else 0.0
+            if self.file is not None:
+                self.file.write(json.dumps({"event": "wave", "vw": 0, "wave": self.wave, "loss": loss,
+                                            "time_s": now, "samples_per_s_est": rate,
+                                            "global_clock": self.ex.global_clock}) + "\n")
+                self.file.flush()
+            if self.bar is not None:
+                self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:.0f}", clock=self.ex.global_clock)
+            self.wave += 1
+
+    def finish(self, result: TrainResult, trace_path: Optional[Path]) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.file is not None:
+            per_vw = {vw: sorted(l.items()) for vw, l in result.losses.items()}
+            epochs = max(1, self.epochs)
+            n = len(next(iter(per_vw.values()))) if per_vw else 0
+            per_epoch = max(1, n // epochs)
+            for e in range(epochs):
+                by_vw = {str(vw): float(np.mean([v for p, v in items if p // per_epoch == e]))
+                         for vw, items in per_vw.items()}
+                self.file.write(json.dumps({"event": "epoch", "epoch": e, "loss": float(np.mean(list(by_vw.values()))),
+                                            "loss_by_vw": by_vw}) + "\n")
+            clocks = {str(k): [c for c in log.clocks[-len(self.plan.virtual_workers):]]
+                      for k, log in result.shard_logs.items()}
+            self.file.write(json.dumps({"event": "summary", "samples": result.samples, "elapsed_s": result.elapsed_s,
+                                        "samples_per_s": result.samples_per_s, "emulated_devices": result.emulated,
+                                        "nm": self.plan.nm, "d": self.plan.d, "final_clocks": clocks}) + "\n")
+            self.file.close()
+        if trace_path is not None:
+            trace_path.parent.mkdir(parents=True, exist_ok=True)
+            write_chrome_trace(result.trace, trace_path, emulated=result.emulated)

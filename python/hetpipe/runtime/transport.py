@@ -1,0 +1,258 @@
+"""Message transport between ranks: fixed int64 headers plus raw bytes staged in pinned buffer slots.
+
+Every message is a :class:`Header` (16 int64 words) followed, when ``nbytes > 0``, by the payload
+bytes. The payload travels from and to :class:`hetpipe_core.PinnedBufferPool` slots; nothing on the
+data path is pickled. Two implementations share one interface:
+
+* :class:`MPITransport` — mpi4py buffer-based ``Isend``/``Irecv``; header and payload use two tags
+  per message kind (``2 * kind`` and ``2 * kind + 1``). MPI's non-overtaking rule between one
+  sender and one receiver on one tag keeps payloads paired with their headers.
+* :class:`LoopbackTransport` — endpoints of one in-process :class:`LoopbackHub`, used by the
+  single-process replay, so the replay runs the very same executor and parameter-server code.
+
+Calling contract (both): one thread per endpoint (the rank's main thread). ``send`` never blocks: it
+takes ownership of the slot and releases it once the transfer completed (``progress``).
+``try_recv`` never blocks: it returns a :class:`Message` once one from ``src`` (or any source with
+``ANY``) of that kind has fully arrived, else ``None``; calling it again continues the same receive.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+from typing import Deque, Dict, List, Optional, Tuple
+
+import numpy as np
+
+ANY = -1
+HEADER_WORDS = 16
+MAX_NDIM = HEADER_WORDS - 8
+
+# Message kinds. Each kind has its own tags, so receives of different kinds never steal each other's messages.
+ACT = 1         # stage s -> s + 1: output activation of minibatch mb
+GRAD = 2        # stage s -> s - 1: gradient of the input activation of minibatch mb
+PUSH = 3        # stage -> PS shard: the stage's wave delta for the shard's layers (aux = wave)
+PULL = 4        # stage -> PS shard: request the global weights for wave aux (no payload)
+WEIGHTS = 5     # PS shard -> stage: reply to PULL; aux = the shard's global clock g, payload = W_g
+DONE = 6        # stage -> PS shard: the stage finished its stream (no payload)
+KIND_NAMES = {ACT: "activation", GRAD: "gradient", PUSH: "push", PULL: "pull", WEIGHTS: "weights", DONE: "done"}
+
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
+_DTYPE_CODE = {name: i + 1 for i, name in enumerate(DTYPES)}
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a message is: kind, sender's (vw, stage), minibatch, an auxiliary word, dtype and shape."""
+
+    kind: int
+    vw: int
+    stage: int
+    mb: int = -1
+    aux: int = -1
+    dtype: str = "uint8"
+    shape: Tuple[int, ...] = ()
+    nbytes: int = 0
+
+    def encode(self) -> np.ndarray:
+        if len(self.shape) > MAX_NDIM:
+            raise ValueError(f"transport: tensors of rank > {MAX_NDIM} are not supported, got shape {self.shape}")
+        words = np.zeros(HEADER_WORDS, dtype=np.int64)
+        words[:8] = (self.kind, self.vw, self.stage, self.mb, self.aux, _DTYPE_CODE[self.dtype],
+                     len(self.shape), self.nbytes)
+        words[8:8 + len(self.shape)] = self.shape
+        return words
+
+    @classmethod
+    def decode(cls, words: np.ndarray) -> "Header":
+        kind, vw, stage, mb, aux, code, ndim, nbytes = (int(x) for x in words[:8])
+        if not (1 <= code <= len(DTYPES)) or not (0 <= ndim <= MAX_NDIM) or nbytes < 0:
+            raise ValueError(f"transport: corrupt header {words.tolist()}")
+        return cls(kind, vw, stage, mb, aux, DTYPES[code - 1], tuple(int(x) for x in words[8:8 + ndim]), nbytes)
+
+
+@dataclass
+class Message:
+    """A received message. ``payload`` is a private copy of the bytes (the slot is already released)."""
+
+    src: int
+    header: Header
+    payload: np.ndarray     # uint8, length header.nbytes
+
+
+def slot_bytes(slot, nbytes: int) -> np.ndarray:
+    """A writable uint8 numpy view of the first ``nbytes`` of a pool slot (shares its memory)."""
+    return np.frombuffer(slot, dtype=np.uint8, count=nbytes)
+
+
+class Transport:
+    """Interface of a rank's endpoint. ``pool`` stages payloads; ``rank`` is this endpoint's address."""
+
+    rank: int
+
+    def send(self, dest: int, header: Header, slot=None) -> None:
+        """Start sending ``header`` (and the first ``header.nbytes`` of ``slot``) to ``dest``; never blocks.
+
+        Takes ownership of ``slot``: it goes back to the pool when the transfer has completed."""
+        raise NotImplementedError
+
+    def try_recv(self, src: int, kind: int) -> Optional[Message]:
+        """Progress the receive of the next ``kind`` message from ``src`` (or ``ANY``); never blocks."""
+        raise NotImplementedError
+
+    def progress(self) -> None:
+        """Complete finished sends and release their slots."""
+        raise NotImplementedError
+
+    def pending_sends(self) -> int:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Give back everything still held. Call after ``pending_sends() == 0``."""
+
+
+class MPITransport(Transport):
+    """Point-to-point transport over an mpi4py communicator with non-blocking buffer-based calls."""
+
+    def __init__(self, comm, pool) -> None:
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.pool = pool
+        self._sends: List[Tuple[list, object]] = []     # ([requests], slot or None)
+        self._recvs: Dict[Tuple[int, int], "_PendingRecv"] = {}     # (src, kind) -> receive in progress
+
+    def send(self, dest: int, header: Header, slot=None) -> None:
+        words = header.encode()
+        reqs = [self.comm.Isend([words, self._MPI.INT64_T], dest=dest, tag=2 * header.kind)]
+        if header.nbytes:
+            reqs.append(self.comm.Isend([slot_bytes(slot, header.nbytes), self._MPI.BYTE], dest=dest,
+                                        tag=2 * header.kind + 1))
+        # The header array must outlive its Isend: keep it with the requests.
+        self._sends.append((reqs + [words], slot))
+
+    def progress(self) -> None:
+        if not self._sends:
+            return
+        keep = []
+        for entry in self._sends:
+            reqs, slot = entry
+            if all(r.Test() for r in reqs[:-1]):
+                if slot is not None:
+                    self.pool.release(slot)
+            else:
+                keep.append(entry)
+        self._sends = keep
+
+    def pending_sends(self) -> int:
+        return len(self._sends)
+
+    def try_recv(self, src: int, kind: int) -> Optional[Message]:
+        MPI = self._MPI
+        key = (src, kind)
+        rv = self._recvs.get(key)
+        if rv is None:
+            rv = _PendingRecv(np.empty(HEADER_WORDS, dtype=np.int64), MPI.Status())
+            source = MPI.ANY_SOURCE if src == ANY else src
+            rv.header_req = self.comm.Irecv([rv.words, MPI.INT64_T], source=source, tag=2 * kind)
+            self._recvs[key] = rv
+        if rv.header is None:
+            if not rv.header_req.Test(rv.status):
+                return None
+            rv.header_req = None
+            rv.header = Header.decode(rv.words)
+            rv.src = rv.status.Get_source()
+            if rv.header.nbytes:
+                rv.slot = self.pool.acquire(rv.header.nbytes)
+                rv.payload_req = self.comm.Irecv([slot_bytes(rv.slot, rv.header.nbytes), MPI.BYTE],
+                                                 source=rv.src, tag=2 * kind + 1)
+        if rv.payload_req is not None and not rv.payload_req.Test():
+            return None
+        del self._recvs[key]
+        if rv.slot is not None:
+            payload = slot_bytes(rv.slot, rv.header.nbytes).copy()
+            self.pool.release(rv.slot)
+        else:
+            payload = np.empty(0, dtype=np.uint8)
+        return Message(rv.src, rv.header, payload)
+
+    def close(self) -> None:
+        for rv in self._recvs.values():
+            if rv.header_req is not None:
+                rv.header_req.Cancel()
+            if rv.slot is not None:
+                self.pool.release(rv.slot)
+        self._recvs.clear()
+
+
+@dataclass
+class _PendingRecv:
+    """State of one receive in progress: header first, then the payload into a pool slot."""
+
+    words: np.ndarray
+    status: object
+    header_req: object = None
+    header: Optional[Header] = None
+    src: int = -1
+    slot: object = None
+    payload_req: object = None
+
+
+class LoopbackHub:
+    """The in-process "network" of a replay: per destination, a FIFO of delivered messages."""
+
+    def __init__(self) -> None:
+        self.queues: Dict[int, Deque[Message]] = collections.defaultdict(collections.deque)
+
+    def endpoint(self, rank: int, pool) -> "LoopbackTransport":
+        return LoopbackTransport(self, rank, pool)
+
+
+class LoopbackTransport(Transport):
+    """An endpoint of a :class:`LoopbackHub`. Delivery is immediate and FIFO per (sender, kind)."""
+
+    def __init__(self, hub: LoopbackHub, rank: int, pool) -> None:
+        self.hub = hub
+        self.rank = rank
+        self.pool = pool
+
+    def send(self, dest: int, header: Header, slot=None) -> None:
+        payload = slot_bytes(slot, header.nbytes).copy() if header.nbytes else np.empty(0, dtype=np.uint8)
+        if slot is not None:
+            self.pool.release(slot)
+        self.hub.queues[dest].append(Message(self.rank, header, payload))
+
+    def try_recv(self, src: int, kind: int) -> Optional[Message]:
+        q = self.hub.queues[self.rank]
+        for i, msg in enumerate(q):
+            if msg.header.kind == kind and (src == ANY or msg.src == src):
+                del q[i]
+                return msg
+        return None
+
+    def progress(self) -> None:
+        return None
+
+    def pending_sends(self) -> int:
+        return 0
+
+
+class Backoff:
+    """Polling pause for a rank waiting on messages: 20 µs doubling up to 1 ms; reset on progress.
+
+    Never busy-waits: several ranks share few cores, and a spinning rank would starve its peers."""
+
+    def __init__(self, first_s: float = 20e-6, max_s: float = 1e-3) -> None:
+        self.first_s = first_s
+        self.max_s = max_s
+        self.delay = first_s
+
+    def reset(self) -> None:
+        self.delay = self.first_s
+
+    def wait(self) -> None:
+        time.sleep(self.delay)
+        self.delay = min(self.delay * 2, self.max_s)

@@ -1,0 +1,51 @@
+"""Multi-process runs against the single-process replay of the same schedule, several configurations
+per launch. Prints one ``RESULT {json}`` line per configuration (from the plan's rank 0).
+
+Usage: mpiexec -n N python equal_replay.py '[{"cuts": [3], "nm": 2, "d": 0}, ...]'
+"""
+
+import json
+import sys
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from common import cross_entropy, mlp, one_vw_plan, sgd, split_world, synthetic
+from hetpipe.runtime.trainer import Trainer
+
+
+def main() -> int:
+    configs = json.loads(sys.argv[1])
+    ok = True
+    for cfg in configs:
+        plan = one_vw_plan(cfg["cuts"], cfg["nm"], cfg["d"], shards=cfg.get("shards", 1))
+        sub = split_world(plan.num_ranks)
+        if sub is None:
+            MPI.COMM_WORLD.Barrier()
+            continue
+        run = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=cfg.get("epochs", 2),
+                      progress=False, comm=sub).fit()
+        if sub.Get_rank() == 0:
+            ref = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=cfg.get("epochs", 2)).replay()
+            same_losses = run.losses == ref.losses
+            same_weights = sorted(run.weights) == sorted(ref.weights) and all(
+                torch.equal(torch.from_numpy(run.weights[l]), torch.from_numpy(ref.weights[l])) for l in ref.weights)
+            moved = any(not np.array_equal(run.weights[l], w0) for l, w0 in _initial().items())
+            res = {**cfg, "losses_equal": same_losses, "weights_equal": same_weights, "trained": moved,
+                   "minibatches": len(run.losses[0])}
+            ok = ok and same_losses and same_weights and moved
+            print("RESULT " + json.dumps(res), flush=True)
+        sub.Free()
+        MPI.COMM_WORLD.Barrier()
+    return 0 if ok else 1
+
+
+def _initial():
+    from hetpipe.runtime.build import initial_weights
+    layers = list(mlp())
+    return initial_weights(layers, range(len(layers)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
