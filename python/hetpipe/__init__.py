@@ -1,3 +1,23 @@
 """hetpipe: train large DNNs on clusters of mixed GPUs with pipelined virtual workers and WSP."""
 
 __version__ = "0.1.0"
+
+# The runtime needs torch; load it only when one of these names is first used, so `import hetpipe`
+# stays light (the planner, schedules and the CLI work without torch).
+_LAZY = {
+    "Trainer": "hetpipe.runtime.trainer",
+    "TrainResult": "hetpipe.runtime.trainer",
+    "Batches": "hetpipe.runtime.data",
+    "Plan": "hetpipe.plan.types",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hetpipe' has no attribute {name!r}")
+
+
+__all__ = ["Trainer", "TrainResult", "Batches", "Plan", "__version__"]

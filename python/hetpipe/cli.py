@@ -9,9 +9,15 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="what the compiled core contains")
     _add_simulate_command(sub)
+    _add_demo_command(sub)
+    _add_launch_command(sub)
     args = parser.parse_args(argv)
     if args.command == "simulate":
         return _run_simulate(args)
+    if args.command == "demo":
+        return _run_demo(args)
+    if args.command == "launch":
+        return _run_launch(args)
     if args.command == "info":
         import hetpipe_core
         print(hetpipe_core.build_info())
@@ -53,6 +59,101 @@ def _run_simulate(args) -> int:
             return 2
         print(f"gantt: {args.png}")
     return 0
+
+
+def _add_launch_command(sub) -> None:
+    p = sub.add_parser("launch", help="run a training script on N MPI ranks (mpiexec from this environment)")
+    p.add_argument("-n", "--np", dest="n", type=int, required=True, help="number of ranks")
+    p.add_argument("--timeout", type=float, help="seconds a rank may wait for a peer (sets HETPIPE_TIMEOUT)")
+    p.add_argument("script", help="the Python script every rank runs")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
+
+
+def _run_launch(args) -> int:
+    import os
+
+    from hetpipe.launch.mpi import MPIUnavailable, launch
+
+    if args.timeout is not None:
+        os.environ["HETPIPE_TIMEOUT"] = str(args.timeout)
+    try:
+        return launch(args.n, [args.script, *args.args])
+    except (MPIUnavailable, ValueError) as e:
+        print(e, file=sys.stderr)
+        return 2
+
+
+def _add_demo_command(sub) -> None:
+    p = sub.add_parser("demo", help="plan and train on an emulated heterogeneous cluster on this machine")
+    p.add_argument("--out", default="hetpipe-demo-out", help="output directory (default ./hetpipe-demo-out)")
+    p.add_argument("--epochs", type=int, default=12, help="training epochs (default 12)")
+    p.add_argument("--cluster", default="cpu-emulated", help="cluster preset to plan for (default cpu-emulated)")
+    p.add_argument("--policy", default="auto", help="VW formation policy (default auto)")
+    p.add_argument("--nm", type=int, default=2, help="minibatches in flight per VW (default 2)")
+    p.add_argument("--d", type=int, default=1, help="WSP staleness bound D (default 1)")
+    p.add_argument("--batch", type=int, default=32, help="minibatch size (default 32)")
+    p.add_argument("--plan", help="use this plan JSON instead of planning")
+    p.add_argument("--emulation-scale", type=float, default=1.0, help="multiply emulated device times")
+    p.add_argument("--min-accuracy", type=float, default=0.9, help="fail below this test accuracy")
+
+
+def _run_demo(args) -> int:
+    from pathlib import Path
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plan_path = out / "plan.json"
+    try:
+        plan = _demo_plan(args)
+    except (ImportError, ValueError) as e:
+        print(f"hetpipe demo: planning failed: {e}", file=sys.stderr)
+        return 2
+    plan.save(plan_path)
+    from hetpipe.launch.mpi import MPIUnavailable, launch
+
+    print(f"launching {plan.num_ranks} ranks ({plan.num_stage_ranks} stages, {len(plan.ps_shards)} PS shard(s))")
+    try:
+        rc = launch(plan.num_ranks, ["-m", "hetpipe.runtime.demo", "--plan", str(plan_path), "--out", str(out),
+                                     "--epochs", str(args.epochs), "--batch", str(args.batch),
+                                     "--emulation-scale", str(args.emulation_scale),
+                                     "--min-accuracy", str(args.min_accuracy)])
+    except MPIUnavailable as e:
+        print(e, file=sys.stderr)
+        return 2
+    if rc == 0:
+        print(f"metrics: {out / 'metrics.jsonl'}  trace: {out / 'trace.json'}  plan: {plan_path}")
+    else:
+        print(f"hetpipe demo: the run failed (exit status {rc})", file=sys.stderr)
+    return rc
+
+
+def _demo_plan(args):
+    """Profile the digits model on the cluster preset, plan it, print the plan table."""
+    from hetpipe.plan.types import Plan
+
+    if args.plan:
+        plan = Plan.load(args.plan)
+    else:
+        import torch
+
+        from hetpipe.cluster import load_cluster
+        from hetpipe.plan import make_plan
+        from hetpipe.profile import profile_model
+        from hetpipe.runtime.data import digits
+        from hetpipe.runtime.demo import digits_model, loss_fn
+
+        torch.set_num_threads(1)
+        cluster = load_cluster(args.cluster)
+        x, y, _, _ = digits()
+        sample = x[:args.batch]
+        profile = profile_model(digits_model(), sample, cluster, loss_fn=lambda out: loss_fn(out, y[:args.batch]))
+        plan = make_plan(cluster, profile, policy=args.policy, nm=args.nm, d=args.d, minibatch_size=args.batch)
+    try:
+        from hetpipe.plan import format_plan
+        print(format_plan(plan))
+    except ImportError:
+        print(plan.to_json())
+    return plan
 
 
 if __name__ == "__main__":

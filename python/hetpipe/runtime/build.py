@@ -39,7 +39,7 @@ class RunSpec:
     data: Iterable
     epochs: int
     schedules: List[Schedule]                   # per VW
-    boundaries: List[Boundary]                  # boundaries[i]: what enters layer i (i = L: the output)
+    boundaries: List[Optional[Boundary]]        # boundaries[i]: what enters layer i (i = L: the output)
     sample_batch: int                           # batch size of the first minibatch (sizes the pool slots)
     emulation_scale: Optional[float] = None     # None: no padding
     devices: Dict[int, torch.device] = field(default_factory=dict)   # stage rank -> torch device
@@ -55,33 +55,39 @@ def as_layers(model: Union[nn.Module, Sequence[nn.Module]]) -> List[nn.Module]:
     raise TypeError(f"hetpipe: the model must be an nn.Sequential or a list of modules, got {type(model).__name__}")
 
 
-def infer_boundaries(layers: Sequence[nn.Module], x: torch.Tensor) -> List[Boundary]:
+def infer_boundaries(layers: Sequence[nn.Module], x: torch.Tensor) -> List[Optional[Boundary]]:
     """Shape and dtype entering each layer (and leaving the last), batch dimension dropped.
 
-    Runs on the meta device (no real compute); falls back to a real no-grad pass for layers meta cannot run."""
-    out = [Boundary(tuple(x.shape[1:]), x.dtype)]
+    Runs on the meta device (no real compute), falling back to a real no-grad pass for layers meta
+    cannot run. Boundaries after a layer that fails on this rank's copy of the model are None: only
+    a stage that needs one of them fails (see :func:`build_stage`)."""
+    out: List[Optional[Boundary]] = [Boundary(tuple(x.shape[1:]), x.dtype)]
     cur = torch.empty(x.shape, dtype=x.dtype, device="meta")
     real: Optional[torch.Tensor] = None
-    for layer in layers:
-        if real is None:
-            try:
-                params = {k: torch.empty_like(v, device="meta") for k, v in layer.named_parameters()}
-                cur = torch.func.functional_call(layer, params, (cur,))
-                out.append(Boundary(tuple(cur.shape[1:]), cur.dtype))
-                continue
-            except (NotImplementedError, RuntimeError):
-                real = torch.zeros(cur.shape, dtype=cur.dtype)
-        with torch.no_grad():
-            real = layer(real)
-        out.append(Boundary(tuple(real.shape[1:]), real.dtype))
+    for i, layer in enumerate(layers):
+        try:
+            if real is None:
+                try:
+                    params = {k: torch.empty_like(v, device="meta") for k, v in layer.named_parameters()}
+                    cur = torch.func.functional_call(layer, params, (cur,))
+                    out.append(Boundary(tuple(cur.shape[1:]), cur.dtype))
+                    continue
+                except (NotImplementedError, RuntimeError):
+                    real = torch.zeros(cur.shape, dtype=cur.dtype)
+            with torch.no_grad():
+                real = layer(real)
+            out.append(Boundary(tuple(real.shape[1:]), real.dtype))
+        except Exception:  # noqa: BLE001 - this rank's copy cannot run layer i; later shapes are unknown
+            out.extend([None] * (len(layers) - i))
+            break
     return out
-
-
 def _round_slot(nbytes: int) -> int:
     return max(4096, -(-nbytes // 4096) * 4096)
 
 
-def boundary_bytes(b: Boundary, batch: int) -> int:
+def boundary_bytes(b: Optional[Boundary], batch: int) -> int:
+    if b is None:
+        return 0
     n = batch
     for s in b.shape:
         n *= s
@@ -114,6 +120,10 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
     st = plan.virtual_workers[vw].stages[stage]
     num_stages = len(plan.virtual_workers[vw].stages)
     rank = plan.rank_of(vw, stage)
+    for i in (st.start, st.stop):
+        if spec.boundaries[i] is None:
+            raise ValueError(f"hetpipe: VW {vw} stage {stage} (rank {rank}): this rank's copy of the model cannot "
+                             f"run the layers before layer {i} on the first minibatch")
     device = spec.devices.get(rank, torch.device("cpu"))
     model = StageModel(spec.layers, st.start, st.stop, nm=plan.nm, shard_layers=shard_layers(plan),
                        optimizer_factory=spec.optimizer_factory, device=device, recompute=bool(st.recompute))

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from hetpipe.launch import failure
-from hetpipe.launch.mpi import gather_hosts, world
+from hetpipe.launch.mpi import gather_hosts, register_rank, world
 from hetpipe.launch.roles import LaunchError, Role, check_world, resolve_device, role_of
 from hetpipe.plan.types import Plan
 from hetpipe.runtime.build import (RunSpec, as_layers, build_shard, build_stage, drive, infer_boundaries,
@@ -182,6 +182,7 @@ class Trainer:
         check_world(plan, size)
         role = role_of(plan, rank)
         self._describe = role.describe()
+        register_rank(rank, self._describe)
         spec, problem = None, None
         try:
             spec = self.spec(plan)
@@ -286,7 +287,8 @@ class _Reporter:
                                             "global_clock": self.ex.global_clock}) + "\n")
                 self.file.flush()
             if self.bar is not None:
-                self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:.0f}", clock=self.ex.global_clock)
+                self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:.0f}", clock=self.ex.global_clock,
+                                     refresh=False)
             self.wave += 1
 
     def finish(self, result: TrainResult, trace_path: Optional[Path]) -> None:

@@ -183,6 +183,7 @@ class MPITransport(Transport):
         for rv in self._recvs.values():
             if rv.header_req is not None:
                 rv.header_req.Cancel()
+                rv.header_req.Wait()
             if rv.slot is not None:
                 self.pool.release(rv.slot)
         self._recvs.clear()

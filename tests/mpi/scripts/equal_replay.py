@@ -35,10 +35,34 @@ def main() -> int:
             res = {**cfg, "losses_equal": same_losses, "weights_equal": same_weights, "trained": moved,
                    "minibatches": len(run.losses[0])}
             ok = ok and same_losses and same_weights and moved
+            if cfg.get("plain"):
+                res["plain_max_diff"] = _plain_max_diff(run, cfg.get("epochs", 2))
             print("RESULT " + json.dumps(res), flush=True)
         sub.Free()
         MPI.COMM_WORLD.Barrier()
     return 0 if ok else 1
+
+
+def _plain_max_diff(run, epochs: int) -> float:
+    """Largest |difference| between the run's losses and weights and plain PyTorch training (one device)."""
+    model = mlp()
+    opt = sgd()(model.parameters())
+    data = synthetic()
+    losses = []
+    for e in range(epochs):
+        data.set_epoch(e)
+        for x, y in data:
+            opt.zero_grad()
+            loss = cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+    diff = max(abs(a - b) for a, b in zip(losses, [v for _, v in sorted(run.losses[0].items())]))
+    for l, layer in enumerate(model):
+        ps = [p.detach().reshape(-1) for p in layer.parameters()]
+        if ps:
+            diff = max(diff, float((torch.cat(ps) - torch.from_numpy(run.weights[l])).abs().max()))
+    return diff
 
 
 def _initial():
