@@ -1,0 +1,239 @@
+"""Cluster specs: device types, devices on nodes, and the links between them.
+
+File format (JSON; a preset name, a path or an equivalent dict are accepted by :func:`load_cluster`)::
+
+    {
+      "name": "hetpipe-testbed",
+      "emulated": false,                      # devices are emulated on the host CPU (optional)
+      "device_types": {
+        "titan_v": {"memory_bytes": 12884901888, "peak_flops": 14.9e12},
+        "emu_slow": {"memory_bytes": 268435456, "speed": 0.0625}
+      },
+      "nodes": [
+        {"name": "n0", "devices": ["titan_v", "titan_v"]},      # one entry per device, by type
+        {"name": "n1", "type": "emu_slow", "count": 2}          # or a type and a count
+      ],
+      "intra_node": {"bandwidth": 15.75e9, "latency": 1e-5},    # bytes/s and seconds
+      "inter_node": {"bandwidth": 7e9, "latency": 5e-6}
+    }
+
+Device ``j`` of node ``n`` has the id ``"<n>.g<j>"``. A device type's ``speed`` is relative compute
+speed: for real GPUs it defaults to the peak FP32 FLOP/s in TFLOP/s (so ratios of speeds are ratios
+of peak rates); for emulated types it is the fraction of the host CPU's measured speed (0.125 means
+eight times slower than the host). Only ratios of speeds are ever used.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Tuple, Union
+
+PRESET_DIR = Path(__file__).resolve().parent / "data" / "clusters"
+
+
+@dataclass(frozen=True)
+class DeviceType:
+    """A kind of device: memory capacity and relative speed (see the module docstring)."""
+
+    name: str
+    memory_bytes: int
+    speed: float
+    peak_flops: float = 0.0     # FLOP/s, 0 when unknown (emulated types)
+
+
+@dataclass(frozen=True)
+class Device:
+    id: str
+    type: str
+    node: str
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float            # bytes per second
+    latency: float = 0.0        # seconds per message
+
+    def time(self, nbytes: float) -> float:
+        """Seconds to move one message of ``nbytes`` (0 for an empty message)."""
+        return 0.0 if nbytes <= 0 else self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    device_types: Dict[str, DeviceType]
+    devices: Tuple[Device, ...]
+    intra_node: Link
+    inter_node: Link
+    emulated: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            raise ValueError(f"cluster {self.name!r}: no devices")
+        seen = set()
+        for d in self.devices:
+            if d.type not in self.device_types:
+                raise ValueError(f"cluster {self.name!r}: device {d.id} has unknown device type {d.type!r} "
+                                 f"(known: {sorted(self.device_types)})")
+            if d.id in seen:
+                raise ValueError(f"cluster {self.name!r}: duplicate device id {d.id}")
+            seen.add(d.id)
+
+    @property
+    def nodes(self) -> Tuple[str, ...]:
+        """Node names in the order their first device appears."""
+        return tuple(dict.fromkeys(d.node for d in self.devices))
+
+    def devices_of(self, node: str) -> Tuple[Device, ...]:
+        return tuple(d for d in self.devices if d.node == node)
+
+    def device(self, device_id: str) -> Device:
+        for d in self.devices:
+            if d.id == device_id:
+                return d
+        raise ValueError(f"cluster {self.name!r}: unknown device {device_id!r}")
+
+    def type_of(self, device: Union[str, Device]) -> DeviceType:
+        d = self.device(device) if isinstance(device, str) else device
+        return self.device_types[d.type]
+
+    def node_link(self, node_a: str, node_b: str) -> Link:
+        return self.intra_node if node_a == node_b else self.inter_node
+
+    def link(self, dev_a: Union[str, Device], dev_b: Union[str, Device]) -> Tuple[float, float]:
+        """``(bandwidth B/s, latency s)`` of the link between two devices (intra- or inter-node)."""
+        a = self.device(dev_a) if isinstance(dev_a, str) else dev_a
+        b = self.device(dev_b) if isinstance(dev_b, str) else dev_b
+        lk = self.node_link(a.node, b.node)
+        return lk.bandwidth, lk.latency
+
+    # --- data ------------------------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        types = {}
+        for t in self.device_types.values():
+            types[t.name] = {"memory_bytes": t.memory_bytes, "speed": t.speed}
+            if t.peak_flops:
+                types[t.name]["peak_flops"] = t.peak_flops
+        return {
+            "name": self.name, "emulated": self.emulated, "device_types": types,
+            "nodes": [{"name": n, "devices": [d.type for d in self.devices_of(n)]} for n in self.nodes],
+            "intra_node": {"bandwidth": self.intra_node.bandwidth, "latency": self.intra_node.latency},
+            "inter_node": {"bandwidth": self.inter_node.bandwidth, "latency": self.inter_node.latency},
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def _positive(where: str, value: Any, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where} must be a number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{where} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    return float(value)
+
+
+def _link(name: str, key: str, data: Any) -> Link:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"cluster {name!r}: {key} must be an object with bandwidth and latency, got {data!r}")
+    if "bandwidth" not in data:
+        raise ValueError(f"cluster {name!r}: {key} has no bandwidth")
+    return Link(_positive(f"cluster {name!r}: {key}.bandwidth", data["bandwidth"]),
+                _positive(f"cluster {name!r}: {key}.latency", data.get("latency", 0.0), allow_zero=True))
+
+
+def _device_type(cname: str, tname: str, data: Any) -> DeviceType:
+    where = f"cluster {cname!r}: device type {tname!r}"
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where} must be an object, got {data!r}")
+    unknown = set(data) - {"memory_bytes", "speed", "peak_flops"}
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}")
+    if "memory_bytes" not in data:
+        raise ValueError(f"{where}: no memory_bytes")
+    mem = _positive(f"{where}: memory_bytes", data["memory_bytes"])
+    flops = _positive(f"{where}: peak_flops", data.get("peak_flops", 0.0), allow_zero=True)
+    if "speed" in data:
+        speed = _positive(f"{where}: speed", data["speed"])
+    elif flops:
+        speed = flops / 1e12
+    else:
+        raise ValueError(f"{where}: needs speed or peak_flops")
+    return DeviceType(tname, int(mem), speed, flops)
+
+
+def cluster_from_dict(data: Any) -> ClusterSpec:
+    """Build and validate a :class:`ClusterSpec` from the file format of the module docstring."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"cluster: a spec must be a JSON object, got {type(data).__name__}")
+    name = str(data.get("name", "cluster"))
+    unknown = set(data) - {"name", "emulated", "device_types", "nodes", "intra_node", "inter_node", "description"}
+    if unknown:
+        raise ValueError(f"cluster {name!r}: unknown field(s) {sorted(unknown)}")
+    for key in ("device_types", "nodes", "intra_node", "inter_node"):
+        if key not in data:
+            raise ValueError(f"cluster {name!r}: missing {key}")
+    if not isinstance(data["device_types"], Mapping):
+        raise ValueError(f"cluster {name!r}: device_types must be an object keyed by type name")
+    types = {t: _device_type(name, t, v) for t, v in data["device_types"].items()}
+    nodes = data["nodes"]
+    if not isinstance(nodes, list) or not nodes:
+        raise ValueError(f"cluster {name!r}: no nodes (empty cluster)")
+    devices: List[Device] = []
+    for i, node in enumerate(nodes):
+        if not isinstance(node, Mapping):
+            raise ValueError(f"cluster {name!r}: node {i} must be an object, got {node!r}")
+        nname = str(node.get("name", f"n{i}"))
+        if "devices" in node:
+            kinds = node["devices"]
+            if not isinstance(kinds, list):
+                raise ValueError(f"cluster {name!r}: node {nname}: devices must be a list of type names")
+        elif "type" in node:
+            count = node.get("count", 1)
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise ValueError(f"cluster {name!r}: node {nname}: count must be an integer >= 1, got {count!r}")
+            kinds = [node["type"]] * count
+        else:
+            raise ValueError(f"cluster {name!r}: node {nname} has neither devices nor type")
+        for j, t in enumerate(kinds):
+            if t not in types:
+                raise ValueError(f"cluster {name!r}: device {nname}.g{j} has unknown device type {t!r} "
+                                 f"(known: {sorted(types)})")
+            devices.append(Device(f"{nname}.g{j}", t, nname))
+    if not devices:
+        raise ValueError(f"cluster {name!r}: no devices (empty cluster)")
+    return ClusterSpec(name, types, tuple(devices), _link(name, "intra_node", data["intra_node"]),
+                       _link(name, "inter_node", data["inter_node"]), bool(data.get("emulated", False)))
+
+
+def presets() -> List[str]:
+    """Names of the shipped cluster presets."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def load_cluster(spec: Union[str, Path, Mapping, ClusterSpec]) -> ClusterSpec:
+    """A cluster from a preset name (``hetpipe-testbed``, ``cpu-emulated``, ``cpu-emulated-6``),
+    a JSON file path, a dict in the file format, or a :class:`ClusterSpec` (returned as is)."""
+    if isinstance(spec, ClusterSpec):
+        return spec
+    if isinstance(spec, Mapping):
+        return cluster_from_dict(spec)
+    text = str(spec)
+    path = Path(text)
+    if not path.suffix and (PRESET_DIR / f"{text}.json").is_file():
+        path = PRESET_DIR / f"{text}.json"
+    elif not path.is_file():
+        if path.suffix:
+            raise ValueError(f"cluster: cannot read {text}: no such file")
+        raise ValueError(f"cluster: {text!r} is neither a preset ({', '.join(presets())}) nor a file")
+    if path.suffix in (".yaml", ".yml"):
+        raise ValueError(f"cluster: {path}: YAML is not supported, write the spec as JSON")
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"cluster: cannot read {path}: {e}") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"cluster: {path} is not valid JSON: {e}") from e
+    return cluster_from_dict(data)
