@@ -216,7 +216,10 @@ class Trainer:
                                      self.epochs)
         else:
             part = build_shard(spec, role.shard, transport, pool)
-        drive(part, self.timeout, f"hetpipe: {role.describe()}", reporter.update if reporter else None)
+        # A shard idles legitimately while stages compute; it waits twice as long, so that a stuck
+        # peer is reported by the stage that waits on it directly.
+        limit = self.timeout if role.kind == "stage" else 2 * self.timeout
+        drive(part, limit, f"hetpipe: {role.describe()}", reporter.update if reporter else None)
         elapsed = time.perf_counter() - t0
         transport.close()
         mine: Dict[str, Any] = {"rank": role.rank, "elapsed": elapsed}

@@ -1,12 +1,14 @@
 """A run in which one rank fails on purpose. Usage: mpiexec -n 3 python failing.py MODE RANK
 
-MODE: ``raise`` (the rank raises in its forward), ``kill`` (it SIGKILLs itself mid-run), ``shape``
-(rank 0's copy of the model narrows an activation, so stage 1 receives the wrong shape), ``none``.
+MODE: ``raise`` (the rank raises in its forward), ``kill`` (it SIGKILLs itself mid-run), ``hang``
+(it stops responding), ``shape`` (rank 0's copy of the model narrows an activation, so stage 1
+receives the wrong shape), ``cuda`` (the plan asks for cuda:3), ``none``.
 """
 
 import os
 import signal
 import sys
+import time
 
 import torch
 from mpi4py import MPI
@@ -34,6 +36,8 @@ class Tripwire(nn.Module):
                 raise RuntimeError("deliberate failure in the forward pass")
             if self.mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.mode == "hang":
+                time.sleep(3600)
         return x
 
 
@@ -42,7 +46,8 @@ def main() -> int:
     base = list(mlp())
     layers = [base[0], base[1], Tripwire(mode, rank), *base[2:]]
     # The tripwire ends stage 0 for "shape" (it narrows what stage 0 sends) and starts stage 1 otherwise.
-    plan = one_vw_plan([3] if mode == "shape" else [2], nm=2, d=0, num_layers=len(layers))
+    plan = one_vw_plan([3] if mode == "shape" else [2], nm=2, d=0, num_layers=len(layers),
+                       device="cuda:3" if mode == "cuda" else "cpu")
     Trainer(layers, cross_entropy, sgd(), synthetic(), plan=plan, epochs=3, progress=False).fit()
     print("FINISHED", flush=True)
     return 0

@@ -1,0 +1,147 @@
+"""The runtime under real mpiexec: equality with the single-process replay, plain PyTorch, WSP
+invariants with two VWs, convergence on digits, and failures that end the job with a clear message."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import SCRIPTS, results, run_mpi
+
+pytestmark = pytest.mark.mpi
+
+EQUAL_CONFIGS = [{"cuts": cuts, "nm": nm, "d": 0} for cuts in ([3], [2, 4]) for nm in (1, 2, 3, 4)]
+PLAIN = {"cuts": [], "nm": 1, "d": 0, "plain": True}
+
+
+@pytest.fixture(scope="module")
+def equal_runs():
+    """All equality configurations in one 4-rank launch (smaller plans run on a sub-communicator)."""
+    proc = run_mpi(4, "equal_replay.py", json.dumps(EQUAL_CONFIGS + [PLAIN]), timeout=600)
+    got = {(tuple(r["cuts"]), r["nm"]): r for r in results(proc)}
+    return proc, got
+
+
+@pytest.mark.parametrize("cfg", EQUAL_CONFIGS, ids=lambda c: f"{len(c['cuts']) + 1}stages-nm{c['nm']}")
+def test_multiprocess_equals_replay(equal_runs, cfg):
+    proc, got = equal_runs
+    r = got.get((tuple(cfg["cuts"]), cfg["nm"]))
+    assert r is not None, f"no result for {cfg}:\n{proc.stdout}\n{proc.stderr}"
+    assert r["trained"], "the weights never moved"
+    assert r["losses_equal"], r
+    assert r["weights_equal"], r
+
+
+def test_one_stage_equals_plain_pytorch(equal_runs):
+    proc, got = equal_runs
+    r = got.get(((), 1))
+    assert r is not None, f"no result:\n{proc.stdout}\n{proc.stderr}"
+    assert r["plain_max_diff"] < 1e-4, r
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def wsp_runs():
+    proc = run_mpi(5, "wsp_two_vws.py", json.dumps([0, 0, 1, 3]), timeout=600)
+    return proc, results(proc)
+
+
+@pytest.mark.parametrize("d", [0, 1, 3])
+def test_two_vws_wsp_invariants(wsp_runs, d):
+    proc, res = wsp_runs
+    runs = [r for r in res if r["d"] == d]
+    assert runs, f"no result for D = {d}:\n{proc.stdout}\n{proc.stderr}"
+    for r in runs:
+        assert r["bound_ok"] and r["max_gap"] <= d + 1, r
+        assert r["pushes_once"], r
+        assert r["pulls_ok"], r
+        assert r["sum_ok"], r
+        assert r["final_global"] == r["waves"], r
+
+
+def test_two_vws_d0_reproducible(wsp_runs):
+    proc, res = wsp_runs
+    again = [r for r in res if r["d"] == 0 and "reproducible" in r]
+    assert again and again[0]["reproducible"], f"{proc.stdout}\n{proc.stderr}"
+
+
+def test_digits_converges_with_two_vws(tmp_path):
+    sys.path.insert(0, str(SCRIPTS))
+    from common import two_vw_plan
+
+    plan = two_vw_plan(([3], [4]), (0.001, 0.002), nm=2, d=1)
+    plan.save(tmp_path / "plan.json")
+    from conftest import mpiexec
+
+    proc = subprocess.run([mpiexec(), "-n", "5", sys.executable, "-m", "hetpipe.runtime.demo", "--plan",
+                           str(tmp_path / "plan.json"), "--out", str(tmp_path / "out"), "--epochs", "10",
+                           "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["test_accuracy"] >= 0.95, result
+    lines = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert {l["event"] for l in lines} == {"wave", "epoch", "summary"}
+    trace = json.loads((tmp_path / "out" / "trace.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
+
+
+def _failed(mode: str, rank: int, timeout_env: str = "30", via_launcher: bool = False, n: int = 3):
+    env = {"HETPIPE_TIMEOUT": timeout_env}
+    started = time.monotonic()
+    if via_launcher:
+        import os
+        proc = subprocess.run([sys.executable, "-m", "hetpipe.cli", "launch", "-n", str(n),
+                               str(SCRIPTS / "failing.py"), mode, str(rank)], capture_output=True, text=True,
+                              timeout=300, env={**os.environ, **env}, cwd=SCRIPTS)
+    else:
+        proc = run_mpi(n, "failing.py", mode, str(rank), env=env, timeout=300)
+    return proc, time.monotonic() - started
+
+
+def test_raising_rank_ends_the_job():
+    proc, took = _failed("raise", 1)
+    assert proc.returncode != 0
+    assert "hetpipe: rank 1 (vw 0 stage 1) failed: RuntimeError: deliberate failure" in proc.stderr
+    assert "FINISHED" not in proc.stdout
+    assert took < 200
+
+
+def test_killed_rank_is_named_by_the_launcher():
+    proc, took = _failed("kill", 1, via_launcher=True)
+    assert proc.returncode != 0
+    assert "hetpipe: rank 1 (vw 0 stage 1) failed: it died" in proc.stderr, proc.stderr
+    assert took < 200
+
+
+def test_hanging_peer_times_out_with_its_name():
+    proc, took = _failed("hang", 1, timeout_env="5")
+    assert proc.returncode != 0
+    assert "waited 5 s for" in proc.stderr and "VW 0 stage 1 (rank 1)" in proc.stderr, proc.stderr
+    assert took < 200
+
+
+def test_shape_mismatch_names_both_stages():
+    proc, _ = _failed("shape", 0)
+    assert proc.returncode != 0
+    assert ("shape mismatch between VW 0 stage 0 (rank 0) and VW 0 stage 1 (rank 1): the activation of "
+            "minibatch 0 is float32[16, 16]") in proc.stderr, proc.stderr
+
+
+def test_wrong_rank_count_fails_on_every_rank():
+    proc, _ = _failed("none", 0, n=2)
+    assert proc.returncode != 0
+    assert "the plan needs 3 ranks" in proc.stderr and "but 2 were started" in proc.stderr
+
+
+def test_missing_device_is_a_clear_error():
+    proc, _ = _failed("cuda", 0)
+    assert proc.returncode != 0
+    assert "the plan asks for cuda:3 but this host has no CUDA device" in proc.stderr, proc.stderr
+
+
+def test_healthy_run_finishes():
+    proc, _ = _failed("none", 0)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("FINISHED") == 3
