@@ -1,0 +1,476 @@
+"""Layer profiles: per-layer compute time on each device type, and the bytes each layer needs.
+
+A :class:`ModelProfile` is an ordered list of :class:`LayerProfile` (the layers a plan partitions)
+measured for one minibatch of ``minibatch_size`` samples. File format (JSON)::
+
+    {"name": "vgg19", "minibatch_size": 32, "input_bytes": 19267584,
+     "layers": [{"name": "conv1_1", "fwd_time": {"titan_v": 0.0049, ...}, "bwd_time": {...},
+                 "activation_bytes": 411041792, "stash_bytes": 411041792, "param_bytes": 7168,
+                 "optimizer_bytes": 7168, "workspace_bytes": 0, "flops": 3.5e9,
+                 "derived": {"titan_v": true, ...}}, ...]}
+
+Times are seconds per minibatch; ``activation_bytes`` is the layer's output for one minibatch (what
+a stage sends to the next); ``stash_bytes`` what the layer keeps for its backward per minibatch in
+flight (defaults to ``activation_bytes``); ``param_bytes`` its weights (a same-sized gradient buffer
+is counted by the planner); ``optimizer_bytes`` its optimizer state; ``workspace_bytes`` transient
+scratch while it runs. ``derived[t]`` says that the times for type ``t`` were not measured on ``t``.
+
+Where numbers come from:
+
+* :func:`profile_model` measures each layer's forward and backward on this host (one thread, the
+  median of ``repeats`` runs) and the bytes it saves for backward (autograd's saved-tensor hooks),
+  then derives every device type of the cluster by speed ratio: on an emulated cluster the host is
+  the reference (time on type T = measured / T.speed); otherwise the host is a device of
+  ``reference_type`` (time on T = measured x speed[reference] / speed[T]).
+* The shipped presets ``resnet152``, ``vgg19`` and ``gpt`` (a 1.3B-parameter GPT: 24 blocks, width
+  2048, 16 heads, sequence 1024) are analytic: :func:`analytic_profile` builds each layer from its
+  shape (forward FLOPs, parameters, output and stashed activation elements per sample), and times
+  it on each device type as ``minibatch x FLOPs / (peak FLOP/s x efficiency)`` with efficiency 0.5
+  and backward = 2 x forward. CNNs are FP32 with SGD momentum (4 + 4 bytes per parameter); the GPT
+  is mixed precision (2-byte weights and activations, 12 bytes of Adam state and master weights per
+  parameter). Regenerate the files with ``write_presets()``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+PRESET_DIR = Path(__file__).resolve().parent / "data" / "profiles"
+EFFICIENCY = 0.5
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    name: str
+    fwd_time: Dict[str, float]
+    bwd_time: Dict[str, float]
+    activation_bytes: int = 0
+    param_bytes: int = 0
+    optimizer_bytes: int = 0
+    workspace_bytes: int = 0
+    derived: Dict[str, bool] = field(default_factory=dict)
+    stash_bytes: Optional[int] = None
+    flops: float = 0.0          # forward FLOPs per minibatch, 0 when unknown
+
+    @property
+    def stash(self) -> int:
+        """Bytes kept for backward per minibatch in flight."""
+        return self.activation_bytes if self.stash_bytes is None else self.stash_bytes
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    name: str
+    minibatch_size: int
+    layers: Tuple[LayerProfile, ...]
+    input_bytes: int = 0        # bytes of one minibatch's input to layer 0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        self.validate()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def layer_names(self) -> Tuple[str, ...]:
+        return tuple(layer.name for layer in self.layers)
+
+    @property
+    def device_types(self) -> Tuple[str, ...]:
+        """Types every layer has times for."""
+        if not self.layers:
+            return ()
+        common = set(self.layers[0].fwd_time)
+        for layer in self.layers:
+            common &= set(layer.fwd_time) & set(layer.bwd_time)
+        return tuple(sorted(common))
+
+    def validate(self, device_types: Optional[Iterable[str]] = None) -> None:
+        """Raise ValueError naming the layer (and type) for negative or missing numbers.
+
+        With ``device_types``, every layer must have forward and backward times for each of them.
+        """
+        where = f"profile {self.name!r}"
+        if not self.layers:
+            raise ValueError(f"{where}: no layers")
+        if self.minibatch_size < 0:
+            raise ValueError(f"{where}: minibatch_size must be >= 0, got {self.minibatch_size}")
+        if self.input_bytes < 0:
+            raise ValueError(f"{where}: input_bytes must be >= 0, got {self.input_bytes}")
+        need = list(device_types) if device_types is not None else None
+        for i, layer in enumerate(self.layers):
+            lw = f"{where}: layer {i} ({layer.name!r})"
+            for kind, times in (("fwd_time", layer.fwd_time), ("bwd_time", layer.bwd_time)):
+                for t, v in times.items():
+                    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+                        raise ValueError(f"{lw}: {kind} on device type {t!r} must be a finite number >= 0, got {v!r}")
+                for t in need or ():
+                    if t not in times:
+                        raise ValueError(f"{lw}: no {kind} for device type {t!r} "
+                                         f"(profiled types: {sorted(times)})")
+            for kind in ("activation_bytes", "param_bytes", "optimizer_bytes", "workspace_bytes"):
+                v = getattr(layer, kind)
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise ValueError(f"{lw}: {kind} must be an integer >= 0, got {v!r}")
+            if layer.stash_bytes is not None and (not isinstance(layer.stash_bytes, int) or layer.stash_bytes < 0):
+                raise ValueError(f"{lw}: stash_bytes must be an integer >= 0, got {layer.stash_bytes!r}")
+
+    def fwd(self, device_type: str) -> List[float]:
+        return [layer.fwd_time[device_type] for layer in self.layers]
+
+    def bwd(self, device_type: str) -> List[float]:
+        return [layer.bwd_time[device_type] for layer in self.layers]
+
+    def derive_types(self, speeds: Mapping[str, float], reference_type: Optional[str] = None) -> "ModelProfile":
+        """A copy with times for every type in ``speeds`` (name -> relative speed) that a layer lacks,
+        scaled from ``reference_type`` (default: the fastest profiled type present in ``speeds``)
+        by speed ratio and marked derived. Accepts a ClusterSpec's ``device_types`` via
+        ``{t: dt.speed for t, dt in cluster.device_types.items()}``."""
+        have = [t for t in self.device_types if t in speeds]
+        if reference_type is None:
+            if not have:
+                raise ValueError(f"profile {self.name!r}: no profiled device type among {sorted(speeds)} "
+                                 f"to derive the others from (profiled: {list(self.device_types)})")
+            reference_type = max(have, key=lambda t: speeds[t])
+        if reference_type not in self.device_types or reference_type not in speeds:
+            raise ValueError(f"profile {self.name!r}: reference type {reference_type!r} is not profiled "
+                             f"or has no speed")
+        ref = speeds[reference_type]
+        layers = []
+        for layer in self.layers:
+            f, b, dv = dict(layer.fwd_time), dict(layer.bwd_time), dict(layer.derived)
+            for t, s in speeds.items():
+                if t not in f or t not in b:
+                    f[t] = layer.fwd_time[reference_type] * ref / s
+                    b[t] = layer.bwd_time[reference_type] * ref / s
+                    dv[t] = True
+            layers.append(replace(layer, fwd_time=f, bwd_time=b, derived=dv))
+        return replace(self, layers=tuple(layers))
+
+    # --- JSON ------------------------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        out = []
+        for layer in self.layers:
+            d = {"name": layer.name, "fwd_time": layer.fwd_time, "bwd_time": layer.bwd_time,
+                 "activation_bytes": layer.activation_bytes, "param_bytes": layer.param_bytes,
+                 "optimizer_bytes": layer.optimizer_bytes, "workspace_bytes": layer.workspace_bytes,
+                 "derived": layer.derived}
+            if layer.stash_bytes is not None:
+                d["stash_bytes"] = layer.stash_bytes
+            if layer.flops:
+                d["flops"] = layer.flops
+            out.append(d)
+        return {"name": self.name, "minibatch_size": self.minibatch_size, "input_bytes": self.input_bytes,
+                "source": self.source, "layers": out}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "ModelProfile":
+        if not isinstance(data, Mapping):
+            raise ValueError(f"profile: must be a JSON object, got {type(data).__name__}")
+        name = str(data.get("name", "model"))
+        if "layers" not in data or not isinstance(data["layers"], list):
+            raise ValueError(f"profile {name!r}: missing the list of layers")
+        layers = []
+        for i, ld in enumerate(data["layers"]):
+            if not isinstance(ld, Mapping):
+                raise ValueError(f"profile {name!r}: layer {i} must be an object, got {ld!r}")
+            lname = ld.get("name", f"layer{i}")
+            unknown = set(ld) - {f.name for f in LayerProfile.__dataclass_fields__.values()}
+            if unknown:
+                raise ValueError(f"profile {name!r}: layer {i} ({lname!r}): unknown field(s) {sorted(unknown)}")
+            for key in ("fwd_time", "bwd_time"):
+                if not isinstance(ld.get(key), Mapping):
+                    raise ValueError(f"profile {name!r}: layer {i} ({lname!r}): {key} must be an object "
+                                     f"mapping device type to seconds")
+            layers.append(LayerProfile(
+                name=str(lname), fwd_time=dict(ld["fwd_time"]), bwd_time=dict(ld["bwd_time"]),
+                activation_bytes=ld.get("activation_bytes", 0), param_bytes=ld.get("param_bytes", 0),
+                optimizer_bytes=ld.get("optimizer_bytes", 0), workspace_bytes=ld.get("workspace_bytes", 0),
+                derived=dict(ld.get("derived", {})), stash_bytes=ld.get("stash_bytes"),
+                flops=float(ld.get("flops", 0.0))))
+        return cls(name=name, minibatch_size=int(data.get("minibatch_size", 0)), layers=tuple(layers),
+                   input_bytes=int(data.get("input_bytes", 0)), source=str(data.get("source", "")))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def save(self, path: Union[str, Path]) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "ModelProfile":
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise ValueError(f"profile: cannot read {p}: {e}") from e
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"profile: {p} is not valid JSON: {e}") from e
+        return cls.from_dict(data)
+
+
+def presets() -> List[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def load_profile(spec: Union[str, Path, Mapping, ModelProfile]) -> ModelProfile:
+    """A profile from a preset name (``resnet152``, ``vgg19``, ``gpt``), a JSON path or a dict."""
+    if isinstance(spec, ModelProfile):
+        return spec
+    if isinstance(spec, Mapping):
+        return ModelProfile.from_dict(spec)
+    text = str(spec)
+    path = Path(text)
+    if not path.suffix and (PRESET_DIR / f"{text}.json").is_file():
+        return ModelProfile.load(PRESET_DIR / f"{text}.json")
+    if not path.is_file():
+        raise ValueError(f"profile: {text!r} is neither a preset ({', '.join(presets())}) nor a file")
+    return ModelProfile.load(path)
+
+
+# --- measuring -------------------------------------------------------------------------------
+
+def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional[Callable] = None,
+                  reference_type: Optional[str] = None, repeats: int = 5, optimizer_factor: float = 1.0,
+                  name: str = "model") -> ModelProfile:
+    """Measure each layer of ``model`` (an ``nn.Sequential`` or a list of modules) on this host and
+    derive its times on every device type of ``cluster`` (see the module docstring).
+
+    ``sample_input`` is one minibatch; ``loss_fn(output) -> scalar`` drives the last layer's
+    backward (default: the sum of the output). ``optimizer_bytes = optimizer_factor x param_bytes``
+    (1.0: SGD with momentum; 2.0: Adam).
+    """
+    import time
+
+    import torch
+
+    from hetpipe.cluster import load_cluster
+
+    cluster = load_cluster(cluster)
+    if repeats < 1:
+        raise ValueError(f"profile_model: repeats must be >= 1, got {repeats}")
+    if cluster.emulated:
+        ref_speed = 1.0
+    elif reference_type is None:
+        raise ValueError(f"profile_model: cluster {cluster.name!r} is not emulated; give reference_type, "
+                         f"the device type this host's device is (one of {sorted(cluster.device_types)})")
+    elif reference_type not in cluster.device_types:
+        raise ValueError(f"profile_model: unknown device type {reference_type!r} "
+                         f"(cluster types: {sorted(cluster.device_types)})")
+    else:
+        ref_speed = cluster.device_types[reference_type].speed
+    layers = list(model)
+    if not layers:
+        raise ValueError("profile_model: the model has no layers")
+
+    def nbytes(t: Any) -> int:
+        if isinstance(t, torch.Tensor):
+            return t.numel() * t.element_size()
+        if isinstance(t, (tuple, list)):
+            return sum(nbytes(x) for x in t)
+        return 0
+
+    def detach(t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            d = t.detach()
+            return d.requires_grad_(True) if d.is_floating_point() else d
+        if isinstance(t, (tuple, list)):
+            return type(t)(detach(x) for x in t)
+        return t
+
+    def tensors(t: Any) -> List[Any]:
+        if isinstance(t, torch.Tensor):
+            return [t]
+        if isinstance(t, (tuple, list)):
+            return [x for v in t for x in tensors(v)]
+        return []
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fwd_s: List[List[float]] = [[] for _ in layers]
+        bwd_s: List[List[float]] = [[] for _ in layers]
+        out_bytes, stash_bytes = [0] * len(layers), [0] * len(layers)
+        for r in range(repeats + 1):
+            x = sample_input
+            for i, layer in enumerate(layers):
+                xin = detach(x)
+                params = {p.data_ptr() for p in layer.parameters()}
+                saved: List[int] = []
+
+                def pack(t, saved=saved, params=params):
+                    if t.data_ptr() not in params:
+                        saved.append(t.numel() * t.element_size())
+                    return t
+
+                t0 = time.perf_counter()
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    y = layer(xin)
+                t1 = time.perf_counter()
+                outs = [t for t in tensors(y) if t.requires_grad]
+                if outs:
+                    if i == len(layers) - 1:
+                        loss = loss_fn(y) if loss_fn is not None else sum(t.float().sum() for t in outs)
+                        t1 = time.perf_counter()
+                        loss.backward()
+                    else:
+                        grads = [torch.ones_like(t) for t in outs]
+                        t1 = time.perf_counter()
+                        torch.autograd.backward(outs, grads)
+                t2 = time.perf_counter()
+                if r > 0:
+                    fwd_s[i].append(t1 - t0)
+                    bwd_s[i].append(t2 - t1)
+                out_bytes[i], stash_bytes[i] = nbytes(y), sum(saved)
+                x = y.detach() if isinstance(y, torch.Tensor) else y
+    finally:
+        torch.set_num_threads(threads)
+
+    def median(v: Sequence[float]) -> float:
+        s = sorted(v)
+        return s[len(s) // 2]
+
+    out = []
+    for i, layer in enumerate(layers):
+        pb = sum(p.numel() * p.element_size() for p in layer.parameters())
+        fm, bm = median(fwd_s[i]), median(bwd_s[i])
+        f = {t: fm * ref_speed / dt.speed for t, dt in cluster.device_types.items()}
+        b = {t: bm * ref_speed / dt.speed for t, dt in cluster.device_types.items()}
+        derived = {t: cluster.emulated or t != reference_type for t in cluster.device_types}
+        out.append(LayerProfile(name=f"{i}:{type(layer).__name__}", fwd_time=f, bwd_time=b,
+                                activation_bytes=out_bytes[i], param_bytes=pb,
+                                optimizer_bytes=int(optimizer_factor * pb), workspace_bytes=0,
+                                derived=derived, stash_bytes=stash_bytes[i]))
+    batch = int(sample_input.shape[0]) if hasattr(sample_input, "shape") and len(sample_input.shape) else 1
+    src = "measured on this host, " + ("emulated types derived by speed" if cluster.emulated
+                                       else f"as {reference_type}, other types derived by speed")
+    return ModelProfile(name=name, minibatch_size=batch, layers=tuple(out), input_bytes=nbytes(sample_input),
+                        source=src)
+
+
+# --- analytic presets ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayerShape:
+    """Per-sample sizes of one layer: forward FLOPs, parameters, output and stashed elements."""
+
+    name: str
+    flops: float
+    params: int
+    out_elems: int
+    stash_elems: int
+
+
+def resnet152_shapes(image: int = 224, classes: int = 1000) -> List[LayerShape]:
+    """Stem, 50 bottleneck blocks (3, 8, 36, 3), pooled classifier: 52 layers."""
+    hw = image // 2
+    out: List[LayerShape] = [LayerShape("stem", 2 * 3 * 64 * 49 * hw * hw, 3 * 64 * 49 + 128,
+                                        64 * (hw // 2) ** 2, 3 * 64 * hw * hw + 64 * (hw // 2) ** 2)]
+    hw //= 2
+    cin = 64
+    for stage, (blocks, w) in enumerate(zip((3, 8, 36, 3), (64, 128, 256, 512))):
+        for b in range(blocks):
+            stride = 2 if (b == 0 and stage > 0) else 1
+            ho = hw // stride
+            macs = cin * w * hw * hw + 9 * w * w * ho * ho + 4 * w * w * ho * ho
+            params = cin * w + 9 * w * w + 4 * w * w + 2 * (6 * w)
+            stash = 3 * w * hw * hw + 3 * w * ho * ho + 3 * 4 * w * ho * ho
+            if b == 0:
+                macs += cin * 4 * w * ho * ho
+                params += cin * 4 * w + 8 * w
+                stash += 2 * 4 * w * ho * ho
+            out.append(LayerShape(f"conv{stage + 2}_{b + 1}", 2 * macs, params, 4 * w * ho * ho, stash))
+            cin, hw = 4 * w, ho
+    out.append(LayerShape("fc", 2 * cin * classes + cin * hw * hw, cin * classes + classes, classes,
+                          cin * hw * hw + cin))
+    return out
+
+
+def vgg19_shapes(image: int = 224, classes: int = 1000) -> List[LayerShape]:
+    """16 convolutions (ReLU and any following max-pool folded in) and 3 fully connected: 19 layers."""
+    cfg = [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M", 512, 512, 512, 512, "M"]
+    out: List[LayerShape] = []
+    cin, hw, stage, idx = 3, image, 1, 0
+    for i, c in enumerate(cfg):
+        if c == "M":
+            continue
+        idx += 1
+        pool = i + 1 < len(cfg) and cfg[i + 1] == "M"
+        ho = hw // 2 if pool else hw
+        out.append(LayerShape(f"conv{stage}_{idx}", 2 * cin * c * 9 * hw * hw, cin * c * 9 + c, c * ho * ho,
+                              2 * c * hw * hw + (c * ho * ho if pool else 0)))
+        cin, hw = c, ho
+        if pool:
+            stage, idx = stage + 1, 0
+    for j, (fi, fo) in enumerate(((cin * hw * hw, 4096), (4096, 4096), (4096, classes))):
+        out.append(LayerShape(f"fc{j + 6}", 2 * fi * fo, fi * fo + fo, fo, fi + 2 * fo))
+    return out
+
+
+def gpt_shapes(blocks: int = 24, width: int = 2048, heads: int = 16, seq: int = 1024,
+               vocab: int = 50257) -> List[LayerShape]:
+    """Embedding, ``blocks`` transformer blocks, final norm + LM head (untied): blocks + 2 layers."""
+    d, s = width, seq
+    out = [LayerShape("embed", 0.0, vocab * d + s * d, s * d, s)]
+    for b in range(blocks):
+        out.append(LayerShape(f"block{b}", s * (24 * d * d + 4 * s * d), 12 * d * d + 13 * d, s * d,
+                              17 * s * d + int(2.5 * heads * s * s)))
+    out.append(LayerShape("head", 2 * s * d * vocab, vocab * d + 2 * d, s * vocab, s * d + s * vocab))
+    return out
+
+
+PRESET_SHAPES = {
+    # name: (shapes, minibatch, bytes per parameter, per activation element, optimizer bytes per parameter,
+    #        input bytes per sample)
+    "resnet152": (resnet152_shapes, 32, 4, 4, 4, 3 * 224 * 224 * 4),
+    "vgg19": (vgg19_shapes, 32, 4, 4, 4, 3 * 224 * 224 * 4),
+    "gpt": (gpt_shapes, 4, 2, 2, 12, 1024 * 8),
+}
+
+
+def analytic_profile(name: str, device_types: Mapping[str, Any], efficiency: float = EFFICIENCY) -> ModelProfile:
+    """The preset ``name`` built from its layer shapes for ``device_types`` (name -> DeviceType with
+    ``peak_flops``); see the module docstring. The gradient buffer (as large as the weights) is not in
+    ``optimizer_bytes``: the planner adds it."""
+    if name not in PRESET_SHAPES:
+        raise ValueError(f"analytic_profile: unknown model {name!r} (known: {sorted(PRESET_SHAPES)})")
+    shapes_fn, batch, pbytes, abytes, obytes, in_bytes = PRESET_SHAPES[name]
+    for t, dt in device_types.items():
+        if not getattr(dt, "peak_flops", 0):
+            raise ValueError(f"analytic_profile: device type {t!r} has no peak_flops")
+    layers = []
+    for sh in shapes_fn():
+        fl = batch * sh.flops
+        f = {t: fl / (dt.peak_flops * efficiency) for t, dt in device_types.items()}
+        layers.append(LayerProfile(
+            name=sh.name, fwd_time=f, bwd_time={t: 2 * v for t, v in f.items()},
+            activation_bytes=batch * sh.out_elems * abytes, param_bytes=sh.params * pbytes,
+            optimizer_bytes=sh.params * obytes,
+            workspace_bytes=batch * sh.out_elems * abytes, derived={t: True for t in device_types},
+            stash_bytes=batch * sh.stash_elems * abytes, flops=float(fl)))
+    return ModelProfile(name=name, minibatch_size=batch, layers=tuple(layers), input_bytes=batch * in_bytes,
+                        source=f"analytic: layer FLOPs / (peak FP32 FLOP/s x {efficiency}); devices modelled")
+
+
+def write_presets(cluster: Any = "hetpipe-testbed", directory: Union[str, Path, None] = None) -> List[Path]:
+    """Write the analytic presets for the device types of ``cluster`` as JSON files."""
+    from hetpipe.cluster import load_cluster
+
+    c = load_cluster(cluster)
+    d = Path(directory) if directory is not None else PRESET_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name in PRESET_SHAPES:
+        p = d / f"{name}.json"
+        analytic_profile(name, c.device_types).save(p)
+        paths.append(p)
+    return paths
