@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,21 +22,9 @@ from emulate import Emulated, clock_report
 from hetpipe.runtime.emulation import EmulatedClock
 from model import build_layers, loss_fn, synthetic_batches
 from mpi_env import gather_results, init_gloo
+from split import uniform_split
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
-
-
-def uniform_split(depth: int, parts: int) -> List[Tuple[int, int]]:
-    """Contiguous [start, stop) ranges of near-equal layer counts (the first ranges take the extra layers)."""
-    if parts < 1 or depth < parts:
-        raise ValueError(f"cannot split {depth} layers into {parts} non-empty stages")
-    base, extra = divmod(depth, parts)
-    out, pos = [], 0
-    for k in range(parts):
-        n = base + (1 if k < extra else 0)
-        out.append((pos, pos + n))
-        pos += n
-    return out
 
 
 def main(cfg_path: str, out_path: str) -> None:
