@@ -1,24 +1,62 @@
-"""The cluster, device model and plan of a run: hetpipe's own profiler and planner when present.
+"""The cluster, device model and plan of a run, from hetpipe's own cluster preset, profiler and planner.
 
-``make_device_model`` profiles the model with ``hetpipe.profile`` on the ``cpu-emulated-6`` cluster
-preset when those modules exist, else with the bench stand-in (``devices.standin_device_model``).
-``make_plan`` calls ``hetpipe.plan.make_plan`` when it exists, else the bench stand-in planner. Each
-returns a label naming its source, printed in the table header.
+``make_device_model`` profiles the benchmark model on this host with ``hetpipe.profile.profile_model``
+on the ``cpu-emulated-6`` preset (types derived by speed ratio) and turns it into the
+``DeviceModel`` every system pads to. ``make_plan`` calls ``hetpipe.plan.make_plan`` on that same
+profile when the planner provides it, else the bench stand-in planner. Labels name each source.
 """
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Any, Dict, List, Tuple
 
-from devices import STANDIN_DEVICES, STANDIN_SLOWDOWN, DeviceModel, standin_device_model
+from devices import DeviceModel
+from hetpipe.cluster import load_cluster
 from hetpipe.plan.types import Plan
-from model import ModelSpec
+from hetpipe.profile import ModelProfile, profile_model
+from model import ModelSpec, build_layers, loss_fn, synthetic_batches
 from standin_plan import standin_plan
 
-
-def make_device_model(spec: ModelSpec) -> DeviceModel:
-    return standin_device_model(spec, STANDIN_SLOWDOWN, STANDIN_DEVICES)
+CLUSTER = "cpu-emulated-6"
 
 
-def make_plan(dm: DeviceModel, spec: ModelSpec, names: List[str], *, nm: int, policy: str) -> Tuple[Plan, str]:
-    return standin_plan(dm, nm, 0, names), "bench stand-in (ED, min-max partition)"
+def make_device_model(spec: ModelSpec) -> Tuple[DeviceModel, ModelProfile, Any]:
+    """(device model, the hetpipe profile it came from, the cluster spec)."""
+    import torch
+    from torch import nn
+
+    torch.set_num_threads(1)
+    cluster = load_cluster(CLUSTER)
+    x, y = synthetic_batches(spec, 1, spec.minibatch)[0]
+    prof = profile_model(nn.Sequential(*build_layers(spec)), x, cluster, loss_fn=lambda out: loss_fn(out, y),
+                         name=f"mlp{spec.depth}x{spec.width}")
+    types = sorted(cluster.device_types)
+    ref = types[0]
+    speed = cluster.device_types[ref].speed
+    dm = DeviceModel(devices=[(d.id, d.type) for d in cluster.devices], minibatch=prof.minibatch_size,
+                     fwd={t: prof.fwd(t) for t in types}, bwd={t: prof.bwd(t) for t in types},
+                     source=f"hetpipe.profile.profile_model on this host, cluster preset {CLUSTER}",
+                     host_fwd=[v * speed for v in prof.fwd(ref)], host_bwd=[v * speed for v in prof.bwd(ref)])
+    return dm, prof, cluster
+
+
+def memory_notes(dm: DeviceModel, prof: ModelProfile, cluster: Any, share: int) -> Dict[str, str]:
+    """Per device type: does the whole model (weights, gradients, optimizer state, stashed activations
+    of ``share`` samples) fit its memory? DDP and the standalone limit need that; they run regardless."""
+    need = sum(l.param_bytes * 2 + l.optimizer_bytes + l.stash * share // prof.minibatch_size for l in prof.layers)
+    out = {}
+    for t in dm.types:
+        cap = cluster.device_types[t].memory_bytes
+        if need > cap:
+            out[t] = f"whole model needs {need / 2**20:.0f} MiB > {t}'s {cap / 2**20:.0f} MiB"
+    return out
+
+
+def make_plan(dm: DeviceModel, prof: ModelProfile, cluster: Any, names: List[str], *, nm: int,
+              policy: str) -> Tuple[Plan, str]:
+    try:
+        from hetpipe.plan import make_plan as hetpipe_make_plan
+    except ImportError:
+        return standin_plan(dm, nm, 0, names), "bench stand-in (ED, min-max partition; hetpipe.plan.make_plan absent)"
+    plan = hetpipe_make_plan(cluster, prof, policy=policy, nm=nm, d=0, minibatch_size=dm.minibatch)
+    return plan, f"hetpipe.plan.make_plan (policy {plan.policy})"

@@ -26,7 +26,7 @@ import predict  # noqa: E402
 from config import RunConfig  # noqa: E402
 from launch import run_worker  # noqa: E402
 from model import ModelSpec, build_layers  # noqa: E402
-from cluster_setup import make_device_model, make_plan  # noqa: E402
+from cluster_setup import CLUSTER, make_device_model, make_plan, memory_notes  # noqa: E402
 from table import main_table, rank_table  # noqa: E402
 
 
@@ -51,9 +51,9 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     spec = ModelSpec(depth=args.depth, width=args.width, minibatch=args.minibatch)
     names = [type(m).__name__ for m in build_layers(spec)]
-    dm = make_device_model(spec)
+    dm, prof, cluster = make_device_model(spec)
     dm.save(work / "devices.json")
-    plan, planner = make_plan(dm, spec, names, nm=args.nm, policy=args.policy)
+    plan, planner = make_plan(dm, prof, cluster, names, nm=args.nm, policy=args.policy)
     plan.save(work / "plan.json")
     per_wave = len(plan.virtual_workers) * plan.nm          # minibatches per wave, whole cluster
     waves, skip = (4, 1) if args.quick else (8, 2)
@@ -87,6 +87,7 @@ def main(argv=None) -> int:
             print(str(e)[-2000:], file=sys.stderr)
         rows.append(row)
 
+    mem = memory_notes(dm, prof, cluster, cfg.global_batch // ndev)
     nranks = max(ndev, plan.num_ranks)
     where = ("emulated" if not torch.cuda.is_available() else
              "emulated (CUDA present, but the real-device path is not implemented)")
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
                       for t in dm.types)
     header = "\n".join([
         f"devices: {where} ({nranks} ranks on this host, {torch.get_num_threads()} torch thread each); {types}",
-        f"device model: {dm.source}; plan: {planner}; model: MLP {spec.depth} layers x {spec.width}, "
+        f"cluster: {CLUSTER}; device model: {dm.source}; plan: {planner}; model: MLP {spec.depth} layers x {spec.width}, "
         f"minibatch {spec.minibatch}; global batch {cfg.global_batch} (= {per_wave} minibatches = one hetpipe wave)",
         f"measured: steady state (warm-up excluded); predicted: simulator (hetpipe, pipelining) or device model "
         f"(DDP, limit), compute and links only"])
@@ -103,6 +104,9 @@ def main(argv=None) -> int:
     print(main_table(rows, header))
     print()
     print(rank_table(raw))
+    for t, why in mem.items():
+        print(f"memory: {why}: DDP and the standalone limit would not fit there on real devices; "
+              "they run here on compute time only")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if all(r.get("measured") for r in rows) else 1
