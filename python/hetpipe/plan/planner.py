@@ -1,0 +1,195 @@
+"""make_plan: form VWs, partition each, choose Nm, place PS shards, predict throughput.
+
+For each policy (NP, ED, HD, or all three for ``auto``) and each candidate Nm (the given one, else
+1 .. the largest VW size: beyond that no stage stashes more and the cost model gains nothing), every
+distinct VW is partitioned (VWs with the same device types on the same node pattern share one
+solution), layers are placed on PS shards, and the cost model predicts the cluster's throughput.
+The best plan by ``objective`` wins: ``throughput`` (ties: smaller Nm, less staleness) or Hippie's
+``memory_efficiency`` (:mod:`hetpipe.plan.recompute`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from hetpipe.cluster import ClusterSpec, load_cluster
+from hetpipe.plan import cost as cost_model
+from hetpipe.plan.formation import POLICIES, form_virtual_workers
+from hetpipe.plan.partition import Partition, partition
+from hetpipe.plan.placement import place_layers
+from hetpipe.plan.recompute import memory_efficiency, single_device_throughput
+from hetpipe.plan.stage import LayerTable, Slot
+from hetpipe.plan.types import Plan, StagePlan, VirtualWorkerPlan
+from hetpipe.profile import ModelProfile, load_profile
+
+OBJECTIVES = ("throughput", "memory_efficiency")
+
+
+@dataclass
+class _Candidate:
+    policy: str
+    nm: int
+    mode: str
+    parts: List[Partition]
+    shards: tuple
+    wave_times: List[float]
+    throughput: float
+    memory: int
+    score: float
+
+
+def _canonical(slots: Sequence[Slot]) -> Tuple[List[Slot], tuple]:
+    """Slots sorted so that VWs of equal structure line up, and the structure key."""
+    groups: Dict[str, List[Slot]] = {}
+    for s in slots:
+        groups.setdefault(s.node, []).append(s)
+    units = [sorted(g, key=lambda s: (s.device_type, s.memory_bytes, s.device)) for g in groups.values()]
+    units.sort(key=lambda u: tuple((s.device_type, s.memory_bytes) for s in u))
+    key = tuple(tuple((s.device_type, s.memory_bytes) for s in u) for u in units)
+    return [s for u in units for s in u], key
+
+
+def _relabel(part: Partition, src: Sequence[Slot], dst: Sequence[Slot]) -> Partition:
+    m = {a.device: b for a, b in zip(src, dst)}
+    return Partition(tuple(m[s.device] for s in part.slots), part.stages, part.nm)
+
+
+def check_fits_cluster(table: LayerTable, cluster: ClusterSpec, profile: ModelProfile) -> None:
+    """Errors for a model whose state exceeds the cluster, or a layer that fits no device."""
+    state = float(table.cum_state[-1])
+    total = sum(cluster.device_types[d.type].memory_bytes for d in cluster.devices)
+    if state > total:
+        raise ValueError(f"model {profile.name!r} needs {int(state)} bytes of weights, gradients and optimizer "
+                         f"state, more than the whole cluster {cluster.name!r} has ({total} bytes)")
+    big = max(cluster.devices, key=lambda d: cluster.device_types[d.type].memory_bytes)
+    cap = cluster.device_types[big.type].memory_bytes
+    for i, layer in enumerate(profile.layers):
+        need = table.min_layer_bytes(i)
+        if need > cap:
+            raise ValueError(f"layer {i} ({layer.name!r}) needs {need} bytes (weights, gradients, optimizer state, "
+                             f"workspace, one minibatch of activations), more than any device: the largest, "
+                             f"{big.id} ({big.type}), has {cap} bytes")
+
+
+def _stage_nodes(part: Partition) -> List[Tuple[int, int, str]]:
+    return [(st.start, st.stop, sl.node) for st, sl in zip(part.stages, part.slots)]
+
+
+def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int] = None, d: int = 0,
+              minibatch_size: Optional[int] = None, num_ps_shards: Optional[int] = None, recompute: Any = False,
+              *, vw_size: Optional[int] = None, objective: str = "throughput", horizon: Optional[int] = None,
+              exhaustive_max: int = 5, derive_missing: bool = False) -> Plan:
+    """The HetPipe plan for ``profile`` (a ModelProfile, preset name or path) on ``cluster`` (a
+    ClusterSpec, preset name, path or dict).
+
+    policy: NP, ED, HD or auto. nm: minibatches in flight per VW (None: chosen). d: staleness bound.
+    recompute: False / "none", True / "fit", or "all" (see :mod:`hetpipe.plan.recompute`).
+    derive_missing: derive device types the profile lacks by speed ratio instead of failing.
+    Raises ValueError naming the device, layer and bytes when nothing fits.
+    """
+    cluster = load_cluster(cluster)
+    profile = load_profile(profile)
+    if d < 0:
+        raise ValueError(f"make_plan: d must be >= 0, got {d}")
+    if nm is not None and nm < 1:
+        raise ValueError(f"make_plan: nm must be >= 1, got {nm}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"make_plan: unknown objective {objective!r} (known: {', '.join(OBJECTIVES)})")
+    used_types = sorted({dv.type for dv in cluster.devices})
+    if derive_missing:
+        profile = profile.derive_types({t: cluster.device_types[t].speed for t in used_types})
+    table = LayerTable(profile, used_types)
+    check_fits_cluster(table, cluster, profile)
+    if policy.lower() == "auto":
+        policies = list(POLICIES)
+    elif policy.upper() in POLICIES:
+        policies = [policy.upper()]
+    else:
+        raise ValueError(f"make_plan: unknown policy {policy!r} (known: {', '.join(POLICIES)}, auto)")
+    if recompute is True or recompute == "fit":
+        modes = ["fit"]
+    elif recompute is False or recompute is None or recompute == "none":
+        modes = ["none"]
+    elif recompute == "all":
+        modes = ["all"]
+    else:
+        raise ValueError(f"make_plan: recompute must be a bool, 'none', 'fit' or 'all', got {recompute!r}")
+    if objective == "memory_efficiency" and recompute is not False:
+        modes = ["none", "fit", "all"]
+
+    single = single_device_throughput(table, used_types)
+    by_id = {dv.id: dv for dv in cluster.devices}
+    pb = [float(x) for x in table.param_bytes]
+    best: Optional[_Candidate] = None
+    errors: Dict[str, str] = {}
+    outcomes: Dict[str, Any] = {}
+    for pol in policies:
+        vws = form_virtual_workers(cluster, pol, vw_size)
+        slots = [[Slot(i, by_id[i].type, by_id[i].node, cluster.device_types[by_id[i].type].memory_bytes)
+                  for i in vw] for vw in vws]
+        canon = [_canonical(s) for s in slots]
+        kmax = max(len(s) for s in slots)
+        nms = [nm] if nm is not None else list(range(1, kmax + 1))
+        cache: Dict[Any, Tuple[List[Slot], Partition]] = {}
+        pol_best: Optional[_Candidate] = None
+        for mode in modes:
+            for m in nms:
+                try:
+                    parts = []
+                    for cs, key in canon:
+                        if (key, m, mode) not in cache:
+                            cache[(key, m, mode)] = (cs, partition(table, cs, cluster, m, recompute=mode,
+                                                                   exhaustive_max=exhaustive_max))
+                        src, part = cache[(key, m, mode)]
+                        parts.append(_relabel(part, src, cs))
+                except ValueError as e:
+                    errors.setdefault(pol, str(e))
+                    continue
+                stage_nodes = [_stage_nodes(p) for p in parts]
+                shards = place_layers(pb, cluster.nodes, stage_nodes, num_ps_shards)
+                waves = [cost_model.vw_wave_time(p.bottleneck, p.round_trip,
+                                                 cost_model.vw_sync_time(sn, pb, shards, cluster.node_link), m, d)
+                         for p, sn in zip(parts, stage_nodes)]
+                period = max(cost_model.shard_times(stage_nodes, pb, shards, cluster.nodes,
+                                                    cluster.inter_node.bandwidth), default=0.0)
+                thr = cost_model.cluster_throughput(waves, m, d, period, horizon)
+                mem = sum(st.memory for p in parts for st in p.stages)
+                score = thr if objective == "throughput" else memory_efficiency(thr, single, mem)
+                cand = _Candidate(pol, m, mode, parts, shards, waves, thr, mem, score)
+                if pol_best is None or score > pol_best.score * (1 + 1e-9):
+                    pol_best = cand
+        if pol_best is None:
+            outcomes[pol] = "infeasible"
+            continue
+        outcomes[pol] = pol_best.throughput
+        if best is None or pol_best.score > best.score * (1 + 1e-9):
+            best = pol_best
+    if best is None:
+        detail = "; ".join(f"{p}: {e}" for p, e in errors.items())
+        raise ValueError(f"make_plan: no plan of {profile.name!r} fits cluster {cluster.name!r}: {detail}")
+    return _to_plan(best, table, cluster, profile, d, minibatch_size, objective, outcomes)
+
+
+def _to_plan(c: _Candidate, table: LayerTable, cluster: ClusterSpec, profile: ModelProfile, d: int,
+             minibatch_size: Optional[int], objective: str, outcomes: Dict[str, Any]) -> Plan:
+    vws = []
+    for v, (part, wave) in enumerate(zip(c.parts, c.wave_times)):
+        stages = tuple(
+            StagePlan(device=sl.device, device_type=sl.device_type, start=st.start, stop=st.stop,
+                      fwd_time=st.fwd, bwd_time=st.bwd, send_time=st.send, memory_bytes=st.memory,
+                      memory_capacity=sl.memory_bytes,
+                      recompute=tuple(range(st.start, st.stop)) if st.recompute else ())
+            for st, sl in zip(part.stages, part.slots))
+        vws.append(VirtualWorkerPlan(v, stages, c.nm / wave if wave > 0 else 0.0))
+    meta = {
+        "cluster": cluster.name, "profile": profile.name, "emulated": cluster.emulated,
+        "recompute_mode": c.mode, "objective": objective, "memory_bytes": int(c.memory),
+        "bottleneck_s": [p.bottleneck for p in c.parts], "wave_time_s": list(c.wave_times),
+        "policies": {k: v for k, v in outcomes.items()},
+        "devices": "modelled" if not cluster.emulated else "emulated",
+    }
+    return Plan(num_layers=table.num_layers, nm=c.nm, d=d, policy=c.policy, virtual_workers=tuple(vws),
+                ps_shards=c.shards, throughput=c.throughput,
+                minibatch_size=minibatch_size if minibatch_size is not None else profile.minibatch_size,
+                layer_names=profile.layer_names, meta=meta)

@@ -1,0 +1,139 @@
+"""The stage model: the time and memory of a run of layers on one device at one pipeline position.
+
+One place defines what a stage costs, so the partitioner, the baselines and the reports agree.
+For stage ``k`` of ``K`` holding layers ``[a, b)`` on a device of type ``t``, with ``nm`` minibatches
+in flight in the VW:
+
+* compute  = fwd_t[a:b] + bwd_t[a:b] (+ fwd_t[a:b] again when the stage recomputes);
+* transfer = send of the output activation of layer ``b-1`` to stage ``k+1`` plus send of the input
+  gradient (as large as the activation of layer ``a-1``) back to stage ``k-1``, each
+  ``latency + bytes / bandwidth`` over the link between the two devices (0 at the pipeline ends);
+* stage time = compute + transfer; the VW's bottleneck is the largest stage time.
+* memory = weights + gradients (2 x param bytes) + optimizer state + the largest workspace of its
+  layers + stashed activations. The HetPipe schedule's 1F1B rule lets stage ``k`` run at most
+  ``n_k = min(nm, K - k)`` forwards ahead of their backwards, so it stashes ``n_k`` minibatches:
+  ``n_k x stash[a:b]``. A recomputing stage stashes only its input for each of them and rebuilds one
+  minibatch's activations during its backward: ``n_k x input_bytes(a) + stash[a:b]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterable, Optional, Sequence, Tuple
+
+import numpy as np
+
+from hetpipe.profile import ModelProfile
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One device of a VW, as the partitioner sees it."""
+
+    device: str
+    device_type: str
+    node: str
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """The link between two consecutive stages."""
+
+    bandwidth: float
+    latency: float
+
+    def time(self, nbytes: float) -> float:
+        return 0.0 if nbytes <= 0 else self.latency + nbytes / self.bandwidth
+
+
+class LayerTable:
+    """Prefix sums and range maxima over a profile's layers, for O(1) stage queries (vectorised)."""
+
+    def __init__(self, profile: ModelProfile, device_types: Iterable[str]):
+        types = sorted(set(device_types))
+        profile.validate(types)
+        self.profile = profile
+        self.num_layers = n = profile.num_layers
+        self.cum_fwd: Dict[str, np.ndarray] = {}
+        self.cum_bwd: Dict[str, np.ndarray] = {}
+        for t in types:
+            self.cum_fwd[t] = np.concatenate([[0.0], np.cumsum(profile.fwd(t))])
+            self.cum_bwd[t] = np.concatenate([[0.0], np.cumsum(profile.bwd(t))])
+        layers = profile.layers
+        self.out_bytes = np.array([float(x.activation_bytes) for x in layers])
+        # in_bytes[a]: the input of layer a (the model input for a = 0); in_bytes[n] is unused
+        self.in_bytes = np.concatenate([[float(profile.input_bytes)], self.out_bytes])
+        self.param_bytes = np.array([float(x.param_bytes) for x in layers])
+        state = np.array([2.0 * x.param_bytes + x.optimizer_bytes for x in layers])
+        self.cum_state = np.concatenate([[0.0], np.cumsum(state)])
+        self.cum_stash = np.concatenate([[0.0], np.cumsum([float(x.stash) for x in layers])])
+        ws = np.array([float(x.workspace_bytes) for x in layers])
+        self._sparse = [ws]
+        p = 1
+        while 2 * p <= n:
+            prev = self._sparse[-1]
+            self._sparse.append(np.maximum(prev[:-p], prev[p:]))
+            p *= 2
+
+    def ws_max(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Largest workspace over layers [a, b) (b > a), elementwise."""
+        length = np.maximum(b - a, 1)
+        lvl = np.floor(np.log2(length)).astype(int)
+        out = np.zeros(np.broadcast(a, b).shape)
+        for p in np.unique(lvl):
+            sel = lvl == p
+            aa = np.broadcast_to(a, out.shape)[sel]
+            bb = np.broadcast_to(b, out.shape)[sel]
+            tab = self._sparse[p]
+            out[sel] = np.maximum(tab[aa], tab[np.maximum(bb - (1 << p), aa)])
+        return out
+
+    def stage_arrays(self, slot: Slot, k: int, num_stages: int, nm: int, a: np.ndarray, b: np.ndarray,
+                     prev: Optional[LinkCost], nxt: Optional[LinkCost], recompute: bool):
+        """(time, memory) of stage ``k`` holding ``[a, b)`` on ``slot``; arrays broadcast over a and b.
+        Entries with ``b <= a`` are meaningless (callers mask them)."""
+        t = slot.device_type
+        bb = np.maximum(b, a + 1)
+        f = self.cum_fwd[t][bb] - self.cum_fwd[t][a]
+        comp = f + (self.cum_bwd[t][bb] - self.cum_bwd[t][a])
+        if recompute:
+            comp = comp + f
+        if nxt is not None:
+            out = self.out_bytes[bb - 1]
+            comp = comp + np.where(out > 0, nxt.latency + out / nxt.bandwidth, 0.0)
+        if prev is not None:
+            inb = self.in_bytes[a]
+            comp = comp + np.where(inb > 0, prev.latency + inb / prev.bandwidth, 0.0)
+        n = min(nm, num_stages - k)
+        stash = self.cum_stash[bb] - self.cum_stash[a]
+        act = n * self.in_bytes[a] + stash if recompute else n * stash
+        mem = (self.cum_state[bb] - self.cum_state[a]) + self.ws_max(a, bb) + act
+        return comp, mem
+
+    def stage(self, slot: Slot, k: int, num_stages: int, nm: int, a: int, b: int,
+              prev: Optional[LinkCost], nxt: Optional[LinkCost], recompute: bool) -> Tuple[float, int]:
+        """(time, memory bytes) of one stage."""
+        c, m = self.stage_arrays(slot, k, num_stages, nm, np.array(a), np.array(b), prev, nxt, recompute)
+        return float(c), int(round(float(m)))
+
+    def compute_times(self, device_type: str, a: int, b: int, recompute: bool) -> Tuple[float, float]:
+        """(fwd, bwd) seconds of layers [a, b) on ``device_type``; bwd includes recomputation."""
+        f = float(self.cum_fwd[device_type][b] - self.cum_fwd[device_type][a])
+        bw = float(self.cum_bwd[device_type][b] - self.cum_bwd[device_type][a])
+        return f, bw + (f if recompute else 0.0)
+
+    def send_time(self, b: int, link: Optional[LinkCost]) -> float:
+        """Seconds to send the output activation of layer ``b-1`` over ``link`` (0 without one)."""
+        return 0.0 if link is None else link.time(float(self.out_bytes[b - 1]))
+
+    def min_layer_bytes(self, layer: int) -> int:
+        """The least memory layer ``layer`` needs anywhere: alone, as a last stage (one minibatch)."""
+        a = np.array(layer)
+        stash = self.cum_stash[layer + 1] - self.cum_stash[layer]
+        return int(self.cum_state[layer + 1] - self.cum_state[layer] + self.ws_max(a, a + 1) + stash)
+
+
+def reference_times(table: LayerTable, device_type: str) -> Sequence[float]:
+    """Per-layer fwd + bwd seconds on one type."""
+    return np.diff(table.cum_fwd[device_type]) + np.diff(table.cum_bwd[device_type])
