@@ -8,10 +8,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hetpipe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="what the compiled core contains")
+    _add_plan_command(sub)
     _add_simulate_command(sub)
     _add_demo_command(sub)
     _add_launch_command(sub)
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return _run_plan(args)
     if args.command == "simulate":
         return _run_simulate(args)
     if args.command == "demo":
@@ -21,6 +24,37 @@ def main(argv=None) -> int:
     if args.command == "info":
         import hetpipe_core
         print(hetpipe_core.build_info())
+    return 0
+
+
+def _add_plan_command(sub) -> None:
+    p = sub.add_parser("plan", help="plan VWs, stages, Nm and PS shards for a model on a cluster")
+    p.add_argument("--cluster", required=True, help="cluster preset name or JSON file")
+    p.add_argument("--profile", required=True, help="model profile preset name or JSON file")
+    p.add_argument("--policy", default="auto", help="VW formation: NP, ED, HD or auto (default)")
+    p.add_argument("--nm", type=int, help="minibatches in flight per VW (default: chosen by the planner)")
+    p.add_argument("--d", type=int, default=0, help="WSP staleness bound D (default 0)")
+    p.add_argument("--recompute", choices=("none", "fit", "all"), default="none",
+                   help="recompute activations: never, only to fit memory, or on every stage")
+    p.add_argument("--ps-shards", type=int, help="number of parameter-server shards (default: one per node)")
+    p.add_argument("-o", "--output", help="write the plan as JSON to this file")
+
+
+def _run_plan(args) -> int:
+    from hetpipe.cluster import load_cluster
+    from hetpipe.plan import format_plan, make_plan
+
+    try:
+        cluster = load_cluster(args.cluster)
+        plan = make_plan(cluster, args.profile, policy=args.policy, nm=args.nm, d=args.d,
+                         num_ps_shards=args.ps_shards, recompute=args.recompute)
+    except ValueError as e:
+        print(f"hetpipe plan: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(plan, cluster))
+    if args.output:
+        plan.save(args.output)
+        print(f"plan: {args.output}")
     return 0
 
 
