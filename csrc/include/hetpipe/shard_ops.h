@@ -1,0 +1,27 @@
+// Parameter-shard arithmetic of the parameter server: apply a pushed delta, snapshot for a pull.
+//
+// Both operations split [0, n) statically into equal contiguous chunks (multiples of 16 elements),
+// one per thread; the caller's thread takes the first chunk. The operations are elementwise, so the
+// result is bitwise identical for every thread count. apply_delta computes shard[i] + scale * delta[i]
+// with two float32 roundings (no fused multiply-add; its file is compiled with -ffp-contract=off), so
+// it equals numpy's `a += np.float32(scale) * b` bit for bit. Shards are float32.
+//
+// Threads: callable from any thread; callers must not modify the buffers concurrently.
+#pragma once
+
+#include <cstddef>
+
+namespace hetpipe {
+
+// Threads used for n elements: num_threads <= 0 means hardware concurrency capped at 16; never more
+// than one thread per 64 Ki elements (small shards stay on the caller's thread).
+int shard_threads(int num_threads, std::size_t n) noexcept;
+
+// shard += scale * delta over n elements. shard and delta may be the same buffer but must not
+// otherwise overlap (std::invalid_argument).
+void apply_delta(float* shard, const float* delta, std::size_t n, float scale, int num_threads);
+
+// out = shard (nbytes bytes); the buffers must not overlap.
+void snapshot(const void* shard, void* out, std::size_t nbytes, int num_threads);
+
+}  // namespace hetpipe
