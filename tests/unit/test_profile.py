@@ -1,0 +1,109 @@
+"""Layer profiles: presets, JSON round trip, validation errors, derivation and the host profiler."""
+
+import json
+
+import pytest
+
+from hetpipe.cluster import load_cluster
+from hetpipe.profile import (LayerProfile, ModelProfile, analytic_profile, load_profile, presets, write_presets)
+
+
+def test_presets_have_testbed_types_and_realistic_sizes():
+    assert {"resnet152", "vgg19", "gpt"} <= set(presets())
+    tb = load_cluster("hetpipe-testbed")
+    for name, params, layers in (("resnet152", 60e6, 50), ("vgg19", 143e6, 19), ("gpt", 1.3e9, 26)):
+        p = load_profile(name)
+        assert p.num_layers >= layers
+        p.validate(tb.device_types)
+        bytes_per_param = 2 if name == "gpt" else 4
+        n = sum(x.param_bytes for x in p.layers) / bytes_per_param
+        assert params * 0.9 < n < params * 1.15, (name, n)
+        # faster type, shorter time; the ratio is the ratio of peak FLOP/s
+        f = p.layers[1].fwd_time
+        assert f["titan_v"] / f["rtx2060"] == pytest.approx(6.45 / 14.9)
+
+
+def test_shipped_presets_match_their_generator(tmp_path):
+    write_presets("hetpipe-testbed", tmp_path)
+    for name in ("resnet152", "vgg19", "gpt"):
+        assert ModelProfile.load(tmp_path / f"{name}.json") == load_profile(name)
+
+
+def test_round_trip(tmp_path):
+    p = load_profile("vgg19")
+    path = tmp_path / "p.json"
+    p.save(path)
+    assert load_profile(str(path)) == p
+    assert ModelProfile.from_dict(json.loads(p.to_json())) == p
+
+
+def layer(**kw):
+    d = dict(name="conv", fwd_time={"a": 1.0}, bwd_time={"a": 2.0}, activation_bytes=4, param_bytes=8)
+    d.update(kw)
+    return LayerProfile(**d)
+
+
+def test_negative_time_names_layer_and_type():
+    with pytest.raises(ValueError, match=r"layer 1 \('bad'\): bwd_time on device type 'a' must be a finite number >= 0"):
+        ModelProfile("m", 1, [layer(), layer(name="bad", bwd_time={"a": -1.0})])
+
+
+def test_missing_device_type_names_layer_and_type():
+    p = ModelProfile("m", 1, [layer()])
+    with pytest.raises(ValueError, match=r"layer 0 \('conv'\): no fwd_time for device type 'b'"):
+        p.validate(["a", "b"])
+
+
+def test_negative_bytes_and_empty():
+    with pytest.raises(ValueError, match=r"layer 0 \('conv'\): param_bytes must be an integer >= 0"):
+        ModelProfile("m", 1, [layer(param_bytes=-5)])
+    with pytest.raises(ValueError, match="no layers"):
+        ModelProfile("m", 1, [])
+
+
+def test_malformed_files(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_profile(str(bad))
+    with pytest.raises(ValueError, match="missing the list of layers"):
+        load_profile({"name": "x"})
+    with pytest.raises(ValueError, match=r"layer 0 \('l'\): fwd_time must be an object"):
+        load_profile({"name": "x", "layers": [{"name": "l", "fwd_time": 3, "bwd_time": {}}]})
+    with pytest.raises(ValueError, match=r"layer 0 \('l'\): unknown field\(s\) \['speedy'\]"):
+        load_profile({"name": "x", "layers": [{"name": "l", "fwd_time": {}, "bwd_time": {}, "speedy": 1}]})
+    with pytest.raises(ValueError, match="neither a preset"):
+        load_profile("alexnet-9000")
+
+
+def test_derive_types_by_speed():
+    p = ModelProfile("m", 1, [layer()])
+    q = p.derive_types({"a": 2.0, "b": 1.0})
+    assert q.layers[0].fwd_time["b"] == 2.0 and q.layers[0].bwd_time["b"] == 4.0
+    assert q.layers[0].derived["b"] and not q.layers[0].derived.get("a", False)
+
+
+def test_analytic_needs_peak_flops():
+    with pytest.raises(ValueError, match="device type 'emu_fast' has no peak_flops"):
+        analytic_profile("vgg19", load_cluster("cpu-emulated").device_types)
+
+
+def test_profile_model_on_emulated_cluster():
+    torch = pytest.importorskip("torch")
+    from hetpipe.profile import profile_model
+    nn = torch.nn
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    cluster = load_cluster("cpu-emulated")
+    p = profile_model(model, torch.randn(8, 16), cluster, repeats=2)
+    assert p.num_layers == 3 and p.minibatch_size == 8 and p.input_bytes == 8 * 16 * 4
+    p.validate(cluster.device_types)
+    l0 = p.layers[0]
+    assert l0.param_bytes == (16 * 32 + 32) * 4 and l0.activation_bytes == 8 * 32 * 4
+    assert l0.stash >= 8 * 16 * 4                       # Linear saves its input for backward
+    fast, slow = cluster.device_types["emu_fast"].speed, cluster.device_types["emu_slow"].speed
+    assert l0.fwd_time["emu_slow"] == pytest.approx(l0.fwd_time["emu_fast"] * fast / slow)
+    assert all(l0.derived.values())
+    with pytest.raises(ValueError, match="give reference_type"):
+        profile_model(model, torch.randn(8, 16), "hetpipe-testbed")
+    q = profile_model(model, torch.randn(8, 16), "hetpipe-testbed", reference_type="titan_v", repeats=1)
+    assert not q.layers[0].derived["titan_v"] and q.layers[0].derived["rtx2060"]
