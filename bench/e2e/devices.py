@@ -13,14 +13,10 @@ compute-bound MLP layers of the benchmark at these sizes; it is the only extrapo
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-import torch
-
-from model import ModelSpec, build_layers, synthetic_batches
 
 
 @dataclass
@@ -65,42 +61,3 @@ class DeviceModel:
     @classmethod
     def load(cls, path: Path) -> "DeviceModel":
         return cls(**json.loads(Path(path).read_text()))
-
-
-def measure_host_layers(spec: ModelSpec, repeats: int = 10) -> Tuple[List[float], List[float]]:
-    """Median forward and backward seconds of each layer on this host, one thread, one minibatch."""
-    torch.set_num_threads(1)
-    layers = build_layers(spec)
-    x, _ = synthetic_batches(spec, 1, spec.minibatch)[0]
-    fwd, bwd = [], []
-    for layer in layers:
-        xin = x.detach().requires_grad_(True)
-        fs, bs = [], []
-        for r in range(repeats + 2):
-            t0 = time.perf_counter()
-            y = layer(xin)
-            t1 = time.perf_counter()
-            y.backward(torch.ones_like(y))
-            t2 = time.perf_counter()
-            if r >= 2:
-                fs.append(t1 - t0)
-                bs.append(t2 - t1)
-        fwd.append(sorted(fs)[len(fs) // 2])
-        bwd.append(sorted(bs)[len(bs) // 2])
-        x = y.detach()
-    return fwd, bwd
-
-
-def standin_device_model(spec: ModelSpec, slowdown: Dict[str, float], devices: List[Tuple[str, str]]) -> DeviceModel:
-    """Device types derived from the measured host by a speed ratio (type time = host time x slowdown)."""
-    hf, hb = measure_host_layers(spec)
-    return DeviceModel(devices=devices, minibatch=spec.minibatch, source="bench stand-in profile",
-                       fwd={t: [s * v for v in hf] for t, s in slowdown.items()},
-                       bwd={t: [s * v for v in hb] for t, s in slowdown.items()},
-                       host_fwd=hf, host_bwd=hb)
-
-
-# Stand-in cluster: 6 devices of 3 emulated types, 2 of each, on 3 "nodes".
-STANDIN_SLOWDOWN = {"emu_fast": 6.0, "emu_mid": 10.0, "emu_slow": 16.0}
-STANDIN_DEVICES = [("n0.g0", "emu_fast"), ("n0.g1", "emu_fast"), ("n1.g0", "emu_mid"),
-                   ("n1.g1", "emu_mid"), ("n2.g0", "emu_slow"), ("n2.g1", "emu_slow")]

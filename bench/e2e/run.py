@@ -38,7 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--minibatch", type=int, default=256)
     ap.add_argument("--nm", type=int, default=6, help="hetpipe minibatches in flight per VW")
     ap.add_argument("--d", default="0,2", help="hetpipe staleness bounds to run, comma separated")
-    ap.add_argument("--policy", default="ED", help="hetpipe VW formation policy")
+    ap.add_argument("--policy", default="auto", help="hetpipe VW formation policy (NP, ED, HD, auto)")
+    ap.add_argument("--only", default="limit,ddp,pipelining,hetpipe", help="systems to run, comma separated")
     ap.add_argument("--pp-schedule", choices=["1f1b", "gpipe"], default="1f1b")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per system launch")
     ap.add_argument("--keep", type=Path, help="keep the device model, plans and raw results here")
@@ -72,6 +73,8 @@ def main(argv=None) -> int:
         systems.append((f"hetpipe{d}", f"hetpipe D={d}", "hetpipe_worker.py", plan.num_ranks,
                         predict.hetpipe_rate(pd, waves, skip), {"d": d}))
 
+    only = set(args.only.split(","))
+    systems = [s for s in systems if s[0].rstrip("0123456789") in only]
     rows, raw = [], {}
     for key, label, script, ranks, predicted, extra in systems:
         c = RunConfig(**{**cfg.__dict__, "extra": {**cfg.extra, **extra}})
@@ -83,7 +86,8 @@ def main(argv=None) -> int:
             raw[label] = res
             row.update(measured=res["samples_per_s"], note=res.get("note", ""))
         except RuntimeError as e:
-            row["error"] = "failed: " + str(e).strip().splitlines()[-1][:120]
+            lines = str(e).strip().splitlines()
+            row["error"] = next((l for l in reversed(lines) if "failed:" in l), lines[-1])[:140]
             print(str(e)[-2000:], file=sys.stderr)
         rows.append(row)
 
