@@ -5,6 +5,25 @@ the buffer protocol, so torch, numpy or any other framework can view it without 
 """
 
 from hetpipe_core._C import *  # noqa: F401,F403
-from hetpipe_core._C import build_info
+from hetpipe_core._C import (  # noqa: F401
+    ClockTable,
+    Event,
+    PinnedBufferPool,
+    Slot,
+    Stream,
+    apply_delta,
+    build_info,
+    clock_bench,
+    clock_stress,
+    copy_async,
+    mutex_clock_bench,
+    shard_threads,
+    snapshot,
+)
+
+__all__ = [
+    "ClockTable", "Event", "PinnedBufferPool", "Slot", "Stream", "apply_delta", "build_info", "clock_bench",
+    "clock_stress", "copy_async", "mutex_clock_bench", "shard_threads", "snapshot",
+]
 
 __version__ = build_info()["version"]
