@@ -11,7 +11,7 @@
 namespace hetpipe {
 namespace {
 
-constexpr std::size_t kMinPerThread = std::size_t{1} << 16;
+constexpr std::size_t kMinPerThread = std::size_t{1} << 18;  // 1 MiB of float32: below, a thread costs more than it saves
 constexpr std::size_t kChunkAlign = 16;  // 64 bytes of float32: chunks never share a cache line
 constexpr int kMaxThreads = 16;
 

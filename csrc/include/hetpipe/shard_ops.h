@@ -14,7 +14,7 @@
 namespace hetpipe {
 
 // Threads used for n elements: num_threads <= 0 means hardware concurrency capped at 16; never more
-// than one thread per 64 Ki elements (small shards stay on the caller's thread).
+// than one thread per 256 Ki elements (small shards stay on the caller's thread).
 int shard_threads(int num_threads, std::size_t n) noexcept;
 
 // shard += scale * delta over n elements. shard and delta may be the same buffer but must not
