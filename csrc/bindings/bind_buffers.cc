@@ -118,6 +118,8 @@ void bind_buffers(py::module_& m) {
       .def(
           "acquire",
           [](PinnedBufferPool& pool, std::size_t nbytes, std::optional<double> timeout) {
+            // The lock-free attempt never blocks, so it runs without dropping the GIL.
+            if (auto slot = pool.try_acquire(nbytes, std::chrono::nanoseconds::zero())) return std::move(*slot);
             auto slot = wait_interruptible(timeout, [&](std::chrono::nanoseconds chunk) {
               return pool.try_acquire(nbytes, chunk);
             });
