@@ -10,7 +10,9 @@ least one layer.
 Each DP step is one vectorised (starts x stops) matrix. Deep models (more than ``coarse_above``
 layers) are first solved on blocks of layers of about equal compute (AutoPipe-H's sub-block
 granularity), then refined exactly at layer granularity with each cut free to move within one
-block either side; a coarse failure falls back to the full layer-level DP.
+block either side. When nothing fits at block granularity the blocks are made four times finer
+once; a fit that needs cuts inside even those blocks is reported as infeasible (models at most
+``coarse_above`` layers deep are always solved exactly).
 
 Device orders: all orders (up to interchangeable devices) for VWs of at most ``exhaustive_max``
 devices, else the candidate orders of :mod:`hetpipe.plan.mapping`.
@@ -87,27 +89,32 @@ def _cost_matrix(table: LayerTable, slots, links, k, nm, starts, stops, mode, ca
     a, b = starts[:, None], stops[None, :]
     prev = links[k - 1] if k > 0 else None
     nxt = links[k] if k < K - 1 else None
-    valid = b > a
+    invalid = b <= a
     options = [False, True] if mode == "fit" else [mode == "all"]
-    best = np.full((len(starts), len(stops)), np.inf)
-    rc = np.zeros(best.shape, dtype=bool)
+    best = rc = None
     for r in options:
         t, m = table.stage_arrays(slots[k], k, K, nm, a, b, prev, nxt, r)
-        t = np.where(valid & (m <= capacity[k]), t, np.inf)
-        better = t < best
-        best = np.where(better, t, best)
-        rc = np.where(better, r, rc)
+        t[invalid | (m > capacity[k])] = np.inf
+        if best is None:
+            best, rc = t, np.full(t.shape, r)
+        else:
+            better = t < best
+            best[better] = t[better]
+            rc[better] = r
     return best, rc
 
 
-def _dp(table, slots, links, nm, positions, mode, capacity):
-    """Exact DP over candidate cut positions; returns (bounds, recompute flags) or None if infeasible."""
+def _dp(table, slots, links, nm, positions, mode, capacity, bound=np.inf):
+    """Exact DP over candidate cut positions; returns (bounds, recompute flags), or None if nothing
+    fits memory or nothing beats ``bound`` (a bottleneck already achieved elsewhere)."""
     K = len(slots)
-    mats = [_cost_matrix(table, slots, links, k, nm, positions[k], positions[k + 1], mode, capacity)
-            for k in range(K)]
+    mats = []
     f = np.zeros(1)
     for k in range(K):
+        mats.append(_cost_matrix(table, slots, links, k, nm, positions[k], positions[k + 1], mode, capacity))
         f = np.maximum(f[:, None], mats[k][0]).min(axis=0)
+        if not f.min() <= bound:
+            return None
     best = float(f[0])
     if not np.isfinite(best):
         return None
@@ -141,25 +148,32 @@ def _blocks(table: LayerTable, slots, num_blocks: int) -> np.ndarray:
     return np.unique(np.concatenate([[0, L], cuts, np.linspace(0, L, num_blocks + 1).astype(int)]))
 
 
-def _solve_order(table, slots, links, nm, mode, capacity, coarse_above, num_blocks):
+def _solve_order(table, slots, links, nm, mode, capacity, coarse_above, num_blocks, bound=np.inf):
     K, L = len(slots), table.num_layers
     full = [np.array([0])] + [np.arange(k, L - K + k + 1) for k in range(1, K)] + [np.array([L])]
     if L <= coarse_above:
-        return _dp(table, slots, links, nm, full, mode, capacity)
-    cuts = _blocks(table, slots, num_blocks)
-    coarse = [np.array([0])] + [cuts[(cuts >= k) & (cuts <= L - K + k)] for k in range(1, K)] + [np.array([L])]
-    if any(len(p) == 0 for p in coarse):
-        return _dp(table, slots, links, nm, full, mode, capacity)
-    sol = _dp(table, slots, links, nm, coarse, mode, capacity)
+        return _dp(table, slots, links, nm, full, mode, capacity, bound)
+    sol, cuts = None, None
+    for blocks in (num_blocks, 4 * num_blocks):
+        if blocks >= L:
+            return _dp(table, slots, links, nm, full, mode, capacity, bound)
+        cuts = _blocks(table, slots, blocks)
+        coarse = ([np.array([0])] + [cuts[(cuts >= k) & (cuts <= L - K + k)] for k in range(1, K)]
+                  + [np.array([L])])
+        if any(len(p) == 0 for p in coarse):
+            return _dp(table, slots, links, nm, full, mode, capacity, bound)
+        sol = _dp(table, slots, links, nm, coarse, mode, capacity)   # no bound: refining may beat it
+        if sol is not None:
+            break
     if sol is None:
-        return _dp(table, slots, links, nm, full, mode, capacity)
+        return None
     w = int(np.max(np.diff(cuts)))
     fine = [np.array([0])]
     for k in range(1, K):
         c = sol[0][k]
         fine.append(np.arange(max(k, c - w), min(L - K + k, c + w) + 1))
     fine.append(np.array([L]))
-    refined = _dp(table, slots, links, nm, fine, mode, capacity)
+    refined = _dp(table, slots, links, nm, fine, mode, capacity, bound)
     return refined if refined is not None else sol
 
 
@@ -194,37 +208,51 @@ def overflow_report(table: LayerTable, slots, links, nm, mode) -> str:
 
 
 def partition_order(table: LayerTable, slots: Sequence[Slot], links: Sequence[LinkCost], nm: int,
-                    recompute="none", coarse_above: int = 256, num_blocks: int = 128) -> Optional[Partition]:
-    """The optimal partition on a fixed device order, or None when nothing fits memory."""
+                    recompute="none", coarse_above: int = 256, num_blocks: int = 128,
+                    bound: float = np.inf, ignore_memory: bool = False) -> Optional[Partition]:
+    """The optimal partition on a fixed device order, or None when nothing fits memory (or when no
+    partition has a bottleneck <= ``bound``)."""
     mode = _mode(recompute)
     if nm < 1:
         raise ValueError(f"partition: nm must be >= 1, got {nm}")
     if len(slots) > table.num_layers:
         raise ValueError(f"partition: {len(slots)} devices need at least {len(slots)} layers, "
                          f"the model has {table.num_layers}")
-    capacity = np.array([float(s.memory_bytes) for s in slots])
-    sol = _solve_order(table, list(slots), list(links), nm, mode, capacity, coarse_above, num_blocks)
+    capacity = np.array([np.inf if ignore_memory else float(s.memory_bytes) for s in slots])
+    sol = _solve_order(table, list(slots), list(links), nm, mode, capacity, coarse_above, num_blocks, bound)
     if sol is None:
         return None
     return evaluate(table, slots, links, nm, sol[0], sol[1])
 
 
 def partition(table: LayerTable, slots: Sequence[Slot], cluster, nm: int, *, recompute="none",
-              exhaustive_max: int = 5, coarse_above: int = 256, num_blocks: int = 128) -> Partition:
+              exhaustive_max: int = 5, coarse_above: int = 256, num_blocks: int = 128,
+              relaxed: Optional[Partition] = None, ignore_memory: bool = False) -> Partition:
     """The best partition of the model over the VW ``slots`` in any device order we search.
 
     ``cluster`` supplies the links (``node_link``) and the devices' relative speeds. Raises
     ValueError naming a device and bytes when no order and no partition fits memory.
+    ``relaxed``: the result of the same call with ``ignore_memory=True`` (any nm); when it fits
+    memory at this ``nm`` it is optimal here too and the search is skipped.
     """
     if not slots:
         raise ValueError("partition: a virtual worker needs at least one device")
+    mode = _mode(recompute)
+    if relaxed is not None:
+        links = links_of(relaxed.slots, cluster)
+        again = evaluate(table, relaxed.slots, links, nm, relaxed.bounds, [s.recompute for s in relaxed.stages])
+        if all(st.memory <= sl.memory_bytes for st, sl in zip(again.stages, again.slots)):
+            return again
+    if ignore_memory and mode == "fit":
+        mode = "none"
     speed = {t: dt.speed for t, dt in cluster.device_types.items()}
     best: Optional[Partition] = None
     best_key = None
     orders = candidate_orders(slots, speed, exhaustive_max)
     for order in orders:
         links = links_of(order, cluster)
-        p = partition_order(table, order, links, nm, recompute, coarse_above, num_blocks)
+        bound = best_key[0] if best is not None else np.inf
+        p = partition_order(table, order, links, nm, mode, coarse_above, num_blocks, bound, ignore_memory)
         if p is None:
             continue
         key = (p.bottleneck, p.round_trip)
@@ -234,6 +262,6 @@ def partition(table: LayerTable, slots: Sequence[Slot], cluster, nm: int, *, rec
         links = links_of(orders[0], cluster)
         raise ValueError(
             f"partition: no split of {table.num_layers} layers over {', '.join(s.device for s in slots)} "
-            f"fits memory with nm={nm} (recompute={_mode(recompute)}); "
-            f"{overflow_report(table, orders[0], links, nm, _mode(recompute))}")
+            f"fits memory with nm={nm} (recompute={mode}); "
+            f"{overflow_report(table, orders[0], links, nm, mode)}")
     return best

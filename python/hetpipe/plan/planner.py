@@ -132,15 +132,20 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
         kmax = max(len(s) for s in slots)
         nms = [nm] if nm is not None else list(range(1, kmax + 1))
         cache: Dict[Any, Tuple[List[Slot], Partition]] = {}
+        relaxed: Dict[Any, Partition] = {}
         pol_best: Optional[_Candidate] = None
         for mode in modes:
             for m in nms:
                 try:
                     parts = []
                     for cs, key in canon:
+                        if (key, mode) not in relaxed:
+                            relaxed[(key, mode)] = partition(table, cs, cluster, m, recompute=mode,
+                                                             exhaustive_max=exhaustive_max, ignore_memory=True)
                         if (key, m, mode) not in cache:
                             cache[(key, m, mode)] = (cs, partition(table, cs, cluster, m, recompute=mode,
-                                                                   exhaustive_max=exhaustive_max))
+                                                                   exhaustive_max=exhaustive_max,
+                                                                   relaxed=relaxed[(key, mode)]))
                         src, part = cache[(key, m, mode)]
                         parts.append(_relabel(part, src, cs))
                 except ValueError as e:

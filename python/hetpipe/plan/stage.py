@@ -25,6 +25,8 @@ import numpy as np
 
 from hetpipe.profile import ModelProfile
 
+DENSE_MAX = 512
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -69,6 +71,14 @@ class LayerTable:
         self.cum_state = np.concatenate([[0.0], np.cumsum(state)])
         self.cum_stash = np.concatenate([[0.0], np.cumsum([float(x.stash) for x in layers])])
         ws = np.array([float(x.workspace_bytes) for x in layers])
+        # range maxima: a dense (L+1) x (L+1) table for models of up to DENSE_MAX layers, else a
+        # sparse table (O(1) per query after O(L log L) set-up)
+        self._dense = None
+        if n <= DENSE_MAX:
+            m = np.zeros((n + 1, n + 1))
+            for a in range(n):
+                m[a, a + 1:] = np.maximum.accumulate(ws[a:])
+            self._dense = m
         self._sparse = [ws]
         p = 1
         while 2 * p <= n:
@@ -78,6 +88,8 @@ class LayerTable:
 
     def ws_max(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """Largest workspace over layers [a, b) (b > a), elementwise."""
+        if self._dense is not None:
+            return self._dense[a, b]
         length = np.maximum(b - a, 1)
         lvl = np.floor(np.log2(length)).astype(int)
         out = np.zeros(np.broadcast(a, b).shape)
@@ -91,24 +103,30 @@ class LayerTable:
 
     def stage_arrays(self, slot: Slot, k: int, num_stages: int, nm: int, a: np.ndarray, b: np.ndarray,
                      prev: Optional[LinkCost], nxt: Optional[LinkCost], recompute: bool):
-        """(time, memory) of stage ``k`` holding ``[a, b)`` on ``slot``; arrays broadcast over a and b.
-        Entries with ``b <= a`` are meaningless (callers mask them)."""
+        """(time, memory) of stage ``k`` holding ``[a, b)`` on ``slot``; arrays broadcast over a and b
+        (typically a column of starts and a row of stops, ``b >= 1``). Entries with ``b <= a`` are
+        meaningless (callers mask them). Terms that depend on one end only stay vectors, so each
+        call costs about three operations on the full matrix."""
         t = slot.device_type
-        bb = np.maximum(b, a + 1)
-        f = self.cum_fwd[t][bb] - self.cum_fwd[t][a]
-        comp = f + (self.cum_bwd[t][bb] - self.cum_bwd[t][a])
-        if recompute:
-            comp = comp + f
+        cf, cb = self.cum_fwd[t], self.cum_bwd[t]
+        scale = 2.0 if recompute else 1.0
+        hi = scale * cf[b] + cb[b]
+        lo = scale * cf[a] + cb[a]
         if nxt is not None:
-            out = self.out_bytes[bb - 1]
-            comp = comp + np.where(out > 0, nxt.latency + out / nxt.bandwidth, 0.0)
+            out = self.out_bytes[b - 1]
+            hi = hi + np.where(out > 0, nxt.latency + out / nxt.bandwidth, 0.0)
         if prev is not None:
             inb = self.in_bytes[a]
-            comp = comp + np.where(inb > 0, prev.latency + inb / prev.bandwidth, 0.0)
+            lo = lo - np.where(inb > 0, prev.latency + inb / prev.bandwidth, 0.0)
+        comp = hi - lo
         n = min(nm, num_stages - k)
-        stash = self.cum_stash[bb] - self.cum_stash[a]
-        act = n * self.in_bytes[a] + stash if recompute else n * stash
-        mem = (self.cum_state[bb] - self.cum_state[a]) + self.ws_max(a, bb) + act
+        if recompute:
+            mhi = self.cum_state[b] + self.cum_stash[b]
+            mlo = self.cum_state[a] + self.cum_stash[a] - n * self.in_bytes[a]
+        else:
+            mhi = self.cum_state[b] + n * self.cum_stash[b]
+            mlo = self.cum_state[a] + n * self.cum_stash[a]
+        mem = (mhi - mlo) + self.ws_max(a, np.maximum(b, a + 1) if self._dense is None else b)
         return comp, mem
 
     def stage(self, slot: Slot, k: int, num_stages: int, nm: int, a: int, b: int,
