@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 
-
 @dataclass
 class DeviceModel:
     """Devices (id, type) in cluster order and, per type, per-layer minibatch times in seconds."""
