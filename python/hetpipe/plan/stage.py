@@ -79,27 +79,25 @@ class LayerTable:
             for a in range(n):
                 m[a, a + 1:] = np.maximum.accumulate(ws[a:])
             self._dense = m
-        self._sparse = [ws]
+        levels = [ws]
         p = 1
         while 2 * p <= n:
-            prev = self._sparse[-1]
-            self._sparse.append(np.maximum(prev[:-p], prev[p:]))
+            prev = levels[-1]
+            levels.append(np.maximum(prev[:-p], prev[p:]))
             p *= 2
+        # level p holds max(ws[i : i + 2**p]) at column i, zero-padded to n columns
+        self._sparse = np.zeros((len(levels), max(n, 1)))
+        for p, row in enumerate(levels):
+            self._sparse[p, :len(row)] = row
 
     def ws_max(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """Largest workspace over layers [a, b) (b > a), elementwise."""
         if self._dense is not None:
             return self._dense[a, b]
         length = np.maximum(b - a, 1)
-        lvl = np.floor(np.log2(length)).astype(int)
-        out = np.zeros(np.broadcast(a, b).shape)
-        for p in np.unique(lvl):
-            sel = lvl == p
-            aa = np.broadcast_to(a, out.shape)[sel]
-            bb = np.broadcast_to(b, out.shape)[sel]
-            tab = self._sparse[p]
-            out[sel] = np.maximum(tab[aa], tab[np.maximum(bb - (1 << p), aa)])
-        return out
+        lvl = np.log2(length).astype(int)
+        start2 = np.maximum(b - (1 << lvl), a)
+        return np.maximum(self._sparse[lvl, a], self._sparse[lvl, start2])
 
     def stage_arrays(self, slot: Slot, k: int, num_stages: int, nm: int, a: np.ndarray, b: np.ndarray,
                      prev: Optional[LinkCost], nxt: Optional[LinkCost], recompute: bool):
