@@ -189,3 +189,20 @@ def test_consecutive_stages_share_a_node_when_transfers_dominate():
     nodes = [s.node for s in part.slots]
     assert sum(x != y for x, y in zip(nodes, nodes[1:])) == 1
     assert links_of(part.slots, cluster)
+
+
+def test_workspace_range_maxima_dense_and_sparse():
+    import numpy as np
+    from hetpipe.plan import stage
+    rng = np.random.default_rng(0)
+    for n in (7, stage.DENSE_MAX + 90):
+        ws = rng.integers(0, 1000, n)
+        prof = ModelProfile("m", 1, [LayerProfile(f"l{i}", {"a": 1.0}, {"a": 1.0}, workspace_bytes=int(ws[i]))
+                                     for i in range(n)])
+        tab = LayerTable(prof, ["a"])
+        a = np.arange(n)[:, None]
+        b = np.arange(1, n + 1)[None, :]
+        got = tab.ws_max(a, np.maximum(b, a + 1))
+        for i in range(0, n, 5):
+            for j in range(i + 1, n + 1, 7):
+                assert got[i, j - 1] == ws[i:j].max()

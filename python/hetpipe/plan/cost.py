@@ -4,12 +4,13 @@ Per VW ``v`` with stage times ``t_k`` (compute + transfer, :mod:`hetpipe.plan.st
 ``b = max t_k`` and round trip ``R`` (every stage's forward and backward plus every activation and
 gradient transfer once), with ``Nm`` minibatches per wave:
 
-* ``D >= 1``: the 1F1B order runs straight across wave boundaries, so the VW completes ``Nm``
-  minibatches every ``W_v = max(Nm x b, R, S_v)`` seconds: it is limited by its bottleneck, by the
-  round trip when too few minibatches are in flight (``Nm / R``), and by its PS synchronisation
-  ``S_v`` which overlaps compute.
+* ``D >= 1`` and ``Nm >= K`` (stages): the 1F1B order runs straight across wave boundaries, so the
+  VW completes ``Nm`` minibatches every ``W_v = max(Nm x b, R, S_v)`` seconds: it is limited by its
+  bottleneck, by the round trip, and by its PS synchronisation ``S_v``, which overlaps compute.
 * ``D = 0``: a wave must be pushed by every VW before the next one starts, so the pipeline fills and
-  drains every wave and the synchronisation is exposed: ``W_v = R + (Nm - 1) x b + S_v``.
+  drains every wave and the synchronisation is exposed: ``W_v = R + (Nm - 1) x b + S_v``. With
+  ``Nm < K`` the schedule's wave gate drains the pipeline in the same way for any D (the
+  discrete-event simulator agrees), so the same formula applies.
 * ``S_v``: per wave, each stage pushes its layers' updates and pulls their new values; for every
   shard it talks to this costs ``2 x (latency + bytes / bandwidth)`` over the link between the
   stage's node and the shard's node (free on the same device's node); ``S_v`` is the slowest stage's.
@@ -73,9 +74,9 @@ def shard_times(vw_stage_lists: Sequence[Sequence[Tuple[int, int, str]]], param_
     return tuple(out)
 
 
-def vw_wave_time(bottleneck: float, round_trip: float, sync: float, nm: int, d: int) -> float:
+def vw_wave_time(bottleneck: float, round_trip: float, sync: float, nm: int, d: int, num_stages: int = 1) -> float:
     """``W_v`` (see the module docstring)."""
-    if d == 0:
+    if d == 0 or nm < num_stages:
         return round_trip + (nm - 1) * bottleneck + sync
     return max(nm * bottleneck, round_trip, sync)
 

@@ -154,7 +154,8 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
                 stage_nodes = [_stage_nodes(p) for p in parts]
                 shards = place_layers(pb, cluster.nodes, stage_nodes, num_ps_shards)
                 waves = [cost_model.vw_wave_time(p.bottleneck, p.round_trip,
-                                                 cost_model.vw_sync_time(sn, pb, shards, cluster.node_link), m, d)
+                                                 cost_model.vw_sync_time(sn, pb, shards, cluster.node_link), m, d,
+                                                 len(p.stages))
                          for p, sn in zip(parts, stage_nodes)]
                 period = max(cost_model.shard_times(stage_nodes, pb, shards, cluster.nodes,
                                                     cluster.inter_node.bandwidth), default=0.0)
