@@ -206,3 +206,18 @@ def test_workspace_range_maxima_dense_and_sparse():
         for i in range(0, n, 5):
             for j in range(i + 1, n + 1, 7):
                 assert got[i, j - 1] == ws[i:j].max()
+
+
+def test_stash_count_follows_the_schedule_warmup():
+    # stage k stashes as many minibatches as the HetPipe schedule runs forwards ahead of backwards
+    from hetpipe.plan.stage import LinkCost
+    from hetpipe.schedule.generators import warmup
+    prof = make_profile([1.0] * 6, {"a": 1.0}, [0] * 6, [100] * 6, [0] * 6, [0] * 6, [0] * 6)
+    tab = LayerTable(prof, ["a"])
+    slot = Slot("d", "a", "n", 10**9)
+    link = LinkCost(1e9, 0.0)
+    for K in (1, 3, 6):
+        for nm in (1, 2, 5, 8):
+            for k in range(K):
+                _, mem = tab.stage(slot, k, K, nm, 0, 2, link if k else None, link if k < K - 1 else None, False)
+                assert mem == warmup(k, K, nm) * 200

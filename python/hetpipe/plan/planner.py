@@ -1,7 +1,8 @@
 """make_plan: form VWs, partition each, choose Nm, place PS shards, predict throughput.
 
 For each policy (NP, ED, HD, or all three for ``auto``) and each candidate Nm (the given one, else
-1 .. the largest VW size: beyond that no stage stashes more and the cost model gains nothing), every
+1 .. ``max_nm``, default twice the largest VW size: past the VW size no stage stashes more, and with
+D = 0 a longer wave only amortises the pipeline's fill and drain further), every
 distinct VW is partitioned (VWs with the same device types on the same node pattern share one
 solution), layers are placed on PS shards, and the cost model predicts the cluster's throughput.
 The best plan by ``objective`` wins: ``throughput`` (ties: smaller Nm, less staleness) or Hippie's
@@ -79,13 +80,14 @@ def _stage_nodes(part: Partition) -> List[Tuple[int, int, str]]:
 def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int] = None, d: int = 0,
               minibatch_size: Optional[int] = None, num_ps_shards: Optional[int] = None, recompute: Any = False,
               *, vw_size: Optional[int] = None, objective: str = "throughput", horizon: Optional[int] = None,
-              exhaustive_max: int = 5, derive_missing: bool = False) -> Plan:
+              exhaustive_max: int = 5, derive_missing: bool = False, max_nm: Optional[int] = None) -> Plan:
     """The HetPipe plan for ``profile`` (a ModelProfile, preset name or path) on ``cluster`` (a
     ClusterSpec, preset name, path or dict).
 
     policy: NP, ED, HD or auto. nm: minibatches in flight per VW (None: chosen). d: staleness bound.
     recompute: False / "none", True / "fit", or "all" (see :mod:`hetpipe.plan.recompute`).
     derive_missing: derive device types the profile lacks by speed ratio instead of failing.
+    max_nm: the largest Nm tried when ``nm`` is None (default: twice the largest VW).
     Raises ValueError naming the device, layer and bytes when nothing fits.
     """
     cluster = load_cluster(cluster)
@@ -94,6 +96,8 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
         raise ValueError(f"make_plan: d must be >= 0, got {d}")
     if nm is not None and nm < 1:
         raise ValueError(f"make_plan: nm must be >= 1, got {nm}")
+    if max_nm is not None and max_nm < 1:
+        raise ValueError(f"make_plan: max_nm must be >= 1, got {max_nm}")
     if objective not in OBJECTIVES:
         raise ValueError(f"make_plan: unknown objective {objective!r} (known: {', '.join(OBJECTIVES)})")
     used_types = sorted({dv.type for dv in cluster.devices})
@@ -130,7 +134,7 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
                   for i in vw] for vw in vws]
         canon = [_canonical(s) for s in slots]
         kmax = max(len(s) for s in slots)
-        nms = [nm] if nm is not None else list(range(1, kmax + 1))
+        nms = [nm] if nm is not None else list(range(1, (max_nm or 2 * kmax) + 1))
         cache: Dict[Any, Tuple[List[Slot], Partition]] = {}
         relaxed: Dict[Any, Partition] = {}
         pol_best: Optional[_Candidate] = None
