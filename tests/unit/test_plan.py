@@ -184,3 +184,26 @@ def test_cost_model_agrees_with_the_simulator(policy, d):
     sim = simulate_plan(plan, waves=20)
     # the simulator runs without PS traffic, which the cost model charges: it may only be faster
     assert plan.throughput == pytest.approx(sim.throughput, rel=0.08)
+
+
+def test_every_policy_uses_every_device_once_on_irregular_clusters():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from hetpipe.cluster import cluster_from_dict
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(1, 5)), min_size=1, max_size=7),
+           st.sampled_from([None, 1, 2, 3]))
+    def check(nodes, size):
+        spec = {"name": "x", "device_types": {t: {"memory_bytes": 1, "speed": s}
+                                              for t, s in (("a", 1.0), ("b", 2.0), ("c", 0.5))},
+                "nodes": [{"name": f"n{i}", "type": t, "count": c} for i, (t, c) in enumerate(nodes)],
+                "intra_node": {"bandwidth": 1.0}, "inter_node": {"bandwidth": 1.0}}
+        cluster = cluster_from_dict(spec)
+        for policy in ("NP", "ED", "HD"):
+            vws = form_virtual_workers(cluster, policy, size)
+            assert sorted(i for vw in vws for i in vw) == sorted(d.id for d in cluster.devices)
+            assert all(vws) and all(len(vw) <= (size or max(c for _, c in nodes)) for vw in vws)
+
+    check()

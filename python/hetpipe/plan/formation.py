@@ -44,7 +44,7 @@ def form_np(cluster: ClusterSpec, vw_size: Optional[int] = None) -> List[List[st
 
 def form_ed(cluster: ClusterSpec, vw_size: Optional[int] = None) -> List[List[str]]:
     size = vw_size or default_vw_size(cluster)
-    count = max(1, len(cluster.devices) // size)
+    count = -(-len(cluster.devices) // size)
     order = sorted(cluster.devices,
                    key=lambda d: (-cluster.device_types[d.type].speed, d.type, cluster.nodes.index(d.node), d.id))
     vws: List[List[str]] = [[] for _ in range(count)]
