@@ -221,3 +221,14 @@ def test_stash_count_follows_the_schedule_warmup():
             for k in range(K):
                 _, mem = tab.stage(slot, k, K, nm, 0, 2, link if k else None, link if k < K - 1 else None, False)
                 assert mem == warmup(k, K, nm) * 200
+
+
+def test_partition_accepts_a_profile_and_device_ids():
+    from hetpipe.cluster import load_cluster
+    from hetpipe.profile import load_profile
+    tb = load_cluster("hetpipe-testbed")
+    part = partition(load_profile("vgg19"), ["n0.g0", "n2.g0"], tb, 2)
+    n = {s.device_type: st_.stop - st_.start for st_, s in zip(part.stages, part.slots)}
+    assert set(n) == {"titan_v", "rtx2060"} and sum(n.values()) == 19
+    with pytest.raises(ValueError, match="unknown device 'n9.g0'"):
+        partition(load_profile("vgg19"), ["n9.g0"], tb, 1)

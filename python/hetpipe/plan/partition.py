@@ -65,6 +65,11 @@ class Partition:
         return tuple(s.start for s in self.stages) + (self.stages[-1].stop,)
 
 
+def _slot(cluster, device_id: str) -> Slot:
+    d = cluster.device(device_id)
+    return Slot(d.id, d.type, d.node, cluster.device_types[d.type].memory_bytes)
+
+
 def links_of(slots: Sequence[Slot], cluster) -> List[LinkCost]:
     """The links between consecutive slots."""
     out = []
@@ -225,18 +230,22 @@ def partition_order(table: LayerTable, slots: Sequence[Slot], links: Sequence[Li
     return evaluate(table, slots, links, nm, sol[0], sol[1])
 
 
-def partition(table: LayerTable, slots: Sequence[Slot], cluster, nm: int, *, recompute="none",
+def partition(table, slots: Sequence, cluster, nm: int, *, recompute="none",
               exhaustive_max: int = 5, coarse_above: int = 256, num_blocks: int = 128,
               relaxed: Optional[Partition] = None, ignore_memory: bool = False) -> Partition:
     """The best partition of the model over the VW ``slots`` in any device order we search.
 
-    ``cluster`` supplies the links (``node_link``) and the devices' relative speeds. Raises
-    ValueError naming a device and bytes when no order and no partition fits memory.
+    ``table``: a :class:`LayerTable` or a ModelProfile; ``slots``: :class:`Slot` objects or device
+    ids of ``cluster``, which supplies the links (``node_link``) and the devices' relative speeds.
+    Raises ValueError naming a device and bytes when no order and no partition fits memory.
     ``relaxed``: the result of the same call with ``ignore_memory=True`` (any nm); when it fits
     memory at this ``nm`` it is optimal here too and the search is skipped.
     """
     if not slots:
         raise ValueError("partition: a virtual worker needs at least one device")
+    slots = [s if isinstance(s, Slot) else _slot(cluster, s) for s in slots]
+    if not isinstance(table, LayerTable):
+        table = LayerTable(table, {s.device_type for s in slots})
     mode = _mode(recompute)
     if relaxed is not None:
         links = links_of(relaxed.slots, cluster)
