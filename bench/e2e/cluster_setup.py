@@ -3,19 +3,19 @@
 ``make_device_model`` profiles the benchmark model on this host with ``hetpipe.profile.profile_model``
 on the ``cpu-emulated-6`` preset (types derived by speed ratio) and turns it into the
 ``DeviceModel`` every system pads to. ``make_plan`` calls ``hetpipe.plan.make_plan`` on that same
-profile when the planner provides it, else the bench stand-in planner. Labels name each source.
+profile. Labels name each source.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Tuple
 
 from devices import DeviceModel
 from hetpipe.cluster import load_cluster
+from hetpipe.plan import make_plan as hetpipe_make_plan
 from hetpipe.plan.types import Plan
 from hetpipe.profile import ModelProfile, profile_model
 from model import ModelSpec, build_layers, loss_fn, synthetic_batches
-from standin_plan import standin_plan
 
 CLUSTER = "cpu-emulated-6"
 
@@ -52,11 +52,7 @@ def memory_notes(dm: DeviceModel, prof: ModelProfile, cluster: Any, share: int) 
     return out
 
 
-def make_plan(dm: DeviceModel, prof: ModelProfile, cluster: Any, names: List[str], *, nm: int,
-              policy: str) -> Tuple[Plan, str]:
-    try:
-        from hetpipe.plan import make_plan as hetpipe_make_plan
-    except ImportError:
-        return standin_plan(dm, nm, 0, names), "bench stand-in (ED, min-max partition; hetpipe.plan.make_plan absent)"
+def make_plan(dm: DeviceModel, prof: ModelProfile, cluster: Any, *, nm: int, policy: str) -> Tuple[Plan, str]:
+    """hetpipe's planner on the profile (D = 0; the benchmark sets D per row), and a label naming it."""
     plan = hetpipe_make_plan(cluster, prof, policy=policy, nm=nm, d=0, minibatch_size=dm.minibatch)
     return plan, f"hetpipe.plan.make_plan (policy {plan.policy})"

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import predict  # noqa: E402
 from config import RunConfig  # noqa: E402
 from launch import run_worker  # noqa: E402
-from model import ModelSpec, build_layers  # noqa: E402
+from model import ModelSpec  # noqa: E402
 from cluster_setup import CLUSTER, make_device_model, make_plan, memory_notes  # noqa: E402
 from table import main_table, rank_table  # noqa: E402
 
@@ -51,10 +51,9 @@ def main(argv=None) -> int:
     work = args.keep or Path(tempfile.mkdtemp(prefix="hetpipe-e2e-"))
     work.mkdir(parents=True, exist_ok=True)
     spec = ModelSpec(depth=args.depth, width=args.width, minibatch=args.minibatch)
-    names = [type(m).__name__ for m in build_layers(spec)]
     dm, prof, cluster = make_device_model(spec)
     dm.save(work / "devices.json")
-    plan, planner = make_plan(dm, prof, cluster, names, nm=args.nm, policy=args.policy)
+    plan, planner = make_plan(dm, prof, cluster, nm=args.nm, policy=args.policy)
     plan.save(work / "plan.json")
     per_wave = len(plan.virtual_workers) * plan.nm          # minibatches per wave, whole cluster
     waves, skip = (4, 1) if args.quick else (8, 2)
