@@ -97,3 +97,66 @@ def test_replay_is_deterministic_and_trains():
     first, last = list(a.losses[0].values())[0], list(a.losses[0].values())[-1]
     assert np.isfinite(last) and a.shard_logs[0].clocks[-1][2] == -(-len(a.losses[0]) // 2)
     assert first != last
+
+
+def _common():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parents[1] / "mpi" / "scripts"))
+    import common
+    return common
+
+
+def _same(a, b) -> bool:
+    return a.losses == b.losses and sorted(a.weights) == sorted(b.weights) and all(
+        np.array_equal(a.weights[l], b.weights[l]) for l in a.weights)
+
+
+def test_stage_segments():
+    from hetpipe.runtime.stage import segments
+    assert segments(0, 5, (1, 2)) == [(False, range(0, 1)), (True, range(1, 3)), (False, range(3, 5))]
+    assert segments(3, 6, ()) == [(False, range(0, 3))]
+    assert segments(3, 6, (3, 4, 5)) == [(True, range(0, 3))]
+    assert segments(3, 6, (5,)) == [(False, range(0, 2)), (True, range(2, 3))]
+
+
+@pytest.mark.parametrize("cuts,recompute", [
+    ([3], [(1,), (4, 5)]),             # a middle layer; the last stage's tail (its loss waits for Recompute)
+    ([3], [(0, 1, 2), (3,)]),          # a whole stage; the head of the last stage
+    ([2, 4], [(0,), (), (5,)]),        # a stage that recomputes nothing runs Recompute as a no-op
+    ([2, 4], [(), (2, 3), (4,)]),
+])
+def test_per_layer_recompute_equals_no_recompute(cuts, recompute):
+    c = _common()
+    from hetpipe.runtime.trainer import Trainer
+    plan = c.one_vw_plan(cuts, nm=2, d=0)
+    ref = Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=plan, epochs=2).replay()
+    rec_plan = c.with_recompute(plan, recompute)
+    trainer = Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=rec_plan, epochs=2)
+    from hetpipe.schedule import Recompute
+    assert any(isinstance(i, Recompute) for i in trainer.spec(rec_plan).schedules[0].streams[0])
+    got = trainer.replay()
+    assert _same(got, ref)
+    assert list(ref.losses[0].values())[0] != list(ref.losses[0].values())[-1]
+
+
+def test_recompute_outside_the_stage_is_an_error():
+    from hetpipe.runtime.stage import StageModel
+    c = _common()
+    with pytest.raises(ValueError, match=r"stage layers \[0, 3\) cannot recompute layers \[4\]"):
+        StageModel(list(c.mlp()), 0, 3, nm=1, shard_layers={}, optimizer_factory=c.sgd(),
+                   device=torch.device("cpu"), recompute=(1, 4))
+
+
+def test_forward_keeps_only_the_inputs_of_recomputed_segments():
+    from hetpipe.runtime.stage import StageModel
+    c = _common()
+    m = StageModel(list(c.mlp()), 0, 6, nm=1, shard_layers={}, optimizer_factory=c.sgd(),
+                   device=torch.device("cpu"), recompute=(2, 3, 4, 5))
+    out = m.forward(0, torch.randn(4, 64), needs_input_grad=False)
+    assert m.recomputes_output and not out.requires_grad
+    assert m.saved[0][1][1] is None and m.saved[0][0][1] is not None
+    with pytest.raises(RuntimeError, match=r"Recompute\(0\) must precede Bwd\(0\)"):
+        m.output_of(0)
+    again = m.recompute_forward(0)
+    assert again.requires_grad and torch.equal(again, out)

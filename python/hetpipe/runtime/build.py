@@ -126,7 +126,7 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
                              f"run the layers before layer {i} on the first minibatch")
     device = spec.devices.get(rank, torch.device("cpu"))
     model = StageModel(spec.layers, st.start, st.stop, nm=plan.nm, shard_layers=shard_layers(plan),
-                       optimizer_factory=spec.optimizer_factory, device=device, recompute=bool(st.recompute))
+                       optimizer_factory=spec.optimizer_factory, device=device, recompute=tuple(st.recompute))
     owning = {sh.index: plan.ps_rank(sh.index) for sh in plan.ps_shards
               if any(st.start <= l < st.stop for l in sh.layers)}
     ctx = StageContext(vw, stage, num_stages, lambda s: plan.rank_of(vw, s), owning,

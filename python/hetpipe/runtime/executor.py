@@ -173,12 +173,7 @@ class StageExecutor:
         elif isinstance(instr, Bwd):
             self._bwd(instr.mb)
         elif isinstance(instr, Recompute):
-            self._bwd_started[instr.mb] = time.perf_counter()
-            out = self.model.recompute_forward(instr.mb)
-            if self.is_last:
-                self._losses_t[instr.mb] = self.loss_fn(out, self._labels[instr.mb])
-            else:
-                self._outputs[instr.mb] = out
+            self._recompute(instr.mb)
         elif isinstance(instr, Apply):
             self.model.apply(instr.mb)
         elif isinstance(instr, SendAct):
@@ -212,17 +207,25 @@ class StageExecutor:
             y = self.labels.get(mb).to(self.model.device)
             self._labels[mb] = y
             loss = self.loss_fn(out, y)
-            if not self.model.recompute:
+            if not self.model.recomputes_output:
                 self._losses_t[mb] = loss
             self.losses[mb] = float(loss.detach())
         else:
             self._outputs[mb] = out
         self.clock.pad(started, self.fwd_time)
 
+    def _recompute(self, mb: int) -> None:
+        """Rebuild ``mb``'s recomputed segments (a no-op on a stage that recomputes no layer); the
+        last stage takes its loss from the rebuilt output. Its time counts towards ``Bwd(mb)``'s."""
+        self._bwd_started[mb] = time.perf_counter()
+        out = self.model.recompute_forward(mb)
+        if self.is_last and mb not in self._losses_t:
+            self._losses_t[mb] = self.loss_fn(out, self._labels[mb])
+
     def _bwd(self, mb: int) -> None:
         started = self._bwd_started.pop(mb, None) or time.perf_counter()
         if self.is_last:
-            if self.model.recompute and mb not in self._losses_t:
+            if mb not in self._losses_t:
                 raise StageError(f"hetpipe: {self.ctx.who()}: Recompute({mb}) must precede Bwd({mb})")
             root, grad = self._losses_t.pop(mb), None
             self._labels.pop(mb, None)

@@ -7,6 +7,13 @@ concatenation of the layers shard ``k`` owns, in layer order — the byte layout
 Weight versions (our WSP specification):
 * ``forward(p)`` stashes a clone of the live weights and differentiates that clone, so ``backward(p)``
   uses the version ``forward(p)`` used, whatever was applied in between.
+
+Recomputation (per layer): the stage's layers form maximal runs ("segments") of consecutive layers
+that are all kept or all recomputed. ``forward(p)`` keeps the graph of kept segments and only the
+input of recomputed ones (run under ``no_grad``); ``recompute_forward(p)`` rebuilds the recomputed
+segments from those inputs with the same stash, and ``backward(p)`` back-propagates segment by
+segment, last to first. The same ops run on the same weights, so the numbers equal those of a run
+without recomputation bitwise (on CPU).
 * ``apply(p)`` takes one optimizer step on the live weights with ``p``'s gradients and adds
   ``after - before`` to the delta of wave ``p // nm``.
 * ``merge_pull(k, g, W_g)`` sets the shard-``k`` slice of the live weights to
@@ -34,15 +41,32 @@ def check_float32(layers: Sequence[nn.Module], first: int) -> None:
                                 "the parameter servers hold float32 weights")
 
 
+def segments(start: int, stop: int, recompute: Sequence[int]) -> List[Tuple[bool, range]]:
+    """Maximal runs of layers ``[start, stop)`` that are all recomputed or all kept, as
+    ``(recomputed, local layer indices)``; e.g. layers 0..4 recomputing {1, 2} give
+    ``[(False, range(0, 1)), (True, range(1, 3)), (False, range(3, 5))]``."""
+    out: List[Tuple[bool, range]] = []
+    a = start
+    for i in range(start + 1, stop + 1):
+        if i == stop or (i in recompute) != (a in recompute):
+            out.append((a in recompute, range(a - start, i - start)))
+            a = i
+    return out
+
+
 class StageModel:
     """Layers ``[start, stop)`` of the model with the bookkeeping the WSP executor needs."""
 
     def __init__(self, layers: Sequence[nn.Module], start: int, stop: int, *, nm: int,
                  shard_layers: Dict[int, Sequence[int]], optimizer_factory: Callable,
-                 device: torch.device, recompute: bool = False) -> None:
+                 device: torch.device, recompute: Sequence[int] = ()) -> None:
         self.start, self.stop, self.nm = start, stop, nm
         self.device = device
-        self.recompute = recompute
+        outside = sorted(set(recompute) - set(range(start, stop)))
+        if outside:
+            raise ValueError(f"hetpipe: stage layers [{start}, {stop}) cannot recompute layers {outside}")
+        self.recompute = tuple(sorted(set(recompute)))
+        self.segments = segments(start, stop, self.recompute)
         self.layers: List[nn.Module] = [layers[i].to(device) for i in range(start, stop)]
         check_float32(self.layers, start)
         self.params: List[nn.Parameter] = [p for layer in self.layers for p in layer.parameters()]
@@ -61,7 +85,8 @@ class StageModel:
                 self.shard_index[k] = idx.to(device)
         self.optimizer = optimizer_factory(self.params) if self.params else None
         self.stash: Dict[int, List[Dict[str, torch.Tensor]]] = {}
-        self.saved: Dict[int, Tuple[torch.Tensor, Optional[torch.Tensor]]] = {}   # mb -> (input, output)
+        # mb -> per segment [input, output]; output None while a recomputed segment awaits Recompute(mb)
+        self.saved: Dict[int, List[List[Optional[torch.Tensor]]]] = {}
         self.deltas: Dict[int, torch.Tensor] = {}                                   # wave -> flat delta
         self.floor: Dict[int, int] = {k: 0 for k in self.shard_index}               # shard -> last pulled g
 
@@ -83,46 +108,68 @@ class StageModel:
         return flat.index_select(0, self.shard_index[shard])
 
     # --- compute -----------------------------------------------------------------------------
-    def _run(self, stash: List[Dict[str, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
-        for layer, params in zip(self.layers, stash):
-            x = torch.func.functional_call(layer, params, (x,))
+    @property
+    def recomputes_output(self) -> bool:
+        """Whether the stage's output has no graph until ``Recompute`` (its last segment is recomputed)."""
+        return self.segments[-1][0]
+
+    def _run(self, stash: List[Dict[str, torch.Tensor]], x: torch.Tensor, layers: range) -> torch.Tensor:
+        for i in layers:
+            x = torch.func.functional_call(self.layers[i], stash[i], (x,))
         return x
 
     def forward(self, mb: int, x: torch.Tensor, needs_input_grad: bool) -> torch.Tensor:
-        """Forward of minibatch ``mb`` on a stash of the live weights; returns the (attached) output."""
+        """Forward of minibatch ``mb`` on a stash of the live weights; returns the output (attached
+        unless ``recomputes_output``)."""
         stash = [{n: p.detach().clone().requires_grad_(True) for n, p in layer.named_parameters()}
                  for layer in self.layers]
         self.stash[mb] = stash
-        if needs_input_grad:
-            x = x.detach().requires_grad_(True)
-        if self.recompute:
-            with torch.no_grad():
-                out = self._run(stash, x)
-            self.saved[mb] = (x, None)
-        else:
-            out = self._run(stash, x)
-            self.saved[mb] = (x, out)
-        return out
+        saved: List[List[Optional[torch.Tensor]]] = []
+        for k, (recomputed, layers) in enumerate(self.segments):
+            if (k > 0 or needs_input_grad) and x.is_floating_point():
+                x = x.detach().requires_grad_(True)
+            if recomputed:
+                with torch.no_grad():
+                    out = self._run(stash, x, layers)
+                saved.append([x, None])
+            else:
+                out = self._run(stash, x, layers)
+                saved.append([x, out])
+            x = out
+        self.saved[mb] = saved
+        return x
 
     def recompute_forward(self, mb: int) -> torch.Tensor:
-        """Rebuild minibatch ``mb``'s graph from its saved input and the same stash."""
-        x, _ = self.saved[mb]
-        out = self._run(self.stash[mb], x)
-        self.saved[mb] = (x, out)
-        return out
+        """Rebuild the recomputed segments of minibatch ``mb`` from their saved inputs and the same
+        stash; returns the stage's (attached) output."""
+        saved, stash = self.saved[mb], self.stash[mb]
+        for (recomputed, layers), seg in zip(self.segments, saved):
+            if recomputed:
+                seg[1] = self._run(stash, seg[0], layers)
+        return saved[-1][1]
 
     def output_of(self, mb: int) -> torch.Tensor:
-        out = self.saved[mb][1]
+        out = self.saved[mb][-1][1]
         if out is None:
             raise RuntimeError(f"hetpipe: stage layers [{self.start}, {self.stop}) has no graph for minibatch "
                                f"{mb}: Recompute({mb}) must precede Bwd({mb})")
         return out
 
     def backward(self, mb: int, root: torch.Tensor, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Back-propagate ``root`` (the loss, or the output with ``grad``); returns the input's gradient."""
-        x, _ = self.saved.pop(mb)
-        if root.requires_grad:
-            root.backward(grad)
+        """Back-propagate ``root`` (the loss, or the output with ``grad``) through every segment, last
+        first; returns the stage input's gradient."""
+        saved = self.saved.pop(mb)
+        for k in range(len(saved) - 1, -1, -1):
+            if k < len(saved) - 1:
+                root, grad = saved[k][1], saved[k + 1][0].grad
+                if root is None:
+                    raise RuntimeError(f"hetpipe: stage layers [{self.start}, {self.stop}) has no graph for "
+                                       f"minibatch {mb}: Recompute({mb}) must precede Bwd({mb})")
+                if grad is None:
+                    continue
+            if root.requires_grad:
+                root.backward(grad)
+        x = saved[0][0]
         return x.grad if x.requires_grad else None
 
     def apply(self, mb: int) -> None:
