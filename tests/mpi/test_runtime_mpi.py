@@ -14,29 +14,49 @@ pytestmark = pytest.mark.mpi
 
 EQUAL_CONFIGS = [{"cuts": cuts, "nm": nm, "d": 0} for cuts in ([3], [2, 4]) for nm in (1, 2, 3, 4)]
 PLAIN = {"cuts": [], "nm": 1, "d": 0, "plain": True}
+# Per-layer recomputation must equal the plain plan bitwise, split start-up within 1e-6.
+VARIANTS = [{"cuts": [2, 4], "nm": 2, "d": 0, "recompute": [[1], [], [4, 5]]},
+            {"cuts": [3], "nm": 2, "d": 0, "split": 2}]
+
+
+def _key(cfg):
+    return (tuple(cfg["cuts"]), cfg["nm"], tuple(map(tuple, cfg.get("recompute", ()))), cfg.get("split", 0))
 
 
 @pytest.fixture(scope="module")
 def equal_runs():
     """All equality configurations in one 4-rank launch (smaller plans run on a sub-communicator)."""
-    proc = run_mpi(4, "equal_replay.py", json.dumps(EQUAL_CONFIGS + [PLAIN]), timeout=600)
-    got = {(tuple(r["cuts"]), r["nm"]): r for r in results(proc)}
+    proc = run_mpi(4, "equal_replay.py", json.dumps(EQUAL_CONFIGS + VARIANTS + [PLAIN]), timeout=600)
+    got = {_key(r): r for r in results(proc)}
     return proc, got
 
 
-@pytest.mark.parametrize("cfg", EQUAL_CONFIGS, ids=lambda c: f"{len(c['cuts']) + 1}stages-nm{c['nm']}")
+def _id(cfg) -> str:
+    name = f"{len(cfg['cuts']) + 1}stages-nm{cfg['nm']}"
+    if cfg.get("recompute"):
+        name += "-recompute"
+    if cfg.get("split"):
+        name += f"-split{cfg['split']}"
+    return name
+
+
+@pytest.mark.parametrize("cfg", EQUAL_CONFIGS + VARIANTS, ids=_id)
 def test_multiprocess_equals_replay(equal_runs, cfg):
     proc, got = equal_runs
-    r = got.get((tuple(cfg["cuts"]), cfg["nm"]))
+    r = got.get(_key(cfg))
     assert r is not None, f"no result for {cfg}:\n{proc.stdout}\n{proc.stderr}"
     assert r["trained"], "the weights never moved"
     assert r["losses_equal"], r
     assert r["weights_equal"], r
+    if cfg.get("recompute"):
+        assert r["unmodified_max_diff"] == 0.0, r
+    if cfg.get("split"):
+        assert r["unmodified_max_diff"] <= 1e-6, r
 
 
 def test_one_stage_equals_plain_pytorch(equal_runs):
     proc, got = equal_runs
-    r = got.get(((), 1))
+    r = got.get(_key(PLAIN))
     assert r is not None, f"no result:\n{proc.stdout}\n{proc.stderr}"
     assert r["plain_max_diff"] < 1e-4, r
     assert proc.returncode == 0, proc.stderr

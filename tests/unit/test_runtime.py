@@ -160,3 +160,31 @@ def test_forward_keeps_only_the_inputs_of_recomputed_segments():
         m.output_of(0)
     again = m.recompute_forward(0)
     assert again.requires_grad and torch.equal(again, out)
+
+
+@pytest.mark.parametrize("cuts,nm,d,split", [([3], 2, 0, 2), ([2, 4], 3, 0, 4), ([2, 4], 2, 1, 3), ([], 1, 0, 1)])
+def test_split_startup_trains_like_the_unsplit_schedule(cuts, nm, d, split):
+    c = _common()
+    from hetpipe.runtime.trainer import Trainer
+    plan = c.one_vw_plan(cuts, nm=nm, d=d)
+    ref = Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=plan, epochs=2).replay()
+    trainer = Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=plan, epochs=2, split_startup=split)
+    assert trainer.spec(plan).schedules[0].split == split
+    got = trainer.replay()
+    assert sorted(got.losses[0]) == sorted(ref.losses[0])
+    assert max(abs(got.losses[0][p] - ref.losses[0][p]) for p in ref.losses[0]) <= 1e-6
+    assert sorted(got.weights) == sorted(ref.weights)
+    assert max(float(np.abs(got.weights[l] - ref.weights[l]).max(initial=0)) for l in ref.weights) <= 1e-6
+    assert not _same(got, ref)          # the halves really ran: float sums differ in the last bits
+
+
+def test_split_feed_halves_each_minibatch_once():
+    from hetpipe.runtime.executor import MinibatchFeed, StageError
+    from hetpipe.schedule import hetpipe_schedule
+    layout = hetpipe_schedule(1, 3, 1, 0, split_startup=1)
+    feed = MinibatchFeed(iter([torch.arange(5), torch.arange(4), torch.arange(2)]), layout)
+    assert feed.get(0).tolist() == [0, 1, 2] and feed.share(0) == 0.6
+    assert feed.get(1).tolist() == [3, 4] and feed.share(1) == 0.4
+    assert feed.get(2).tolist() == [0, 1, 2, 3] and feed.share(2) == 1.0
+    with pytest.raises(StageError, match="minibatch 1 requested out of order"):
+        MinibatchFeed(iter([]), layout).get(2)

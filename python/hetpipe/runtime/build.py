@@ -132,17 +132,21 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
     ctx = StageContext(vw, stage, num_stages, lambda s: plan.rank_of(vw, s), owning,
                        {sh.index: plan.ps_rank(sh.index) for sh in plan.ps_shards})
     inputs = labels = None
+    layout = spec.schedules[vw]
     if stage == 0:
-        inputs = MinibatchFeed(select(vw_minibatches(spec.data, vw, len(plan.virtual_workers), spec.epochs), 0))
+        inputs = MinibatchFeed(select(vw_minibatches(spec.data, vw, len(plan.virtual_workers), spec.epochs), 0),
+                               layout)
     if stage == num_stages - 1:
-        labels = MinibatchFeed(select(vw_minibatches(spec.data, vw, len(plan.virtual_workers), spec.epochs), 1))
+        labels = MinibatchFeed(select(vw_minibatches(spec.data, vw, len(plan.virtual_workers), spec.epochs), 1),
+                               layout)
     emulated = spec.emulated.get(rank, False) and spec.emulation_scale is not None
     clock = EmulatedClock(spec.emulation_scale if emulated else None)
-    return StageExecutor(ctx, spec.schedules[vw].streams[stage], model, transport, pool, loss_fn=spec.loss_fn,
+    return StageExecutor(ctx, layout.streams[stage], model, transport, pool, loss_fn=spec.loss_fn,
                          inputs=inputs, labels=labels,
                          expect_in=spec.boundaries[st.start] if stage > 0 else None,
                          expect_out=spec.boundaries[st.stop] if stage < num_stages - 1 else None,
-                         clock=clock, fwd_time=st.fwd_time, bwd_time=st.bwd_time, trace=trace, t0=t0, d=plan.d)
+                         clock=clock, fwd_time=st.fwd_time, bwd_time=st.bwd_time, trace=trace, t0=t0, d=plan.d,
+                         layout=layout)
 
 
 def initial_weights(layers: Sequence[nn.Module], owned: Sequence[int]) -> Dict[int, np.ndarray]:

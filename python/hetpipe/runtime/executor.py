@@ -21,8 +21,8 @@ import torch
 from hetpipe.runtime.emulation import EmulatedClock
 from hetpipe.runtime.stage import StageModel
 from hetpipe.runtime.transport import ACT, DONE, GRAD, PULL, PUSH, WEIGHTS, Header, Transport, slot_bytes
-from hetpipe.schedule.ir import (Apply, Bwd, Fwd, Instr, Pull, Push, Recompute, RecvAct, RecvGrad, SendAct,
-                                 SendGrad)
+from hetpipe.schedule.ir import (Apply, Bwd, Fwd, Instr, Pull, Push, Recompute, RecvAct, RecvGrad, Schedule,
+                                 SendAct, SendGrad)
 from hetpipe.schedule.trace import TraceEvent
 
 
@@ -55,20 +55,52 @@ class StageContext:
 
 
 class MinibatchFeed:
-    """Sequential access to this VW's minibatches: ``get(p)`` for p = 0, 1, 2, ... in order."""
+    """Sequential access to this VW's minibatches by micro-batch: ``get(j)`` for the micro-batches of
+    minibatches p = 0, 1, 2, ... in order.
 
-    def __init__(self, source: Iterator[torch.Tensor]) -> None:
+    ``layout`` (a :class:`Schedule`) maps micro-batches to minibatches; with split start-up, the two
+    halves of minibatch p carry its first ``ceil(n / 2)`` and its remaining ``floor(n / 2)`` samples,
+    and ``share(j)`` is the fraction of p's samples micro-batch ``j`` carries (1 when unsplit)."""
+
+    def __init__(self, source: Iterator[torch.Tensor], layout: Optional[Schedule] = None) -> None:
         self.source = source
+        self.layout = layout
         self.next_index = 0
+        self._whole: Optional[torch.Tensor] = None      # the split minibatch whose second half is pending
+        self._shares: Dict[int, float] = {}
 
-    def get(self, mb: int) -> torch.Tensor:
-        if mb != self.next_index:
-            raise StageError(f"hetpipe: minibatch {mb} requested out of order (expected {self.next_index})")
+    def _next(self, p: int) -> torch.Tensor:
+        if p != self.next_index:
+            raise StageError(f"hetpipe: minibatch {p} requested out of order (expected {self.next_index})")
         self.next_index += 1
         try:
             return next(self.source)
         except StopIteration:
-            raise StageError(f"hetpipe: the data ran out at minibatch {mb}") from None
+            raise StageError(f"hetpipe: the data ran out at minibatch {p}") from None
+
+    def get(self, mb: int) -> torch.Tensor:
+        if self.layout is None or self.layout.fraction_of(mb) == 1.0:
+            p = self.layout.minibatch_of(mb) if self.layout is not None else mb
+            return self._next(p)
+        p = self.layout.minibatch_of(mb)
+        first = mb == self.layout.micros_of(p)[0]
+        if first:
+            self._whole = self._next(p)
+            if self._whole.dim() == 0 or self._whole.shape[0] < 2:
+                raise StageError(f"hetpipe: minibatch {p} has fewer than 2 samples and cannot be split in halves")
+        elif self._whole is None:
+            raise StageError(f"hetpipe: the second half of minibatch {p} was requested before its first")
+        whole = self._whole
+        h = (whole.shape[0] + 1) // 2
+        part = whole[:h] if first else whole[h:]
+        if not first:
+            self._whole = None
+        self._shares[mb] = part.shape[0] / whole.shape[0]
+        return part
+
+    def share(self, mb: int) -> float:
+        """The fraction of its minibatch's samples micro-batch ``mb`` carries (after ``get(mb)``)."""
+        return self._shares.pop(mb, 1.0)
 
 
 _TORCH_DTYPE_NAME = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
@@ -100,8 +132,10 @@ class StageExecutor:
                  labels: Optional[MinibatchFeed] = None, expect_in: Optional[Boundary] = None,
                  expect_out: Optional[Boundary] = None, clock: Optional[EmulatedClock] = None,
                  fwd_time: float = 0.0, bwd_time: float = 0.0, trace: Optional[List[TraceEvent]] = None,
-                 t0: float = 0.0, d: int = 0) -> None:
+                 t0: float = 0.0, d: int = 0, layout: Optional[Schedule] = None) -> None:
         self.ctx, self.stream, self.model = ctx, list(stream), model
+        # Micro-batch arithmetic of the stream (split start-up); None: micro-batch j is minibatch j.
+        self.layout = layout
         self.transport, self.pool = transport, pool
         self.loss_fn, self.inputs, self.labels = loss_fn, inputs, labels
         self.expect_in, self.expect_out = expect_in, expect_out
@@ -114,8 +148,10 @@ class StageExecutor:
         if self.is_last and loss_fn is None:
             raise ValueError(f"hetpipe: {ctx.who()} is the last stage and needs a loss function")
         self.pc = 0
-        self.losses: Dict[int, float] = {}          # last stage: minibatch -> loss
-        self.batch_sizes: Dict[int, int] = {}
+        self.losses: Dict[int, float] = {}          # last stage: minibatch -> loss (set once all its halves ran)
+        self.batch_sizes: Dict[int, int] = {}       # minibatch -> samples (set on every stage)
+        self._partial_loss: Dict[int, float] = {}   # split minibatch -> weighted loss of its first half
+        self._shares: Dict[int, float] = {}         # last stage: micro-batch -> its share of its minibatch
         self.global_clock = 0                       # g of the latest Pull (min over shards)
         self.pushes_sent: Dict[int, int] = {k: 0 for k in ctx.all_shard_ranks}
         self.finished = False
@@ -162,7 +198,7 @@ class StageExecutor:
         mb = getattr(instr, "mb", -1)
         wave = getattr(instr, "wave", -1)
         if mb >= 0:
-            wave = mb // self.model.nm
+            wave = self._minibatch(mb) // self.model.nm
         self.trace.append(TraceEvent(self.ctx.vw, self.ctx.stage, instr.code, started - self.t0,
                                      time.perf_counter() - started, mb, wave))
 
@@ -175,7 +211,8 @@ class StageExecutor:
         elif isinstance(instr, Recompute):
             self._recompute(instr.mb)
         elif isinstance(instr, Apply):
-            self.model.apply(instr.mb)
+            p = self._minibatch(instr.mb)
+            self.model.apply(self.layout.micros_of(p) if self.layout is not None else (p,), p // self.model.nm)
         elif isinstance(instr, SendAct):
             self._send_tensor(ACT, instr.peer, instr.mb, self._outputs.pop(instr.mb).detach())
         elif isinstance(instr, SendGrad):
@@ -195,24 +232,44 @@ class StageExecutor:
             raise StageError(f"hetpipe: {self.ctx.who()} cannot execute {instr!r}")
         return True
 
+    def _minibatch(self, mb: int) -> int:
+        return self.layout.minibatch_of(mb) if self.layout is not None else mb
+
     def _fwd(self, mb: int) -> None:
         started = time.perf_counter()
         if self.is_first:
             x = self.inputs.get(mb).to(self.model.device)
         else:
             x = self._recv_act.pop(mb)
-        self.batch_sizes[mb] = int(x.shape[0]) if x.dim() else 1
+        p = self._minibatch(mb)
+        self.batch_sizes[p] = self.batch_sizes.get(p, 0) + (int(x.shape[0]) if x.dim() else 1)
         out = self.model.forward(mb, x, needs_input_grad=not self.is_first)
         if self.is_last:
-            y = self.labels.get(mb).to(self.model.device)
-            self._labels[mb] = y
-            loss = self.loss_fn(out, y)
+            self._labels[mb] = self.labels.get(mb).to(self.model.device)
+            self._shares[mb] = self.labels.share(mb)
+            loss = self._loss(mb, out)
             if not self.model.recomputes_output:
                 self._losses_t[mb] = loss
-            self.losses[mb] = float(loss.detach())
+            self._record_loss(mb, p, loss)
         else:
             self._outputs[mb] = out
         self.clock.pad(started, self.fwd_time)
+
+    def _loss(self, mb: int, out: torch.Tensor) -> torch.Tensor:
+        """The loss micro-batch ``mb`` back-propagates: a half's (mean) loss weighted by its share of the
+        minibatch's samples, so that the halves' gradients sum to the whole minibatch's."""
+        loss = self.loss_fn(out, self._labels[mb])
+        share = self._shares[mb]
+        return loss if share == 1.0 else loss * share
+
+    def _record_loss(self, mb: int, p: int, loss: torch.Tensor) -> None:
+        value = float(loss.detach())
+        if self._shares[mb] == 1.0:
+            self.losses[p] = value
+        elif p in self._partial_loss:
+            self.losses[p] = self._partial_loss.pop(p) + value
+        else:
+            self._partial_loss[p] = value
 
     def _recompute(self, mb: int) -> None:
         """Rebuild ``mb``'s recomputed segments (a no-op on a stage that recomputes no layer); the
@@ -220,7 +277,7 @@ class StageExecutor:
         self._bwd_started[mb] = time.perf_counter()
         out = self.model.recompute_forward(mb)
         if self.is_last and mb not in self._losses_t:
-            self._losses_t[mb] = self.loss_fn(out, self._labels[mb])
+            self._losses_t[mb] = self._loss(mb, out)
 
     def _bwd(self, mb: int) -> None:
         started = self._bwd_started.pop(mb, None) or time.perf_counter()
@@ -229,6 +286,7 @@ class StageExecutor:
                 raise StageError(f"hetpipe: {self.ctx.who()}: Recompute({mb}) must precede Bwd({mb})")
             root, grad = self._losses_t.pop(mb), None
             self._labels.pop(mb, None)
+            self._shares.pop(mb, None)
         else:
             root = self.model.output_of(mb)
             grad = self._recv_grad.pop(mb)

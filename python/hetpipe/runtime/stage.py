@@ -14,8 +14,9 @@ input of recomputed ones (run under ``no_grad``); ``recompute_forward(p)`` rebui
 segments from those inputs with the same stash, and ``backward(p)`` back-propagates segment by
 segment, last to first. The same ops run on the same weights, so the numbers equal those of a run
 without recomputation bitwise (on CPU).
-* ``apply(p)`` takes one optimizer step on the live weights with ``p``'s gradients and adds
-  ``after - before`` to the delta of wave ``p // nm``.
+* ``apply(micros, w)`` takes one optimizer step on the live weights with the summed gradients of one
+  minibatch's micro-batches (one, or the two halves of a split minibatch) and adds ``after - before``
+  to the delta of its wave ``w``.
 * ``merge_pull(k, g, W_g)`` sets the shard-``k`` slice of the live weights to
   ``W_g + sum(delta_c for c >= g)`` (increasing c) and forgets the shard-``k`` deltas of waves < g.
 Thread role: used by one thread (the rank's main thread, or the replay loop).
@@ -172,19 +173,20 @@ class StageModel:
         x = saved[0][0]
         return x.grad if x.requires_grad else None
 
-    def apply(self, mb: int) -> None:
-        """One optimizer step with minibatch ``mb``'s stashed gradients; accumulate the wave delta."""
-        stash = self.stash.pop(mb)
+    def apply(self, micros: Sequence[int], wave: int) -> None:
+        """One optimizer step with the summed stashed gradients of ``micros`` (the micro-batches of one
+        minibatch, in order); accumulate the change into the delta of ``wave``."""
+        stashes = [self.stash.pop(mb) for mb in micros]
         if self.optimizer is None:
             return
         before = self.flat()
-        for layer, params in zip(self.layers, stash):
+        for i, layer in enumerate(self.layers):
             for name, p in layer.named_parameters():
-                p.grad = params[name].grad
+                grads = [s[i][name].grad for s in stashes if s[i][name].grad is not None]
+                p.grad = sum(grads[1:], grads[0]) if grads else None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         change = self.flat() - before
-        wave = mb // self.nm
         if wave in self.deltas:
             self.deltas[wave] += change
         else:

@@ -68,6 +68,9 @@ class Trainer:
     plan: a :class:`Plan` or a plan JSON path; else rank 0 plans with ``policy`` on ``cluster``
         (default: the ``cpu-emulated`` preset) from a profile of the model.
     nm, d: minibatches in flight per VW and the staleness bound (override the plan's when given).
+    split_startup: run the first ``split_startup`` minibatches of each VW as two half micro-batches
+        (AutoPipe-H's split start-up); the loss must be a mean over samples, so that the halves'
+        losses weighted by their share of the samples sum to the minibatch's.
     timeout: seconds a rank may wait for a peer before the job fails (default HETPIPE_TIMEOUT or 120).
     emulate: pad stages to their device type's profile (None: when the device is emulated on this host).
     metrics / trace: paths of the JSON-lines metrics file and of a Chrome trace of the run.
@@ -76,7 +79,7 @@ class Trainer:
     def __init__(self, model: Union[nn.Module, Sequence[nn.Module]], loss_fn: Callable,
                  optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], data: Iterable, *,
                  plan: Union[Plan, str, Path, None] = None, policy: str = "auto", cluster: Any = None,
-                 nm: Optional[int] = None, d: Optional[int] = None, epochs: int = 1,
+                 nm: Optional[int] = None, d: Optional[int] = None, epochs: int = 1, split_startup: int = 0,
                  timeout: Optional[float] = None, emulate: Optional[bool] = None, emulation_scale: float = 1.0,
                  metrics: Union[str, Path, None] = None, trace: Union[str, Path, None] = None,
                  progress: bool = True, comm: Any = None, plan_callback: Optional[Callable[[Plan], None]] = None):
@@ -85,6 +88,7 @@ class Trainer:
         self.loss_fn, self.optimizer, self.data = loss_fn, optimizer, data
         self.plan_arg, self.policy, self.cluster = plan, policy, cluster
         self.nm, self.d, self.epochs = nm, d, epochs
+        self.split_startup = split_startup
         self.timeout = failure.timeout_s(timeout)
         self.emulate, self.emulation_scale = emulate, emulation_scale
         self.metrics = Path(metrics) if metrics else None
@@ -134,7 +138,8 @@ class Trainer:
         schedules = []
         for vw in plan.virtual_workers:
             recompute = any(st.recompute for st in vw.stages)
-            schedules.append(hetpipe_schedule(len(vw.stages), total, plan.nm, plan.d, recompute=recompute))
+            schedules.append(hetpipe_schedule(len(vw.stages), total, plan.nm, plan.d, recompute=recompute,
+                                              split_startup=self.split_startup))
         return RunSpec(plan, self.layers, self.loss_fn, self.optimizer, self.data, self.epochs, schedules,
                        infer_boundaries(self.layers, x), int(x.shape[0]) if x.dim() else 1)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -43,6 +45,14 @@ def two_vw_plan(cuts: Tuple[Sequence[int], Sequence[int]], times: Tuple[float, f
                        for k, (a, b) in enumerate(zip(bounds, bounds[1:])))
         vws.append(VirtualWorkerPlan(v, stages))
     return Plan(num_layers, nm, d, "manual", tuple(vws), _shards(num_layers, shards))
+
+
+def with_recompute(plan: Plan, layers_by_stage: Sequence[Sequence[int]]) -> Plan:
+    """``plan`` with VW 0's stage ``s`` recomputing ``layers_by_stage[s]``."""
+    vw = plan.virtual_workers[0]
+    stages = tuple(dataclasses.replace(st, recompute=tuple(r)) for st, r in zip(vw.stages, layers_by_stage))
+    return dataclasses.replace(plan, virtual_workers=(dataclasses.replace(vw, stages=stages),
+                                                      *plan.virtual_workers[1:]))
 
 
 def _shards(num_layers: int, shards: int) -> Tuple[ShardPlan, ...]:

@@ -2,6 +2,10 @@
 per launch. Prints one ``RESULT {json}`` line per configuration (from the plan's rank 0).
 
 Usage: mpiexec -n N python equal_replay.py '[{"cuts": [3], "nm": 2, "d": 0}, ...]'
+
+Optional keys: ``shards``, ``epochs``, ``plain`` (also compare with plain PyTorch), ``recompute``
+(layers each stage recomputes) and ``split`` (split start-up minibatches); with either of the last
+two the replay is also compared with the replay of the plain plan and schedule.
 """
 
 import json
@@ -11,7 +15,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from common import cross_entropy, mlp, one_vw_plan, sgd, split_world, synthetic
+from common import cross_entropy, mlp, one_vw_plan, sgd, split_world, synthetic, with_recompute
 from hetpipe.runtime.trainer import Trainer
 
 
@@ -19,15 +23,19 @@ def main() -> int:
     configs = json.loads(sys.argv[1])
     ok = True
     for cfg in configs:
-        plan = one_vw_plan(cfg["cuts"], cfg["nm"], cfg["d"], shards=cfg.get("shards", 1))
+        base = one_vw_plan(cfg["cuts"], cfg["nm"], cfg["d"], shards=cfg.get("shards", 1))
+        plan = with_recompute(base, cfg["recompute"]) if "recompute" in cfg else base
+        split = cfg.get("split", 0)
+        epochs = cfg.get("epochs", 2)
         sub = split_world(plan.num_ranks)
         if sub is None:
             MPI.COMM_WORLD.Barrier()
             continue
-        run = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=cfg.get("epochs", 2),
+        run = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=epochs, split_startup=split,
                       progress=False, comm=sub).fit()
         if sub.Get_rank() == 0:
-            ref = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=cfg.get("epochs", 2)).replay()
+            ref = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=epochs,
+                          split_startup=split).replay()
             same_losses = run.losses == ref.losses
             same_weights = sorted(run.weights) == sorted(ref.weights) and all(
                 torch.equal(torch.from_numpy(run.weights[l]), torch.from_numpy(ref.weights[l])) for l in ref.weights)
@@ -35,12 +43,22 @@ def main() -> int:
             res = {**cfg, "losses_equal": same_losses, "weights_equal": same_weights, "trained": moved,
                    "minibatches": len(run.losses[0])}
             ok = ok and same_losses and same_weights and moved
+            if plan is not base or split:
+                unmodified = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=base, epochs=epochs).replay()
+                res["unmodified_max_diff"] = _max_diff(ref, unmodified)
+                ok = ok and res["unmodified_max_diff"] <= (1e-6 if split else 0.0)
             if cfg.get("plain"):
                 res["plain_max_diff"] = _plain_max_diff(run, cfg.get("epochs", 2))
             print("RESULT " + json.dumps(res), flush=True)
         sub.Free()
         MPI.COMM_WORLD.Barrier()
     return 0 if ok else 1
+
+
+def _max_diff(a, b) -> float:
+    """Largest |difference| between two results' losses and final weights."""
+    diff = max(abs(a.losses[0][p] - b.losses[0][p]) for p in b.losses[0])
+    return max(diff, *(float(np.abs(a.weights[l] - b.weights[l]).max(initial=0.0)) for l in b.weights))
 
 
 def _plain_max_diff(run, epochs: int) -> float:
