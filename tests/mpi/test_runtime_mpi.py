@@ -16,11 +16,13 @@ EQUAL_CONFIGS = [{"cuts": cuts, "nm": nm, "d": 0} for cuts in ([3], [2, 4]) for 
 PLAIN = {"cuts": [], "nm": 1, "d": 0, "plain": True}
 # Per-layer recomputation must equal the plain plan bitwise, split start-up within 1e-6.
 VARIANTS = [{"cuts": [2, 4], "nm": 2, "d": 0, "recompute": [[1], [], [4, 5]]},
-            {"cuts": [3], "nm": 2, "d": 0, "split": 2}]
+            {"cuts": [3], "nm": 2, "d": 0, "split": 2},
+            {"cuts": [2, 4], "nm": 3, "d": 0, "copy_stream": True}]
 
 
 def _key(cfg):
-    return (tuple(cfg["cuts"]), cfg["nm"], tuple(map(tuple, cfg.get("recompute", ()))), cfg.get("split", 0))
+    return (tuple(cfg["cuts"]), cfg["nm"], tuple(map(tuple, cfg.get("recompute", ()))), cfg.get("split", 0),
+            bool(cfg.get("copy_stream")))
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +39,8 @@ def _id(cfg) -> str:
         name += "-recompute"
     if cfg.get("split"):
         name += f"-split{cfg['split']}"
+    if cfg.get("copy_stream"):
+        name += "-copystream"
     return name
 
 

@@ -188,3 +188,40 @@ def test_split_feed_halves_each_minibatch_once():
     assert feed.get(2).tolist() == [0, 1, 2, 3] and feed.share(2) == 1.0
     with pytest.raises(StageError, match="minibatch 1 requested out of order"):
         MinibatchFeed(iter([]), layout).get(2)
+
+
+def test_copy_stream_path_equals_inline_copies():
+    c = _common()
+    from hetpipe.runtime.replay import replay_run
+    from hetpipe.runtime.trainer import Trainer
+    plan = c.one_vw_plan([2, 4], nm=3, d=0)
+    ref = Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=plan, epochs=2).replay()
+    spec = Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=plan, epochs=2).spec(plan)
+    spec.copy_stream = True
+    assert _same(replay_run(spec), ref)
+
+
+def test_copy_stager_sends_in_order_and_returns_slots():
+    import hetpipe_core
+    from hetpipe.runtime.device_copy import CopyStager
+    from hetpipe.runtime.transport import Message
+    pool = hetpipe_core.PinnedBufferPool(4, 1 << 16)
+    stager = CopyStager(pool, torch.device("cpu"))
+    stager.stream.enqueue_sleep(0.05)           # the copies queue behind this
+    ts = [torch.full((1000,), float(i)) for i in range(3)]
+    for i, t in enumerate(ts):
+        stager.copy_out(t, 1, Header(ACT, 0, 0, i, -1, "float32", (1000,), 4000))
+    got = []
+    while len(got) < 3:
+        got.extend(stager.ready_sends())
+        if len(got) < 3:
+            stager.stream.synchronize()
+    assert [h.mb for _, h, _ in got] == [0, 1, 2] and stager.pending() == 0
+    for (_, h, slot), t in zip(got, ts):
+        assert torch.equal(torch.from_numpy(slot.numpy("float32", 1000)), t)
+        back = stager.copy_in(Message(0, h, slot.numpy("uint8", 4000), slot), torch.float32)
+        assert torch.equal(back.reshape(-1), t)
+    stager.stream.synchronize()
+    stager.poll()
+    assert stager.pending() == 0 and pool.available() == 4
+    stager.close()

@@ -17,6 +17,7 @@ from torch import nn
 import hetpipe_core
 from hetpipe.plan.types import Plan
 from hetpipe.runtime.data import select, vw_minibatches
+from hetpipe.runtime.device_copy import CopyStager
 from hetpipe.runtime.emulation import EmulatedClock
 from hetpipe.runtime.executor import Boundary, MinibatchFeed, StageContext, StageExecutor
 from hetpipe.runtime.ps import ShardServer, ShardState
@@ -44,6 +45,8 @@ class RunSpec:
     emulation_scale: Optional[float] = None     # None: no padding
     devices: Dict[int, torch.device] = field(default_factory=dict)   # stage rank -> torch device
     emulated: Dict[int, bool] = field(default_factory=dict)          # stage rank -> pad to the profile?
+    # Stage-to-stage tensors through a copy stream (runtime.device_copy)? None: on CUDA devices only.
+    copy_stream: Optional[bool] = None
 
 
 def as_layers(model: Union[nn.Module, Sequence[nn.Module]]) -> List[nn.Module]:
@@ -139,6 +142,7 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
     if stage == num_stages - 1:
         labels = MinibatchFeed(select(vw_minibatches(spec.data, vw, len(plan.virtual_workers), spec.epochs), 1),
                                layout)
+    staged = spec.copy_stream if spec.copy_stream is not None else device.type == "cuda"
     emulated = spec.emulated.get(rank, False) and spec.emulation_scale is not None
     clock = EmulatedClock(spec.emulation_scale if emulated else None)
     return StageExecutor(ctx, layout.streams[stage], model, transport, pool, loss_fn=spec.loss_fn,
@@ -146,7 +150,7 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
                          expect_in=spec.boundaries[st.start] if stage > 0 else None,
                          expect_out=spec.boundaries[st.stop] if stage < num_stages - 1 else None,
                          clock=clock, fwd_time=st.fwd_time, bwd_time=st.bwd_time, trace=trace, t0=t0, d=plan.d,
-                         layout=layout)
+                         layout=layout, stager=CopyStager(pool, device) if staged else None)
 
 
 def initial_weights(layers: Sequence[nn.Module], owned: Sequence[int]) -> Dict[int, np.ndarray]:

@@ -18,6 +18,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from hetpipe.runtime.device_copy import CopyStager
 from hetpipe.runtime.emulation import EmulatedClock
 from hetpipe.runtime.stage import StageModel
 from hetpipe.runtime.transport import ACT, DONE, GRAD, PULL, PUSH, WEIGHTS, Header, Transport, slot_bytes
@@ -132,10 +133,13 @@ class StageExecutor:
                  labels: Optional[MinibatchFeed] = None, expect_in: Optional[Boundary] = None,
                  expect_out: Optional[Boundary] = None, clock: Optional[EmulatedClock] = None,
                  fwd_time: float = 0.0, bwd_time: float = 0.0, trace: Optional[List[TraceEvent]] = None,
-                 t0: float = 0.0, d: int = 0, layout: Optional[Schedule] = None) -> None:
+                 t0: float = 0.0, d: int = 0, layout: Optional[Schedule] = None,
+                 stager: Optional[CopyStager] = None) -> None:
         self.ctx, self.stream, self.model = ctx, list(stream), model
         # Micro-batch arithmetic of the stream (split start-up); None: micro-batch j is minibatch j.
         self.layout = layout
+        # Activations and gradients cross the host boundary on this copy stream (None: inline copies).
+        self.stager = stager
         self.transport, self.pool = transport, pool
         self.loss_fn, self.inputs, self.labels = loss_fn, inputs, labels
         self.expect_in, self.expect_out = expect_in, expect_out
@@ -170,16 +174,20 @@ class StageExecutor:
     def step(self) -> bool:
         """Run instructions until blocked or finished; True if anything happened."""
         self.transport.progress()
-        progressed = False
+        progressed = self._drain_copies()
         while self.pc < len(self.stream):
             instr = self.stream[self.pc]
             started = time.perf_counter()
             if not self._execute(instr):
-                return progressed
+                return self._drain_copies() or progressed
             if self.trace is not None:
                 self._record(instr, started)
             self.pc += 1
             progressed = True
+            self._drain_copies()
+        if self.stager is not None and self.stager.pending():
+            self.blocked_on = "its device copies"
+            return self._drain_copies() or progressed
         if not self._done_sent:
             for k, rank in sorted(self.ctx.all_shard_ranks.items()):
                 self.transport.send(rank, Header(DONE, self.ctx.vw, self.ctx.stage, aux=self.pushes_sent[k]))
@@ -193,6 +201,24 @@ class StageExecutor:
             self.finished = True
             progressed = True
         return progressed
+
+    def wait_for_copies(self) -> bool:
+        """Block (without spinning) until this stage's enqueued copies completed; False if there were none."""
+        if self.stager is None or not self.stager.pending():
+            return False
+        self.stager.stream.synchronize()
+        return True
+
+    def _drain_copies(self) -> bool:
+        """Send the outgoing copies that completed, release finished incoming ones; True if any was sent."""
+        if self.stager is None:
+            return False
+        sent = False
+        for dest, header, slot in self.stager.ready_sends():
+            self.transport.send(dest, header, slot)
+            sent = True
+        self.stager.poll()
+        return sent
 
     def _record(self, instr: Instr, started: float) -> None:
         mb = getattr(instr, "mb", -1)
@@ -298,14 +324,17 @@ class StageExecutor:
 
     # --- stage-to-stage traffic -------------------------------------------------------------------
     def _send_tensor(self, kind: int, peer: int, mb: int, t: torch.Tensor) -> None:
-        slot, dtype = tensor_to_slot(self.pool, t)
         nbytes = t.numel() * t.element_size()
-        self.transport.send(self.ctx.rank_of_stage(peer),
-                            Header(kind, self.ctx.vw, self.ctx.stage, mb, -1, dtype, tuple(t.shape), nbytes), slot)
+        header = Header(kind, self.ctx.vw, self.ctx.stage, mb, -1, _TORCH_DTYPE_NAME[t.dtype], tuple(t.shape), nbytes)
+        if self.stager is not None:
+            self.stager.copy_out(t, self.ctx.rank_of_stage(peer), header)
+            return
+        slot, _ = tensor_to_slot(self.pool, t)
+        self.transport.send(self.ctx.rank_of_stage(peer), header, slot)
 
     def _recv(self, kind: int, peer: int, mb: int, into: Dict[int, torch.Tensor], expect: Optional[Boundary],
               what: str) -> bool:
-        msg = self.transport.try_recv(self.ctx.rank_of_stage(peer), kind)
+        msg = self.transport.try_recv(self.ctx.rank_of_stage(peer), kind, keep_slot=self.stager is not None)
         if msg is None:
             self.blocked_on = f"the {what} of minibatch {mb} from {self.ctx.who(peer)}"
             return False
@@ -320,7 +349,10 @@ class StageExecutor:
                     f"hetpipe: shape mismatch between {self.ctx.who(peer)} and {self.ctx.who()}: the {what} of "
                     f"minibatch {mb} is {h.dtype}{list(h.shape)}, {self.ctx.who()} expects "
                     f"{want}[batch, {', '.join(map(str, expect.shape))}]")
-        into[mb] = payload_tensor(msg.payload, h.dtype, h.shape, self.model.device)
+        if self.stager is not None:
+            into[mb] = self.stager.copy_in(msg, getattr(torch, h.dtype))
+        else:
+            into[mb] = payload_tensor(msg.payload, h.dtype, h.shape, self.model.device)
         return True
 
     # --- parameter servers ------------------------------------------------------------------------

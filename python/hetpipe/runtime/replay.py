@@ -49,7 +49,7 @@ def replay_run(spec: RunSpec) -> ReplayResult:
         for _, part in parts:
             if not part.finished and part.step():
                 progressed = True
-        if not progressed:
+        if not progressed and not any(isinstance(p, StageExecutor) and p.wait_for_copies() for _, p in parts):
             stuck = "; ".join(f"{name} waits for {p.blocked_on}" for name, p in parts if not p.finished)
             raise ReplayDeadlock(f"replay: no progress possible: {stuck}")
     losses: Dict[int, Dict[int, float]] = {}

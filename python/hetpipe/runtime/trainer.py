@@ -73,6 +73,8 @@ class Trainer:
         losses weighted by their share of the samples sum to the minibatch's.
     timeout: seconds a rank may wait for a peer before the job fails (default HETPIPE_TIMEOUT or 120).
     emulate: pad stages to their device type's profile (None: when the device is emulated on this host).
+    copy_stream: move stage-to-stage tensors through a copy stream overlapping compute (None: on CUDA
+        devices only; True also on CPU, where the inline copy is faster).
     metrics / trace: paths of the JSON-lines metrics file and of a Chrome trace of the run.
     """
 
@@ -81,6 +83,7 @@ class Trainer:
                  plan: Union[Plan, str, Path, None] = None, policy: str = "auto", cluster: Any = None,
                  nm: Optional[int] = None, d: Optional[int] = None, epochs: int = 1, split_startup: int = 0,
                  timeout: Optional[float] = None, emulate: Optional[bool] = None, emulation_scale: float = 1.0,
+                 copy_stream: Optional[bool] = None,
                  metrics: Union[str, Path, None] = None, trace: Union[str, Path, None] = None,
                  progress: bool = True, comm: Any = None, plan_callback: Optional[Callable[[Plan], None]] = None):
         self.model = model
@@ -91,6 +94,7 @@ class Trainer:
         self.split_startup = split_startup
         self.timeout = failure.timeout_s(timeout)
         self.emulate, self.emulation_scale = emulate, emulation_scale
+        self.copy_stream = copy_stream
         self.metrics = Path(metrics) if metrics else None
         self.trace_path = Path(trace) if trace else None
         self.progress = progress
@@ -141,7 +145,8 @@ class Trainer:
             schedules.append(hetpipe_schedule(len(vw.stages), total, plan.nm, plan.d, recompute=recompute,
                                               split_startup=self.split_startup))
         return RunSpec(plan, self.layers, self.loss_fn, self.optimizer, self.data, self.epochs, schedules,
-                       infer_boundaries(self.layers, x), int(x.shape[0]) if x.dim() else 1)
+                       infer_boundaries(self.layers, x), int(x.shape[0]) if x.dim() else 1,
+                       copy_stream=self.copy_stream)
 
     # --- single process ----------------------------------------------------------------------
     def replay(self) -> ReplayResult:

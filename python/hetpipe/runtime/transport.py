@@ -14,6 +14,9 @@ Calling contract (both): one thread per endpoint (the rank's main thread). ``sen
 takes ownership of the slot and releases it once the transfer completed (``progress``).
 ``try_recv`` never blocks: it returns a :class:`Message` once one from ``src`` (or any source with
 ``ANY``) of that kind has fully arrived, else ``None``; calling it again continues the same receive.
+With ``keep_slot`` the message may instead hand over the pool slot the payload arrived in (``slot``
+set, ``payload`` a view of it): the caller then releases the slot, e.g. after an asynchronous
+host→device copy out of it.
 """
 
 from __future__ import annotations
@@ -74,11 +77,13 @@ class Header:
 
 @dataclass
 class Message:
-    """A received message. ``payload`` is a private copy of the bytes (the slot is already released)."""
+    """A received message. ``payload`` is a private copy of the bytes (the slot is already released),
+    or, when ``slot`` is set, a view of that pool slot, owned by the receiver."""
 
     src: int
     header: Header
     payload: np.ndarray     # uint8, length header.nbytes
+    slot: object = None
 
 
 def slot_bytes(slot, nbytes: int) -> np.ndarray:
@@ -97,8 +102,10 @@ class Transport:
         Takes ownership of ``slot``: it goes back to the pool when the transfer has completed."""
         raise NotImplementedError
 
-    def try_recv(self, src: int, kind: int) -> Optional[Message]:
-        """Progress the receive of the next ``kind`` message from ``src`` (or ``ANY``); never blocks."""
+    def try_recv(self, src: int, kind: int, keep_slot: bool = False) -> Optional[Message]:
+        """Progress the receive of the next ``kind`` message from ``src`` (or ``ANY``); never blocks.
+
+        ``keep_slot``: the message may hand its payload's slot to the caller (see the module docstring)."""
         raise NotImplementedError
 
     def progress(self) -> None:
@@ -150,7 +157,7 @@ class MPITransport(Transport):
     def pending_sends(self) -> int:
         return len(self._sends)
 
-    def try_recv(self, src: int, kind: int) -> Optional[Message]:
+    def try_recv(self, src: int, kind: int, keep_slot: bool = False) -> Optional[Message]:
         MPI = self._MPI
         key = (src, kind)
         rv = self._recvs.get(key)
@@ -172,6 +179,8 @@ class MPITransport(Transport):
         if rv.payload_req is not None and not rv.payload_req.Test():
             return None
         del self._recvs[key]
+        if rv.slot is not None and keep_slot:
+            return Message(rv.src, rv.header, slot_bytes(rv.slot, rv.header.nbytes), rv.slot)
         if rv.slot is not None:
             payload = slot_bytes(rv.slot, rv.header.nbytes).copy()
             self.pool.release(rv.slot)
@@ -226,7 +235,7 @@ class LoopbackTransport(Transport):
             self.pool.release(slot)
         self.hub.queues[dest].append(Message(self.rank, header, payload))
 
-    def try_recv(self, src: int, kind: int) -> Optional[Message]:
+    def try_recv(self, src: int, kind: int, keep_slot: bool = False) -> Optional[Message]:
         q = self.hub.queues[self.rank]
         for i, msg in enumerate(q):
             if msg.header.kind == kind and (src == ANY or msg.src == src):

@@ -5,7 +5,8 @@ Usage: mpiexec -n N python equal_replay.py '[{"cuts": [3], "nm": 2, "d": 0}, ...
 
 Optional keys: ``shards``, ``epochs``, ``plain`` (also compare with plain PyTorch), ``recompute``
 (layers each stage recomputes) and ``split`` (split start-up minibatches); with either of the last
-two the replay is also compared with the replay of the plain plan and schedule.
+two the replay is also compared with the replay of the plain plan and schedule; ``copy_stream``
+(stage-to-stage tensors through the copy stream in the multi-process run; the replay copies inline).
 """
 
 import json
@@ -32,7 +33,7 @@ def main() -> int:
             MPI.COMM_WORLD.Barrier()
             continue
         run = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=epochs, split_startup=split,
-                      progress=False, comm=sub).fit()
+                      copy_stream=cfg.get("copy_stream"), progress=False, comm=sub).fit()
         if sub.Get_rank() == 0:
             ref = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=epochs,
                           split_startup=split).replay()
