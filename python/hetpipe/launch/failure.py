@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from typing import Callable, Optional
 
 DEFAULT_TIMEOUT_S = 120.0
+# mpiexec forwards each rank's stderr asynchronously, and Abort tears its proxies down at once, which
+# can drop a message still in flight; the failing rank waits this long after reporting before Abort.
+ABORT_GRACE_S = 0.5
 
 
 def timeout_s(explicit: Optional[float] = None) -> float:
@@ -34,6 +38,7 @@ def report(describe: str, exc: BaseException, with_traceback: bool = True) -> No
 def abort(comm, code: int = 1) -> None:
     """Tear the job down; falls back to a hard exit if there is no communicator."""
     if comm is not None:
+        time.sleep(ABORT_GRACE_S)
         comm.Abort(code)
     os._exit(code)
 
