@@ -127,7 +127,11 @@ def _add_demo_command(sub) -> None:
     p.add_argument("--d", type=int, default=1, help="WSP staleness bound D (default 1)")
     p.add_argument("--batch", type=int, default=32, help="minibatch size (default 32)")
     p.add_argument("--plan", help="use this plan JSON instead of planning")
-    p.add_argument("--emulation-scale", type=float, default=1.0, help="multiply emulated device times")
+    p.add_argument("--slowdown", type=float, default=12.0,
+                   help="plan for emulated devices this many times slower than the preset, so that device "
+                        "time dominates host overheads (default 12)")
+    p.add_argument("--emulation-scale", type=float, default=1.0,
+                   help="multiply emulated device times at run time only (the plan's predictions do not follow)")
     p.add_argument("--min-accuracy", type=float, default=0.9, help="fail below this test accuracy")
 
 
@@ -174,10 +178,10 @@ def _demo_plan(args):
         from hetpipe.plan import make_plan
         from hetpipe.profile import profile_model
         from hetpipe.runtime.data import digits
-        from hetpipe.runtime.demo import digits_model, loss_fn
+        from hetpipe.runtime.demo import digits_model, loss_fn, slowed
 
         torch.set_num_threads(1)
-        cluster = load_cluster(args.cluster)
+        cluster = slowed(load_cluster(args.cluster), args.slowdown)
         x, y, _, _ = digits()
         sample = x[:args.batch]
         profile = profile_model(digits_model(), sample, cluster, loss_fn=lambda out: loss_fn(out, y[:args.batch]))

@@ -108,7 +108,11 @@ def test_digits_converges_with_two_vws(tmp_path):
     lines = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert {l["event"] for l in lines} == {"wave", "epoch", "summary"}
     trace = json.loads((tmp_path / "out" / "trace.json").read_text())
-    assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
+    assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1, 2}     # 2 VWs, then the PS
+    ps = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 2]
+    assert {e["cat"] for e in ps} == {"PUSH", "PULL"} and {e["tid"] for e in ps} == {0}
+    assert any("applied wave(s)" in e["name"] for e in ps)
+    assert result["predicted_samples_per_s"]["simulated"] > 0
 
 
 def _failed(mode: str, rank: int, timeout_env: str = "30", via_launcher: bool = False, n: int = 3):

@@ -162,12 +162,13 @@ def initial_weights(layers: Sequence[nn.Module], owned: Sequence[int]) -> Dict[i
     return out
 
 
-def build_shard(spec: RunSpec, shard: int, transport: Transport, pool) -> ShardServer:
+def build_shard(spec: RunSpec, shard: int, transport: Transport, pool, *,
+                trace: Optional[List[TraceEvent]] = None, t0: float = 0.0) -> ShardServer:
     plan = spec.plan
     weights = initial_weights(spec.layers, plan.ps_shards[shard].layers)
     stage_layers = [[(s.start, s.stop) for s in vw.stages] for vw in plan.virtual_workers]
     state = ShardState(shard, weights, stage_layers, plan.d)
-    return ShardServer(state, transport, pool, plan.num_stage_ranks)
+    return ShardServer(state, transport, pool, plan.num_stage_ranks, trace=trace, t0=t0)
 
 
 class PeerTimeout(TimeoutError):

@@ -20,6 +20,7 @@ transport from the shard rank's main thread (or from the replay loop).
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
@@ -27,6 +28,7 @@ import numpy as np
 
 import hetpipe_core
 from hetpipe.runtime.transport import ANY, DONE, PULL, PUSH, WEIGHTS, Header, Transport, slot_bytes
+from hetpipe.schedule.trace import PS_VW, TraceEvent
 
 
 class WSPViolation(RuntimeError):
@@ -160,8 +162,11 @@ class ShardState:
 class ShardServer:
     """Drives a :class:`ShardState` over a transport; ``step()`` handles what has arrived, never blocks."""
 
-    def __init__(self, state: ShardState, transport: Transport, pool, num_stage_ranks: int) -> None:
+    def __init__(self, state: ShardState, transport: Transport, pool, num_stage_ranks: int, *,
+                 trace: Optional[List[TraceEvent]] = None, t0: float = 0.0) -> None:
         self.state = state
+        # Timeline rows of this shard (``PS_VW``): pushes received and applied, pulls served.
+        self.trace, self.t0 = trace, t0
         self.transport = transport
         self.pool = pool
         self.num_stage_ranks = num_stage_ranks
@@ -179,8 +184,14 @@ class ShardServer:
             if msg is None:
                 break
             h = msg.header
+            started, applied = time.perf_counter(), self.state.applied
             self.state.push(h.vw, h.stage, h.aux, msg.payload.view(np.float32))
             self.received[(h.vw, h.stage)] += 1
+            if self.trace is not None:
+                label = f"push w{h.aux} VW {h.vw}.{h.stage}"
+                if self.state.applied > applied:
+                    label += f"; applied wave(s) {applied}..{self.state.applied - 1}"
+                self._record("PUSH", started, h.aux, label)
             progressed = True
         while True:
             msg = t.try_recv(ANY, PULL)
@@ -197,10 +208,13 @@ class ShardServer:
             progressed = True
         g = self.state.global_clock
         for src, vw, stage, wave in self.state.ready_pulls():
+            started = time.perf_counter()
             n = self.state.stage_numel(vw, stage)
             slot = self.pool.acquire(max(4 * n, 1))
             self.state.snapshot_into(vw, stage, slot_bytes(slot, 4 * n).view(np.float32))
             t.send(src, Header(WEIGHTS, vw, stage, wave, g, "float32", (n,), 4 * n), slot)
+            if self.trace is not None:
+                self._record("PULL", started, wave, f"pull w{wave} VW {vw}.{stage} (g={g})")
             progressed = True
         t.progress()
         if (len(self.done) == self.num_stage_ranks and not self.state.queued and t.pending_sends() == 0
@@ -213,6 +227,10 @@ class ShardServer:
             self.blocked_on = (f"messages from the stages ({waiting} not done, global clock {g}, "
                                f"{len(self.state.queued)} pull(s) queued)")
         return progressed
+
+    def _record(self, kind: str, started: float, wave: int, label: str) -> None:
+        self.trace.append(TraceEvent(PS_VW, self.state.index, kind, started - self.t0,
+                                     time.perf_counter() - started, -1, wave, label))
 
     @property
     def weights(self) -> Dict[int, np.ndarray]:

@@ -225,7 +225,7 @@ class Trainer:
                 reporter = _Reporter(part, plan, self.metrics, self.progress, t0, spec.schedules[0].num_minibatches,
                                      self.epochs)
         else:
-            part = build_shard(spec, role.shard, transport, pool)
+            part = build_shard(spec, role.shard, transport, pool, trace=trace, t0=t0)
         # A shard idles legitimately while stages compute; it waits twice as long, so that a stuck
         # peer is reported by the stage that waits on it directly.
         limit = self.timeout if role.kind == "stage" else 2 * self.timeout
@@ -244,6 +244,7 @@ class Trainer:
         else:
             mine["weights"] = {l: w.copy() for l, w in part.weights.items()}
             mine["log"] = (part.state.index, part.state.log)
+            mine["trace"] = trace or []
         everyone = comm.allgather(mine)
         result = TrainResult(plan, role.rank, role.describe(), {}, {}, {},
                              max(m["elapsed"] for m in everyone), 0, [], emulated)

@@ -12,10 +12,16 @@ from pathlib import Path
 from typing import Iterable, List, Optional, Union
 
 
+# ``TraceEvent.vw`` of a parameter-server row; ``stage`` is then the shard index.
+PS_VW = -1
+
+
 @dataclass(frozen=True)
 class TraceEvent:
     """One timed activity. ``kind`` is the instruction code (F, B, R, A, SA, RA, SG, RG, PUSH, PULL)
-    or ``WAIT`` for time spent blocked on the WSP staleness bound; ``mb`` is -1 when not per-minibatch."""
+    or ``WAIT`` for time spent blocked on the WSP staleness bound; ``mb`` is -1 when not per-minibatch.
+    With ``vw == PS_VW`` the event is a parameter-server shard's (``stage`` = shard index): ``PUSH``
+    for a push received (and the waves it let the shard apply), ``PULL`` for a pull served."""
 
     vw: int
     stage: int
@@ -36,21 +42,27 @@ class TraceEvent:
 
 
 def chrome_trace(events: Iterable[TraceEvent], *, emulated: Optional[bool] = None) -> dict:
-    """The Chrome trace JSON object for ``events`` (times in microseconds)."""
+    """The Chrome trace JSON object for ``events`` (times in microseconds). VW ``v`` is process ``v``;
+    the parameter-server shards are one process after the last VW, one row per shard."""
+    events = list(events)
     out: List[dict] = []
     seen = set()
+    ps_pid = 1 + max((e.vw for e in events), default=-1)
     for e in events:
+        pid = ps_pid if e.vw == PS_VW else e.vw
         if (e.vw, e.stage) not in seen:
             seen.add((e.vw, e.stage))
-            out.append({"ph": "M", "name": "process_name", "pid": e.vw, "args": {"name": f"VW {e.vw}"}})
-            out.append({"ph": "M", "name": "thread_name", "pid": e.vw, "tid": e.stage,
-                        "args": {"name": f"stage {e.stage}"}})
+            ps = e.vw == PS_VW
+            out.append({"ph": "M", "name": "process_name", "pid": pid,
+                        "args": {"name": "PS shards" if ps else f"VW {e.vw}"}})
+            out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": e.stage,
+                        "args": {"name": f"shard {e.stage}" if ps else f"stage {e.stage}"}})
         args = {"kind": e.kind}
         if e.mb >= 0:
             args["mb"] = e.mb
         if e.wave >= 0:
             args["wave"] = e.wave
-        out.append({"ph": "X", "name": e.name, "cat": e.kind, "pid": e.vw, "tid": e.stage,
+        out.append({"ph": "X", "name": e.name, "cat": e.kind, "pid": pid, "tid": e.stage,
                     "ts": e.start_s * 1e6, "dur": e.dur_s * 1e6, "args": args})
     meta = {} if emulated is None else {"emulated_devices": emulated}
     return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": meta}
