@@ -51,6 +51,13 @@ def predictions(plan, minibatches_per_vw: int, batch: int) -> dict:
             "simulated_waves": waves}
 
 
+def _vs(measured: float, predicted: float) -> str:
+    """``"<predicted> (measured/predicted <ratio>)"``, or why there is no prediction."""
+    if predicted <= 0:
+        return "nothing (the plan carries no stage times)"
+    return f"{predicted:.0f} (measured/predicted {measured / predicted:.2f})"
+
+
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out, y)
 
@@ -101,9 +108,8 @@ def main(argv=None) -> int:
         emu = "devices emulated" if result.emulated else "real devices"
         rate = result.samples_per_s
         print(f"trained {result.samples} samples in {result.elapsed_s:.1f} s; final loss {summary['final_loss']:.4f}")
-        print(f"throughput ({emu}): measured {rate:.0f} samples/s; predicted {pred['cost_model']:.0f} by the "
-              f"plan's cost model (measured/predicted {rate / pred['cost_model']:.2f}), {pred['simulated']:.0f} by "
-              f"simulate_plan over {pred['simulated_waves']} waves ({rate / pred['simulated']:.2f})")
+        print(f"throughput ({emu}): measured {rate:.0f} samples/s; predicted {_vs(rate, pred['cost_model'])} by the "
+              f"plan's cost model, {_vs(rate, pred['simulated'])} by simulate_plan over {pred['simulated_waves']} waves")
         print(f"test accuracy: {100 * acc:.2f}%", flush=True)
     return 0 if acc >= args.min_accuracy else 1
 
