@@ -214,7 +214,43 @@ def test_moving_push_before_its_last_apply_is_rejected(s, data):
     w = data.draw(st.integers(0, s.num_waves - 1))
     i = stream.index(Push(w))
     stream[i - 1], stream[i] = stream[i], stream[i - 1]
-    with pytest.raises(ScheduleError, match=f"PUSH{w} must come after"):
+    with pytest.raises(ScheduleError, match=f"PUSH{w} at position .* must come after"):
+        validate(with_stream(s, stage, stream))
+
+
+def test_apply_after_its_waves_push_is_rejected():
+    ok = Schedule("ok", 1, 2, 2, 0, (parse_stream("F0 F1 B0 B1 A0 A1 PUSH0"),))
+    validate(ok)
+    late = dataclasses.replace(ok, name="late", streams=(parse_stream("F0 F1 B0 B1 A1 PUSH0 A0"),))
+    with pytest.raises(ScheduleError, match=r"stage 0: PUSH0 at position 5 must come after A0 at position 6"):
+        validate(late)
+
+
+def test_split_minibatch_apply_after_its_waves_push_is_rejected():
+    s = hetpipe_schedule(1, 3, 2, 0, split_startup=1)
+    stream = list(s.streams[0])
+    a, push = stream.index(Apply(1)), stream.index(Push(0))
+    assert a < push
+    stream.insert(push, stream.pop(a))
+    with pytest.raises(ScheduleError, match="PUSH0 .* must come after A1 .*minibatch 0"):
+        validate(with_stream(s, 0, stream))
+
+
+@settings(max_examples=60, deadline=None)
+@given(k=st.integers(1, 4), m=st.integers(1, 7), nm=st.integers(1, 4), d=st.integers(0, 2),
+       recompute=st.booleans(), data=st.data())
+def test_moving_any_apply_past_its_waves_push_is_rejected(k, m, nm, d, recompute, data):
+    s = hetpipe_schedule(k, m, nm, d, recompute, data.draw(st.integers(0, min(m, 2))))
+    stage = data.draw(st.integers(0, s.num_stages - 1))
+    stream = list(s.streams[stage])
+    applies = [n for n, ins in enumerate(stream) if isinstance(ins, Apply)]
+    a = data.draw(st.sampled_from(applies))
+    w = s.wave_of(stream[a].mb)
+    push = stream.index(Push(w))
+    dest = data.draw(st.integers(push, len(stream) - 1))
+    moved = stream.pop(a)
+    stream.insert(dest, moved)
+    with pytest.raises(ScheduleError, match=f"stage {stage}: PUSH{w} at position .* must come after {moved}"):
         validate(with_stream(s, stage, stream))
 
 

@@ -64,6 +64,14 @@ def _check_stage(schedule: Schedule, s: int) -> None:
         for j in schedule.micros_of(p):
             if where[(Bwd, j)] > where[(Apply, last)]:
                 _fail(schedule, s, f"A{last} must come after B{j}")
+        # The delta Push(c) sends is the sum of the wave's updates: an Apply after it would be lost.
+        c = p // schedule.nm
+        if (Push, c) not in where:
+            _fail(schedule, s, f"PUSH{c} is missing (each wave is pushed exactly once per stage)")
+        if where[(Apply, last)] > where[(Push, c)]:
+            _fail(schedule, s, f"PUSH{c} at position {where[(Push, c)]} must come after A{last} at position "
+                               f"{where[(Apply, last)]}: every update of wave {c} (here minibatch {p}) "
+                               f"belongs in the delta PUSH{c} sends")
         if p >= schedule.nm:
             older = schedule.micros_of(p - schedule.nm)[-1]
             if where[(Apply, older)] > where[(Fwd, schedule.micros_of(p)[0])]:
@@ -85,14 +93,7 @@ def _check_stage(schedule: Schedule, s: int) -> None:
             if all(where[(Bwd, j)] <= where[(Bwd, ins.mb)] for j in schedule.micros_of(p)):
                 in_flight.discard(p)
 
-    for c in range(schedule.num_waves):
-        if (Push, c) not in where:
-            _fail(schedule, s, f"PUSH{c} is missing (each wave is pushed exactly once per stage)")
-        last = schedule.last_micro_of_wave(c)
-        if where[(Push, c)] < where[(Apply, last)]:
-            _fail(schedule, s, f"PUSH{c} must come after A{last}, the last update of wave {c}")
-        if c == 0:
-            continue
+    for c in range(1, schedule.num_waves):
         if (Pull, c) not in where:
             _fail(schedule, s, f"PULL{c} is missing (every wave after the first starts with a Pull)")
         first = schedule.first_micro_of_wave(c)
@@ -125,7 +126,7 @@ def validate(schedule: Schedule, slots: Slots = None) -> None:
     in the order ``RecvAct < Fwd < SendAct < RecvGrad < Bwd < SendGrad`` (``Recompute`` between Fwd
     and Bwd); forwards in micro-batch order; each minibatch's Apply after its Bwd(s); local staleness
     (``Fwd`` of minibatch ``p`` after ``Apply`` of ``p - nm``); at most ``nm`` minibatches in flight;
-    each wave pushed exactly once, after its last Apply; ``Pull(w)`` for every wave ``w >= 1`` before
+    each wave pushed exactly once, after every Apply of the wave; ``Pull(w)`` for every wave ``w >= 1`` before
     the wave's first Fwd. Between neighbours: sends and receives pair up in the same order. Finally
     the lock-step replay of all stages (:mod:`hetpipe.schedule.replay`, with ``Pull(w)`` blocked until
     every stage has pushed ``w - d - 1``, and buffers bounded by ``slots`` if given) must finish;
