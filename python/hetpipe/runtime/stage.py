@@ -42,6 +42,17 @@ def check_float32(layers: Sequence[nn.Module], first: int) -> None:
                                 "the parameter servers hold float32 weights")
 
 
+def check_no_buffers(layers: Sequence[nn.Module], first: int) -> None:
+    """Raise ValueError naming the first layer that holds a module buffer (e.g. BatchNorm running
+    statistics): buffers are neither stashed, pushed, pulled nor gathered, so a run would silently
+    train them inconsistently (and ``Recompute`` would update them twice)."""
+    for i, layer in enumerate(layers):
+        for name, _ in layer.named_buffers():
+            raise ValueError(f"hetpipe: layer {first + i} has buffer {name!r} ({type(layer).__name__}); module "
+                             "buffers such as BatchNorm running statistics are not synchronised yet: use layers "
+                             "without buffers (e.g. LayerNorm or GroupNorm instead of BatchNorm)")
+
+
 def segments(start: int, stop: int, recompute: Sequence[int]) -> List[Tuple[bool, range]]:
     """Maximal runs of layers ``[start, stop)`` that are all recomputed or all kept, as
     ``(recomputed, local layer indices)``; e.g. layers 0..4 recomputing {1, 2} give
@@ -70,6 +81,7 @@ class StageModel:
         self.segments = segments(start, stop, self.recompute)
         self.layers: List[nn.Module] = [layers[i].to(device) for i in range(start, stop)]
         check_float32(self.layers, start)
+        check_no_buffers(self.layers, start)
         self.params: List[nn.Parameter] = [p for layer in self.layers for p in layer.parameters()]
         self.numel = sum(p.numel() for p in self.params)
         # Flat offsets of each layer, then, per PS shard, the flat positions of its layers (layer order).

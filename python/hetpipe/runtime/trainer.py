@@ -30,6 +30,7 @@ from hetpipe.runtime.data import first_minibatch, minibatches_per_epoch
 from hetpipe.runtime.executor import StageExecutor
 from hetpipe.runtime.ps import ShardLog
 from hetpipe.runtime.replay import ReplayResult, replay_run
+from hetpipe.runtime.stage import check_no_buffers
 from hetpipe.runtime.transport import MPITransport
 from hetpipe.schedule.trace import TraceEvent, write_chrome_trace
 
@@ -62,7 +63,8 @@ class Trainer:
     """Train ``model`` with HetPipe: pipelined virtual workers synchronised by WSP through PS shards.
 
     model: an ``nn.Sequential`` or a list of modules (the layers the plan partitions), built
-        identically (same seed) on every rank. loss_fn(output, labels) -> scalar tensor.
+        identically (same seed) on every rank. Module buffers (e.g. BatchNorm running statistics) are
+        not synchronised yet: a layer holding one is rejected at start-up. loss_fn(output, labels) -> scalar tensor.
     optimizer: a factory ``params -> torch.optim.Optimizer``; each stage builds its own over its layers.
     data: re-iterable ``(inputs, labels)`` minibatches, the same on every rank (see runtime.data).
     plan: a :class:`Plan` or a plan JSON path; else rank 0 plans with ``policy`` on ``cluster``
@@ -138,6 +140,7 @@ class Trainer:
         if per_vw < 1:
             raise ValueError(f"hetpipe: one epoch has fewer minibatches than the {len(plan.virtual_workers)} VWs")
         total = per_vw * self.epochs
+        check_no_buffers(self.layers, 0)
         x, _ = first_minibatch(self.data)
         schedules = []
         for vw in plan.virtual_workers:
