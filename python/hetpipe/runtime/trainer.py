@@ -59,6 +59,34 @@ class TrainResult:
         return float(np.mean(vals)) if vals else float("nan")
 
 
+def override(plan: Plan, nm: Optional[int], d: Optional[int]) -> Plan:
+    """``plan`` with ``nm`` / ``d`` replaced where given and different.
+
+    The stage boundaries and memory verdict were made for the plan's own Nm: a larger ``nm`` keeps
+    more activations in flight, so it is refused when the plan's stages carry a memory capacity (the
+    plan has no layer profile to re-check it with). The cost model's prediction no longer applies:
+    the plan's and its VWs' throughputs become 0 and ``meta["prediction"]`` says why."""
+    changes: Dict[str, Any] = {}
+    if nm is not None and nm != plan.nm:
+        changes["nm"] = nm
+    if d is not None and d != plan.d:
+        changes["d"] = d
+    if not changes:
+        return plan
+    if changes.get("nm", 0) > plan.nm:
+        for vw in plan.virtual_workers:
+            for k, st in enumerate(vw.stages):
+                if st.memory_capacity > 0:
+                    raise LaunchError(
+                        f"hetpipe: nm = {nm} exceeds the plan's nm = {plan.nm}, for which VW {vw.index} stage {k} "
+                        f"on {st.device} was sized to {st.memory_bytes} of its {st.memory_capacity} bytes; more "
+                        "minibatches in flight may not fit: re-plan with this nm instead of overriding it")
+    what = ", ".join(f"{k} {getattr(plan, k)} -> {v}" for k, v in changes.items())
+    vws = tuple(dataclasses.replace(vw, throughput=0.0) for vw in plan.virtual_workers)
+    meta = {**plan.meta, "prediction": f"none: the plan's predicted throughput was for other settings ({what})"}
+    return dataclasses.replace(plan, virtual_workers=vws, throughput=0.0, meta=meta, **changes)
+
+
 class Trainer:
     """Train ``model`` with HetPipe: pipelined virtual workers synchronised by WSP through PS shards.
 
@@ -122,12 +150,10 @@ class Trainer:
             profile = profile_model(nn.Sequential(*self.layers), x, cluster, loss_fn=lambda out: self.loss_fn(out, y))
             plan = make_plan(cluster, profile, policy=self.policy, nm=self.nm, d=self.d or 0,
                              minibatch_size=int(x.shape[0]))
-        changes = {}
-        if self.nm is not None and self.nm != plan.nm:
-            changes["nm"] = self.nm
-        if self.d is not None and self.d != plan.d:
-            changes["d"] = self.d
-        plan = dataclasses.replace(plan, **changes) if changes else plan
+            return self._check_layers(plan)
+        return self._check_layers(override(plan, self.nm, self.d))
+
+    def _check_layers(self, plan: Plan) -> Plan:
         if plan.num_layers != len(self.layers):
             raise LaunchError(f"hetpipe: the plan has {plan.num_layers} layers, the model {len(self.layers)}")
         return plan
