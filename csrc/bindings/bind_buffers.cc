@@ -124,10 +124,7 @@ void bind_buffers(py::module_& m) {
               return pool.try_acquire(nbytes, chunk);
             });
             if (slot) return std::move(*slot);
-            std::ostringstream msg;
-            msg << "PinnedBufferPool exhausted: all " << pool.num_slots() << " slots of " << pool.slot_bytes()
-                << " bytes are in use and none was released within " << timeout.value_or(0.0) << " s";
-            throw TimeoutError(msg.str());
+            throw TimeoutError(pool.exhausted_message(timeout.value_or(0.0)));
           },
           py::arg("nbytes") = 0, py::arg("timeout") = py::none(),
           "A free slot able to hold nbytes (0: any). Blocks with the GIL released up to `timeout` seconds\n"

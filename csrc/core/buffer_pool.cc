@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "core/backend.h"
+#include "core/waiters.h"
 #include "hetpipe/errors.h"
 
 namespace hetpipe {
@@ -99,11 +100,7 @@ std::optional<Slot> PinnedBufferPool::try_acquire(std::size_t nbytes, std::chron
 
   const auto deadline = std::chrono::steady_clock::now() + wait;
   std::unique_lock<std::mutex> lock(mutex_);
-  waiters_.fetch_add(1, std::memory_order_seq_cst);
-  struct Unregister {
-    std::atomic<int>& waiters;
-    ~Unregister() { waiters.fetch_sub(1, std::memory_order_seq_cst); }
-  } unregister{waiters_};
+  const detail::WaiterRegistration registered(waiters_);
   for (;;) {
     if (closed()) throw std::runtime_error("PinnedBufferPool is closed");
     if (auto index = pop()) return take(*index);
@@ -115,13 +112,15 @@ std::optional<Slot> PinnedBufferPool::try_acquire(std::size_t nbytes, std::chron
 }
 
 Slot PinnedBufferPool::acquire(std::size_t nbytes, double timeout_seconds) {
-  const auto wait = timeout_seconds < 0 ? std::chrono::nanoseconds::max() / 4
-                                        : std::chrono::nanoseconds(static_cast<std::int64_t>(timeout_seconds * 1e9));
-  if (auto slot = try_acquire(nbytes, wait)) return std::move(*slot);
+  if (auto slot = try_acquire(nbytes, detail::timeout_from_seconds(timeout_seconds))) return std::move(*slot);
+  throw TimeoutError(exhausted_message(timeout_seconds));
+}
+
+std::string PinnedBufferPool::exhausted_message(double timeout_seconds) const {
   std::ostringstream msg;
   msg << "PinnedBufferPool exhausted: all " << num_slots_ << " slots of " << slot_bytes_
       << " bytes are in use and none was released within " << timeout_seconds << " s";
-  throw TimeoutError(msg.str());
+  return msg.str();
 }
 
 void PinnedBufferPool::release(const Slot& slot) {
@@ -141,16 +140,12 @@ void PinnedBufferPool::release(const Slot& slot) {
                                 " (it was already released)");
   }
   push(slot.index);
-  if (waiters_.load(std::memory_order_seq_cst) > 0) {
-    { std::lock_guard<std::mutex> lock(mutex_); }
-    freed_.notify_all();
-  }
+  if (waiters_.load(std::memory_order_seq_cst) > 0) detail::notify_under(mutex_, freed_);
 }
 
 void PinnedBufferPool::close() {
   closed_.store(true, std::memory_order_seq_cst);
-  { std::lock_guard<std::mutex> lock(mutex_); }
-  freed_.notify_all();
+  detail::notify_under(mutex_, freed_);
 }
 
 }  // namespace hetpipe

@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/waiters.h"
 #include "hetpipe/errors.h"
 
 namespace hetpipe {
@@ -40,32 +41,30 @@ std::int64_t ClockTable::clock(int vw) const { return at(vw).value.load(std::mem
 
 bool ClockTable::active(int vw) const { return at(vw).active.load(std::memory_order_acquire); }
 
-std::int64_t ClockTable::global_clock() const noexcept {
+std::int64_t ClockTable::scan(bool* any_active) const noexcept {
   std::int64_t lowest = std::numeric_limits<std::int64_t>::max();
   std::int64_t highest = 0;
-  for (int vw = 0; vw < num_vws_; ++vw) {
-    const PaddedClock& c = clocks_[static_cast<std::size_t>(vw)];
-    const std::int64_t v = c.value.load(std::memory_order_seq_cst);
-    highest = std::max(highest, v);
-    if (c.active.load(std::memory_order_seq_cst)) lowest = std::min(lowest, v);
-  }
-  return lowest == std::numeric_limits<std::int64_t>::max() ? highest : lowest;
-}
-
-bool ClockTable::satisfied(std::int64_t wave, std::int64_t bound_d, std::int64_t* global) const noexcept {
-  bool any_active = false;
-  std::int64_t lowest = std::numeric_limits<std::int64_t>::max();
-  std::int64_t highest = 0;
+  *any_active = false;
   for (int vw = 0; vw < num_vws_; ++vw) {
     const PaddedClock& c = clocks_[static_cast<std::size_t>(vw)];
     const std::int64_t v = c.value.load(std::memory_order_seq_cst);
     highest = std::max(highest, v);
     if (c.active.load(std::memory_order_seq_cst)) {
-      any_active = true;
+      *any_active = true;
       lowest = std::min(lowest, v);
     }
   }
-  *global = any_active ? lowest : highest;
+  return *any_active ? lowest : highest;
+}
+
+std::int64_t ClockTable::global_clock() const noexcept {
+  bool any_active = false;
+  return scan(&any_active);
+}
+
+bool ClockTable::satisfied(std::int64_t wave, std::int64_t bound_d, std::int64_t* global) const noexcept {
+  bool any_active = false;
+  *global = scan(&any_active);
   return !any_active || *global >= wave - bound_d;
 }
 
@@ -77,11 +76,7 @@ std::optional<std::int64_t> ClockTable::wait_until_for(std::int64_t wave, std::i
 
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   std::unique_lock<std::mutex> lock(mutex_);
-  waiters_.fetch_add(1, std::memory_order_seq_cst);
-  struct Unregister {
-    std::atomic<int>& waiters;
-    ~Unregister() { waiters.fetch_sub(1, std::memory_order_seq_cst); }
-  } unregister{waiters_};
+  const detail::WaiterRegistration registered(waiters_);
   for (;;) {
     if (satisfied(wave, bound_d, &global)) return global;
     if (advanced_.wait_until(lock, deadline) == std::cv_status::timeout) {
@@ -92,10 +87,7 @@ std::optional<std::int64_t> ClockTable::wait_until_for(std::int64_t wave, std::i
 }
 
 std::int64_t ClockTable::wait_until(std::int64_t wave, std::int64_t bound_d, double timeout_seconds) {
-  const auto timeout = timeout_seconds < 0
-                           ? std::chrono::nanoseconds::max() / 4
-                           : std::chrono::nanoseconds(static_cast<std::int64_t>(timeout_seconds * 1e9));
-  if (auto global = wait_until_for(wave, bound_d, timeout)) return *global;
+  if (auto global = wait_until_for(wave, bound_d, detail::timeout_from_seconds(timeout_seconds))) return *global;
   std::ostringstream msg;
   msg << "ClockTable.wait_until(wave=" << wave << ", bound_d=" << bound_d << ") timed out after " << timeout_seconds
       << " s: global clock " << global_clock() << " < " << wave - bound_d;
@@ -107,10 +99,6 @@ void ClockTable::remove(int vw) {
   if (waiters_.load(std::memory_order_seq_cst) != 0) notify_waiters();
 }
 
-void ClockTable::notify_waiters() {
-  // Taking the mutex orders this notification after any waiter's check-then-sleep.
-  { std::lock_guard<std::mutex> lock(mutex_); }
-  advanced_.notify_all();
-}
+void ClockTable::notify_waiters() { detail::notify_under(mutex_, advanced_); }
 
 }  // namespace hetpipe

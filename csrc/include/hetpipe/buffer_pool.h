@@ -24,6 +24,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
+#include <string>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -70,6 +71,8 @@ class PinnedBufferPool : public std::enable_shared_from_this<PinnedBufferPool> {
   std::optional<Slot> try_acquire(std::size_t nbytes, std::chrono::nanoseconds wait);
   // As try_acquire; timeout_seconds < 0 waits forever. Throws TimeoutError naming the pool size.
   Slot acquire(std::size_t nbytes, double timeout_seconds);
+  // The TimeoutError message of an acquire that found no free slot within timeout_seconds.
+  std::string exhausted_message(double timeout_seconds) const;
 
   // Returns the slot. Throws std::invalid_argument for a slot of another pool or a second release
   // of the same acquisition.

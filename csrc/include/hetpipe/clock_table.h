@@ -6,13 +6,11 @@
 // VW never invalidates another VW's line.
 //
 // Memory ordering: advance() is a sequentially consistent fetch_add; clock() loads with acquire and
-// global_clock() with seq_cst (a plain load on x86), so everything a thread wrote before advance(vw) returned is visible to a thread
-// that reads the new clock (advance synchronises with the loads that observe its value). remove()
-// stores the active flag with seq_cst; global_clock() loads it with seq_cst. Wake-ups: a waiter
-// increments waiters_ (seq_cst) under mutex_ and then re-reads the clocks (seq_cst); advance() and
-// remove() update the clock first and read waiters_ (seq_cst) after. In the single total order of
-// these operations either the waiter sees the new clock or the updater sees the waiter, and then
-// it notifies under mutex_, which the waiter holds from its check until it sleeps: no lost wake-up.
+// global_clock() with seq_cst, so everything a thread wrote before advance(vw) returned is visible
+// to a thread that reads the new clock (advance synchronises with the loads that observe its value). remove()
+// stores the active flag with seq_cst; global_clock() loads it with seq_cst. Wake-ups follow the
+// protocol of core/waiters.h: advance() and remove() update the clock first and read waiters_
+// after; a waiter registers under mutex_ and re-reads the clocks, so no wake-up is lost.
 // The fast path (no waiter) takes no lock: advance is one atomic RMW plus one load.
 //
 // Threads: every method may be called from any number of threads.
@@ -62,6 +60,8 @@ class ClockTable {
   };
 
   PaddedClock& at(int vw) const;
+  // The minimum clock over active VWs, or the maximum over all when none is active (seq_cst loads).
+  std::int64_t scan(bool* any_active) const noexcept;
   bool satisfied(std::int64_t wave, std::int64_t bound_d, std::int64_t* global) const noexcept;
   void notify_waiters();
 
