@@ -259,3 +259,33 @@ def test_overriding_nm_or_d_clears_the_prediction_and_refuses_a_larger_nm_that_m
                                           r"sized to 900 of its 1000 bytes.*re-plan"):
         Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=sized, nm=3)._make_plan()
     assert Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=plan, nm=3)._make_plan().nm == 3
+
+
+@pytest.mark.parametrize("copy_stream", [False, True])
+def test_a_full_slot_pool_blocks_the_stage_instead_of_waiting_for_itself(copy_stream):
+    import threading
+
+    import hetpipe_core
+    from hetpipe.runtime.build import PeerTimeout, build_stage, drive
+    from hetpipe.runtime.trainer import Trainer
+    c = _common()
+    plan = c.one_vw_plan([3], nm=2, d=0)
+    spec = Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=plan).spec(plan)
+    spec.copy_stream = copy_stream
+    pool = hetpipe_core.PinnedBufferPool(2, 1 << 16)
+    held = [pool.acquire(16), pool.acquire(16)]
+    # Frees the slots late, so that a stage blocking inside acquire() fails the asserts instead of hanging.
+    rescue = threading.Timer(30.0, lambda: [pool.release(s) for s in held])
+    rescue.start()
+    try:
+        ex = build_stage(spec, 0, 0, LoopbackHub().endpoint(0, pool), pool)
+        with pytest.raises(PeerTimeout, match=r"VW 0 stage 0 \(rank 0\) waited 0.2 s for a free pinned slot "
+                                              r"\(2 of 2 in use\) to send the activation of minibatch 0"):
+            drive(ex, 0.2, "VW 0 stage 0 (rank 0)")
+    finally:
+        rescue.cancel()
+        rescue.join()
+    assert ex.pc == 1 and pool.available() == 0
+    for s in held:
+        pool.release(s)
+    assert ex.step() and ex.pc > 2

@@ -28,7 +28,7 @@ from typing import Deque, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 import hetpipe_core
-from hetpipe.runtime.transport import Header, Message
+from hetpipe.runtime.transport import Header, Message, try_acquire
 
 
 @dataclass
@@ -96,14 +96,18 @@ class CopyStager:
         event.record(self.stream)
         return event
 
-    def copy_out(self, t: torch.Tensor, dest: int, header: Header) -> None:
-        """Enqueue the copy of ``t`` (``header.nbytes`` bytes) into a fresh slot, to send to ``dest``."""
+    def copy_out(self, t: torch.Tensor, dest: int, header: Header) -> bool:
+        """Enqueue the copy of ``t`` (``header.nbytes`` bytes) into a fresh slot, to send to ``dest``;
+        False (nothing enqueued) while every slot is in use."""
         t = t.detach().contiguous()
-        slot = self.pool.acquire(max(header.nbytes, 1))
+        slot = try_acquire(self.pool, header.nbytes)
+        if slot is None:
+            return False
         self.order.before_copy_out()
         if header.nbytes:
             hetpipe_core.copy_async(slot, t.data_ptr(), header.nbytes, self.stream)
         self._out.append(_InFlight(self._record(), slot, (t,), (dest, header)))
+        return True
 
     def ready_sends(self) -> Iterator[Tuple[int, Header, object]]:
         """``(dest, header, slot)`` of the oldest outgoing copies that completed, oldest first; the

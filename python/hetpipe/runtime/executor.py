@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -21,7 +21,8 @@ import torch
 from hetpipe.runtime.device_copy import CopyStager
 from hetpipe.runtime.emulation import EmulatedClock
 from hetpipe.runtime.stage import StageModel
-from hetpipe.runtime.transport import ACT, DONE, GRAD, PULL, PUSH, WEIGHTS, Header, Transport, slot_bytes
+from hetpipe.runtime.transport import (ACT, DONE, GRAD, KIND_NAMES, PULL, PUSH, WEIGHTS, Header, Transport,
+                                      slot_bytes, slot_shortage, try_acquire)
 from hetpipe.schedule.ir import (Apply, Bwd, Fwd, Instr, Pull, Push, Recompute, RecvAct, RecvGrad, Schedule,
                                  SendAct, SendGrad)
 from hetpipe.schedule.trace import TraceEvent
@@ -110,11 +111,12 @@ _TORCH_DTYPE_NAME = {torch.float32: "float32", torch.float64: "float64", torch.f
 
 
 def tensor_to_slot(pool, t: torch.Tensor):
-    """Copy ``t`` into a fresh pool slot (device→host when ``t`` is on a GPU); returns (slot, dtype name)."""
+    """Copy ``t`` into a fresh pool slot (device→host when ``t`` is on a GPU); returns (slot, dtype name),
+    or (None, dtype name) when every slot is in use (see :func:`try_acquire`)."""
     t = t.detach().contiguous()
     nbytes = t.numel() * t.element_size()
-    slot = pool.acquire(max(nbytes, 1))
-    if nbytes:
+    slot = try_acquire(pool, nbytes)
+    if slot is not None and nbytes:
         dst = torch.from_numpy(slot_bytes(slot, nbytes))
         dst.copy_(t.reshape(-1).view(torch.uint8))
     return slot, _TORCH_DTYPE_NAME[t.dtype]
@@ -169,6 +171,7 @@ class StageExecutor:
         self._labels: Dict[int, torch.Tensor] = {}
         self._bwd_started: Dict[int, float] = {}
         self._done_sent = False
+        self._push_sent: Set[int] = set()           # shards the Push in progress already sent to
 
     # --- driver interface ---------------------------------------------------------------------
     def step(self) -> bool:
@@ -240,18 +243,22 @@ class StageExecutor:
             p = self._minibatch(instr.mb)
             self.model.apply(self.layout.micros_of(p) if self.layout is not None else (p,), p // self.model.nm)
         elif isinstance(instr, SendAct):
-            self._send_tensor(ACT, instr.peer, instr.mb, self._outputs.pop(instr.mb).detach())
+            if not self._send_tensor(ACT, instr.peer, instr.mb, self._outputs[instr.mb].detach()):
+                return False
+            del self._outputs[instr.mb]
         elif isinstance(instr, SendGrad):
-            g = self._in_grads.pop(instr.mb)
+            g = self._in_grads.get(instr.mb)
             if g is None:
                 raise StageError(f"hetpipe: {self.ctx.who()} has no input gradient for minibatch {instr.mb}")
-            self._send_tensor(GRAD, instr.peer, instr.mb, g)
+            if not self._send_tensor(GRAD, instr.peer, instr.mb, g):
+                return False
+            del self._in_grads[instr.mb]
         elif isinstance(instr, RecvAct):
             return self._recv(ACT, instr.peer, instr.mb, self._recv_act, self.expect_in, "activation")
         elif isinstance(instr, RecvGrad):
             return self._recv(GRAD, instr.peer, instr.mb, self._recv_grad, self.expect_out, "gradient")
         elif isinstance(instr, Push):
-            self._push(instr.wave)
+            return self._push(instr.wave)
         elif isinstance(instr, Pull):
             return self._pull_step(instr.wave)
         else:
@@ -323,20 +330,29 @@ class StageExecutor:
         self.clock.pad(started, self.bwd_time)
 
     # --- stage-to-stage traffic -------------------------------------------------------------------
-    def _send_tensor(self, kind: int, peer: int, mb: int, t: torch.Tensor) -> None:
+    def _send_tensor(self, kind: int, peer: int, mb: int, t: torch.Tensor) -> bool:
+        """Start sending ``t`` to stage ``peer``; False (nothing sent) while no pool slot is free."""
         nbytes = t.numel() * t.element_size()
         header = Header(kind, self.ctx.vw, self.ctx.stage, mb, -1, _TORCH_DTYPE_NAME[t.dtype], tuple(t.shape), nbytes)
         if self.stager is not None:
-            self.stager.copy_out(t, self.ctx.rank_of_stage(peer), header)
-            return
-        slot, _ = tensor_to_slot(self.pool, t)
-        self.transport.send(self.ctx.rank_of_stage(peer), header, slot)
+            sent = self.stager.copy_out(t, self.ctx.rank_of_stage(peer), header)
+        else:
+            slot, _ = tensor_to_slot(self.pool, t)
+            sent = slot is not None
+            if sent:
+                self.transport.send(self.ctx.rank_of_stage(peer), header, slot)
+        if not sent:
+            self.blocked_on = (f"{slot_shortage(self.pool)} to send the {KIND_NAMES[kind]} of minibatch {mb} "
+                               f"to {self.ctx.who(peer)}")
+        return sent
 
     def _recv(self, kind: int, peer: int, mb: int, into: Dict[int, torch.Tensor], expect: Optional[Boundary],
               what: str) -> bool:
         msg = self.transport.try_recv(self.ctx.rank_of_stage(peer), kind, keep_slot=self.stager is not None)
         if msg is None:
             self.blocked_on = f"the {what} of minibatch {mb} from {self.ctx.who(peer)}"
+            if self.transport.slot_wait:
+                self.blocked_on += f", blocked on {self.transport.slot_wait}"
             return False
         h = msg.header
         if h.vw != self.ctx.vw or h.stage != peer or h.mb != mb:
@@ -356,16 +372,23 @@ class StageExecutor:
         return True
 
     # --- parameter servers ------------------------------------------------------------------------
-    def _push(self, wave: int) -> None:
-        """Send this stage's wave delta, shard by shard; the sends overlap the following instructions."""
+    def _push(self, wave: int) -> bool:
+        """Send this stage's wave delta, shard by shard; the sends overlap the following instructions.
+        False while a shard's delta waits for a free pool slot (the shards already sent are not resent)."""
         for k, rank in sorted(self.ctx.shard_ranks.items()):
-            if k not in self.model.shard_index:
+            if k not in self.model.shard_index or k in self._push_sent:
                 continue
             delta = self.model.wave_delta(wave, k)
             slot, dtype = tensor_to_slot(self.pool, delta)
+            if slot is None:
+                self.blocked_on = f"{slot_shortage(self.pool)} to push wave {wave} to PS shard {k} (rank {rank})"
+                return False
             self.transport.send(rank, Header(PUSH, self.ctx.vw, self.ctx.stage, -1, wave, dtype,
                                              tuple(delta.shape), delta.numel() * 4), slot)
             self.pushes_sent[k] += 1
+            self._push_sent.add(k)
+        self._push_sent.clear()
+        return True
 
     def _pull_step(self, wave: int) -> bool:
         shards = {k: r for k, r in self.ctx.shard_ranks.items() if k in self.model.shard_index}
@@ -394,6 +417,8 @@ class StageExecutor:
         if missing:
             self.blocked_on = (f"the weights of wave {wave} from PS shard(s) {missing} "
                                f"(rank(s) {[shards[k] for k in missing]})")
+            if self.transport.slot_wait:
+                self.blocked_on += f", blocked on {self.transport.slot_wait}"
             return False
         if any(wave - self.d > g for g, _ in self._pull.values()):
             raise StageError(f"hetpipe: {self.ctx.who()} pulled wave {wave} with D = {self.d} but got "

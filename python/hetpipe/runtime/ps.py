@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 import numpy as np
 
 import hetpipe_core
-from hetpipe.runtime.transport import ANY, DONE, PULL, PUSH, WEIGHTS, Header, Transport, slot_bytes
+from hetpipe.runtime.transport import ANY, DONE, PULL, PUSH, WEIGHTS, Header, Transport, slot_bytes, slot_shortage
 from hetpipe.schedule.trace import PS_VW, TraceEvent
 
 
@@ -141,11 +141,12 @@ class ShardState:
             raise WSPViolation(f"PS shard {self.index}: VW {vw} stage {stage} holds none of its layers but pulled")
         self.queued.append((src, vw, stage, wave))
 
-    def ready_pulls(self) -> List[Tuple[int, int, int, int]]:
-        """Remove and return the queued pulls the staleness bound now allows, in arrival order."""
+    def ready_pulls(self, limit: Optional[int] = None) -> List[Tuple[int, int, int, int]]:
+        """Remove and return the queued pulls the staleness bound now allows, in arrival order (at most
+        ``limit`` of them; the others stay queued)."""
         g = self.global_clock
-        ready = [q for q in self.queued if q[3] - self.d <= g]
-        self.queued = [q for q in self.queued if q[3] - self.d > g]
+        ready = [q for q in self.queued if q[3] - self.d <= g][:limit]
+        self.queued = [q for q in self.queued if q not in ready]
         for (_, vw, stage, wave) in ready:
             self.log.pulls.append((vw, stage, wave, g))
         return ready
@@ -207,10 +208,11 @@ class ShardServer:
             self.done[(msg.header.vw, msg.header.stage)] = msg.header.aux
             progressed = True
         g = self.state.global_clock
-        for src, vw, stage, wave in self.state.ready_pulls():
+        # Each reply takes a slot; pulls beyond the free slots stay queued until sends complete.
+        for src, vw, stage, wave in self.state.ready_pulls(limit=self.pool.available()):
             started = time.perf_counter()
             n = self.state.stage_numel(vw, stage)
-            slot = self.pool.acquire(max(4 * n, 1))
+            slot = self.pool.acquire(max(4 * n, 1), timeout=0)
             self.state.snapshot_into(vw, stage, slot_bytes(slot, 4 * n).view(np.float32))
             t.send(src, Header(WEIGHTS, vw, stage, wave, g, "float32", (n,), 4 * n), slot)
             if self.trace is not None:
@@ -226,6 +228,10 @@ class ShardServer:
             waiting = self.num_stage_ranks - len(self.done)
             self.blocked_on = (f"messages from the stages ({waiting} not done, global clock {g}, "
                                f"{len(self.state.queued)} pull(s) queued)")
+            if self.state.queued and self.pool.available() == 0:
+                self.blocked_on += f", blocked on {slot_shortage(self.pool)} for pull replies"
+            if t.slot_wait:
+                self.blocked_on += f", blocked on {t.slot_wait}"
         return progressed
 
     def _record(self, kind: str, started: float, wave: int, label: str) -> None:

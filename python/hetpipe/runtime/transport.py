@@ -14,6 +14,7 @@ Calling contract (both): one thread per endpoint (the rank's main thread). ``sen
 takes ownership of the slot and releases it once the transfer completed (``progress``).
 ``try_recv`` never blocks: it returns a :class:`Message` once one from ``src`` (or any source with
 ``ANY``) of that kind has fully arrived, else ``None``; calling it again continues the same receive.
+A payload waits for a free pool slot without blocking: ``slot_wait`` then says so (else it is "").
 With ``keep_slot`` the message may instead hand over the pool slot the payload arrived in (``slot``
 set, ``payload`` a view of it): the caller then releases the slot, e.g. after an asynchronous
 host→device copy out of it.
@@ -86,6 +87,23 @@ class Message:
     slot: object = None
 
 
+def try_acquire(pool, nbytes: int):
+    """A free slot of ``pool`` for ``nbytes`` bytes, or None when every slot is in use; never blocks.
+
+    Slots are released by the thread that acquires them (as its transfers and copies complete), so
+    waiting inside ``acquire`` would wait for itself: callers report the shortage and retry."""
+    try:
+        return pool.acquire(max(nbytes, 1), timeout=0)
+    except TimeoutError:
+        return None
+
+
+def slot_shortage(pool) -> str:
+    """What a caller that got no slot from ``try_acquire`` waits for, with the pool's occupancy."""
+    total = pool.num_slots
+    return f"a free pinned slot ({total - pool.available()} of {total} in use)"
+
+
 def slot_bytes(slot, nbytes: int) -> np.ndarray:
     """A writable uint8 numpy view of the first ``nbytes`` of a pool slot (shares its memory)."""
     return np.frombuffer(slot, dtype=np.uint8, count=nbytes)
@@ -95,6 +113,7 @@ class Transport:
     """Interface of a rank's endpoint. ``pool`` stages payloads; ``rank`` is this endpoint's address."""
 
     rank: int
+    slot_wait: str = ""
 
     def send(self, dest: int, header: Header, slot=None) -> None:
         """Start sending ``header`` (and the first ``header.nbytes`` of ``slot``) to ``dest``; never blocks.
@@ -131,6 +150,7 @@ class MPITransport(Transport):
         self.pool = pool
         self._sends: List[Tuple[list, object]] = []     # ([requests], slot or None)
         self._recvs: Dict[Tuple[int, int], "_PendingRecv"] = {}     # (src, kind) -> receive in progress
+        self.slot_wait = ""
 
     def send(self, dest: int, header: Header, slot=None) -> None:
         words = header.encode()
@@ -172,10 +192,15 @@ class MPITransport(Transport):
             rv.header_req = None
             rv.header = Header.decode(rv.words)
             rv.src = rv.status.Get_source()
-            if rv.header.nbytes:
-                rv.slot = self.pool.acquire(rv.header.nbytes)
-                rv.payload_req = self.comm.Irecv([slot_bytes(rv.slot, rv.header.nbytes), MPI.BYTE],
-                                                 source=rv.src, tag=2 * kind + 1)
+        if rv.header.nbytes and rv.slot is None:
+            rv.slot = try_acquire(self.pool, rv.header.nbytes)
+            if rv.slot is None:
+                self.slot_wait = (f"{slot_shortage(self.pool)} for the payload of a {KIND_NAMES.get(kind, kind)} "
+                                  f"message from rank {rv.src}")
+                return None
+            self.slot_wait = ""
+            rv.payload_req = self.comm.Irecv([slot_bytes(rv.slot, rv.header.nbytes), MPI.BYTE],
+                                             source=rv.src, tag=2 * kind + 1)
         if rv.payload_req is not None and not rv.payload_req.Test():
             return None
         del self._recvs[key]
@@ -228,6 +253,7 @@ class LoopbackTransport(Transport):
         self.hub = hub
         self.rank = rank
         self.pool = pool
+        self.slot_wait = ""
 
     def send(self, dest: int, header: Header, slot=None) -> None:
         payload = slot_bytes(slot, header.nbytes).copy() if header.nbytes else np.empty(0, dtype=np.uint8)
