@@ -289,3 +289,15 @@ def test_a_full_slot_pool_blocks_the_stage_instead_of_waiting_for_itself(copy_st
     for s in held:
         pool.release(s)
     assert ex.step() and ex.pc > 2
+
+
+def test_a_minibatch_larger_than_the_first_is_a_clear_error():
+    from hetpipe.runtime.executor import StageError
+    from hetpipe.runtime.trainer import Trainer
+    c = _common()
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g)) for n in (16, 16, 1024, 16)]
+    plan = c.one_vw_plan([3], nm=2, d=0)
+    with pytest.raises(StageError, match=r"VW 0 stage 0 \(rank 0\): the activation of minibatch 2 of VW 0 is "
+                                         r"\[1024, 32\] \(131072 bytes\) .* minibatches must not exceed the first"):
+        Trainer(c.mlp(), c.cross_entropy, c.sgd(), data, plan=plan).replay()

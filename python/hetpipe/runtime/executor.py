@@ -333,6 +333,11 @@ class StageExecutor:
     def _send_tensor(self, kind: int, peer: int, mb: int, t: torch.Tensor) -> bool:
         """Start sending ``t`` to stage ``peer``; False (nothing sent) while no pool slot is free."""
         nbytes = t.numel() * t.element_size()
+        if nbytes > self.pool.slot_bytes:
+            p = self._minibatch(mb)
+            raise StageError(f"hetpipe: {self.ctx.who()}: the {KIND_NAMES[kind]} of minibatch {p} of VW {self.ctx.vw} "
+                             f"is {list(t.shape)} ({nbytes} bytes) but the stage's pinned slots hold {self.pool.slot_bytes} "
+                             "bytes, sized by the first minibatch: minibatches must not exceed the first one's size")
         header = Header(kind, self.ctx.vw, self.ctx.stage, mb, -1, _TORCH_DTYPE_NAME[t.dtype], tuple(t.shape), nbytes)
         if self.stager is not None:
             sent = self.stager.copy_out(t, self.ctx.rank_of_stage(peer), header)
