@@ -11,8 +11,10 @@ measured for one minibatch of ``minibatch_size`` samples. File format (JSON)::
 
 Times are seconds per minibatch; ``activation_bytes`` is the layer's output for one minibatch (what
 a stage sends to the next); ``stash_bytes`` what the layer keeps for its backward per minibatch in
-flight (defaults to ``activation_bytes``); ``param_bytes`` its weights (a same-sized gradient buffer
-is counted by the planner); ``optimizer_bytes`` its optimizer state; ``workspace_bytes`` transient
+flight (defaults to ``activation_bytes``; the layer's own parameters are not part of it, since the
+planner counts the runtime's per-minibatch weight stashes separately); ``param_bytes`` its weights
+(the planner adds the gradient, weight stashes and wave deltas of that size, see
+:mod:`hetpipe.plan.stage`); ``optimizer_bytes`` its optimizer state; ``workspace_bytes`` transient
 scratch while it runs. ``derived[t]`` says that the times for type ``t`` were not measured on ``t``.
 
 Where numbers come from:

@@ -35,7 +35,7 @@ def slots_of(cluster, ids=None):
     return [Slot(d.id, d.type, d.node, cluster.device_types[d.type].memory_bytes) for d in devs]
 
 
-def brute_force(profile, cluster, slots, nm):
+def brute_force(profile, cluster, slots, nm, d):
     """Best bottleneck over every device order and every cut; the stage model written out directly."""
     L, K = profile.num_layers, len(slots)
     layers = profile.layers
@@ -55,9 +55,12 @@ def brute_force(profile, cluster, slots, nm):
                     lk = cluster.node_link(order[k - 1].node, s.node)
                     if layers[lo - 1].activation_bytes:
                         t += lk.latency + layers[lo - 1].activation_bytes / lk.bandwidth
+                n = min(nm, K - k)
                 mem = sum(2 * layers[i].param_bytes + layers[i].optimizer_bytes for i in range(lo, hi))
                 mem += max(layers[i].workspace_bytes for i in range(lo, hi))
-                mem += min(nm, K - k) * sum(layers[i].stash for i in range(lo, hi))
+                mem += n * sum(layers[i].stash for i in range(lo, hi))
+                # n weight stashes with their gradients, and d + 2 wave deltas
+                mem += (2 * n + d + 2) * sum(layers[i].param_bytes for i in range(lo, hi))
                 if mem > s.memory_bytes:
                     worst = float("inf")
                     break
@@ -83,16 +86,17 @@ def instances(draw, memory_limits):
     param = [draw(ints) for _ in range(L)]
     opt = [draw(ints) for _ in range(L)]
     ws = [draw(ints) for _ in range(L)]
-    mems = {t: (draw(st.integers(100, 1500)) if memory_limits else 10**12) for t in speeds}
+    mems = {t: (draw(st.integers(100, 6000)) if memory_limits else 10**12) for t in speeds}
     cluster = make_cluster({t: (mems[t], speeds[t]) for t in speeds}, nodes)
     nm = draw(st.integers(1, 4))
-    return make_profile(times, speeds, act, stash, param, opt, ws), cluster, nm
+    d = draw(st.integers(0, 2))
+    return make_profile(times, speeds, act, stash, param, opt, ws), cluster, nm, d
 
 
-def check_against_brute_force(profile, cluster, nm):
+def check_against_brute_force(profile, cluster, nm, d):
     slots = slots_of(cluster)
-    want = brute_force(profile, cluster, slots, nm)
-    table = LayerTable(profile, cluster.device_types)
+    want = brute_force(profile, cluster, slots, nm, d)
+    table = LayerTable(profile, cluster.device_types, d)
     if want == float("inf"):
         with pytest.raises(ValueError, match=r"fits memory.*needing \d+ bytes of its \d+ bytes"):
             partition(table, slots, cluster, nm)
@@ -126,8 +130,9 @@ def test_fast_device_gets_more_layers():
 
 
 def test_memory_moves_layers_off_a_small_device():
-    # the fast device is tiny: memory, not speed, decides its share
-    cluster = make_cluster({"fast": (250, 4.0), "slow": (10**9, 1.0)}, [["fast", "slow"]])
+    # the fast device is tiny: memory, not speed, decides its share (each layer needs 6 x 50 bytes:
+    # weights, gradients, a weight stash and its gradient, 2 wave deltas; 650 bytes hold two)
+    cluster = make_cluster({"fast": (650, 4.0), "slow": (10**9, 1.0)}, [["fast", "slow"]])
     z = [0] * 10
     profile = make_profile([1.0] * 10, {"fast": 4.0, "slow": 1.0}, z, z, [50] * 10, z, z)
     part = partition(LayerTable(profile, cluster.device_types), slots_of(cluster), cluster, 1)
@@ -140,7 +145,8 @@ def test_infeasible_names_device_and_bytes():
     cluster = make_cluster({"a": (100, 1.0)}, [["a", "a"]])
     z = [0] * 4
     profile = make_profile([1.0] * 4, {"a": 1.0}, z, z, [40] * 4, z, z)
-    with pytest.raises(ValueError, match=r"on n0\.g[01] \(a\), needing 160 bytes of its 100 bytes"):
+    # two layers of 40 parameter bytes, each counted 6 times (see test_memory_moves_layers_off_a_small_device)
+    with pytest.raises(ValueError, match=r"on n0\.g[01] \(a\), needing 480 bytes of its 100 bytes"):
         partition(LayerTable(profile, cluster.device_types), slots_of(cluster), cluster, 1)
 
 
@@ -232,3 +238,29 @@ def test_partition_accepts_a_profile_and_device_ids():
     assert set(n) == {"titan_v", "rtx2060"} and sum(n.values()) == 19
     with pytest.raises(ValueError, match="unknown device 'n9.g0'"):
         partition(load_profile("vgg19"), ["n9.g0"], tb, 1)
+
+
+def test_weight_stashes_and_wave_deltas_follow_the_runtime():
+    # parameters only: weights and gradients (2), a weight stash and its gradient per minibatch in
+    # flight (2 x warmup), and d + 2 wave deltas, with or without recomputation
+    from hetpipe.plan.stage import LinkCost
+    from hetpipe.schedule.generators import warmup
+    prof = make_profile([1.0] * 4, {"a": 1.0}, [0] * 4, [0] * 4, [30] * 4, [0] * 4, [0] * 4)
+    slot = Slot("d", "a", "n", 10**9)
+    link = LinkCost(1e9, 0.0)
+    for d in (0, 1, 3):
+        tab = LayerTable(prof, ["a"], d)
+        for K, nm in ((1, 1), (3, 2), (4, 5)):
+            for k in range(K):
+                for rc in (False, True):
+                    _, mem = tab.stage(slot, k, K, nm, 1, 3, link if k else None, link if k < K - 1 else None, rc)
+                    assert mem == (2 + 2 * warmup(k, K, nm) + d + 2) * 60
+        assert tab.min_layer_bytes(0) == (2 + 2 + d + 2) * 30
+
+
+def test_partition_checks_d_against_its_table():
+    cluster = make_cluster({"a": (10**9, 1.0)}, [["a"]])
+    prof = make_profile([1.0], {"a": 1.0}, [0], [0], [10], [0], [0])
+    assert partition(prof, slots_of(cluster), cluster, 1, d=2).stages[0].memory == (2 + 2 + 4) * 10
+    with pytest.raises(ValueError, match="d=1 but the LayerTable was built for d=0"):
+        partition(LayerTable(prof, ["a"]), slots_of(cluster), cluster, 1, d=1)

@@ -51,7 +51,7 @@ def test_testbed_plans_fit_and_round_trip(model):
 
 
 def test_plan_file_round_trip(tmp_path):
-    plan = make_plan("hetpipe-testbed", "gpt", recompute=True, policy="ED", nm=4, d=1)
+    plan = make_plan("hetpipe-testbed", "resnet152", recompute=True, policy="NP", nm=4, d=1)
     assert plan.nm == 4 and plan.d == 1
     assert any(st.recompute for vw in plan.virtual_workers for st in vw.stages)
     path = tmp_path / "p.json"
@@ -90,20 +90,24 @@ def test_emulated_demo_cluster():
 
 def test_model_too_big_for_the_cluster():
     prof = toy_profile(param=100 * 2**20)           # 6 x 300 MiB of state; the cluster has 160 MiB
-    with pytest.raises(ValueError, match=r"model 'toy' needs \d+ bytes .* whole cluster 'cpu-emulated' has \(167772160 bytes\)"):
+    with pytest.raises(ValueError, match=r"model 'toy' needs at least \d+ bytes .* whole cluster 'cpu-emulated' has \(167772160 bytes\)"):
         make_plan("cpu-emulated", prof)
 
 
 def test_layer_too_big_for_every_device():
     layers = list(toy_profile().layers)
-    layers[3] = LayerProfile("huge", layers[3].fwd_time, layers[3].bwd_time, param_bytes=40 * 2**20)
-    with pytest.raises(ValueError, match=r"layer 3 \('huge'\) needs 83886080 bytes .* n0\.g0 \(emu_fast\), has 67108864"):
+    # 12 MiB of weights need 6 x 12 MiB: weights, gradients, one weight stash and its gradient, and
+    # D + 2 = 2 wave deltas; more than the largest device's 64 MiB
+    layers[3] = LayerProfile("huge", layers[3].fwd_time, layers[3].bwd_time, param_bytes=12 * 2**20)
+    with pytest.raises(ValueError, match=r"layer 3 \('huge'\) needs 75497472 bytes .* n0\.g0 \(emu_fast\), has 67108864"):
         make_plan("cpu-emulated", ModelProfile("toy", 16, layers))
 
 
 def test_no_policy_fits_names_device_and_bytes():
-    # the slow devices (16 MiB) cannot hold an even share: every policy fails on memory
-    prof = toy_profile(n=4, param=6 * 2**20)
+    # the slow devices (16 MiB) cannot hold even one layer (7 x 3 MiB: weights, gradients, optimizer
+    # state, one weight stash and its gradient, 2 wave deltas), though the cluster holds the model:
+    # every policy fails on memory
+    prof = toy_profile(n=4, param=3 * 2**20)
     with pytest.raises(ValueError, match=r"no plan of 'toy' fits .*NP: .*needing \d+ bytes of its \d+ bytes"):
         make_plan("cpu-emulated", prof)
 

@@ -232,7 +232,7 @@ def partition_order(table: LayerTable, slots: Sequence[Slot], links: Sequence[Li
 
 def partition(table, slots: Sequence, cluster, nm: int, *, recompute="none",
               exhaustive_max: int = 5, coarse_above: int = 256, num_blocks: int = 128,
-              relaxed: Optional[Partition] = None, ignore_memory: bool = False) -> Partition:
+              relaxed: Optional[Partition] = None, ignore_memory: bool = False, d: Optional[int] = None) -> Partition:
     """The best partition of the model over the VW ``slots`` in any device order we search.
 
     ``table``: a :class:`LayerTable` or a ModelProfile; ``slots``: :class:`Slot` objects or device
@@ -240,12 +240,16 @@ def partition(table, slots: Sequence, cluster, nm: int, *, recompute="none",
     Raises ValueError naming a device and bytes when no order and no partition fits memory.
     ``relaxed``: the result of the same call with ``ignore_memory=True`` (any nm); when it fits
     memory at this ``nm`` it is optimal here too and the search is skipped.
+    ``d``: the WSP staleness bound (sizes each stage's wave deltas) when ``table`` is a profile,
+    default 0; a :class:`LayerTable` carries its own, and a different ``d`` is an error.
     """
     if not slots:
         raise ValueError("partition: a virtual worker needs at least one device")
     slots = [s if isinstance(s, Slot) else _slot(cluster, s) for s in slots]
     if not isinstance(table, LayerTable):
-        table = LayerTable(table, {s.device_type for s in slots})
+        table = LayerTable(table, {s.device_type for s in slots}, 0 if d is None else d)
+    elif d is not None and d != table.d:
+        raise ValueError(f"partition: d={d} but the LayerTable was built for d={table.d}")
     mode = _mode(recompute)
     if relaxed is not None:
         links = links_of(relaxed.slots, cluster)

@@ -58,18 +58,20 @@ def _relabel(part: Partition, src: Sequence[Slot], dst: Sequence[Slot]) -> Parti
 
 def check_fits_cluster(table: LayerTable, cluster: ClusterSpec, profile: ModelProfile) -> None:
     """Errors for a model whose state exceeds the cluster, or a layer that fits no device."""
-    state = float(table.cum_state[-1])
+    state = table.min_model_bytes()
     total = sum(cluster.device_types[d.type].memory_bytes for d in cluster.devices)
     if state > total:
-        raise ValueError(f"model {profile.name!r} needs {int(state)} bytes of weights, gradients and optimizer "
-                         f"state, more than the whole cluster {cluster.name!r} has ({total} bytes)")
+        raise ValueError(f"model {profile.name!r} needs at least {state} bytes of weights, gradients, optimizer "
+                         f"state, weight stashes and wave deltas (D = {table.d}), more than the whole cluster "
+                         f"{cluster.name!r} has ({total} bytes)")
     big = max(cluster.devices, key=lambda d: cluster.device_types[d.type].memory_bytes)
     cap = cluster.device_types[big.type].memory_bytes
     for i, layer in enumerate(profile.layers):
         need = table.min_layer_bytes(i)
         if need > cap:
             raise ValueError(f"layer {i} ({layer.name!r}) needs {need} bytes (weights, gradients, optimizer state, "
-                             f"workspace, one minibatch of activations), more than any device: the largest, "
+                             f"workspace, one minibatch's activations and weight stash with its gradient, "
+                             f"{table.d + 2} wave deltas), more than any device: the largest, "
                              f"{big.id} ({big.type}), has {cap} bytes")
 
 
@@ -103,7 +105,7 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     used_types = sorted({dv.type for dv in cluster.devices})
     if derive_missing:
         profile = profile.derive_types({t: cluster.device_types[t].speed for t in used_types})
-    table = LayerTable(profile, used_types)
+    table = LayerTable(profile, used_types, d)
     check_fits_cluster(table, cluster, profile)
     if policy.lower() == "auto":
         policies = list(POLICIES)

@@ -9,11 +9,23 @@ in flight in the VW:
   gradient (as large as the activation of layer ``a-1``) back to stage ``k-1``, each
   ``latency + bytes / bandwidth`` over the link between the two devices (0 at the pipeline ends);
 * stage time = compute + transfer; the VW's bottleneck is the largest stage time.
-* memory = weights + gradients (2 x param bytes) + optimizer state + the largest workspace of its
-  layers + stashed activations. The HetPipe schedule's 1F1B rule lets stage ``k`` run at most
-  ``n_k = min(nm, K - k)`` forwards ahead of their backwards, so it stashes ``n_k`` minibatches:
-  ``n_k x stash[a:b]``. A recomputing stage stashes only its input for each of them and rebuilds one
-  minibatch's activations during its backward: ``n_k x input_bytes(a) + stash[a:b]``.
+* memory: the runtime's memory model (:mod:`hetpipe.runtime.stage`). With ``P = param[a:b]`` and
+  ``n_k = min(nm, K - k)`` (the HetPipe schedule's 1F1B rule lets stage ``k`` run at most ``n_k``
+  forwards ahead of their backwards, so ``n_k`` minibatches are in flight there)::
+
+      memory = 2 x P                      live weights and their gradients (during an Apply)
+             + optimizer state[a:b]
+             + max workspace[a:b]
+             + n_k x 2 x P                weight stashes: each minibatch in flight differentiates its
+                                          own clone of the weights, and holds a gradient of that size
+                                          until its Apply
+             + (D + 2) x P                float32 wave deltas not yet merged by a Pull (D + 2 waves at
+                                          most under staleness bound D)
+             + n_k x stash[a:b]           activations saved for backward
+
+  A recomputing stage stashes only its input for each minibatch in flight and rebuilds one
+  minibatch's activations during its backward, so its last term is ``n_k x input_bytes(a) +
+  stash[a:b]``; its weight stashes are those of a stage without recomputation.
 """
 
 from __future__ import annotations
@@ -52,7 +64,11 @@ class LinkCost:
 class LayerTable:
     """Prefix sums and range maxima over a profile's layers, for O(1) stage queries (vectorised)."""
 
-    def __init__(self, profile: ModelProfile, device_types: Iterable[str]):
+    def __init__(self, profile: ModelProfile, device_types: Iterable[str], d: int = 0):
+        """``d``: the plan's WSP staleness bound, which sets how many wave deltas a stage keeps."""
+        if d < 0:
+            raise ValueError(f"LayerTable: d must be >= 0, got {d}")
+        self.d = d
         types = sorted(set(device_types))
         profile.validate(types)
         self.profile = profile
@@ -69,6 +85,7 @@ class LayerTable:
         self.param_bytes = np.array([float(x.param_bytes) for x in layers])
         state = np.array([2.0 * x.param_bytes + x.optimizer_bytes for x in layers])
         self.cum_state = np.concatenate([[0.0], np.cumsum(state)])
+        self.cum_param = np.concatenate([[0.0], np.cumsum(self.param_bytes)])
         self.cum_stash = np.concatenate([[0.0], np.cumsum([float(x.stash) for x in layers])])
         ws = np.array([float(x.workspace_bytes) for x in layers])
         # range maxima: a dense (L+1) x (L+1) table for models of up to DENSE_MAX layers, else a
@@ -118,12 +135,13 @@ class LayerTable:
             lo = lo - np.where(inb > 0, prev.latency + inb / prev.bandwidth, 0.0)
         comp = hi - lo
         n = min(nm, num_stages - k)
+        copies = self.weight_copies(n)
         if recompute:
-            mhi = self.cum_state[b] + self.cum_stash[b]
-            mlo = self.cum_state[a] + self.cum_stash[a] - n * self.in_bytes[a]
+            mhi = self.cum_state[b] + copies * self.cum_param[b] + self.cum_stash[b]
+            mlo = self.cum_state[a] + copies * self.cum_param[a] + self.cum_stash[a] - n * self.in_bytes[a]
         else:
-            mhi = self.cum_state[b] + n * self.cum_stash[b]
-            mlo = self.cum_state[a] + n * self.cum_stash[a]
+            mhi = self.cum_state[b] + copies * self.cum_param[b] + n * self.cum_stash[b]
+            mlo = self.cum_state[a] + copies * self.cum_param[a] + n * self.cum_stash[a]
         mem = (mhi - mlo) + self.ws_max(a, np.maximum(b, a + 1) if self._dense is None else b)
         return comp, mem
 
@@ -143,11 +161,24 @@ class LayerTable:
         """Seconds to send the output activation of layer ``b-1`` over ``link`` (0 without one)."""
         return 0.0 if link is None else link.time(float(self.out_bytes[b - 1]))
 
+    def weight_copies(self, in_flight: int) -> int:
+        """Parameter-sized buffers a stage holds beyond its weights, gradients and optimizer state,
+        with ``in_flight`` minibatches in flight: a stash and its gradient per minibatch, and
+        ``D + 2`` wave deltas."""
+        return 2 * in_flight + self.d + 2
+
     def min_layer_bytes(self, layer: int) -> int:
-        """The least memory layer ``layer`` needs anywhere: alone, as a last stage (one minibatch)."""
+        """The least memory layer ``layer`` needs anywhere: alone, as a last stage (one minibatch in
+        flight, so one weight stash and its gradient, plus the wave deltas)."""
         a = np.array(layer)
         stash = self.cum_stash[layer + 1] - self.cum_stash[layer]
-        return int(self.cum_state[layer + 1] - self.cum_state[layer] + self.ws_max(a, a + 1) + stash)
+        copies = self.weight_copies(1) * float(self.param_bytes[layer])
+        return int(self.cum_state[layer + 1] - self.cum_state[layer] + copies + self.ws_max(a, a + 1) + stash)
+
+    def min_model_bytes(self) -> int:
+        """The least memory the whole model needs over all devices together: every layer's state,
+        one weight stash and its gradient, and the wave deltas (activations and workspace left out)."""
+        return int(self.cum_state[-1] + self.weight_copies(1) * self.cum_param[-1])
 
 
 def reference_times(table: LayerTable, device_type: str) -> Sequence[float]:
