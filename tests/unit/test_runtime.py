@@ -301,3 +301,51 @@ def test_a_minibatch_larger_than_the_first_is_a_clear_error():
     with pytest.raises(StageError, match=r"VW 0 stage 0 \(rank 0\): the activation of minibatch 2 of VW 0 is "
                                          r"\[1024, 32\] \(131072 bytes\) .* minibatches must not exceed the first"):
         Trainer(c.mlp(), c.cross_entropy, c.sgd(), data, plan=plan).replay()
+
+
+def test_pushes_are_float32_whatever_the_default_dtype(monkeypatch):
+    """A replay under a float64 default dtype; the PS rejects any push that is not float32 of its size."""
+    import dataclasses
+
+    from hetpipe.runtime.replay import replay_run
+    from hetpipe.runtime.trainer import Trainer
+    from hetpipe.runtime.transport import PUSH, LoopbackTransport
+    from hetpipe.schedule import Apply
+    c = _common()
+    plan = c.one_vw_plan([3], nm=2, d=0)
+    spec = Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=plan).spec(plan)
+    # Without Apply every wave's delta is the zero vector the stage makes itself.
+    sched = spec.schedules[0]
+    spec.schedules = [dataclasses.replace(sched, streams=tuple(
+        tuple(i for i in stream if not isinstance(i, Apply)) for stream in sched.streams))]
+    pushes = []
+    send = LoopbackTransport.send
+    monkeypatch.setattr(LoopbackTransport, "send",
+                        lambda self, dest, h, slot=None: (h.kind == PUSH and pushes.append(h), send(self, dest, h, slot)))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        result = replay_run(spec)
+    finally:
+        torch.set_default_dtype(default)
+    assert pushes and all(h.dtype == "float32" and h.nbytes == 4 * h.shape[0] for h in pushes)
+    start = [p.detach().reshape(-1) for p in c.mlp().parameters()]
+    assert np.array_equal(np.concatenate([result.weights[l] for l in sorted(result.weights)]), torch.cat(start).numpy())
+
+
+def test_the_shard_rejects_a_push_of_the_wrong_dtype_or_size():
+    import hetpipe_core
+    from hetpipe.runtime.ps import ShardServer
+    from hetpipe.runtime.transport import PUSH
+    hub = LoopbackHub()
+    pool = hetpipe_core.PinnedBufferPool(4, 4096)
+    server = ShardServer(_shard(0), hub.endpoint(9, pool), pool, 3)
+    stage = hub.endpoint(0, pool)
+    slot = pool.acquire(40)
+    stage.send(9, Header(PUSH, 0, 0, -1, 0, "float64", (5,), 40), slot)
+    with pytest.raises(WSPViolation, match=r"push from VW 0 stage 0 wave 0 is float64\[5\] \(40 bytes\), "
+                                           r"expected float32\[5\] \(20 bytes\)"):
+        server.step()
+    stage.send(9, Header(PUSH, 1, 1, -1, 0, "float32", (3,), 12), pool.acquire(12))
+    with pytest.raises(WSPViolation, match=r"VW 1 stage 1 wave 0 is float32\[3\] \(12 bytes\), expected float32\[2\]"):
+        server.step()

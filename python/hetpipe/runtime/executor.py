@@ -389,7 +389,7 @@ class StageExecutor:
                 self.blocked_on = f"{slot_shortage(self.pool)} to push wave {wave} to PS shard {k} (rank {rank})"
                 return False
             self.transport.send(rank, Header(PUSH, self.ctx.vw, self.ctx.stage, -1, wave, dtype,
-                                             tuple(delta.shape), delta.numel() * 4), slot)
+                                             tuple(delta.shape), delta.numel() * delta.element_size()), slot)
             self.pushes_sent[k] += 1
             self._push_sent.add(k)
         self._push_sent.clear()

@@ -185,6 +185,11 @@ class ShardServer:
             if msg is None:
                 break
             h = msg.header
+            want = self.state.stage_numel(h.vw, h.stage) if 0 <= h.vw < self.state.num_vws else 0
+            if h.dtype != "float32" or h.nbytes != 4 * want:
+                raise WSPViolation(f"PS shard {self.state.index}: push from VW {h.vw} stage {h.stage} wave {h.aux} "
+                                   f"is {h.dtype}{list(h.shape)} ({h.nbytes} bytes), expected float32[{want}] "
+                                   f"({4 * want} bytes)")
             started, applied = time.perf_counter(), self.state.applied
             self.state.push(h.vw, h.stage, h.aux, msg.payload.view(np.float32))
             self.received[(h.vw, h.stage)] += 1

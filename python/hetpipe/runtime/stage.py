@@ -106,7 +106,7 @@ class StageModel:
     # --- weights -----------------------------------------------------------------------------
     def flat(self) -> torch.Tensor:
         if not self.params:
-            return torch.zeros(0, device=self.device)
+            return torch.zeros(0, dtype=torch.float32, device=self.device)
         return torch.cat([p.detach().reshape(-1) for p in self.params])
 
     def set_flat(self, flat: torch.Tensor) -> None:
@@ -211,7 +211,7 @@ class StageModel:
     # --- WSP ---------------------------------------------------------------------------------
     def wave_delta(self, wave: int, shard: int) -> torch.Tensor:
         if wave not in self.deltas:
-            return torch.zeros(len(self.shard_index[shard]), device=self.device)
+            return torch.zeros(len(self.shard_index[shard]), dtype=torch.float32, device=self.device)
         return self.shard_slice(self.deltas[wave], shard)
 
     def merge_pull(self, pulled: Dict[int, Tuple[int, torch.Tensor]]) -> None:
