@@ -12,7 +12,7 @@ only torch: no hetpipe runtime code computes the expected numbers.
   global weights ``W_c`` on its own minibatch, and ``W_{c+1} = W_c + sum of the updates``.
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 import pytest
