@@ -46,6 +46,10 @@ DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8"
 _DTYPE_CODE = {name: i + 1 for i, name in enumerate(DTYPES)}
 
 
+class TransportError(RuntimeError):
+    """A message was lost or cannot be delivered."""
+
+
 @dataclass(frozen=True)
 class Header:
     """What a message is: kind, sender's (vw, stage), minibatch, an auxiliary word, dtype and shape."""
@@ -214,13 +218,27 @@ class MPITransport(Transport):
         return Message(rv.src, rv.header, payload)
 
     def close(self) -> None:
-        for rv in self._recvs.values():
-            if rv.header_req is not None:
-                rv.header_req.Cancel()
-                rv.header_req.Wait()
+        """Cancel the receives in progress and give their slots back (each only once its request is
+        complete, so no transfer still targets a released slot). Raises :class:`TransportError` if one of
+        them had already consumed a message, whose content is then lost."""
+        lost = []
+        for (src, kind), rv in self._recvs.items():
+            consumed = rv.header is not None
+            for req in (rv.header_req, rv.payload_req):
+                if req is not None:
+                    req.Cancel()
+                    status = self._MPI.Status()
+                    req.Wait(status)
+                    consumed = consumed or not status.Is_cancelled()
             if rv.slot is not None:
                 self.pool.release(rv.slot)
+            if consumed:
+                what = f"{rv.header}" if rv.header is not None else "a header"
+                lost.append(f"{KIND_NAMES.get(kind, kind)} message {what} from rank {rv.src if rv.src >= 0 else src}")
         self._recvs.clear()
+        if lost:
+            raise TransportError(f"transport: rank {self.rank} closed with unfinished receive(s) that had consumed "
+                                 f"a message: {'; '.join(lost)}")
 
 
 @dataclass
