@@ -349,3 +349,23 @@ def test_the_shard_rejects_a_push_of_the_wrong_dtype_or_size():
     stage.send(9, Header(PUSH, 1, 1, -1, 0, "float32", (3,), 12), pool.acquire(12))
     with pytest.raises(WSPViolation, match=r"VW 1 stage 1 wave 0 is float32\[3\] \(12 bytes\), expected float32\[2\]"):
         server.step()
+
+
+def test_an_apply_after_its_waves_push_is_an_error():
+    import dataclasses
+
+    from hetpipe.runtime.replay import replay_run
+    from hetpipe.runtime.trainer import Trainer
+    from hetpipe.schedule import Apply, Push
+    c = _common()
+    plan = c.one_vw_plan([], nm=2, d=0)
+    spec = Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(n=64), plan=plan).spec(plan)
+    sched = spec.schedules[0]
+    stream = list(sched.streams[0])
+    # Hand-written order (validate() rejects it): Apply(1) moved after Push(0).
+    stream.remove(Apply(1))
+    stream.insert(stream.index(Push(0)) + 1, Apply(1))
+    spec.schedules = [dataclasses.replace(sched, streams=(tuple(stream),))]
+    with pytest.raises(RuntimeError, match=r"Apply of micro-batch\(es\) \[1\] after Push\(0\): wave 0's delta "
+                                           r"was already sent"):
+        replay_run(spec)

@@ -393,6 +393,7 @@ class StageExecutor:
             self.pushes_sent[k] += 1
             self._push_sent.add(k)
         self._push_sent.clear()
+        self.model.mark_pushed(wave)
         return True
 
     def _pull_step(self, wave: int) -> bool:

@@ -16,7 +16,7 @@ segment, last to first. The same ops run on the same weights, so the numbers equ
 without recomputation bitwise (on CPU).
 * ``apply(micros, w)`` takes one optimizer step on the live weights with the summed gradients of one
   minibatch's micro-batches (one, or the two halves of a split minibatch) and adds ``after - before``
-  to the delta of its wave ``w``.
+  to the delta of its wave ``w``; it raises once ``w`` was pushed (``mark_pushed``).
 * ``merge_pull(k, g, W_g)`` sets the shard-``k`` slice of the live weights to
   ``W_g + sum(delta_c for c >= g)`` (increasing c) and forgets the shard-``k`` deltas of waves < g.
 Thread role: used by one thread (the rank's main thread, or the replay loop).
@@ -24,7 +24,7 @@ Thread role: used by one thread (the rank's main thread, or the replay loop).
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -102,6 +102,7 @@ class StageModel:
         self.saved: Dict[int, List[List[Optional[torch.Tensor]]]] = {}
         self.deltas: Dict[int, torch.Tensor] = {}                                   # wave -> flat delta
         self.floor: Dict[int, int] = {k: 0 for k in self.shard_index}               # shard -> last pulled g
+        self.pushed: Set[int] = set()                                               # waves whose delta was sent
 
     # --- weights -----------------------------------------------------------------------------
     def flat(self) -> torch.Tensor:
@@ -188,6 +189,10 @@ class StageModel:
     def apply(self, micros: Sequence[int], wave: int) -> None:
         """One optimizer step with the summed stashed gradients of ``micros`` (the micro-batches of one
         minibatch, in order); accumulate the change into the delta of ``wave``."""
+        if wave in self.pushed:
+            raise RuntimeError(f"hetpipe: stage layers [{self.start}, {self.stop}): Apply of micro-batch(es) "
+                               f"{list(micros)} after Push({wave}): wave {wave}'s delta was already sent, "
+                               "so this update would be lost")
         stashes = [self.stash.pop(mb) for mb in micros]
         if self.optimizer is None:
             return
@@ -209,6 +214,10 @@ class StageModel:
         self.stash.pop(mb, None)
 
     # --- WSP ---------------------------------------------------------------------------------
+    def mark_pushed(self, wave: int) -> None:
+        """Record that wave ``wave``'s delta was sent: a later ``apply`` to that wave is an error."""
+        self.pushed.add(wave)
+
     def wave_delta(self, wave: int, shard: int) -> torch.Tensor:
         if wave not in self.deltas:
             return torch.zeros(len(self.shard_index[shard]), dtype=torch.float32, device=self.device)
