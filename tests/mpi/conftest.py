@@ -1,4 +1,4 @@
-"""Helpers for tests that start jobs with mpiexec from this environment."""
+"""Shared pieces of tests that start jobs with mpiexec from this environment."""
 
 import os
 import subprocess

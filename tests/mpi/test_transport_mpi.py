@@ -12,6 +12,7 @@ def test_close_cancels_a_pending_payload_before_releasing_its_slot():
     got = results(proc)
     assert got, f"{proc.stdout}\n{proc.stderr}"
     r = got[0]
-    assert r["error"] is not None and "rank 0 closed with unfinished receive(s) that had consumed a message" in r["error"]
+    assert r["error"] is not None
+    assert "rank 0 closed with unfinished receive(s) that had consumed a message" in r["error"], r
     assert "activation message" in r["error"] and "mb=3" in r["error"], r
     assert r["available"] == 2 and r["late_unclaimed"] and r["slot_untouched"], r

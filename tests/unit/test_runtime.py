@@ -320,8 +320,13 @@ def test_pushes_are_float32_whatever_the_default_dtype(monkeypatch):
         tuple(i for i in stream if not isinstance(i, Apply)) for stream in sched.streams))]
     pushes = []
     send = LoopbackTransport.send
-    monkeypatch.setattr(LoopbackTransport, "send",
-                        lambda self, dest, h, slot=None: (h.kind == PUSH and pushes.append(h), send(self, dest, h, slot)))
+
+    def recording_send(self, dest, h, slot=None):
+        if h.kind == PUSH:
+            pushes.append(h)
+        send(self, dest, h, slot)
+
+    monkeypatch.setattr(LoopbackTransport, "send", recording_send)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
@@ -369,3 +374,11 @@ def test_an_apply_after_its_waves_push_is_an_error():
     with pytest.raises(RuntimeError, match=r"Apply of micro-batch\(es\) \[1\] after Push\(0\): wave 0's delta "
                                            r"was already sent"):
         replay_run(spec)
+
+
+def test_initial_weights_are_keyed_by_model_layer_index():
+    from hetpipe.runtime.build import initial_weights
+    layers = list(_common().mlp())
+    got = initial_weights(layers[2:4], 2)
+    assert sorted(got) == [2, 3] and got[3].size == 0
+    assert np.array_equal(got[2], torch.cat([layers[2].weight.reshape(-1), layers[2].bias]).detach().numpy())

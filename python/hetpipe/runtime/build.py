@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -20,7 +20,7 @@ from hetpipe.runtime.data import select, vw_minibatches
 from hetpipe.runtime.device_copy import CopyStager
 from hetpipe.runtime.emulation import EmulatedClock
 from hetpipe.runtime.executor import Boundary, MinibatchFeed, StageContext, StageExecutor
-from hetpipe.runtime.ps import ShardServer, ShardState
+from hetpipe.runtime.ps import ShardLog, ShardServer, ShardState
 from hetpipe.runtime.stage import StageModel, layer_numels
 from hetpipe.runtime.transport import Backoff, Transport
 from hetpipe.schedule.ir import Schedule
@@ -84,6 +84,8 @@ def infer_boundaries(layers: Sequence[nn.Module], x: torch.Tensor) -> List[Optio
             out.extend([None] * (len(layers) - i))
             break
     return out
+
+
 def _round_slot(nbytes: int) -> int:
     return max(4096, -(-nbytes // 4096) * 4096)
 
@@ -153,19 +155,21 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
                          layout=layout, stager=CopyStager(pool, device) if staged else None)
 
 
-def initial_weights(layers: Sequence[nn.Module], owned: Sequence[int]) -> Dict[int, np.ndarray]:
-    """Flat float32 weights of the given layers (each layer's ``named_parameters`` order)."""
-    out = {}
-    for l in owned:
-        ps = [p.detach().to("cpu").reshape(-1) for p in layers[l].parameters()]
-        out[l] = (torch.cat(ps) if ps else torch.zeros(0)).numpy().astype(np.float32, copy=True)
-    return out
+def flat_weights(layer: nn.Module) -> np.ndarray:
+    """A private flat float32 copy of one layer's parameters (its ``named_parameters`` order)."""
+    ps = [p.detach().to("cpu").reshape(-1) for p in layer.parameters()]
+    return (torch.cat(ps) if ps else torch.zeros(0)).numpy().astype(np.float32, copy=True)
+
+
+def initial_weights(layers: Sequence[nn.Module], first: int) -> Dict[int, np.ndarray]:
+    """Flat float32 weights of consecutive layers, keyed by model layer index (``layers[0]`` is ``first``)."""
+    return {first + i: flat_weights(layer) for i, layer in enumerate(layers)}
 
 
 def build_shard(spec: RunSpec, shard: int, transport: Transport, pool, *,
                 trace: Optional[List[TraceEvent]] = None, t0: float = 0.0) -> ShardServer:
     plan = spec.plan
-    weights = initial_weights(spec.layers, plan.ps_shards[shard].layers)
+    weights = {l: flat_weights(spec.layers[l]) for l in plan.ps_shards[shard].layers}
     stage_layers = [[(s.start, s.stop) for s in vw.stages] for vw in plan.virtual_workers]
     state = ShardState(shard, weights, stage_layers, plan.d)
     return ShardServer(state, transport, pool, plan.num_stage_ranks, trace=trace, t0=t0)
@@ -193,7 +197,47 @@ def drive(part: Steppable, timeout: float, who: str, on_progress: Optional[Calla
 
 def stage_layer_weights(ex: StageExecutor) -> Dict[int, np.ndarray]:
     """The live weights of a stage's layers (flat float32 per layer)."""
-    return initial_weights([*([None] * ex.model.start), *ex.model.layers], range(ex.model.start, ex.model.stop))
+    return initial_weights(ex.model.layers, ex.model.start)
+
+
+@dataclass
+class Outcome:
+    """What the parts of a run produced, merged: losses, final weights, PS logs, samples trained."""
+
+    losses: Dict[int, Dict[int, float]] = field(default_factory=dict)    # vw -> minibatch -> loss
+    weights: Dict[int, np.ndarray] = field(default_factory=dict)         # layer -> final global weights
+    shard_logs: Dict[int, ShardLog] = field(default_factory=dict)
+    samples: int = 0
+
+
+def part_outcome(part: Steppable, plan: Plan) -> Dict[str, Any]:
+    """What one finished part contributes to the run's :class:`Outcome` (picklable)."""
+    mine: Dict[str, Any] = {}
+    if isinstance(part, StageExecutor):
+        if part.is_last:
+            mine["losses"] = (part.ctx.vw, dict(part.losses))
+        if part.is_first:
+            mine["samples"] = sum(part.batch_sizes.values())
+        # Without PS shards the final weights are VW 0's live weights.
+        if not plan.ps_shards and part.ctx.vw == 0:
+            mine["weights"] = stage_layer_weights(part)
+    else:
+        mine["weights"] = {l: w.copy() for l, w in part.weights.items()}
+        mine["log"] = (part.state.index, part.state.log)
+    return mine
+
+
+def merge_outcomes(parts: Iterable[Dict[str, Any]]) -> Outcome:
+    """The run's :class:`Outcome` from every part's :func:`part_outcome`."""
+    out = Outcome()
+    for m in parts:
+        if "losses" in m:
+            out.losses[m["losses"][0]] = m["losses"][1]
+        out.samples += m.get("samples", 0)
+        out.weights.update(m.get("weights", {}))
+        if "log" in m:
+            out.shard_logs[m["log"][0]] = m["log"][1]
+    return out
 
 
 def load_layer_weights(layers: Sequence[nn.Module], weights: Dict[int, np.ndarray]) -> None:

@@ -83,7 +83,8 @@ class Batches:
 
 
 def digits(test_fraction: float = 0.25, seed: int = 0,
-           dtype: Optional[torch.dtype] = torch.float32) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+           dtype: Optional[torch.dtype] = torch.float32
+           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """scikit-learn's 8x8 digits (bundled, no download): standardised ``x_train, y_train, x_test, y_test``."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split

@@ -108,8 +108,9 @@ def main(argv=None) -> int:
         emu = "devices emulated" if result.emulated else "real devices"
         rate = result.samples_per_s
         print(f"trained {result.samples} samples in {result.elapsed_s:.1f} s; final loss {summary['final_loss']:.4f}")
-        print(f"throughput ({emu}): measured {rate:.0f} samples/s; predicted {_vs(rate, pred['cost_model'])} by the "
-              f"plan's cost model, {_vs(rate, pred['simulated'])} by simulate_plan over {pred['simulated_waves']} waves")
+        print(f"throughput ({emu}): measured {rate:.0f} samples/s; predicted {_vs(rate, pred['cost_model'])} by "
+              f"the plan's cost model, {_vs(rate, pred['simulated'])} by simulate_plan over "
+              f"{pred['simulated_waves']} waves")
         print(f"test accuracy: {100 * acc:.2f}%", flush=True)
     return 0 if acc >= args.min_accuracy else 1
 

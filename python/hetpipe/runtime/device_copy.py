@@ -16,7 +16,8 @@ stream and marked as used by the compute stream, so the caching allocator never 
 
 On CPU tensors the same class runs on the core's CPU stream (a worker thread; ``copy_in`` then waits
 for its copy, as CPU compute cannot wait on the queue); the runtime uses it there only when asked to
-(``RunSpec.copy_stream``): the default CPU path copies inline, with no thread hop. Thread role: one thread (the stage's) calls every method.
+(``RunSpec.copy_stream``): the default CPU path copies inline, with no thread hop.
+Thread role: one thread (the stage's) calls every method.
 """
 
 from __future__ import annotations

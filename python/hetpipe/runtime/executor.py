@@ -21,8 +21,8 @@ import torch
 from hetpipe.runtime.device_copy import CopyStager
 from hetpipe.runtime.emulation import EmulatedClock
 from hetpipe.runtime.stage import StageModel
-from hetpipe.runtime.transport import (ACT, DONE, GRAD, KIND_NAMES, PULL, PUSH, WEIGHTS, Header, Transport,
-                                      slot_bytes, slot_shortage, try_acquire)
+from hetpipe.runtime.transport import (ACT, DONE, GRAD, KIND_NAMES, PULL, PUSH, WEIGHTS, DTYPES, Header,
+                                      Transport, slot_bytes, slot_shortage, try_acquire)
 from hetpipe.schedule.ir import (Apply, Bwd, Fwd, Instr, Pull, Push, Recompute, RecvAct, RecvGrad, Schedule,
                                  SendAct, SendGrad)
 from hetpipe.schedule.trace import TraceEvent
@@ -105,9 +105,8 @@ class MinibatchFeed:
         return self._shares.pop(mb, 1.0)
 
 
-_TORCH_DTYPE_NAME = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
-                     torch.bfloat16: "bfloat16", torch.int64: "int64", torch.int32: "int32",
-                     torch.uint8: "uint8", torch.bool: "bool"}
+# The wire name of each torch dtype the transport carries (transport.DTYPES are torch's names).
+_TORCH_DTYPE_NAME = {getattr(torch, name): name for name in DTYPES}
 
 
 def tensor_to_slot(pool, t: torch.Tensor):
@@ -335,9 +334,10 @@ class StageExecutor:
         nbytes = t.numel() * t.element_size()
         if nbytes > self.pool.slot_bytes:
             p = self._minibatch(mb)
-            raise StageError(f"hetpipe: {self.ctx.who()}: the {KIND_NAMES[kind]} of minibatch {p} of VW {self.ctx.vw} "
-                             f"is {list(t.shape)} ({nbytes} bytes) but the stage's pinned slots hold {self.pool.slot_bytes} "
-                             "bytes, sized by the first minibatch: minibatches must not exceed the first one's size")
+            raise StageError(f"hetpipe: {self.ctx.who()}: the {KIND_NAMES[kind]} of minibatch {p} of VW "
+                             f"{self.ctx.vw} is {list(t.shape)} ({nbytes} bytes) but the stage's pinned slots hold "
+                             f"{self.pool.slot_bytes} bytes, sized by the first minibatch: minibatches must not "
+                             "exceed the first one's size")
         header = Header(kind, self.ctx.vw, self.ctx.stage, mb, -1, _TORCH_DTYPE_NAME[t.dtype], tuple(t.shape), nbytes)
         if self.stager is not None:
             sent = self.stager.copy_out(t, self.ctx.rank_of_stage(peer), header)

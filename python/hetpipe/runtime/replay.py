@@ -12,10 +12,10 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-from hetpipe.runtime.build import (RunSpec, Steppable, build_shard, build_stage, shard_pool, stage_layer_weights,
-                                   stage_pool)
+from hetpipe.runtime.build import (RunSpec, Steppable, build_shard, build_stage, merge_outcomes, part_outcome,
+                                   shard_pool, stage_pool)
 from hetpipe.runtime.executor import StageExecutor
-from hetpipe.runtime.ps import ShardLog, ShardServer
+from hetpipe.runtime.ps import ShardLog
 from hetpipe.runtime.transport import LoopbackHub
 
 
@@ -52,16 +52,5 @@ def replay_run(spec: RunSpec) -> ReplayResult:
         if not progressed and not any(isinstance(p, StageExecutor) and p.wait_for_copies() for _, p in parts):
             stuck = "; ".join(f"{name} waits for {p.blocked_on}" for name, p in parts if not p.finished)
             raise ReplayDeadlock(f"replay: no progress possible: {stuck}")
-    losses: Dict[int, Dict[int, float]] = {}
-    weights: Dict[int, np.ndarray] = {}
-    logs: Dict[int, ShardLog] = {}
-    for _, part in parts:
-        if isinstance(part, StageExecutor):
-            if part.is_last:
-                losses[part.ctx.vw] = dict(part.losses)
-            if not plan.ps_shards and part.ctx.vw == 0:
-                weights.update(stage_layer_weights(part))
-        elif isinstance(part, ShardServer):
-            weights.update({l: w.copy() for l, w in part.weights.items()})
-            logs[part.state.index] = part.state.log
-    return ReplayResult(losses, weights, logs)
+    outcome = merge_outcomes(part_outcome(part, plan) for _, part in parts)
+    return ReplayResult(outcome.losses, outcome.weights, outcome.shard_logs)

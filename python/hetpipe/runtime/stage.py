@@ -209,10 +209,6 @@ class StageModel:
         else:
             self.deltas[wave] = change
 
-    def drop(self, mb: int) -> None:
-        """Forget minibatch ``mb``'s stash (a schedule without Apply)."""
-        self.stash.pop(mb, None)
-
     # --- WSP ---------------------------------------------------------------------------------
     def mark_pushed(self, wave: int) -> None:
         """Record that wave ``wave``'s delta was sent: a later ``apply`` to that wave is an error."""

@@ -25,7 +25,7 @@ from hetpipe.launch.mpi import gather_hosts, register_rank, world
 from hetpipe.launch.roles import LaunchError, Role, check_world, resolve_device, role_of
 from hetpipe.plan.types import Plan
 from hetpipe.runtime.build import (RunSpec, as_layers, build_shard, build_stage, drive, infer_boundaries,
-                                   load_layer_weights, shard_pool, stage_layer_weights, stage_pool)
+                                   load_layer_weights, merge_outcomes, part_outcome, shard_pool, stage_pool)
 from hetpipe.runtime.data import first_minibatch, minibatches_per_epoch
 from hetpipe.runtime.executor import StageExecutor
 from hetpipe.runtime.ps import ShardLog
@@ -261,30 +261,12 @@ class Trainer:
         drive(part, limit, f"hetpipe: {role.describe()}", reporter.update if reporter else None)
         elapsed = time.perf_counter() - t0
         transport.close()
-        mine: Dict[str, Any] = {"rank": role.rank, "elapsed": elapsed}
-        if isinstance(part, StageExecutor):
-            if part.is_last:
-                mine["losses"] = (part.ctx.vw, dict(part.losses))
-            if part.is_first:
-                mine["samples"] = sum(part.batch_sizes.values())
-            if not plan.ps_shards and part.ctx.vw == 0:
-                mine["weights"] = stage_layer_weights(part)
-            mine["trace"] = trace or []
-        else:
-            mine["weights"] = {l: w.copy() for l, w in part.weights.items()}
-            mine["log"] = (part.state.index, part.state.log)
-            mine["trace"] = trace or []
+        mine = {**part_outcome(part, plan), "elapsed": elapsed, "trace": trace or []}
         everyone = comm.allgather(mine)
-        result = TrainResult(plan, role.rank, role.describe(), {}, {}, {},
-                             max(m["elapsed"] for m in everyone), 0, [], emulated)
-        for m in everyone:
-            if "losses" in m:
-                result.losses[m["losses"][0]] = m["losses"][1]
-            result.samples += m.get("samples", 0)
-            result.weights.update(m.get("weights", {}))
-            if "log" in m:
-                result.shard_logs[m["log"][0]] = m["log"][1]
-            result.trace.extend(m.get("trace", ()))
+        outcome = merge_outcomes(everyone)
+        result = TrainResult(plan, role.rank, role.describe(), outcome.losses, outcome.weights, outcome.shard_logs,
+                             max(m["elapsed"] for m in everyone), outcome.samples,
+                             [e for m in everyone for e in m["trace"]], emulated)
         load_layer_weights(self.layers, result.weights)
         if reporter is not None:
             reporter.finish(result, self.trace_path)

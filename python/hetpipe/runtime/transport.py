@@ -38,10 +38,12 @@ ACT = 1         # stage s -> s + 1: output activation of minibatch mb
 GRAD = 2        # stage s -> s - 1: gradient of the input activation of minibatch mb
 PUSH = 3        # stage -> PS shard: the stage's wave delta for the shard's layers (aux = wave)
 PULL = 4        # stage -> PS shard: request the global weights for wave aux (no payload)
-WEIGHTS = 5     # PS shard -> stage: reply to PULL; aux = the shard's global clock g, payload = W_g
+WEIGHTS = 5     # PS shard -> stage: reply to PULL; mb = the pulled wave, aux = the shard's global clock g,
+                # payload = W_g
 DONE = 6        # stage -> PS shard: the stage finished its stream (no payload)
 KIND_NAMES = {ACT: "activation", GRAD: "gradient", PUSH: "push", PULL: "pull", WEIGHTS: "weights", DONE: "done"}
 
+# Wire dtypes, by torch's names (``getattr(torch, name)``); a header carries the index + 1.
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
 _DTYPE_CODE = {name: i + 1 for i, name in enumerate(DTYPES)}
 

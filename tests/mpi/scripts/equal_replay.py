@@ -87,7 +87,7 @@ def _plain_max_diff(run, epochs: int) -> float:
 def _initial():
     from hetpipe.runtime.build import initial_weights
     layers = list(mlp())
-    return initial_weights(layers, range(len(layers)))
+    return initial_weights(layers, 0)
 
 
 if __name__ == "__main__":
