@@ -382,3 +382,15 @@ def test_initial_weights_are_keyed_by_model_layer_index():
     got = initial_weights(layers[2:4], 2)
     assert sorted(got) == [2, 3] and got[3].size == 0
     assert np.array_equal(got[2], torch.cat([layers[2].weight.reshape(-1), layers[2].bias]).detach().numpy())
+
+
+def test_the_shard_names_a_push_from_a_stage_without_its_layers():
+    import hetpipe_core
+    from hetpipe.runtime.ps import ShardServer
+    from hetpipe.runtime.transport import PUSH
+    hub = LoopbackHub()
+    pool = hetpipe_core.PinnedBufferPool(4, 4096)
+    server = ShardServer(_shard(0), hub.endpoint(9, pool), pool, 3)
+    hub.endpoint(0, pool).send(9, Header(PUSH, 0, 1, -1, 0, "float32", (2,), 8), pool.acquire(8))
+    with pytest.raises(WSPViolation, match="VW 0 stage 1 holds none of its layers but pushed"):
+        server.step()

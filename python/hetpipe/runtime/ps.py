@@ -185,8 +185,10 @@ class ShardServer:
             if msg is None:
                 break
             h = msg.header
-            want = self.state.stage_numel(h.vw, h.stage) if 0 <= h.vw < self.state.num_vws else 0
-            if h.dtype != "float32" or h.nbytes != 4 * want:
+            # A push from a stage holding none of the shard's layers is left to ShardState.push to name.
+            known = 0 <= h.vw < self.state.num_vws and h.stage in self.state.stage_layers[h.vw]
+            want = self.state.stage_numel(h.vw, h.stage) if known else 0
+            if known and (h.dtype != "float32" or h.nbytes != 4 * want):
                 raise WSPViolation(f"PS shard {self.state.index}: push from VW {h.vw} stage {h.stage} wave {h.aux} "
                                    f"is {h.dtype}{list(h.shape)} ({h.nbytes} bytes), expected float32[{want}] "
                                    f"({4 * want} bytes)")
