@@ -97,7 +97,9 @@ class Trainer:
     data: re-iterable ``(inputs, labels)`` minibatches, the same on every rank (see runtime.data).
     plan: a :class:`Plan` or a plan JSON path; else rank 0 plans with ``policy`` on ``cluster``
         (default: the ``cpu-emulated`` preset) from a profile of the model.
-    nm, d: minibatches in flight per VW and the staleness bound (override the plan's when given).
+    nm, d: minibatches in flight per VW and the staleness bound (override the plan's when given: the
+        plan's predicted throughput is then dropped, and an nm larger than that of a plan sized
+        against device memory is refused; see :func:`override`).
     split_startup: run the first ``split_startup`` minibatches of each VW as two half micro-batches
         (AutoPipe-H's split start-up); the loss must be a mean over samples, so that the halves'
         losses weighted by their share of the samples sum to the minibatch's.
