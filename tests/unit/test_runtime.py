@@ -394,3 +394,33 @@ def test_the_shard_names_a_push_from_a_stage_without_its_layers():
     hub.endpoint(0, pool).send(9, Header(PUSH, 0, 1, -1, 0, "float32", (2,), 8), pool.acquire(8))
     with pytest.raises(WSPViolation, match="VW 0 stage 1 holds none of its layers but pushed"):
         server.step()
+
+
+def test_pull_replies_wait_for_a_free_slot_without_blocking_the_shard():
+    import threading
+
+    import hetpipe_core
+    from hetpipe.runtime.ps import ShardServer
+    from hetpipe.runtime.transport import PULL, WEIGHTS
+    hub = LoopbackHub()
+    pool = hetpipe_core.PinnedBufferPool(1, 4096)
+    server = ShardServer(_shard(0), hub.endpoint(9, pool), pool, 3)
+    stage = hub.endpoint(0, None)
+    stage.send(9, Header(PULL, 0, 0, -1, 0))
+    stage.send(9, Header(PULL, 1, 0, -1, 0))
+    held = pool.acquire(16)
+    # Frees the slot late, so that a shard blocking inside acquire() fails the asserts instead of hanging.
+    rescue = threading.Timer(30.0, pool.release, (held,))
+    rescue.start()
+    try:
+        assert server.step()                        # takes both pulls in, answers none
+    finally:
+        rescue.cancel()
+        rescue.join()
+    assert stage.try_recv(9, WEIGHTS) is None and len(server.state.queued) == 2
+    assert "blocked on a free pinned slot (1 of 1 in use) for pull replies" in server.blocked_on
+    pool.release(held)
+    server.step()                                   # one slot: one reply now, the other stays queued
+    assert stage.try_recv(9, WEIGHTS).header.vw == 0 and len(server.state.queued) == 1
+    server.step()
+    assert stage.try_recv(9, WEIGHTS).header.vw == 1 and not server.state.queued
