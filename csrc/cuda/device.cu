@@ -3,6 +3,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -109,8 +111,40 @@ void stream_wait_event(void* stream, void* event) {
         "cudaStreamWaitEvent");
 }
 
+namespace {
+
+bool on_host(const void* ptr) {
+  cudaPointerAttributes attributes{};
+  check(cudaPointerGetAttributes(&attributes, ptr), "cudaPointerGetAttributes");
+  return attributes.type == cudaMemoryTypeUnregistered || attributes.type == cudaMemoryTypeHost;
+}
+
+struct HostCopy {
+  void* dst;
+  const void* src;
+  std::size_t nbytes;
+};
+
+void host_copy(void* arg) {
+  auto* copy = static_cast<HostCopy*>(arg);
+  std::memcpy(copy->dst, copy->src, copy->nbytes);
+  delete copy;
+}
+
+}  // namespace
+
 void memcpy_async(void* dst, const void* src, std::size_t nbytes, void* stream) {
-  check(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)), "cudaMemcpyAsync");
+  auto* s = static_cast<cudaStream_t>(stream);
+  // cudaMemcpyAsync between two host buffers is synchronous with respect to the host: it would
+  // block the caller until the stream drains. A host function keeps the copy stream-ordered and
+  // the call non-blocking, as on the CPU backend.
+  if (on_host(dst) && on_host(src)) {
+    auto copy = std::make_unique<HostCopy>(HostCopy{dst, src, nbytes});
+    launch_host_func(stream, host_copy, copy.get());
+    copy.release();  // owned by host_copy from here on
+    return;
+  }
+  check(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, s), "cudaMemcpyAsync");
 }
 
 void launch_host_func(void* stream, void (*fn)(void*), void* arg) {

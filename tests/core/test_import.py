@@ -1,8 +1,11 @@
 """hetpipe_core imports without torch (and reports what it was built with)."""
 
+import shutil
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 import hetpipe_core
 
@@ -49,3 +52,39 @@ def test_import_without_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("OK ")
+
+
+def test_module_keeps_its_static_code_private():
+    """The module exports PyInit__C, not the core's symbols nor those of a statically linked
+    libstdc++: exported, they would be bound to another extension's copies (torch's libstdc++),
+    which crashed formatting an error message once torch was imported."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("binutils' nm is not installed")
+    out = subprocess.run([nm, "-D", "--defined-only", hetpipe_core._C.__file__], capture_output=True, text=True,
+                         check=True).stdout
+    names = [line.split()[-1] for line in out.splitlines() if line.strip()]
+    assert "PyInit__C" in names
+    leaked = [n for n in names if "7hetpipe" in n or "6locale" in n or "codecvt" in n]
+    assert not leaked, leaked[:10]
+
+
+def test_errors_format_after_torch_is_imported():
+    pytest.importorskip("torch")
+    code = textwrap.dedent("""
+        import torch
+        import hetpipe_core
+        pool = hetpipe_core.PinnedBufferPool(1, 64)
+        held = pool.acquire()
+        try:
+            pool.acquire(timeout=0)
+        except TimeoutError as e:
+            assert "all 1 slots of 64 bytes" in str(e), e
+        try:
+            pool.acquire(nbytes=65)
+        except ValueError as e:
+            assert "65" in str(e), e
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

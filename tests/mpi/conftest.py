@@ -1,36 +1,11 @@
-"""Shared pieces of tests that start jobs with mpiexec from this environment."""
-
-import os
-import subprocess
-import sys
-from pathlib import Path
+"""Tests under tests/mpi skip where no mpiexec can be found."""
 
 import pytest
 
-SCRIPTS = Path(__file__).parent / "scripts"
-
-
-def mpiexec() -> str:
-    return str(Path(sys.executable).parent / "mpiexec")
-
-
-def run_mpi(n: int, script: str, *args: str, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
-    """Run a script of tests/mpi/scripts on ``n`` ranks; fails the test (not hangs) past ``timeout`` s."""
-    full_env = {**os.environ, **(env or {})}
-    cmd = [mpiexec(), "-n", str(n), sys.executable, str(SCRIPTS / script), *args]
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=SCRIPTS)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{script} on {n} ranks did not finish within {timeout} s:\n{e.stdout}\n{e.stderr}")
-
-
-def results(proc: subprocess.CompletedProcess):
-    import json
-
-    return [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+from mpirun import mpiexec
 
 
 @pytest.fixture(autouse=True)
 def _needs_mpiexec():
-    if not Path(mpiexec()).exists():
-        pytest.skip("no mpiexec beside this Python")
+    if mpiexec() is None:
+        pytest.skip("no mpiexec beside this Python nor on PATH")

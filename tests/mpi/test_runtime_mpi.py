@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS, results, run_mpi
+from mpirun import SCRIPTS, results, run_mpi
 
 pytestmark = pytest.mark.mpi
 
@@ -97,7 +97,7 @@ def test_digits_converges_with_two_vws(tmp_path):
 
     plan = two_vw_plan(([3], [4]), (0.001, 0.002), nm=2, d=1)
     plan.save(tmp_path / "plan.json")
-    from conftest import mpiexec
+    from mpirun import mpiexec
 
     proc = subprocess.run([mpiexec(), "-n", "5", sys.executable, "-m", "hetpipe.runtime.demo", "--plan",
                            str(tmp_path / "plan.json"), "--out", str(tmp_path / "out"), "--epochs", "10",

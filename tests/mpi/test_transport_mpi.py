@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import results, run_mpi
+from mpirun import results, run_mpi
 
 pytestmark = pytest.mark.mpi
 

@@ -252,10 +252,6 @@ def data_parallel_waves(model: nn.Sequential, data: Sequence[Batch], num_vws: in
     return W
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the replay builds every VW's stages on the same nn.Module layers (StageModel keeps "
-    "spec.layers[i].to(device), the same module on CPU), so one VW's Apply moves another VW's live "
-    "weights within a wave and its next forward starts from them instead of from W_c"))
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_two_vws_sum_their_wave_updates(momentum):
     data = minibatches(7)
@@ -263,6 +259,7 @@ def test_two_vws_sum_their_wave_updates(momentum):
     want = data_parallel_waves(model, data, 2, epochs=2, lr=0.05, momentum=momentum)
     got = run_replay(model, data, plan_of([(), ()], nm=1, d=0), lr=0.05, momentum=momentum, epochs=2)
     check_weights(got, want, atol=1e-5)
-    # the two VWs' updates differ from one VW running all minibatches in sequence
+    # the two VWs' updates differ from one VW running all minibatches in sequence, by far more than
+    # the tolerance above, so the check could not pass with the sequential semantics
     seq = plain_sgd(mlp(), [b for e in range(2) for b in data[:6]], lr=0.05, momentum=momentum)
-    assert max(float((a[0] - b[0]).abs().max()) for a, b in zip(want, seq) if a) > 1e-3
+    assert max(float((a[0] - b[0]).abs().max()) for a, b in zip(want, seq) if a) > 50 * 1e-5

@@ -24,6 +24,8 @@ Thread role: used by one thread (the rank's main thread, or the replay loop).
 
 from __future__ import annotations
 
+import copy
+
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -79,7 +81,10 @@ class StageModel:
             raise ValueError(f"hetpipe: stage layers [{start}, {stop}) cannot recompute layers {outside}")
         self.recompute = tuple(sorted(set(recompute)))
         self.segments = segments(start, stop, self.recompute)
-        self.layers: List[nn.Module] = [layers[i].to(device) for i in range(start, stop)]
+        # The stage owns private copies: nn.Module.to moves in place, so without them stages of
+        # different VWs in one process (the replay) would share live weights, and the caller's
+        # model would end up on the device.
+        self.layers: List[nn.Module] = [copy.deepcopy(layers[i]).to(device) for i in range(start, stop)]
         check_float32(self.layers, start)
         check_no_buffers(self.layers, start)
         self.params: List[nn.Parameter] = [p for layer in self.layers for p in layer.parameters()]

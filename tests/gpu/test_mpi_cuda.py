@@ -1,0 +1,29 @@
+"""The multi-process runtime with its stages on a real CUDA device, under mpiexec: activations and
+gradients cross ranks through pinned slots and the copy stream, and the run trains like the CPU
+replay of the same plan (to float tolerance: cuBLAS and the CPU sum in different orders)."""
+
+import json
+
+import pytest
+
+from mpirun import mpiexec, results, run_mpi
+
+pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
+
+
+@pytest.mark.parametrize("cfg", [
+    {"cuts": [3], "nm": 2, "d": 0, "copy_stream": True},
+    {"cuts": [2, 4], "nm": 3, "d": 1, "shards": 2, "copy_stream": True},
+    {"cuts": [3], "nm": 2, "d": 0, "copy_stream": False},
+], ids=lambda c: f"stages{len(c['cuts']) + 1}-nm{c['nm']}-d{c['d']}-copy{int(c['copy_stream'])}")
+def test_cuda_stages_train_like_cpu_replay(cfg):
+    if mpiexec() is None:
+        pytest.fail("no mpiexec beside this Python nor on PATH")
+    ranks = len(cfg["cuts"]) + 1 + cfg.get("shards", 1)
+    proc = run_mpi(ranks, "on_cuda.py", json.dumps(cfg), timeout=300)
+    got = results(proc)
+    assert proc.returncode == 0 and len(got) == 1, f"{proc.stdout}\n{proc.stderr}"
+    r = got[0]
+    assert r["cuda"] and r["trained"], r
+    assert r["minibatches"] == r["expected"], r
+    assert r["loss_diff"] < 1e-4 and r["weight_diff"] < 1e-4, r
