@@ -14,6 +14,8 @@ import time
 import traceback
 from typing import Callable, Optional
 
+from hetpipe.launch.deaths import mark_aborted
+
 DEFAULT_TIMEOUT_S = 120.0
 # mpiexec forwards each rank's stderr asynchronously, and Abort tears its proxies down at once, which
 # can drop a message still in flight; the failing rank waits this long after reporting before Abort.
@@ -37,6 +39,7 @@ def report(describe: str, exc: BaseException, with_traceback: bool = True) -> No
 
 def abort(comm, code: int = 1) -> None:
     """Tear the job down; falls back to a hard exit if there is no communicator."""
+    mark_aborted()
     if comm is not None:
         time.sleep(ABORT_GRACE_S)
         comm.Abort(code)

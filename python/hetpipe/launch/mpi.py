@@ -7,7 +7,9 @@ import shutil
 import socket
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
+
+from hetpipe.launch.deaths import RUN_DIR_ENV, DeathWatcher, marked, ranks_by_pid
 
 
 class MPIUnavailable(RuntimeError):
@@ -63,36 +65,18 @@ def mpiexec_command(n: int, argv: List[str]) -> List[str]:
     return [mpiexec_path(), "-n", str(n), sys.executable, *argv]
 
 
-RUN_DIR_ENV = "HETPIPE_RUN_DIR"
-
-
-def register_rank(rank: int, describe: str) -> None:
-    """Record this rank's pid and role in the launcher's run directory (when started by :func:`launch`)."""
-    run_dir = os.environ.get(RUN_DIR_ENV)
-    if run_dir:
-        Path(run_dir, f"rank-{rank}.txt").write_text(f"{os.getpid()}\n{describe}\n")
-
-
-def _rank_by_pid(run_dir: str) -> Dict[int, str]:
-    out = {}
-    for f in Path(run_dir).glob("rank-*.txt"):
-        lines = f.read_text().splitlines()
-        if len(lines) >= 2:
-            out[int(lines[0])] = lines[1]
-    return out
-
-
 def launch(n: int, argv: List[str]) -> int:
     """Run ``argv`` on ``n`` ranks under mpiexec, relaying its output; return its exit status.
 
-    When mpiexec reports a process that died (it names only the pid), say which rank and role it was."""
-    import re
+    When a rank died without reporting an error (killed, or crashed in native code), say which rank
+    and role it was: :mod:`hetpipe.launch.deaths` watches the ranks, since mpiexec may name any."""
     import subprocess
     import tempfile
     import threading
 
     with tempfile.TemporaryDirectory(prefix="hetpipe-run-") as run_dir:
         env = {**os.environ, RUN_DIR_ENV: run_dir}
+        watcher = DeathWatcher(run_dir, n).start()
         proc = subprocess.Popen(mpiexec_command(n, argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         tail: List[bytes] = []
 
@@ -108,14 +92,31 @@ def launch(n: int, argv: List[str]) -> int:
         for t in threads:
             t.start()
         rc = proc.wait()
+        watcher.stop()
         for t in threads:
             t.join(timeout=5)
         if rc != 0:
-            text = b"".join(tail).decode(errors="replace")
-            who = _rank_by_pid(run_dir)
-            for pid in re.findall(r"PID (\d+) RUNNING", text):
-                role = who.get(int(pid), f"the process with pid {pid}")
-                code = re.search(r"EXIT CODE: (\d+)", text)
-                sys.stderr.write(f"hetpipe: {role} failed: it died (exit code {code.group(1) if code else '?'}); "
-                                 "mpiexec ended the job\n")
+            culprit = _culprit(run_dir, watcher, b"".join(tail).decode(errors="replace"))
+            if culprit:
+                sys.stderr.write(f"hetpipe: {culprit} failed: it died without reporting an error (killed, or "
+                                 "crashed in native code); mpiexec ended the job\n")
     return rc
+
+
+def _culprit(run_dir: str, watcher: DeathWatcher, mpiexec_text: str) -> Optional[str]:
+    """The role of the rank that died unreported, or None when a rank reported its own failure.
+
+    The first recorded process to vanish without a mark is the one; mpiexec's text names a pid only
+    as a fallback (no pidfd support), since after a death it may report any rank it killed."""
+    import re
+
+    if marked(run_dir, "aborted"):
+        return None
+    who = ranks_by_pid(run_dir)
+    pid = watcher.first_unmarked()
+    if pid is None and not watcher.supported:
+        found = re.findall(r"PID (\d+) RUNNING", mpiexec_text)
+        pid = int(found[0]) if found else None
+    if pid is None:
+        return None
+    return who.get(pid, f"the process with pid {pid}")

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from hetpipe.launch import failure
-from hetpipe.launch.mpi import gather_hosts, register_rank, world
+from hetpipe.launch.deaths import register_rank
+from hetpipe.launch.mpi import gather_hosts, world
 from hetpipe.launch.roles import LaunchError, Role, check_world, resolve_device, role_of
 from hetpipe.plan.types import Plan
 from hetpipe.runtime.build import (RunSpec, as_layers, build_shard, build_stage, drive, infer_boundaries,
