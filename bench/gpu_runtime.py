@@ -131,17 +131,14 @@ def main() -> None:
     print(f"MLP {args.depth}x{args.width} ({params * 4 / 2**20:.0f} MiB fp32), minibatch {args.minibatch}, "
           f"{args.minibatches * args.epochs} minibatches; hetpipe: 1 VW x {args.stages} stages sharing the "
           f"device + 1 PS rank, Nm={args.nm}")
-    base = plain(args)
-    rows = [("plain PyTorch (1 process)", "-", base, 1.0)]
-    for d in (int(x) for x in args.d.split(",")):
-        r = hetpipe(args, d)
-        rows.append((f"hetpipe D={d}", str(d), r["samples_per_s"], r["samples_per_s"] / base))
     header = f"{'system':<28}{'samples/s':>12}{'vs plain':>10}"
     print(header)
-    print("-" * len(header))
-    for name, _, sps, ratio in rows:
-        print(f"{name:<28}{sps:>12.1f}{ratio:>9.2f}x")
-
+    print("-" * len(header), flush=True)
+    base = plain(args)
+    print(f"{'plain PyTorch (1 process)':<28}{base:>12.1f}{1.0:>9.2f}x", flush=True)
+    for d in (int(x) for x in args.d.split(",")):
+        sps = hetpipe(args, d)["samples_per_s"]
+        print(f"{'hetpipe D=' + str(d):<28}{sps:>12.1f}{sps / base:>9.2f}x", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -47,6 +47,7 @@ class RunSpec:
     emulated: Dict[int, bool] = field(default_factory=dict)          # stage rank -> pad to the profile?
     # Stage-to-stage tensors through a copy stream (runtime.device_copy)? None: on CUDA devices only.
     copy_stream: Optional[bool] = None
+    audit: bool = False                         # PS shards log float64 sums of the pushed deltas
 
 
 def as_layers(model: Union[nn.Module, Sequence[nn.Module]]) -> List[nn.Module]:
@@ -171,7 +172,7 @@ def build_shard(spec: RunSpec, shard: int, transport: Transport, pool, *,
     plan = spec.plan
     weights = {l: flat_weights(spec.layers[l]) for l in plan.ps_shards[shard].layers}
     stage_layers = [[(s.start, s.stop) for s in vw.stages] for vw in plan.virtual_workers]
-    state = ShardState(shard, weights, stage_layers, plan.d)
+    state = ShardState(shard, weights, stage_layers, plan.d, log_sums=spec.audit)
     return ShardServer(state, transport, pool, plan.num_stage_ranks, trace=trace, t0=t0)
 
 

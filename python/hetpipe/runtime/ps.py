@@ -49,7 +49,7 @@ class ShardState:
     """One shard's weights, clocks and pending wave deltas (no I/O)."""
 
     def __init__(self, index: int, weights: Dict[int, np.ndarray], stage_layers: Sequence[Sequence[Tuple[int, int]]],
-                 d: int, *, log_sums: bool = True) -> None:
+                 d: int, *, log_sums: bool = False) -> None:
         self.index = index
         self.d = d
         self.layers = sorted(weights)
@@ -71,6 +71,9 @@ class ShardState:
         self.seen: Set[Tuple[int, int, int]] = set()
         self.queued: List[Tuple[int, int, int, int]] = []           # (src, vw, stage, wave) waiting for the clock
         self.log = ShardLog()
+        # Per-layer buffers of applied waves, reused for the next pushes (fresh pages of this size
+        # cost as much to fault in as the copy itself).
+        self.spare: Dict[int, List[np.ndarray]] = collections.defaultdict(list)
         self.log_sums = log_sums
         if log_sums:
             self.log.pushed_sum = {l: np.zeros(self.W[l].size, dtype=np.float64) for l in self.layers}
@@ -101,7 +104,8 @@ class ShardState:
         parts = self.pending[wave].setdefault(vw, {})
         for l in self.stage_layers[vw][stage]:
             n = self.W[l].size
-            parts[l] = delta[off:off + n].copy()
+            parts[l] = self.spare[l].pop() if self.spare[l] else np.empty(n, dtype=np.float32)
+            np.copyto(parts[l], delta[off:off + n])
             if self.log_sums:
                 self.log.pushed_sum[l] += parts[l]
             off += n
@@ -133,6 +137,7 @@ class ShardState:
             for vw in range(self.num_vws):
                 for l, delta in sorted(wave[vw].items()):
                     hetpipe_core.apply_delta(self.W[l], delta)
+                    self.spare[l].append(delta)
             self.applied += 1
 
     # --- pulls -----------------------------------------------------------------------------------

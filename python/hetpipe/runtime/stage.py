@@ -89,6 +89,23 @@ class StageModel:
         check_no_buffers(self.layers, start)
         self.params: List[nn.Parameter] = [p for layer in self.layers for p in layer.parameters()]
         self.numel = sum(p.numel() for p in self.params)
+        # Every parameter's data is a view into one flat buffer, in the stage's flat order, so the
+        # vector of Push, Pull and the wave deltas is read and written in place, never concatenated
+        # (a per-minibatch torch.cat of the stage's weights cost more than its forward on big layers).
+        self._flat = torch.empty(self.numel, dtype=torch.float32, device=device)
+        off = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                self._flat[off:off + n].copy_(p.reshape(-1))
+                p.data = self._flat[off:off + n].view_as(p)
+                off += n
+        # Buffers of the stage's flat size, reused rather than allocated per minibatch or wave (a
+        # fresh allocation this large is fresh pages, and faulting them in costs as much as a copy).
+        self._scratch = torch.empty_like(self._flat)                    # apply's "before", then change
+        self._spare_snapshots: List[torch.Tensor] = []                  # of minibatches already applied
+        self._spare_deltas: List[torch.Tensor] = []                     # of waves already merged
+        self._snapshots: Dict[int, torch.Tensor] = {}                   # mb -> the storage of its stash
         # Flat offsets of each layer, then, per PS shard, the flat positions of its layers (layer order).
         spans, off = {}, 0
         for i, layer in enumerate(self.layers):
@@ -96,11 +113,14 @@ class StageModel:
             spans[start + i] = (off, n)
             off += n
         self.shard_index: Dict[int, torch.Tensor] = {}
+        self.shard_span: Dict[int, Tuple[int, int]] = {}    # shards whose slice is one contiguous range
         for k, owned in shard_layers.items():
             mine = sorted(layer for layer in owned if start <= layer < stop and spans[layer][1] > 0)
             if mine:
                 idx = torch.cat([torch.arange(spans[l][0], spans[l][0] + spans[l][1]) for l in mine])
                 self.shard_index[k] = idx.to(device)
+                if all(spans[a][0] + spans[a][1] == spans[b][0] for a, b in zip(mine, mine[1:])):
+                    self.shard_span[k] = (spans[mine[0]][0], spans[mine[-1]][0] + spans[mine[-1]][1])
         self.optimizer = optimizer_factory(self.params) if self.params else None
         self.stash: Dict[int, List[Dict[str, torch.Tensor]]] = {}
         # mb -> per segment [input, output]; output None while a recomputed segment awaits Recompute(mb)
@@ -110,20 +130,11 @@ class StageModel:
         self.pushed: Set[int] = set()                                               # waves whose delta was sent
 
     # --- weights -----------------------------------------------------------------------------
-    def flat(self) -> torch.Tensor:
-        if not self.params:
-            return torch.zeros(0, dtype=torch.float32, device=self.device)
-        return torch.cat([p.detach().reshape(-1) for p in self.params])
-
-    def set_flat(self, flat: torch.Tensor) -> None:
-        off = 0
-        with torch.no_grad():
-            for p in self.params:
-                n = p.numel()
-                p.copy_(flat[off:off + n].view_as(p))
-                off += n
-
     def shard_slice(self, flat: torch.Tensor, shard: int) -> torch.Tensor:
+        """The shard's part of a flat vector: a view where it is contiguous, else a gathered copy."""
+        span = self.shard_span.get(shard)
+        if span is not None:
+            return flat[span[0]:span[1]]
         return flat.index_select(0, self.shard_index[shard])
 
     # --- compute -----------------------------------------------------------------------------
@@ -140,8 +151,17 @@ class StageModel:
     def forward(self, mb: int, x: torch.Tensor, needs_input_grad: bool) -> torch.Tensor:
         """Forward of minibatch ``mb`` on a stash of the live weights; returns the output (attached
         unless ``recomputes_output``)."""
-        stash = [{n: p.detach().clone().requires_grad_(True) for n, p in layer.named_parameters()}
-                 for layer in self.layers]
+        # One copy of the live weights; the stash's parameters are views into it.
+        snapshot = self._spare_snapshots.pop() if self._spare_snapshots else torch.empty_like(self._flat)
+        snapshot.copy_(self._flat)
+        self._snapshots[mb] = snapshot
+        stash, off = [], 0
+        for layer in self.layers:
+            views = {}
+            for n, p in layer.named_parameters():
+                views[n] = snapshot[off:off + p.numel()].view_as(p).requires_grad_(True)
+                off += p.numel()
+            stash.append(views)
         self.stash[mb] = stash
         saved: List[List[Optional[torch.Tensor]]] = []
         for k, (recomputed, layers) in enumerate(self.segments):
@@ -199,20 +219,29 @@ class StageModel:
                                f"{list(micros)} after Push({wave}): wave {wave}'s delta was already sent, "
                                "so this update would be lost")
         stashes = [self.stash.pop(mb) for mb in micros]
+        # Their graphs were freed by backward; once the gradients below are summed, nothing reads
+        # the snapshots, so they are recycled for the next forwards.
+        snapshots = [self._snapshots.pop(mb) for mb in micros]
         if self.optimizer is None:
             return
-        before = self.flat()
         for i, layer in enumerate(self.layers):
             for name, p in layer.named_parameters():
                 grads = [s[i][name].grad for s in stashes if s[i][name].grad is not None]
                 p.grad = sum(grads[1:], grads[0]) if grads else None
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        change = self.flat() - before
-        if wave in self.deltas:
-            self.deltas[wave] += change
-        else:
-            self.deltas[wave] = change
+        del stashes
+        self._spare_snapshots.extend(snapshots)
+        # delta(wave) += (after - before): the same float32 operations whether or not the wave
+        # already has a delta (a fresh one starts at zero).
+        delta = self.deltas.get(wave)
+        if delta is None:
+            delta = self._spare_deltas.pop().zero_() if self._spare_deltas else torch.zeros_like(self._flat)
+            self.deltas[wave] = delta
+        with torch.no_grad():
+            self._scratch.copy_(self._flat)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            torch.sub(self._flat, self._scratch, out=self._scratch)
+            delta += self._scratch
 
     # --- WSP ---------------------------------------------------------------------------------
     def mark_pushed(self, wave: int) -> None:
@@ -226,16 +255,20 @@ class StageModel:
 
     def merge_pull(self, pulled: Dict[int, Tuple[int, torch.Tensor]]) -> None:
         """Live weights of each shard's slice ← W_g + own deltas of waves ≥ g; drop deltas all shards hold."""
-        flat = self.flat()
         for k, (g, w) in sorted(pulled.items()):
             merged = w.clone()
             for c in sorted(self.deltas):
                 if c >= g:
                     merged += self.shard_slice(self.deltas[c], k)
-            flat.index_copy_(0, self.shard_index[k], merged)
+            with torch.no_grad():
+                span = self.shard_span.get(k)
+                if span is not None:
+                    self._flat[span[0]:span[1]].copy_(merged)
+                else:
+                    self._flat.index_copy_(0, self.shard_index[k], merged)
             self.floor[k] = g
-        self.set_flat(flat)
         if self.floor:
             low = min(self.floor.values())
+            # Every shard's W_g holds these waves, so their pushes were received: no send reads them.
             for c in [c for c in self.deltas if c < low]:
-                del self.deltas[c]
+                self._spare_deltas.append(self.deltas.pop(c))

@@ -109,6 +109,9 @@ class Trainer:
     copy_stream: move stage-to-stage tensors through a copy stream overlapping compute (None: on CUDA
         devices only; True also on CPU, where the inline copy is faster).
     metrics / trace: paths of the JSON-lines metrics file and of a Chrome trace of the run.
+    audit: PS shards also keep, per layer, the float64 sum of every delta pushed to them
+        (``TrainResult.shard_logs[k].pushed_sum``, to check that the final weights moved by exactly
+        the pushes); off by default, since it adds a float64 pass over every push.
     """
 
     def __init__(self, model: Union[nn.Module, Sequence[nn.Module]], loss_fn: Callable,
@@ -116,7 +119,7 @@ class Trainer:
                  plan: Union[Plan, str, Path, None] = None, policy: str = "auto", cluster: Any = None,
                  nm: Optional[int] = None, d: Optional[int] = None, epochs: int = 1, split_startup: int = 0,
                  timeout: Optional[float] = None, emulate: Optional[bool] = None, emulation_scale: float = 1.0,
-                 copy_stream: Optional[bool] = None,
+                 copy_stream: Optional[bool] = None, audit: bool = False,
                  metrics: Union[str, Path, None] = None, trace: Union[str, Path, None] = None,
                  progress: bool = True, comm: Any = None, plan_callback: Optional[Callable[[Plan], None]] = None):
         self.model = model
@@ -128,6 +131,7 @@ class Trainer:
         self.timeout = failure.timeout_s(timeout)
         self.emulate, self.emulation_scale = emulate, emulation_scale
         self.copy_stream = copy_stream
+        self.audit = audit
         self.metrics = Path(metrics) if metrics else None
         self.trace_path = Path(trace) if trace else None
         self.progress = progress
@@ -178,7 +182,7 @@ class Trainer:
                                               split_startup=self.split_startup))
         return RunSpec(plan, self.layers, self.loss_fn, self.optimizer, self.data, self.epochs, schedules,
                        infer_boundaries(self.layers, x), int(x.shape[0]) if x.dim() else 1,
-                       copy_stream=self.copy_stream)
+                       copy_stream=self.copy_stream, audit=self.audit)
 
     # --- single process ----------------------------------------------------------------------
     def replay(self) -> ReplayResult:

@@ -28,6 +28,7 @@ def check(run, d: int) -> dict:
                     for c in range(waves)}
         out["pushes_once"] &= len(log.pushes) == len(set(log.pushes)) and set(log.pushes) == expected
         out["pulls_ok"] &= all(w - d <= g for _, _, w, g in log.pulls)
+        out["sum_ok"] &= bool(log.pushed_sum)          # the audit ran
         for l, pushed in log.pushed_sum.items():
             moved = run.weights[l].astype(np.float64) - w0[l].astype(np.float64)
             out["sum_ok"] &= bool(np.allclose(moved, pushed, rtol=1e-4, atol=1e-5))
@@ -39,7 +40,8 @@ def main() -> int:
     ok, previous = True, {}
     for d in json.loads(sys.argv[1]):
         plan = two_vw_plan(([3], [2]), (0.002, 0.006), nm=2, d=d)
-        run = Trainer(mlp(), cross_entropy, sgd(), synthetic(n=192), plan=plan, epochs=2, progress=False).fit()
+        run = Trainer(mlp(), cross_entropy, sgd(), synthetic(n=192), plan=plan, epochs=2, audit=True,
+                      progress=False).fit()
         if MPI.COMM_WORLD.Get_rank() == 0:
             res = check(run, d)
             if d in previous:
