@@ -46,7 +46,7 @@ def format_plan(plan: Plan, cluster=None) -> str:
                          _seconds(st.fwd_time), _seconds(st.bwd_time), _seconds(st.send_time),
                          _seconds(st.fwd_time + st.bwd_time + st.send_time),
                          f"{_bytes(st.memory_bytes)} / {_bytes(st.memory_capacity)}{pct}",
-                         "yes" if st.recompute else ""))
+                         _recompute_cell(st)))
     width = [max(len(r[i]) for r in rows + [cols]) for i in range(len(cols))]
     lines.append("  ".join(c.ljust(w) for c, w in zip(cols, width)).rstrip())
     lines.append("  ".join("-" * w for w in width))
@@ -63,3 +63,18 @@ def format_plan(plan: Plan, cluster=None) -> str:
         parts = [f"{p}: {v:.3f}" if isinstance(v, float) else f"{p}: {v}" for p, v in meta["policies"].items()]
         lines.append("policies: " + ", ".join(parts))
     return "\n".join(lines)
+
+
+def _recompute_cell(st) -> str:
+    """Which layers a stage recomputes: "all", or "k of n: [a, b) c ..." (runs of layers)."""
+    chosen = sorted(st.recompute)
+    if not chosen:
+        return ""
+    if len(chosen) == st.stop - st.start:
+        return "all"
+    runs, start = [], chosen[0]
+    for prev, cur in zip(chosen, chosen[1:] + [None]):
+        if cur != prev + 1:
+            runs.append(str(start) if prev == start else f"[{start}, {prev + 1})")
+            start = cur
+    return f"{len(chosen)} of {st.stop - st.start}: " + " ".join(runs)

@@ -16,6 +16,10 @@ once; a fit that needs cuts inside even those blocks is reported as infeasible (
 
 Device orders: all orders (up to interchangeable devices) for VWs of at most ``exhaustive_max``
 devices, else the candidate orders of :mod:`hetpipe.plan.mapping`.
+
+Recomputation: the DP decides it per stage (mode ``fit``: only where a stage would not fit
+otherwise); the winning partition's recomputing stages then recompute only the layers their memory
+requires (:func:`keep_what_fits`, :mod:`hetpipe.plan.recompute`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import numpy as np
 
 from hetpipe.plan.mapping import candidate_orders
 from hetpipe.plan.stage import LayerTable, LinkCost, Slot, reference_times
+from hetpipe.plan.recompute import choose_layers, recompute_cost
 
 RECOMPUTE_MODES = ("none", "fit", "all")
 
@@ -41,6 +46,7 @@ class StageResult:
     send: float             # output activation to the next stage
     memory: int
     recompute: bool
+    recompute_layers: Tuple[int, ...] = ()    # the layers recomputed (all of [start, stop) unless refined)
 
 
 @dataclass(frozen=True)
@@ -193,8 +199,32 @@ def evaluate(table: LayerTable, slots: Sequence[Slot], links: Sequence[LinkCost]
         nxt = links[k] if k < K - 1 else None
         t, m = table.stage(slots[k], k, K, nm, a, b, prev, nxt, recompute[k])
         f, bw = table.compute_times(slots[k].device_type, a, b, recompute[k])
-        stages.append(StageResult(a, b, t, f, bw, table.send_time(b, nxt), m, bool(recompute[k])))
+        layers = tuple(range(a, b)) if recompute[k] else ()
+        stages.append(StageResult(a, b, t, f, bw, table.send_time(b, nxt), m, bool(recompute[k]), layers))
     return Partition(tuple(slots), tuple(stages), nm)
+
+
+def keep_what_fits(table: LayerTable, part: Partition, links: Sequence[LinkCost]) -> Partition:
+    """Mode ``fit``: each recomputing stage recomputes only the layers its memory requires
+    (:func:`hetpipe.plan.recompute.choose_layers`); the others keep their activations. Stage
+    boundaries stay; no stage gets slower, so neither does the VW."""
+    K = len(part.stages)
+    stages = []
+    for k, st in enumerate(part.stages):
+        if not st.recompute:
+            stages.append(st)
+            continue
+        slot = part.slots[k]
+        prev = links[k - 1] if k > 0 else None
+        nxt = links[k] if k < K - 1 else None
+        layers = choose_layers(table, slot, k, K, part.nm, st.start, st.stop, prev, nxt)
+        if layers is None:
+            layers = st.recompute_layers
+        t, m = recompute_cost(table, slot, k, K, part.nm, st.start, st.stop, prev, nxt, layers)
+        f, bw = table.compute_times(slot.device_type, st.start, st.stop, False)
+        bw += float(sum(np.diff(table.cum_fwd[slot.device_type])[list(layers)]))
+        stages.append(StageResult(st.start, st.stop, t, f, bw, st.send, m, bool(layers), tuple(layers)))
+    return Partition(part.slots, tuple(stages), part.nm)
 
 
 def overflow_report(table: LayerTable, slots, links, nm, mode) -> str:
@@ -277,4 +307,6 @@ def partition(table, slots: Sequence, cluster, nm: int, *, recompute="none",
             f"partition: no split of {table.num_layers} layers over {', '.join(s.device for s in slots)} "
             f"fits memory with nm={nm} (recompute={mode}); "
             f"{overflow_report(table, orders[0], links, nm, mode)}")
+    if mode == "fit":
+        best = keep_what_fits(table, best, links_of(best.slots, cluster))
     return best

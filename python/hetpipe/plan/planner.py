@@ -191,7 +191,7 @@ def _to_plan(c: _Candidate, table: LayerTable, cluster: ClusterSpec, profile: Mo
             StagePlan(device=sl.device, device_type=sl.device_type, start=st.start, stop=st.stop,
                       fwd_time=st.fwd, bwd_time=st.bwd, send_time=st.send, memory_bytes=st.memory,
                       memory_capacity=sl.memory_bytes,
-                      recompute=tuple(range(st.start, st.stop)) if st.recompute else ())
+                      recompute=st.recompute_layers)
             for st, sl in zip(part.stages, part.slots))
         vws.append(VirtualWorkerPlan(v, stages, c.nm / wave if wave > 0 else 0.0))
     meta = {

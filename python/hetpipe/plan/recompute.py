@@ -2,8 +2,20 @@
 
 The partitioner decides recomputation per stage (:mod:`hetpipe.plan.stage` gives its memory and
 time): mode ``none`` never recomputes, ``fit`` recomputes exactly the stages that would otherwise
-not fit their device (the DP takes the cheaper variant that fits), ``all`` recomputes every stage.
-A recomputing stage lists all its layers in ``StagePlan.recompute``.
+not fit their device (the DP takes the cheaper variant that fits), ``all`` recomputes every stage
+(each lists all its layers in ``StagePlan.recompute``). In mode ``fit`` each recomputing stage then
+keeps what it can: :func:`choose_layers` picks the layers to recompute that fit the device at the
+least recomputation time (exact up to ``EXACT_MAX`` layers, else by memory saved per second of
+recomputation), so a stage recomputes only what its memory requires.
+
+Memory of a stage recomputing the layer set ``R`` (the runtime recomputes maximal runs of ``R``,
+saving each run's input per minibatch in flight and rebuilding one minibatch's activations of all
+runs at its Recompute)::
+
+    memory(R) = memory(no recompute) - (n_k - 1) x sum(stash[l] for l in R)
+                                     + n_k x sum(input_bytes(run start) for the runs of R)
+
+which is the stage model's whole-stage formula for ``R = [a, b)``.
 
 Hippie chooses among candidate plans by memory efficiency, ``ME = scalability x throughput /
 memory``, where scalability is the plan's throughput over that of the fastest single device
@@ -14,9 +26,14 @@ highest ME instead of the fastest.
 
 from __future__ import annotations
 
-from typing import Iterable
+from itertools import groupby
+from typing import Iterable, Optional, Sequence, Tuple
 
-from hetpipe.plan.stage import LayerTable, reference_times
+import numpy as np
+
+from hetpipe.plan.stage import LayerTable, LinkCost, Slot, reference_times
+
+EXACT_MAX = 16
 
 
 def single_device_throughput(table: LayerTable, device_types: Iterable[str]) -> float:
@@ -29,3 +46,81 @@ def memory_efficiency(throughput: float, single_throughput: float, memory_bytes:
     if memory_bytes <= 0 or single_throughput <= 0:
         return 0.0
     return (throughput / single_throughput) * throughput / memory_bytes
+
+
+def recompute_cost(table: LayerTable, slot: Slot, k: int, num_stages: int, nm: int, a: int, b: int,
+                   prev: Optional[LinkCost], nxt: Optional[LinkCost],
+                   layers: Sequence[int]) -> Tuple[float, int]:
+    """(time, memory bytes) of stage ``k`` holding ``[a, b)`` and recomputing ``layers``."""
+    t, m = table.stage(slot, k, num_stages, nm, a, b, prev, nxt, recompute=False)
+    n = min(nm, num_stages - k)
+    fwd, stash = _per_layer(table, slot.device_type)
+    chosen = sorted(set(layers))
+    starts = [run[0] for run in _runs(chosen)]
+    extra = sum(fwd[l] for l in chosen)
+    mem = m - (n - 1) * sum(stash[l] for l in chosen) + n * sum(table.in_bytes[s] for s in starts)
+    return t + extra, int(round(mem))
+
+
+def choose_layers(table: LayerTable, slot: Slot, k: int, num_stages: int, nm: int, a: int, b: int,
+                  prev: Optional[LinkCost], nxt: Optional[LinkCost]) -> Optional[Tuple[int, ...]]:
+    """The layers of ``[a, b)`` to recompute so that stage ``k`` fits ``slot.memory_bytes`` at the
+    least recomputation time (ties: less memory); ``()`` when nothing needs recomputing, None when
+    even recomputing every layer does not fit."""
+    cap = slot.memory_bytes
+    if recompute_cost(table, slot, k, num_stages, nm, a, b, prev, nxt, ())[1] <= cap:
+        return ()
+    if b - a <= EXACT_MAX:
+        return _exact(table, slot, k, num_stages, nm, a, b, prev, nxt)
+    return _by_efficiency(table, slot, k, num_stages, nm, a, b, prev, nxt)
+
+
+def _exact(table, slot, k, num_stages, nm, a, b, prev, nxt):
+    """Every subset at once: bit i of row r says whether layer a + i is recomputed in subset r."""
+    m = b - a
+    n = min(nm, num_stages - k)
+    fwd, stash = _per_layer(table, slot.device_type)
+    _, base = table.stage(slot, k, num_stages, nm, a, b, prev, nxt, recompute=False)
+    bits = (np.arange(1 << m)[:, None] >> np.arange(m)[None, :]) & 1
+    starts = bits & (1 - np.concatenate([np.zeros((1 << m, 1), dtype=bits.dtype), bits[:, :-1]], axis=1))
+    extra = bits @ fwd[a:b]
+    mem = base - (n - 1) * (bits @ stash[a:b]) + n * (starts @ table.in_bytes[a:b])
+    feasible = np.flatnonzero(np.round(mem) <= slot.memory_bytes)
+    if feasible.size == 0:
+        return None
+    best = feasible[np.lexsort((mem[feasible], extra[feasible]))[0]]
+    return tuple(a + i for i in range(m) if bits[best, i])
+
+
+def _by_efficiency(table, slot, k, num_stages, nm, a, b, prev, nxt):
+    """From recomputing everything, keep (stop recomputing) the layer whose memory cost per second
+    of recomputation saved is least, while the stage still fits; Hippie's memory efficiency."""
+    fwd, _ = _per_layer(table, slot.device_type)
+    chosen = set(range(a, b))
+    cost = lambda layers: recompute_cost(table, slot, k, num_stages, nm, a, b, prev, nxt, layers)  # noqa: E731
+    _, mem = cost(chosen)
+    if mem > slot.memory_bytes:
+        return None
+    while chosen:
+        best, best_key = None, None
+        for l in sorted(chosen):
+            _, m = cost(chosen - {l})
+            if m > slot.memory_bytes:
+                continue
+            key = ((m - mem) / fwd[l] if fwd[l] > 0 else float("inf"), m)
+            if best is None or key < best_key:
+                best, best_key = l, key
+        if best is None:
+            break
+        chosen.discard(best)
+        _, mem = cost(chosen)
+    return tuple(sorted(chosen))
+
+
+def _per_layer(table: LayerTable, device_type: str) -> Tuple[np.ndarray, np.ndarray]:
+    return np.diff(table.cum_fwd[device_type]), np.diff(table.cum_stash)
+
+
+def _runs(layers: Sequence[int]):
+    """Maximal runs of consecutive layers (``layers`` sorted)."""
+    return [[l for _, l in g] for _, g in groupby(enumerate(layers), key=lambda x: x[1] - x[0])]
