@@ -24,10 +24,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-from hetpipe.launch.mpi import mpiexec_path  # noqa: E402
-from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan  # noqa: E402
-from hetpipe.runtime.data import Batches  # noqa: E402
+from hetpipe.launch.mpi import mpiexec_path
+from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
+from hetpipe.runtime.data import Batches
 
 
 def model(depth: int, width: int) -> nn.Sequential:
@@ -95,8 +94,7 @@ def worker(args) -> None:
 
 
 def hetpipe(args, d: int) -> dict:
-    argv = [a for a in sys.argv[1:]]
-    cmd = [mpiexec_path(), "-n", str(args.stages + 1), sys.executable, str(Path(__file__).resolve()), *argv,
+    cmd = [mpiexec_path(), "-n", str(args.stages + 1), sys.executable, str(Path(__file__).resolve()), *sys.argv[1:],
            "--worker-d", str(d)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=os.environ)
     found = [json.loads(l[7:]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
