@@ -211,3 +211,16 @@ def test_every_policy_uses_every_device_once_on_irregular_clusters():
             assert all(vws) and all(len(vw) <= (size or max(c for _, c in nodes)) for vw in vws)
 
     check()
+
+
+def test_table_names_the_recomputed_layers():
+    from hetpipe.plan.format import _recompute_cell
+    from hetpipe.plan.types import StagePlan
+
+    def st(start, stop, layers):
+        return StagePlan("n0.g0", "a", start, stop, 0.0, 0.0, recompute=tuple(layers))
+
+    assert _recompute_cell(st(0, 4, ())) == ""
+    assert _recompute_cell(st(2, 5, (2, 3, 4))) == "all"
+    assert _recompute_cell(st(0, 10, (0, 1, 2, 3, 4, 5, 7))) == "7 of 10: [0, 6) 7"
+    assert _recompute_cell(st(3, 9, (4, 6, 7))) == "3 of 6: 4 [6, 8)"
