@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import List
 
+from hetpipe.plan.recompute import runs
 from hetpipe.plan.types import Plan
 
 
@@ -72,9 +73,5 @@ def _recompute_cell(st) -> str:
         return ""
     if len(chosen) == st.stop - st.start:
         return "all"
-    runs, start = [], chosen[0]
-    for prev, cur in zip(chosen, chosen[1:] + [None]):
-        if cur != prev + 1:
-            runs.append(str(start) if prev == start else f"[{start}, {prev + 1})")
-            start = cur
-    return f"{len(chosen)} of {st.stop - st.start}: " + " ".join(runs)
+    cells = [str(r[0]) if len(r) == 1 else f"[{r[0]}, {r[-1] + 1})" for r in runs(chosen)]
+    return f"{len(chosen)} of {st.stop - st.start}: " + " ".join(cells)

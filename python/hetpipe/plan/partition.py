@@ -31,7 +31,7 @@ import numpy as np
 
 from hetpipe.plan.mapping import candidate_orders
 from hetpipe.plan.stage import LayerTable, LinkCost, Slot, reference_times
-from hetpipe.plan.recompute import choose_layers, recompute_cost
+from hetpipe.plan.recompute import choose_layers, recompute_cost, recompute_seconds
 
 RECOMPUTE_MODES = ("none", "fit", "all")
 
@@ -222,7 +222,7 @@ def keep_what_fits(table: LayerTable, part: Partition, links: Sequence[LinkCost]
             layers = st.recompute_layers
         t, m = recompute_cost(table, slot, k, K, part.nm, st.start, st.stop, prev, nxt, layers)
         f, bw = table.compute_times(slot.device_type, st.start, st.stop, False)
-        bw += float(sum(np.diff(table.cum_fwd[slot.device_type])[list(layers)]))
+        bw += recompute_seconds(table, slot.device_type, layers)
         stages.append(StageResult(st.start, st.stop, t, f, bw, st.send, m, bool(layers), tuple(layers)))
     return Partition(part.slots, tuple(stages), part.nm)
 

@@ -27,7 +27,7 @@ highest ME instead of the fastest.
 from __future__ import annotations
 
 from itertools import groupby
-from typing import Iterable, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -52,14 +52,12 @@ def recompute_cost(table: LayerTable, slot: Slot, k: int, num_stages: int, nm: i
                    prev: Optional[LinkCost], nxt: Optional[LinkCost],
                    layers: Sequence[int]) -> Tuple[float, int]:
     """(time, memory bytes) of stage ``k`` holding ``[a, b)`` and recomputing ``layers``."""
-    t, m = table.stage(slot, k, num_stages, nm, a, b, prev, nxt, recompute=False)
-    n = min(nm, num_stages - k)
-    fwd, stash = _per_layer(table, slot.device_type)
-    chosen = sorted(set(layers))
-    starts = [run[0] for run in _runs(chosen)]
-    extra = sum(fwd[l] for l in chosen)
-    mem = m - (n - 1) * sum(stash[l] for l in chosen) + n * sum(table.in_bytes[s] for s in starts)
-    return t + extra, int(round(mem))
+    return _Terms(table, slot, k, num_stages, nm, a, b, prev, nxt).cost(layers)
+
+
+def recompute_seconds(table: LayerTable, device_type: str, layers: Sequence[int]) -> float:
+    """The forward time recomputing ``layers`` adds to a backward on ``device_type``."""
+    return float(sum(np.diff(table.cum_fwd[device_type])[list(layers)]))
 
 
 def choose_layers(table: LayerTable, slot: Slot, k: int, num_stages: int, nm: int, a: int, b: int,
@@ -67,60 +65,71 @@ def choose_layers(table: LayerTable, slot: Slot, k: int, num_stages: int, nm: in
     """The layers of ``[a, b)`` to recompute so that stage ``k`` fits ``slot.memory_bytes`` at the
     least recomputation time (ties: less memory); ``()`` when nothing needs recomputing, None when
     even recomputing every layer does not fit."""
-    cap = slot.memory_bytes
-    if recompute_cost(table, slot, k, num_stages, nm, a, b, prev, nxt, ())[1] <= cap:
+    terms = _Terms(table, slot, k, num_stages, nm, a, b, prev, nxt)
+    if terms.memory_none <= slot.memory_bytes:
         return ()
     if b - a <= EXACT_MAX:
-        return _exact(table, slot, k, num_stages, nm, a, b, prev, nxt)
-    return _by_efficiency(table, slot, k, num_stages, nm, a, b, prev, nxt)
+        return _exact(terms, table.in_bytes, slot.memory_bytes)
+    return _by_efficiency(terms, slot.memory_bytes)
 
 
-def _exact(table, slot, k, num_stages, nm, a, b, prev, nxt):
+class _Terms:
+    """What the cost of one stage under a recompute set is made of, computed once per stage."""
+
+    def __init__(self, table, slot, k, num_stages, nm, a, b, prev, nxt):
+        self.a, self.b = a, b
+        self.time_none, self.memory_none = table.stage(slot, k, num_stages, nm, a, b, prev, nxt, recompute=False)
+        self.n = min(nm, num_stages - k)
+        self.fwd = np.diff(table.cum_fwd[slot.device_type])
+        self.stash = np.diff(table.cum_stash)
+        self.in_bytes = table.in_bytes
+
+    def cost(self, layers: Sequence[int]) -> Tuple[float, int]:
+        chosen = sorted(set(layers))
+        starts = [run[0] for run in runs(chosen)]
+        mem = (self.memory_none - (self.n - 1) * sum(self.stash[l] for l in chosen)
+               + self.n * sum(self.in_bytes[s] for s in starts))
+        return self.time_none + sum(self.fwd[l] for l in chosen), int(round(mem))
+
+
+def _exact(terms: _Terms, in_bytes: np.ndarray, cap: int) -> Optional[Tuple[int, ...]]:
     """Every subset at once: bit i of row r says whether layer a + i is recomputed in subset r."""
+    a, b, n = terms.a, terms.b, terms.n
     m = b - a
-    n = min(nm, num_stages - k)
-    fwd, stash = _per_layer(table, slot.device_type)
-    _, base = table.stage(slot, k, num_stages, nm, a, b, prev, nxt, recompute=False)
     bits = (np.arange(1 << m)[:, None] >> np.arange(m)[None, :]) & 1
     starts = bits & (1 - np.concatenate([np.zeros((1 << m, 1), dtype=bits.dtype), bits[:, :-1]], axis=1))
-    extra = bits @ fwd[a:b]
-    mem = base - (n - 1) * (bits @ stash[a:b]) + n * (starts @ table.in_bytes[a:b])
-    feasible = np.flatnonzero(np.round(mem) <= slot.memory_bytes)
+    extra = bits @ terms.fwd[a:b]
+    mem = terms.memory_none - (n - 1) * (bits @ terms.stash[a:b]) + n * (starts @ in_bytes[a:b])
+    feasible = np.flatnonzero(np.round(mem) <= cap)
     if feasible.size == 0:
         return None
     best = feasible[np.lexsort((mem[feasible], extra[feasible]))[0]]
     return tuple(a + i for i in range(m) if bits[best, i])
 
 
-def _by_efficiency(table, slot, k, num_stages, nm, a, b, prev, nxt):
+def _by_efficiency(terms: _Terms, cap: int) -> Optional[Tuple[int, ...]]:
     """From recomputing everything, keep (stop recomputing) the layer whose memory cost per second
     of recomputation saved is least, while the stage still fits; Hippie's memory efficiency."""
-    fwd, _ = _per_layer(table, slot.device_type)
-    chosen = set(range(a, b))
-    cost = lambda layers: recompute_cost(table, slot, k, num_stages, nm, a, b, prev, nxt, layers)  # noqa: E731
-    _, mem = cost(chosen)
-    if mem > slot.memory_bytes:
+    chosen = set(range(terms.a, terms.b))
+    _, mem = terms.cost(chosen)
+    if mem > cap:
         return None
     while chosen:
         best, best_key = None, None
         for l in sorted(chosen):
-            _, m = cost(chosen - {l})
-            if m > slot.memory_bytes:
+            _, m = terms.cost(chosen - {l})
+            if m > cap:
                 continue
-            key = ((m - mem) / fwd[l] if fwd[l] > 0 else float("inf"), m)
+            key = ((m - mem) / terms.fwd[l] if terms.fwd[l] > 0 else float("inf"), m)
             if best is None or key < best_key:
                 best, best_key = l, key
         if best is None:
             break
         chosen.discard(best)
-        _, mem = cost(chosen)
+        _, mem = terms.cost(chosen)
     return tuple(sorted(chosen))
 
 
-def _per_layer(table: LayerTable, device_type: str) -> Tuple[np.ndarray, np.ndarray]:
-    return np.diff(table.cum_fwd[device_type]), np.diff(table.cum_stash)
-
-
-def _runs(layers: Sequence[int]):
+def runs(layers: Sequence[int]) -> List[List[int]]:
     """Maximal runs of consecutive layers (``layers`` sorted)."""
     return [[l for _, l in g] for _, g in groupby(enumerate(layers), key=lambda x: x[1] - x[0])]
