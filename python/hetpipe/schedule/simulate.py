@@ -412,7 +412,7 @@ class _State:
 
 # The most minibatch-stages (waves x Nm x stages, summed over the distinct VW shapes) simulate_plan
 # plays: about a minute on one core. Beyond it a run would look hung; ask for fewer waves.
-MAX_MINIBATCH_STAGES = 2_000_000
+MAX_MINIBATCH_STAGES = 400_000
 
 
 def simulate_plan(plan, waves: int = 10, *, apply: PerStage = 0.0, latency_s: PerStage = 0.0,
