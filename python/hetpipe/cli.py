@@ -127,6 +127,7 @@ def _run_simulate(args) -> int:
     from hetpipe.plan.types import Plan
     from hetpipe.schedule import save_gantt, simulate_plan
     from hetpipe.schedule.ps import DEFAULT_APPLY_RATE
+    from hetpipe.schedule.simulate import check_waves
     from hetpipe.schedule.trace import write_chrome_trace
 
     try:
@@ -138,6 +139,7 @@ def _run_simulate(args) -> int:
         rate = DEFAULT_APPLY_RATE if args.ps_apply_rate is None else _number(
             "--ps-apply-rate", args.ps_apply_rate, positive=True)
         plan = Plan.load(args.plan)
+        check_waves(plan, waves, "--waves")
         ps = _ps_model(args, plan)
         result = simulate_plan(plan, waves=waves, push=push, pull=pull, apply_rate=rate,
                                cluster=None if ps is None else ps[0], param_bytes=None if ps is None else ps[1])

@@ -415,6 +415,20 @@ class _State:
 MAX_MINIBATCH_STAGES = 400_000
 
 
+def check_waves(plan, waves: int, name: str = "waves") -> None:
+    """Raise ValueError (naming ``name``) unless simulating ``waves`` waves of ``plan`` stays within
+    :data:`MAX_MINIBATCH_STAGES`."""
+    if isinstance(waves, bool) or not isinstance(waves, int) or waves < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {waves!r}")
+    shapes = {len(vw.stages) for vw in plan.virtual_workers}
+    work = waves * plan.nm * sum(shapes)
+    if work > MAX_MINIBATCH_STAGES:
+        most = max(1, MAX_MINIBATCH_STAGES // (plan.nm * sum(shapes)))
+        raise ValueError(f"{name} {waves} x Nm {plan.nm} x {sorted(shapes)} stages is {work} minibatch-stages, more "
+                         f"than the {MAX_MINIBATCH_STAGES} this simulator plays in about a minute; "
+                         f"use at most {most} waves")
+
+
 def simulate_plan(plan, waves: int = 10, *, apply: PerStage = 0.0, latency_s: PerStage = 0.0,
                   push: PerStage = 0.0, pull: PerStage = 0.0, transfer_s: Optional[PerStage] = None,
                   split_startup: int = 0, cluster=None, param_bytes: Optional[Sequence[float]] = None,
@@ -429,16 +443,10 @@ def simulate_plan(plan, waves: int = 10, *, apply: PerStage = 0.0, latency_s: Pe
     modelled as resources (:mod:`hetpipe.schedule.ps`) applying ``apply_rate`` bytes per second;
     without them the shards serve at once.
     """
-    if isinstance(waves, bool) or not isinstance(waves, int) or waves < 1:
-        raise ValueError(f"simulate_plan: waves must be an integer >= 1, got {waves!r}")
+    check_waves(plan, waves, "simulate_plan: waves")
     if (cluster is None) != (param_bytes is None):
         raise ValueError("simulate_plan: the PS model needs both cluster and param_bytes")
-    shapes = {len(vw.stages) for vw in plan.virtual_workers}
-    work = waves * plan.nm * sum(shapes)
-    if work > MAX_MINIBATCH_STAGES:
-        raise ValueError(f"simulate_plan: {waves} waves x Nm {plan.nm} x {sorted(shapes)} stages is {work} "
-                         f"minibatch-stages, more than the {MAX_MINIBATCH_STAGES} this simulator plays in about a "
-                         f"minute; ask for at most {max(1, MAX_MINIBATCH_STAGES // (plan.nm * sum(shapes)))} waves")
+    check_waves(plan, waves)
     traffic = None if cluster is None else plan_traffic(plan, cluster, param_bytes, apply_rate)
     schedules, costs = [], []
     cache: Dict[int, Schedule] = {}
