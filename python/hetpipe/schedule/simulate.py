@@ -24,6 +24,7 @@ the VWs that share a schedule, and merges VWs with different schedules at Pull b
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -247,6 +248,31 @@ class SimResult:
         return "\n".join(lines)
 
 
+# Compiled ops of the schedules simulated last, by id (the entry keeps its schedule alive, so the id
+# stays its own; schedules are immutable): sweeps that simulate one schedule under many costs replay
+# and validate it once.
+_COMPILED: Dict[int, Tuple[Schedule, bool, List[Tuple[int, int, int, int]]]] = {}
+_CACHE_SIZE = 4
+
+
+def _compiled(schedule: Schedule, check: bool) -> List[Tuple[int, int, int, int]]:
+    hit = _COMPILED.get(id(schedule))
+    if hit is not None and hit[0] is schedule and (hit[1] or not check):
+        return hit[2]
+    if check:
+        validate(schedule)
+    ops = _compile(schedule)
+    if len(_COMPILED) >= _CACHE_SIZE:
+        _COMPILED.pop(next(iter(_COMPILED)))
+    _COMPILED[id(schedule)] = (schedule, check, ops)
+    return ops
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _wsp_schedule(k: int, minibatches: int, nm: int, d: int, split: int) -> Schedule:
+    return hetpipe_schedule(k, minibatches, nm, d, split_startup=split)
+
+
 def _compile(schedule: Schedule) -> List[Tuple[int, int, int, int]]:
     rep = replay(schedule)
     if rep.stuck:
@@ -278,9 +304,7 @@ def simulate(schedules: Sequence[Schedule], costs: Sequence[VWCosts], *, check: 
             raise ValueError(f"simulate: VW {v} has {sch.num_stages} stages but costs for {c.num_stages}")
         g = next((g for g in groups if g.schedule is sch or g.schedule == sch), None)
         if g is None:
-            if check:
-                validate(sch)
-            groups.append(_Group(sch, [v], _compile(sch)))
+            groups.append(_Group(sch, [v], _compiled(sch, check)))
         else:
             g.vws.append(v)
 
@@ -453,7 +477,7 @@ def simulate_plan(plan, waves: int = 10, *, apply: PerStage = 0.0, latency_s: Pe
     for v, vw in enumerate(plan.virtual_workers):
         k = len(vw.stages)
         if k not in cache:
-            cache[k] = hetpipe_schedule(k, waves * plan.nm, plan.nm, plan.d, split_startup=split_startup)
+            cache[k] = _wsp_schedule(k, waves * plan.nm, plan.nm, plan.d, split_startup)
         schedules.append(cache[k])
         tx = [st.send_time for st in vw.stages[:-1]] if transfer_s is None else transfer_s
         costs.append(vw_costs([st.fwd_time for st in vw.stages], [st.bwd_time for st in vw.stages],
