@@ -28,10 +28,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from hetpipe.cluster import ClusterSpec, load_cluster
 from hetpipe.plan import make_plan
+from hetpipe.plan.formation import default_vw_size
 from hetpipe.plan.types import Plan, ShardPlan
 from hetpipe.profile import load_profile
 from hetpipe.schedule.ps import DEFAULT_APPLY_RATE
-from hetpipe.schedule.simulate import simulate_plan
+from hetpipe.schedule.simulate import MAX_MINIBATCH_STAGES, simulate_plan
 
 CLUSTER = "hetpipe-testbed"
 MODELS = ("resnet152", "vgg19")
@@ -82,6 +83,12 @@ def run(models: Sequence[str] = MODELS, nms: Sequence[int] = NMS, ds: Sequence[i
         apply_rate: float = DEFAULT_APPLY_RATE) -> List[Point]:
     """Plan and simulate every (model, policy, Nm, D); D values no partition fits are left out."""
     cluster = load_cluster(CLUSTER)
+    if not nms or not ds:
+        raise ValueError("needs at least one Nm and one D")
+    work = waves * max(nms) * default_vw_size(cluster)
+    if work > MAX_MINIBATCH_STAGES:
+        raise ValueError(f"--waves {waves} x Nm {max(nms)} x {default_vw_size(cluster)} stages is more than "
+                         f"the {MAX_MINIBATCH_STAGES} minibatch-stages a simulation may play")
     plans = []
     for model in models:
         profile = load_profile(model)

@@ -36,9 +36,11 @@ def test_reproduce_prints_the_table_and_a_verdict_per_finding(capsys):
     assert "modelled devices" in out
 
 
-def test_reproduce_rejects_bad_lists(capsys):
-    assert main(["reproduce", "--d", "0,-1"]) == 2
-    assert "--d" in capsys.readouterr().err
+@pytest.mark.parametrize("flag,value", [("--d", "0,-1"), ("--nm", "2,x"), ("--waves", "1e9"), ("--models", "nope")])
+def test_reproduce_rejects_bad_input_in_one_line(capsys, flag, value):
+    assert main(["reproduce", flag, value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("hetpipe reproduce: ") and (flag in err or value in err), err
 
 
 def test_simulate_models_the_ps_of_a_preset_plan(tmp_path, capsys):
