@@ -80,4 +80,5 @@ def result_line(plain: List[float], ours: List[float], held: Tuple[float, float]
     q = max(1, n // 4)
     return {"plain_last": float(np.mean(plain[n - q:n])), "hetpipe_last": float(np.mean(ours[n - q:n])),
             "plain_first": float(np.mean(plain[:q])), "hetpipe_first": float(np.mean(ours[:q])),
-            "plain_held_out": held[0], "hetpipe_held_out": held[1], "minibatches": n}
+            "plain_held_out": held[0], "hetpipe_held_out": held[1], "minibatches": n,
+            "plain": plain[:n], "hetpipe": ours[:n]}

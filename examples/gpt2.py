@@ -46,17 +46,18 @@ def lm_step(model, inputs, labels):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--seq", type=int, default=32)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--files", type=int, default=4, help="how many standard-library files to train on")
-    p.add_argument("--minibatches", type=int, default=96, help="training minibatches per epoch (at most)")
+    p.add_argument("--minibatches", type=int, default=64, help="training minibatches per epoch (at most)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--width", type=int, default=48)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--nm", type=int, default=2)
     p.add_argument("--d", type=int, default=0)
     p.add_argument("--policy", default="auto")
+    p.add_argument("--plan", help="a plan JSON to run instead of planning on the cpu-emulated preset")
     p.add_argument("--emulation-scale", type=float, default=1.0)
     args = p.parse_args()
 
@@ -70,7 +71,7 @@ def main() -> None:
     optimizer = lambda params: torch.optim.Adam(params, lr=args.lr)     # noqa: E731
 
     layers, loss_fn = adapt(model)
-    trainer = Trainer(layers, loss_fn, optimizer, train, cluster="cpu-emulated", policy=args.policy,
+    trainer = Trainer(layers, loss_fn, optimizer, train, plan=args.plan, cluster="cpu-emulated", policy=args.policy,
                       nm=args.nm, d=args.d, epochs=args.epochs, emulation_scale=args.emulation_scale,
                       progress=False)
     result = trainer.fit()

@@ -52,10 +52,11 @@ def main() -> None:
     p.add_argument("--minibatches", type=int, default=40, help="training minibatches per epoch (at most)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--nm", type=int, default=2)
     p.add_argument("--d", type=int, default=0)
     p.add_argument("--policy", default="auto")
+    p.add_argument("--plan", help="a plan JSON to run instead of planning on the cpu-emulated preset")
     p.add_argument("--emulation-scale", type=float, default=1.0)
     args = p.parse_args()
 
@@ -65,10 +66,10 @@ def main() -> None:
     torch.manual_seed(0)
     model = VGG(dropout=args.dropout)
     plain_model = copy.deepcopy(model)
-    optimizer = lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9)     # noqa: E731
+    optimizer = lambda params: torch.optim.Adam(params, lr=args.lr)     # noqa: E731
 
     layers, loss_fn = adapt(model)
-    trainer = Trainer(layers, loss_fn, optimizer, train, cluster="cpu-emulated", policy=args.policy,
+    trainer = Trainer(layers, loss_fn, optimizer, train, plan=args.plan, cluster="cpu-emulated", policy=args.policy,
                       nm=args.nm, d=args.d, epochs=args.epochs, emulation_scale=args.emulation_scale,
                       progress=False)
     result = trainer.fit()
