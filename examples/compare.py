@@ -3,6 +3,8 @@ trained in one process, and a table of both runs' losses at the same samples."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
 from typing import Any, Callable, Dict, Iterable, List, Sequence, Tuple
 
@@ -82,3 +84,32 @@ def result_line(plain: List[float], ours: List[float], held: Tuple[float, float]
             "plain_first": float(np.mean(plain[:q])), "hetpipe_first": float(np.mean(ours[:q])),
             "plain_held_out": held[0], "hetpipe_held_out": held[1], "minibatches": n,
             "plain": plain[:n], "hetpipe": ours[:n]}
+
+
+def add_run_options(p: argparse.ArgumentParser, epochs: int) -> None:
+    """The examples' common options: how hetpipe runs, and for how long."""
+    p.add_argument("--epochs", type=int, default=epochs)
+    p.add_argument("--nm", type=int, default=2, help="minibatches in flight per VW")
+    p.add_argument("--d", type=int, default=0, help="WSP staleness bound")
+    p.add_argument("--policy", default="auto", help="VW formation policy when planning")
+    p.add_argument("--plan", help="a plan JSON to run instead of planning on the cpu-emulated preset")
+    p.add_argument("--emulation-scale", type=float, default=1.0, help="multiply emulated device times")
+
+
+def run_options(args: argparse.Namespace) -> Dict[str, Any]:
+    """Trainer keyword arguments from :func:`add_run_options`' options."""
+    return {"plan": args.plan, "cluster": "cpu-emulated", "policy": args.policy, "nm": args.nm, "d": args.d,
+            "epochs": args.epochs, "emulation_scale": args.emulation_scale, "progress": False}
+
+
+def finish(name: str, result: Any, model: nn.Module, plain_model: nn.Module, step_loss: StepLoss,
+           optimizer: Callable, train: Sequence, test: Sequence, epochs: int, batch: int) -> None:
+    """On rank 0, after hetpipe's run: train ``plain_model`` (the untouched copy) on the same
+    minibatches, then print the table and a ``RESULT {json}`` line."""
+    if result.rank != 0:
+        return
+    ours = sample_order(result.losses, len(train))
+    plain, plain_rate = train_plain(plain_model, step_loss, optimizer, train, epochs, len(result.plan.virtual_workers))
+    held = (held_out(plain_model, step_loss, test), held_out(model, step_loss, test))
+    print(report(name, plain, ours, batch, held, (plain_rate, result.samples_per_s), result.emulated))
+    print("RESULT " + json.dumps(result_line(plain, ours, held)), flush=True)

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sysconfig
 from pathlib import Path
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from compare import held_out, report, result_line, sample_order, train_plain
+from compare import add_run_options, finish, run_options
 from hetpipe import Trainer
 from hetpipe.adapters import adapt
 
@@ -50,15 +49,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--files", type=int, default=4, help="how many standard-library files to train on")
     p.add_argument("--minibatches", type=int, default=64, help="training minibatches per epoch (at most)")
-    p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=48)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--nm", type=int, default=2)
-    p.add_argument("--d", type=int, default=0)
-    p.add_argument("--policy", default="auto")
-    p.add_argument("--plan", help="a plan JSON to run instead of planning on the cpu-emulated preset")
-    p.add_argument("--emulation-scale", type=float, default=1.0)
+    add_run_options(p, epochs=1)
     args = p.parse_args()
 
     data = minibatches(corpus(args.seq, args.files), args.batch)
@@ -71,18 +65,8 @@ def main() -> None:
     optimizer = lambda params: torch.optim.Adam(params, lr=args.lr)     # noqa: E731
 
     layers, loss_fn = adapt(model)
-    trainer = Trainer(layers, loss_fn, optimizer, train, plan=args.plan, cluster="cpu-emulated", policy=args.policy,
-                      nm=args.nm, d=args.d, epochs=args.epochs, emulation_scale=args.emulation_scale,
-                      progress=False)
-    result = trainer.fit()
-
-    if result.rank == 0:
-        num_vws = len(result.plan.virtual_workers)
-        ours = sample_order(result.losses, len(train))
-        plain, plain_rate = train_plain(plain_model, lm_step, optimizer, train, args.epochs, num_vws)
-        held = (held_out(plain_model, lm_step, test), held_out(model, lm_step, test))
-        print(report("GPT-2", plain, ours, args.batch, held, (plain_rate, result.samples_per_s), result.emulated))
-        print("RESULT " + json.dumps(result_line(plain, ours, held)), flush=True)
+    trainer = Trainer(layers, loss_fn, optimizer, train, **run_options(args))
+    finish("GPT-2", trainer.fit(), model, plain_model, lm_step, optimizer, train, test, args.epochs, args.batch)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 
 import torch
 from torch import nn
 
-from compare import held_out, report, result_line, sample_order, train_plain
+from compare import add_run_options, finish, run_options
 from hetpipe import Trainer
 from hetpipe.adapters import adapt
 from hetpipe.runtime.data import digits
@@ -50,14 +49,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--minibatches", type=int, default=40, help="training minibatches per epoch (at most)")
-    p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--nm", type=int, default=2)
-    p.add_argument("--d", type=int, default=0)
-    p.add_argument("--policy", default="auto")
-    p.add_argument("--plan", help="a plan JSON to run instead of planning on the cpu-emulated preset")
-    p.add_argument("--emulation-scale", type=float, default=1.0)
+    add_run_options(p, epochs=2)
     args = p.parse_args()
 
     x_tr, y_tr, x_te, y_te = digits()
@@ -69,18 +63,8 @@ def main() -> None:
     optimizer = lambda params: torch.optim.Adam(params, lr=args.lr)     # noqa: E731
 
     layers, loss_fn = adapt(model)
-    trainer = Trainer(layers, loss_fn, optimizer, train, plan=args.plan, cluster="cpu-emulated", policy=args.policy,
-                      nm=args.nm, d=args.d, epochs=args.epochs, emulation_scale=args.emulation_scale,
-                      progress=False)
-    result = trainer.fit()
-
-    if result.rank == 0:
-        num_vws = len(result.plan.virtual_workers)
-        ours = sample_order(result.losses, len(train))
-        plain, plain_rate = train_plain(plain_model, classify_step, optimizer, train, args.epochs, num_vws)
-        held = (held_out(plain_model, classify_step, test), held_out(model, classify_step, test))
-        print(report("VGG", plain, ours, args.batch, held, (plain_rate, result.samples_per_s), result.emulated))
-        print("RESULT " + json.dumps(result_line(plain, ours, held)), flush=True)
+    trainer = Trainer(layers, loss_fn, optimizer, train, **run_options(args))
+    finish("VGG", trainer.fit(), model, plain_model, classify_step, optimizer, train, test, args.epochs, args.batch)
 
 
 if __name__ == "__main__":

@@ -34,16 +34,19 @@ def default_positions(hidden: torch.Tensor) -> torch.Tensor:
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
-def causal_mask(config: Any, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                position_ids: torch.Tensor) -> Any:
-    """The mask the model's own forward builds for its attention implementation (None where sdpa's
-    ``is_causal`` suffices); ``hidden`` stands in for the input embeddings (same shape and dtype)."""
+def positions_and_mask(config: Any, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                       position_ids: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Any]:
+    """A block's position ids (the default when none are given) and the causal mask the model's own
+    forward builds for its attention implementation (None where sdpa's ``is_causal`` suffices);
+    ``hidden`` stands in for the input embeddings (same shape and dtype)."""
     from transformers.masking_utils import create_causal_mask
 
+    if position_ids is None:
+        position_ids = default_positions(hidden)
     if attention_mask is not None and attention_mask.ndim < 4:
         attention_mask = attention_mask.view(hidden.shape[0], -1)
-    return create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask,
-                              past_key_values=None, position_ids=position_ids)
+    return position_ids, create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask,
+                                            past_key_values=None, position_ids=position_ids)
 
 
 class CausalLMLoss:

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from hetpipe.adapters.adapted import Adapted
-from hetpipe.adapters.causal_lm import (CausalLMLoss, causal_mask, check_side_inputs, default_positions,
-                                        optional_input, token_ids)
+from hetpipe.adapters.causal_lm import (CausalLMLoss, check_side_inputs, default_positions, optional_input,
+                                        positions_and_mask, token_ids)
 from hetpipe.adapters.errors import AdapterError, has_attrs, require
 
 GPT2_ATTRS = ("transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h", "transformer.ln_f",
@@ -57,9 +57,7 @@ class GPT2BlockLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if position_ids is None:
-            position_ids = default_positions(hidden)
-        mask = causal_mask(self.config, hidden, attention_mask, position_ids)
+        position_ids, mask = positions_and_mask(self.config, hidden, attention_mask, position_ids)
         return self.block(hidden, None, mask, None, encoder_attention_mask=None, use_cache=False,
                           position_ids=position_ids)
 

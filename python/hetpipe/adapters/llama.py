@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hetpipe.adapters.adapted import Adapted
-from hetpipe.adapters.causal_lm import CausalLMLoss, causal_mask, check_side_inputs, default_positions, token_ids
+from hetpipe.adapters.causal_lm import CausalLMLoss, check_side_inputs, positions_and_mask, token_ids
 from hetpipe.adapters.errors import AdapterError, has_attrs, require
 from hetpipe.adapters.gpt2 import LMHead
 
@@ -49,9 +49,7 @@ class DecoderBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if position_ids is None:
-            position_ids = default_positions(hidden)
-        mask = causal_mask(self.config, hidden, attention_mask, position_ids)
+        position_ids, mask = positions_and_mask(self.config, hidden, attention_mask, position_ids)
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
         return self.layer(hidden, attention_mask=mask, position_embeddings=position_embeddings,
                           position_ids=position_ids, past_key_values=None, use_cache=False)
