@@ -107,7 +107,7 @@ def test_gpt2_position_ids_as_side_input_and_bare_token_ids():
 
 def test_gpt2_missing_side_input_is_named():
     layers, _ = gpt2(_gpt2())
-    with pytest.raises(AdapterError, match="attention_mask"):
+    with pytest.raises(ValueError, match=r"layer 1 \(GPT2BlockLayer\) declares side inputs \['attention_mask'\]"):
         run_layers(layers, {"input_ids": _ids()})
 
 
@@ -397,3 +397,56 @@ def test_traced_leaf_module_keeps_untraceable_part_whole():
     layers, _ = traced(model, ["post"], leaf_modules=["branchy"])
     x = torch.randn(3, 4)
     torch.testing.assert_close(run_layers(layers, x), model(x), rtol=0, atol=0)
+
+
+# --- through the runtime: the single-process replay of a two-stage pipeline ---------------------
+
+def _one_vw_two_stages(num_layers: int, cut: int):
+    from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
+
+    stages = (StagePlan("cpu", "cpu", 0, cut, 0.0, 0.0), StagePlan("cpu", "cpu", cut, num_layers, 0.0, 0.0))
+    return Plan(num_layers, 1, 0, "manual", (VirtualWorkerPlan(0, stages),),
+                (ShardPlan(0, "n0", tuple(range(num_layers))),))
+
+
+def _replay_equals_plain(model: nn.Module, adapted, step_loss: Callable, data, cut: int) -> None:
+    """Trainer.replay of one VW, Nm = 1, D = 0, cut at ``cut``, equals plain SGD on an untouched copy:
+    every minibatch's loss, the final weights (a tie cut across the stages must stay one weight) and
+    BatchNorm's running statistics, all loaded back into the model."""
+    from hetpipe import Trainer
+
+    ref = copy.deepcopy(model)
+    opt = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)     # noqa: E731
+    plan = _one_vw_two_stages(len(adapted.layers), cut)
+    got = Trainer(adapted.layers, adapted.loss_fn, opt, data, plan=plan).replay().losses[0]
+    ref_opt = opt(ref.parameters())
+    want = []
+    for inputs, target in data:
+        ref_opt.zero_grad()
+        loss = step_loss(ref, inputs, target)
+        loss.backward()
+        ref_opt.step()
+        want.append(loss.item())
+    assert [got[i] for i in range(len(data))] == pytest.approx(want, abs=1e-5, rel=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    for (name, b), c in zip(model.named_buffers(), ref.buffers()):
+        if b.is_floating_point():
+            torch.testing.assert_close(b, c, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_gpt2_through_replay_tie_cut_across_stages():
+    model = _gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    data = [(_padded(ids), ids) for ids in (_ids(seed=s) for s in range(4))]
+    adapted = gpt2(model)
+    assert adapted.layers[-1].lm_head.weight is model.transformer.wte.weight
+    _replay_equals_plain(model, adapted, lambda m, x, y: m(**x, labels=y).loss, data, cut=2)
+    assert adapted.layers[-1].lm_head.weight is model.transformer.wte.weight
+
+
+def test_resnet_through_replay_batchnorm_on_both_stages():
+    torch.manual_seed(0)
+    model = ResNet()
+    x, y = _images(12)
+    data = [(x[i:i + 4], y[i:i + 4]) for i in range(0, 12, 4)]
+    _replay_equals_plain(model, resnet(model), lambda m, a, b: F.cross_entropy(m(a), b), data, cut=3)

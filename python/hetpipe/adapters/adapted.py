@@ -27,6 +27,3 @@ class Adapted:
 
     def __iter__(self) -> Iterator:
         return iter((self.layers, self.loss_fn))
-
-    def __len__(self) -> int:
-        return len(self.layers)

@@ -50,11 +50,16 @@ def positions_and_mask(config: Any, hidden: torch.Tensor, attention_mask: Option
 
 
 class CausalLMLoss:
-    """``loss(logits, labels)``: the model's own causal-LM loss (``model.loss_function``: labels shifted
-    left by one inside, -100 ignored, mean over the remaining tokens), so ``labels = input_ids``."""
+    """``loss(logits, labels)``: the model's own causal-LM loss (what ``model.loss_function`` resolves
+    to: labels shifted left by one inside, -100 ignored, mean over the remaining tokens), so
+    ``labels = input_ids``. Resolved here as that property does, without its once-per-process notice
+    that a model without ``loss_type`` gets the causal-LM default (once per rank otherwise)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.loss_function = model.loss_function
+        from transformers.loss.loss_utils import LOSS_MAPPING
+
+        custom = model.__dict__.get("_loss_function")
+        self.loss_function = custom or LOSS_MAPPING.get(getattr(model, "loss_type", None), LOSS_MAPPING["ForCausalLM"])
         self.vocab_size = model.config.vocab_size
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -29,9 +29,9 @@ def is_vgg(model: nn.Module) -> bool:
 def _blocks(model: nn.Module, attr: str, adapter: str) -> nn.Sequential:
     stage = getattr(model, attr)
     if not isinstance(stage, nn.Sequential) or len(stage) == 0:
-        raise AdapterError(f"hetpipe.adapters.{adapter}: {type(model).__name__}.{attr} is a "
-                           f"{type(stage).__name__}{'' if len(list(stage.children())) else ' without modules'}, "
-                           "not a non-empty nn.Sequential of blocks")
+        what = "an empty nn.Sequential" if isinstance(stage, nn.Sequential) else f"a {type(stage).__name__}"
+        raise AdapterError(f"hetpipe.adapters.{adapter}: {type(model).__name__}.{attr} is {what}, not an "
+                           "nn.Sequential of blocks")
     return stage
 
 
