@@ -409,7 +409,7 @@ def _one_vw_two_stages(num_layers: int, cut: int):
                 (ShardPlan(0, "n0", tuple(range(num_layers))),))
 
 
-def _replay_equals_plain(model: nn.Module, adapted, step_loss: Callable, data, cut: int) -> None:
+def _replay_equals_plain(model: nn.Module, adapted, step_loss: Callable, data, cut: int, loss_fn=None) -> None:
     """Trainer.replay of one VW, Nm = 1, D = 0, cut at ``cut``, equals plain SGD on an untouched copy:
     every minibatch's loss, the final weights (a tie cut across the stages must stay one weight) and
     BatchNorm's running statistics, all loaded back into the model."""
@@ -418,7 +418,7 @@ def _replay_equals_plain(model: nn.Module, adapted, step_loss: Callable, data, c
     ref = copy.deepcopy(model)
     opt = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)     # noqa: E731
     plan = _one_vw_two_stages(len(adapted.layers), cut)
-    got = Trainer(adapted.layers, adapted.loss_fn, opt, data, plan=plan).replay().losses[0]
+    got = Trainer(adapted.layers, loss_fn or adapted.loss_fn, opt, data, plan=plan).replay().losses[0]
     ref_opt = opt(ref.parameters())
     want = []
     for inputs, target in data:
@@ -450,3 +450,22 @@ def test_resnet_through_replay_batchnorm_on_both_stages():
     x, y = _images(12)
     data = [(x[i:i + 4], y[i:i + 4]) for i in range(0, 12, 4)]
     _replay_equals_plain(model, resnet(model), lambda m, a, b: F.cross_entropy(m(a), b), data, cut=3)
+
+
+def test_llama_through_replay():
+    model = _llama(True)
+    for block in model.model.layers:
+        block.self_attn.attention_dropout = 0.0
+    data = [(_padded(ids), ids) for ids in (_ids(seed=s) for s in range(3))]
+    _replay_equals_plain(model, decoder(model), lambda m, x, y: m(**x, labels=y).loss, data, cut=3)
+
+
+def test_traced_through_replay_side_input_and_functional_tie():
+    torch.manual_seed(0)
+    model = TiedSkipNet()
+    model.drop.p = 0.0
+    adapted = traced(model, ["fc2"])
+    ids = [_ids(4, 8, 50, seed=s) for s in range(3)]
+    data = [({"ids": x, "mask": (x % 3 != 0).float()}, _ids(4, 8, 50, seed=10 + s)) for s, x in enumerate(ids)]
+    loss = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())     # noqa: E731
+    _replay_equals_plain(model, adapted, lambda m, x, y: loss(m(**x), y), data, cut=1, loss_fn=loss)
