@@ -48,7 +48,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--files", type=int, default=4, help="how many standard-library files to train on")
-    p.add_argument("--minibatches", type=int, default=64, help="training minibatches per epoch (at most)")
+    p.add_argument("--minibatches", type=int, default=48, help="training minibatches per epoch (at most)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=48)
     p.add_argument("--lr", type=float, default=2e-3)

@@ -13,18 +13,20 @@ splits with too. Split points use ``pipelining``'s :class:`SplitPoint` (before/a
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import fx, nn
-from torch.distributed.pipelining import SplitPoint
 from torch.fx.passes.split_module import split_module
 from torch.utils._pytree import tree_leaves
 
 from hetpipe.adapters.adapted import Adapted
 from hetpipe.adapters.errors import AdapterError
 
-SplitSpec = Union[Sequence[str], Mapping[str, SplitPoint]]
+if TYPE_CHECKING:   # importing torch.distributed.pipelining costs seconds: a spec's values are checked by name
+    from torch.distributed.pipelining import SplitPoint
+
+SplitSpec = Union[Sequence[str], Mapping[str, "SplitPoint"]]
 
 
 def _split_marker() -> None:
@@ -58,18 +60,18 @@ class _SplitTracer(fx.Tracer):
 
 
 def _spec(model: nn.Module, split_points: SplitSpec) -> Tuple[List[str], List[str]]:
-    items = split_points.items() if isinstance(split_points, Mapping) else [(n, SplitPoint.BEGINNING)
-                                                                            for n in split_points]
+    items = split_points.items() if isinstance(split_points, Mapping) else [(n, "BEGINNING") for n in split_points]
     before, after = [], []
     for name, where in items:
+        kind = getattr(where, "name", where)            # SplitPoint.BEGINNING -> "BEGINNING"
         try:
             model.get_submodule(name)
         except AttributeError:
             raise AdapterError(f"hetpipe.adapters.traced: split point {name!r} is not a submodule of "
                                f"{type(model).__name__}") from None
-        if where not in (SplitPoint.BEGINNING, SplitPoint.END):
+        if kind not in ("BEGINNING", "END"):
             raise AdapterError(f"hetpipe.adapters.traced: split point {name!r} has {where!r}, not a SplitPoint")
-        (before if where == SplitPoint.BEGINNING else after).append(name)
+        (before if kind == "BEGINNING" else after).append(name)
     return before, after
 
 
@@ -253,7 +255,8 @@ def traced(model: nn.Module, split_points: Optional[SplitSpec] = None, *, num_la
     """Cut ``model`` into layers by tracing its forward with ``torch.fx``.
 
     split_points: submodule names to split *before*, or ``{name: SplitPoint.BEGINNING | END}``
-        (``torch.distributed.pipelining``'s spec); or num_layers: that many parts of nearly equal
+        (``torch.distributed.pipelining``'s spec; a member's name as a string works too); or
+        num_layers: that many parts of nearly equal
         parameter count. leaf_modules: submodules to keep whole (e.g. ones fx cannot trace through).
     A forward of one argument takes the minibatch inputs as that tensor; a forward of several takes a
     dict keyed by argument name, and later parts read the arguments they use as side inputs.
