@@ -256,8 +256,8 @@ def traced(model: nn.Module, split_points: Optional[SplitSpec] = None, *, num_la
 
     split_points: submodule names to split *before*, or ``{name: SplitPoint.BEGINNING | END}``
         (``torch.distributed.pipelining``'s spec; a member's name as a string works too); or
-        num_layers: that many parts of nearly equal
-        parameter count. leaf_modules: submodules to keep whole (e.g. ones fx cannot trace through).
+        num_layers: that many parts of nearly equal parameter count. leaf_modules: submodules to keep
+        whole (e.g. ones fx cannot trace through).
     A forward of one argument takes the minibatch inputs as that tensor; a forward of several takes a
     dict keyed by argument name, and later parts read the arguments they use as side inputs.
     ``train()``/``eval()`` switch the traced modules as they switch the model; python control flow on
