@@ -1,4 +1,6 @@
-"""How a layer list is called under the layer contract, in one process (docs/design.md, "The layer contract").
+"""How a layer list is called under the layer contract, in one process.
+
+The contract: docs/design.md, "The layer contract".
 
 Layer 0 gets the whole minibatch inputs, layer i > 0 what layer i-1 returned; a layer that declares
 ``hetpipe_side_inputs`` also gets those keys of the inputs dict as keyword arguments (taken as the
