@@ -17,7 +17,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 
 import numpy as np
 import torch
-
 from torch.utils import _pytree as pytree
 
 from hetpipe.runtime.device_copy import CopyStager
