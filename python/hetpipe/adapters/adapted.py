@@ -1,0 +1,29 @@
+"""What an adapter returns: the layer list, the names of its layers and the model's own loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, List, Optional
+
+from torch import nn
+
+
+@dataclass
+class Adapted:
+    """A model cut into layers that follow the layer contract.
+
+    layers: the ordered layers; they hold the model's own modules and ``nn.Parameter`` objects (no
+        copies), so training them trains the model, and a tied weight is one object in every layer
+        that uses it.
+    names: one name per layer, after the model's attribute names (``h.3``, ``layer2.1``).
+    loss_fn: ``loss_fn(output, target)`` matching the model's output (shifted cross entropy for a
+        causal LM, cross entropy for a classifier); None where the adapter cannot know it.
+
+    Unpacks as ``layers, loss_fn = adapt(model)``."""
+
+    layers: nn.ModuleList
+    names: List[str]
+    loss_fn: Optional[Callable]
+
+    def __iter__(self) -> Iterator:
+        return iter((self.layers, self.loss_fn))
