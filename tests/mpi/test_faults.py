@@ -111,6 +111,7 @@ FAULTS = [
     ("stage-term", "rank0", signal.SIGTERM, "died", 0),
     ("stage-stop", "rank1", signal.SIGSTOP, "stopped", 1),
     ("ps-kill", "rank2", signal.SIGKILL, "died", 2),
+    ("ps-term", "rank2", signal.SIGTERM, "died", 2),
     ("ps-stop", "rank2", signal.SIGSTOP, "stopped", 2),
     ("ctrl-c", "launcher-group", signal.SIGINT, "signal", None),
     ("launcher-term", "launcher", signal.SIGTERM, "signal", None),
