@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from hetpipe.launch.deaths import RUN_DIR_ENV, DeathWatcher, marked, recorded_ranks
 from hetpipe.launch.failure import ABORT_GRACE_S
@@ -189,24 +189,24 @@ class Supervisor:
         done = marked(self.run_dir, "exited")
         died = next(((pid, at) for pid, at in vanished if pid not in done), None)
 
-        def blame(cause: str, pid: int, message: str) -> Outcome:
+        def blame(cause: str, pid: int, say: Callable[[str], str]) -> Outcome:
+            """The outcome naming rank ``pid``; ``say(role)`` is the message."""
             rank, role = who.get(pid, (None, f"the process with pid {pid}"))
-            return Outcome("failed", rc if rc > 0 else 1, cause, rank, role, pid, message.format(role=role),
-                           messages)
+            return Outcome("failed", rc if rc > 0 else 1, cause, rank, role, pid, say(role), messages)
 
         if verdict is not None and verdict[0] == "signal":
             name = signal_name(verdict[1])
             return Outcome("interrupted", 128 + verdict[1], "signal", message=f"hetpipe: interrupted by {name}",
                            reports=messages)
         if verdict is not None and verdict[0] == "stopped":
-            return blame("stopped", verdict[1], f"hetpipe: {{role}} failed: it stopped responding (its process "
-                                                f"was stopped, state T, for {verdict[2]:.1f} s); the launcher "
-                                                "ended the job")
+            return blame("stopped", verdict[1], lambda role: f"hetpipe: {role} failed: it stopped responding (its "
+                                                             f"process was stopped, state T, for {verdict[2]:.1f} "
+                                                             "s); the launcher ended the job")
         if rc == 0 and verdict is None:
             return Outcome("ok", 0)
         if stuck:
-            return blame("stopped", stuck[0], "hetpipe: {role} failed: it stopped responding (its process was "
-                                              "stopped, state T); the job was ended")
+            return blame("stopped", stuck[0], lambda role: f"hetpipe: {role} failed: it stopped responding (its "
+                                                           "process was stopped, state T); the job was ended")
         if rc < 0 and verdict is None:
             return Outcome("failed", 1, "mpiexec", message=f"hetpipe: mpiexec was killed by {signal_name(-rc)}; "
                                                            "the launcher ended the run's processes",
@@ -216,11 +216,11 @@ class Supervisor:
         # Abort, which kills the rest, ABORT_GRACE_S after writing its mark; deaths seen up to half
         # that after the mark cannot be Abort's, and allow for the watcher thread waking late.
         if died is not None and (not reports or died[1] < reports[0][2] + ABORT_GRACE_S / 2):
-            return blame("died", died[0], "hetpipe: {role} failed: it died without reporting an error (killed, "
-                                          "or crashed in native code); the job was ended")
+            return blame("died", died[0], lambda role: f"hetpipe: {role} failed: it died without reporting an "
+                                                       "error (killed, or crashed in native code); the job was ended")
         if reports:
             pid, text, _ = reports[0]
-            return blame("reported", pid, text or "hetpipe: {role} failed (it reported an error)")
+            return blame("reported", pid, lambda role: text or f"hetpipe: {role} failed (it reported an error)")
         return Outcome("failed", rc if rc > 0 else 1, "exit", message=f"hetpipe: mpiexec exited with status {rc}",
                        reports=messages)
 
