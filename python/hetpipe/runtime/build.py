@@ -100,20 +100,30 @@ def boundary_bytes(b: Optional[Boundary], batch: int) -> int:
     return n * torch.empty(0, dtype=b.dtype).element_size()
 
 
+def _pin_device(device: Optional[torch.device]) -> int:
+    """The CUDA device whose context pins a pool's slots; -1 (ordinary host memory, no CUDA call) off CUDA."""
+    if device is None or device.type != "cuda":
+        return -1
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def stage_pool(spec: RunSpec, vw: int, stage: int):
+    """A stage's slots, page-locked through its own device's context when it runs on CUDA."""
     st = spec.plan.virtual_workers[vw].stages[stage]
     param_bytes = 4 * sum(layer_numels(spec.layers[i]) for i in range(st.start, st.stop))
     act = max(boundary_bytes(spec.boundaries[st.start], spec.sample_batch),
               boundary_bytes(spec.boundaries[st.stop], spec.sample_batch))
     slots = 2 * spec.plan.nm + 2 * len(spec.plan.ps_shards) + 8
-    return hetpipe_core.PinnedBufferPool(slots, _round_slot(max(act, param_bytes)))
+    device = _pin_device(spec.devices.get(spec.plan.rank_of(vw, stage)))
+    return hetpipe_core.PinnedBufferPool(slots, _round_slot(max(act, param_bytes)), device)
 
 
 def shard_pool(spec: RunSpec, shard: int):
+    """A PS shard's slots: ordinary host memory (device -1), so a PS rank opens no CUDA context."""
     owned = spec.plan.ps_shards[shard].layers
     biggest = max((4 * sum(layer_numels(spec.layers[l]) for l in owned if st.start <= l < st.stop)
                    for vw in spec.plan.virtual_workers for st in vw.stages), default=0)
-    return hetpipe_core.PinnedBufferPool(2 * spec.plan.num_stage_ranks + 8, _round_slot(biggest))
+    return hetpipe_core.PinnedBufferPool(2 * spec.plan.num_stage_ranks + 8, _round_slot(biggest), -1)
 
 
 def shard_layers(plan: Plan) -> Dict[int, Sequence[int]]:
