@@ -1,8 +1,9 @@
-"""The C++ tests of the core (csrc/tests, run by ctest) build and pass, plain and under ThreadSanitizer.
+"""The C++ tests of the core (csrc/tests, run by ctest) build and pass under ThreadSanitizer.
 
 They drive the pool, the clock table and the streams from many C++ threads at once, which no test
-through the GIL can; ThreadSanitizer reports any data race those threads hit. Each variant configures
-its own build of the core alone (no Python module, no CUDA) in a temporary directory.
+through the GIL can; ThreadSanitizer reports any data race those threads hit. The test configures its
+own build of the core alone (no Python module, no CUDA) in a temporary directory, instrumented with
+ThreadSanitizer where the compiler can build and run it here, plain otherwise (one build: CI time).
 """
 
 import os
@@ -32,7 +33,9 @@ def _run(cmd, **kw) -> subprocess.CompletedProcess:
 
 def _build_and_ctest(build: Path, sanitize: str, env=None) -> subprocess.CompletedProcess:
     cmake, ctest = _tool("cmake"), _tool("ctest")
+    # -O1: compiles faster than Release and keeps ThreadSanitizer's reports exact.
     configure = [cmake, "-S", str(ROOT), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                 "-DCMAKE_CXX_FLAGS_RELEASE=-O1",
                  "-DHETPIPE_BUILD_TESTS=ON", "-DHETPIPE_BUILD_PYTHON=OFF", "-DHETPIPE_WITH_CUDA=OFF",
                  f"-DHETPIPE_SANITIZE={sanitize}"]
     proc = _run(configure, timeout=120)
@@ -41,13 +44,6 @@ def _build_and_ctest(build: Path, sanitize: str, env=None) -> subprocess.Complet
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return _run([ctest, "--test-dir", str(build), "--output-on-failure", "--timeout", "120"], timeout=180,
                 env=env or {})
-
-
-@pytest.mark.slow
-def test_ctest_passes(tmp_path):
-    proc = _build_and_ctest(tmp_path, "")
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert "100% tests passed" in proc.stdout
 
 
 def _tsan_usable(tmp_path: Path) -> bool:
@@ -65,11 +61,10 @@ def _tsan_usable(tmp_path: Path) -> bool:
 
 
 @pytest.mark.slow
-def test_ctest_passes_under_thread_sanitizer(tmp_path):
-    if not _tsan_usable(tmp_path):
-        pytest.skip("the C++ compiler cannot build or run a ThreadSanitizer program on this machine")
-    proc = _build_and_ctest(tmp_path / "build", "thread", env={"TSAN_OPTIONS": "halt_on_error=1"})
+def test_ctest_passes(tmp_path):
+    sanitize = "thread" if _tsan_usable(tmp_path) else ""
+    proc = _build_and_ctest(tmp_path / "build", sanitize, env={"TSAN_OPTIONS": "halt_on_error=1"})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-8000:]
-    assert "ThreadSanitizer" not in out, out[-8000:]
+    assert "WARNING: ThreadSanitizer" not in out, out[-8000:]
     assert "100% tests passed" in proc.stdout
