@@ -9,6 +9,7 @@ from hetpipe_core._C import (  # noqa: F401
     ClockTable,
     Event,
     PinnedBufferPool,
+    ShardPlane,
     Slot,
     Stream,
     apply_delta,
@@ -23,7 +24,7 @@ from hetpipe_core._C import (  # noqa: F401
 )
 
 __all__ = [
-    "ClockTable", "Event", "PinnedBufferPool", "Slot", "Stream", "apply_delta", "build_info", "clock_bench",
+    "ClockTable", "Event", "PinnedBufferPool", "ShardPlane", "Slot", "Stream", "apply_delta", "build_info", "clock_bench",
     "clock_stress", "copy_async", "cuda_context_active", "mutex_clock_bench", "shard_threads", "snapshot",
 ]
 

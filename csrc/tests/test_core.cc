@@ -19,6 +19,7 @@
 #include "hetpipe/clock_table.h"
 #include "hetpipe/errors.h"
 #include "hetpipe/shard_ops.h"
+#include "hetpipe/shard_plane.h"
 #include "hetpipe/streams.h"
 
 namespace {
@@ -328,11 +329,64 @@ void apply_delta_thread_invariant() {
   CHECK(std::memcmp(one.data(), many.data(), n * sizeof(float)) == 0);
 }
 
+// One thread per stage (2 VWs x 2 stages, D = 1) pulls wave w, then pushes its wave-w delta: the
+// final weights equal a single thread's pushes in canonical order bit for bit (waves are applied in
+// VW order whatever the interleaving), and every pull saw at least w - D applied waves.
+void shard_plane_concurrent_equals_sequential() {
+  const std::vector<std::size_t> numels{3000, 5000, 700};
+  const std::vector<std::vector<std::vector<int>>> stages{{{0, 1}, {2}}, {{0}, {1, 2}}};
+  constexpr int kWaves = 60;
+  constexpr std::int64_t kD = 1;
+  auto delta_of = [&](int vw, int stage, int wave, std::size_t n) {
+    std::vector<float> d(n);
+    for (std::size_t i = 0; i < n; ++i) d[i] = static_cast<float>((vw * 31 + stage * 7 + wave * 3 + i) % 97) * 1e-3f - 0.05f;
+    return d;
+  };
+  hetpipe::ShardPlane sequential(numels, stages, kD, 1), concurrent(numels, stages, kD, 2);
+  for (int wave = 0; wave < kWaves; ++wave) {
+    for (int vw = 0; vw < 2; ++vw) {
+      for (int stage = 0; stage < 2; ++stage) {
+        const auto d = delta_of(vw, stage, wave, sequential.stage_numel(vw, stage));
+        sequential.push(vw, stage, wave, d.data(), d.size());
+      }
+    }
+  }
+  std::atomic<int> violations{0};
+  std::vector<std::thread> threads;
+  for (int vw = 0; vw < 2; ++vw) {
+    for (int stage = 0; stage < 2; ++stage) {
+      threads.emplace_back([&, vw, stage] {
+        std::vector<float> pulled(concurrent.stage_numel(vw, stage));
+        for (int wave = 0; wave < kWaves; ++wave) {
+          const std::int64_t a = concurrent.pull_for(vw, stage, wave, pulled.data(), pulled.size(), std::chrono::seconds(30));
+          if (a < wave - kD) violations.fetch_add(1);
+          const auto d = delta_of(vw, stage, wave, pulled.size());
+          concurrent.push(vw, stage, wave, d.data(), d.size());
+        }
+      });
+    }
+  }
+  for (auto& th : threads) th.join();
+  CHECK(violations.load() == 0);
+  CHECK(concurrent.applied() == kWaves && sequential.applied() == kWaves);
+  for (int l = 0; l < 3; ++l) {
+    CHECK(std::memcmp(concurrent.weights(l), sequential.weights(l), numels[l] * sizeof(float)) == 0);
+  }
+  bool duplicate = false;
+  try {
+    const auto d = delta_of(0, 0, 0, concurrent.stage_numel(0, 0));
+    concurrent.push(0, 0, 0, d.data(), d.size());
+  } catch (const std::invalid_argument&) {
+    duplicate = true;
+  }
+  CHECK(duplicate);
+}
+
 // Runs one check and prints its wall time (the sanitizer build is several times slower).
 void run(const char* name, void (*check)()) {
   const auto start = std::chrono::steady_clock::now();
   check();
-  std::printf("%-36s %.2f s\n", name,
+  std::printf("%-44s %.2f s\n", name,
               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
 }
 
@@ -349,6 +403,7 @@ int main() {
   run("cpu_stream_task_failure", cpu_stream_task_failure);
   run("events_record_while_waiting", events_record_while_waiting);
   run("apply_delta_thread_invariant", apply_delta_thread_invariant);
+  run("shard_plane_concurrent_equals_sequential", shard_plane_concurrent_equals_sequential);
   if (g_failures != 0) {
     std::fprintf(stderr, "%d check(s) failed\n", g_failures);
     return EXIT_FAILURE;
