@@ -86,7 +86,7 @@ void ShardPlane::push(int vw, int stage, std::int64_t wave, const float* delta, 
         << " floats, expected " << expected;
     throw std::invalid_argument(msg.str());
   }
-  std::vector<std::vector<float>> parts(mine.size());
+  std::vector<Buffer> parts(mine.size());
   {
     std::lock_guard<std::mutex> lock(state_mutex_);
     if (!seen_.insert({vw, stage, wave}).second) {
@@ -111,8 +111,8 @@ void ShardPlane::push(int vw, int stage, std::int64_t wave, const float* delta, 
   std::size_t off = 0;
   for (std::size_t i = 0; i < mine.size(); ++i) {
     const std::size_t numel = weights_[static_cast<std::size_t>(mine[i])].size();
-    parts[i].resize(numel);
-    std::memcpy(parts[i].data(), delta + off, numel * sizeof(float));
+    if (!parts[i]) parts[i].reset(new float[numel]);
+    std::memcpy(parts[i].get(), delta + off, numel * sizeof(float));
     off += numel;
   }
   {
@@ -146,7 +146,7 @@ void ShardPlane::apply_ready() {
   // passed is applied by that thread or by the applier it queues behind: none is left behind.
   std::lock_guard<std::mutex> one_applier(apply_mutex_);
   for (;;) {
-    std::vector<std::map<int, std::vector<float>>> wave;
+    std::vector<std::map<int, Buffer>> wave;
     {
       std::lock_guard<std::mutex> lock(state_mutex_);
       const std::int64_t a = applied_.clock(0);
@@ -161,7 +161,8 @@ void ShardPlane::apply_ready() {
       std::unique_lock<std::shared_mutex> exclusive(weights_mutex_);
       for (auto& layers : wave) {  // VW 0 first, then 1, ...; layers in order (std::map)
         for (auto& [l, delta] : layers) {
-          apply_delta(weights_[static_cast<std::size_t>(l)].data(), delta.data(), delta.size(), 1.0f, num_threads_);
+          std::vector<float>& w = weights_[static_cast<std::size_t>(l)];
+          apply_delta(w.data(), delta.get(), w.size(), 1.0f, num_threads_);
         }
       }
       applied_.advance(0);

@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <shared_mutex>
@@ -83,12 +84,15 @@ class ShardPlane {
   ClockTable clocks_;   // per VW: waves whose pushes all arrived
   ClockTable applied_;  // one entry: waves applied to weights_
 
+  // A pending delta: uninitialised floats (a fresh buffer is written once, by the push's copy).
+  using Buffer = std::unique_ptr<float[]>;
+
   std::mutex state_mutex_;  // guards everything below up to apply_mutex_
   // wave -> vw -> layer -> delta (buffers of applied waves are reused through spare_)
-  std::map<std::int64_t, std::vector<std::map<int, std::vector<float>>>> pending_;
+  std::map<std::int64_t, std::vector<std::map<int, Buffer>>> pending_;
   std::map<std::pair<int, std::int64_t>, std::set<int>> arrived_;  // (vw, wave) -> stages
   std::set<std::tuple<int, int, std::int64_t>> seen_;
-  std::vector<std::vector<std::vector<float>>> spare_;  // per layer
+  std::vector<std::vector<Buffer>> spare_;  // per layer
 
   std::mutex apply_mutex_;             // one applier at a time
   std::shared_mutex weights_mutex_;    // exclusive: applying; shared: pulls copying
