@@ -24,14 +24,14 @@ def per_call_us(fn, iters: int) -> float:
     return best * 1e6
 
 
-def latency_table(devices: str) -> None:
+def latency_table(devices: str, device: int) -> None:
     print(f"pool: one acquire()+release() pair from Python; baselines: one fresh allocation of the same size")
     print(f"(np.empty leaves pages untouched; np.zeros/bytearray fill them); devices: {devices}")
     header = f"{'slot size':>10}{'pool us':>10}{'np.empty us':>13}{'np.zeros us':>13}{'bytearray us':>14}"
     print(header)
     print("-" * len(header))
     for size in (4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB):
-        pool = PinnedBufferPool(4, size)
+        pool = PinnedBufferPool(4, size, device)
         iters = 20000 if size <= 64 * KIB else 2000
 
         def pool_op():
@@ -61,7 +61,7 @@ def gpu_tables() -> None:
     worst = float("inf")
     size = 4 * KIB
     while size <= 256 * MIB:
-        pool = PinnedBufferPool(1, size)
+        pool = PinnedBufferPool(1, size, 0)
         pinned = pool.acquire()
         pageable = np.ones(size, np.uint8)
         dev = torch.empty(size, dtype=torch.uint8, device="cuda")
@@ -106,7 +106,7 @@ def gpu_tables() -> None:
     print("copy/compute overlap: H2D copies on a copy stream while matmuls run on a compute stream")
     copy_stream, compute_stream = Stream(0), Stream(0)
     n = 64 * MIB
-    pool = PinnedBufferPool(1, n)
+    pool = PinnedBufferPool(1, n, 0)
     src = pool.acquire()
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
     x = torch.randn(4096, 4096, device="cuda")
@@ -153,7 +153,7 @@ def main() -> None:
         except ImportError:
             has_gpu = False
     devices = "real CUDA device, pinned slots" if has_gpu else "no CUDA device: aligned pageable host memory"
-    latency_table(devices)
+    latency_table(devices, 0 if has_gpu else -1)
     if has_gpu:
         gpu_tables()
     else:

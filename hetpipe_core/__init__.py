@@ -9,6 +9,7 @@ from hetpipe_core._C import (  # noqa: F401
     ClockTable,
     Event,
     PinnedBufferPool,
+    ShardPlane,
     Slot,
     Stream,
     apply_delta,
@@ -16,14 +17,15 @@ from hetpipe_core._C import (  # noqa: F401
     clock_bench,
     clock_stress,
     copy_async,
+    cuda_context_active,
     mutex_clock_bench,
     shard_threads,
     snapshot,
 )
 
 __all__ = [
-    "ClockTable", "Event", "PinnedBufferPool", "Slot", "Stream", "apply_delta", "build_info", "clock_bench",
-    "clock_stress", "copy_async", "mutex_clock_bench", "shard_threads", "snapshot",
+    "ClockTable", "Event", "PinnedBufferPool", "ShardPlane", "Slot", "Stream", "apply_delta", "build_info", "clock_bench",
+    "clock_stress", "copy_async", "cuda_context_active", "mutex_clock_bench", "shard_threads", "snapshot",
 ]
 
 __version__ = build_info()["version"]

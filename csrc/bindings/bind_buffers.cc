@@ -106,15 +106,21 @@ py::object to_dlpack(const Slot& slot, const py::object& /*stream*/, const py::o
 void bind_buffers(py::module_& m) {
   py::class_<PinnedBufferPool, std::shared_ptr<PinnedBufferPool>>(
       m, "PinnedBufferPool",
-      "Fixed-size, 256-byte-aligned slots of page-locked host memory, acquired and released lock-free.\n\n"
+      "Fixed-size, 256-byte-aligned slots of host memory, acquired and released lock-free.\n\n"
+      "device >= 0: page-locked through that CUDA device's context (the current device is left as it\n"
+      "was); device=-1: ordinary host memory and no CUDA call (a rank without a GPU opens no context).\n"
       "Slot memory stays valid while any Slot or exported view (DLPack, buffer protocol) is alive,\n"
       "even after this handle is dropped. Thread-safe.")
-      .def(py::init(&PinnedBufferPool::create), py::arg("num_slots"), py::arg("slot_bytes"))
+      .def(py::init(&PinnedBufferPool::create), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("device") = -1)
       .def_property_readonly("num_slots", &PinnedBufferPool::num_slots)
       .def_property_readonly("slot_bytes", &PinnedBufferPool::slot_bytes)
       .def_property_readonly("pinned", &PinnedBufferPool::pinned, "Page-locked (cudaHostAlloc) memory.")
+      .def_property_readonly("device", &PinnedBufferPool::device,
+                             "The CUDA device whose context pinned the memory; -1 when not pinned.")
       .def_property_readonly("closed", &PinnedBufferPool::closed)
-      .def("available", &PinnedBufferPool::available, "Free slots now (a snapshot).")
+      .def("available", &PinnedBufferPool::available,
+           "Free slots now, in [0, num_slots] (a snapshot). When one thread does all the acquiring, that\n"
+           "many of its acquires succeed without waiting.")
       .def(
           "acquire",
           [](PinnedBufferPool& pool, std::size_t nbytes, std::optional<double> timeout) {
@@ -137,7 +143,8 @@ void bind_buffers(py::module_& m) {
       .def("__repr__", [](const PinnedBufferPool& p) {
         std::ostringstream s;
         s << "PinnedBufferPool(num_slots=" << p.num_slots() << ", slot_bytes=" << p.slot_bytes()
-          << ", pinned=" << (p.pinned() ? "True" : "False") << ", available=" << p.available() << ")";
+          << ", pinned=" << (p.pinned() ? "True" : "False") << ", device=" << p.device()
+          << ", available=" << p.available() << ")";
         return s.str();
       });
 

@@ -27,7 +27,8 @@ bool c_contiguous(const py::buffer_info& info) {
   return true;
 }
 
-// A float32, C-contiguous buffer of `name`; writable when asked.
+}  // namespace
+
 py::buffer_info float32_buffer(const py::buffer& b, bool writable, const char* fn, const char* name) {
   py::buffer_info info = b.request(writable);
   if (!is_float32(info)) {
@@ -37,8 +38,6 @@ py::buffer_info float32_buffer(const py::buffer& b, bool writable, const char* f
   if (!c_contiguous(info)) throw py::value_error(std::string(fn) + ": " + name + " must be C-contiguous");
   return info;
 }
-
-}  // namespace
 
 void bind_shard_ops(py::module_& m) {
   m.def(

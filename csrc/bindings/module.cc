@@ -7,6 +7,7 @@
 
 #include "bindings/bind.h"
 #include "hetpipe/build_info.h"
+#include "hetpipe/device.h"
 #include "hetpipe/errors.h"
 
 namespace py = pybind11;
@@ -45,8 +46,12 @@ PYBIND11_MODULE(_C, m) {
     d["cuda_device_count"] = info.cuda_device_count;
     return d;
   }, "What was compiled in (version, cuda_built) and what is usable now (cuda_available, cuda_device_count).");
+  m.def("cuda_context_active", &hetpipe::cuda_context_active, py::arg("device"),
+        "Whether this process holds an active primary CUDA context on `device` (False without CUDA or\n"
+        "that device). Creates none: the check that a rank without a GPU role opened no context.");
   hetpipe::bindings::bind_buffers(m);
   hetpipe::bindings::bind_streams(m);
   hetpipe::bindings::bind_clock(m);
   hetpipe::bindings::bind_shard_ops(m);
+  hetpipe::bindings::bind_shard_plane(m);
 }

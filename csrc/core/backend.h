@@ -2,6 +2,12 @@
 // cuda/device.cu with it). Portable code calls these and decides at run time, from
 // cuda_device_count(), whether a CUDA path applies; the CPU backend's CUDA entry points throw
 // std::logic_error because they are unreachable there.
+//
+// Devices: every CUDA entry point names the device its handle lives on and runs with that device's
+// primary context pushed on the calling thread for the duration of the call (cuda/device.cu's
+// DeviceGuard), then pops it. So no call here changes the thread's current device, and none
+// creates a context on a device other than the one named (a thread that never touched CUDA stays
+// without a current context; a CPU worker thread waiting on a CUDA event opens nothing on GPU 0).
 #pragma once
 
 #include <cstddef>
@@ -11,25 +17,29 @@ namespace hetpipe::backend {
 struct HostAllocation {
   void* ptr = nullptr;
   bool pinned = false;  // page-locked (cudaHostAlloc)
+  int device = -1;      // the device whose context pinned it; -1 when not pinned
 };
 
-// `bytes` of host memory aligned to `alignment` (a power of two <= 4096); page-locked when a CUDA
-// device is usable. Throws std::bad_alloc.
-HostAllocation host_alloc(std::size_t bytes, std::size_t alignment);
+// `bytes` of host memory aligned to `alignment` (a power of two <= 4096). device < 0: ordinary
+// host memory, and no CUDA call at all. device >= 0 and usable: page-locked through that device's
+// context (portable to every context); ordinary memory when pinning fails. Throws std::bad_alloc.
+HostAllocation host_alloc(std::size_t bytes, std::size_t alignment, int device);
 void host_free(const HostAllocation& allocation) noexcept;
 
-// Opaque CUDA handles (cudaStream_t, cudaEvent_t). Errors throw std::runtime_error naming the call.
+// Opaque CUDA handles (cudaStream_t, cudaEvent_t) and the device each lives on. Errors throw
+// std::runtime_error naming the call.
 void* stream_create(int device);
-void stream_destroy(void* stream) noexcept;
-bool stream_query(void* stream);
+void stream_destroy(void* stream, int device) noexcept;
+bool stream_query(void* stream, int device);
 void* event_create(int device);  // blocking-sync event: waiting sleeps instead of spinning
-void event_destroy(void* event) noexcept;
-void event_record(void* event, void* stream);
-bool event_query(void* event);
-void event_synchronize(void* event);
-void stream_wait_event(void* stream, void* event);
-void memcpy_async(void* dst, const void* src, std::size_t nbytes, void* stream);
-// Runs fn(arg) on a driver thread once the preceding work of the stream has completed.
-void launch_host_func(void* stream, void (*fn)(void*), void* arg);
+void event_destroy(void* event, int device) noexcept;
+void event_record(void* event, void* stream, int device);
+bool event_query(void* event, int device);
+void event_synchronize(void* event, int device);
+void stream_wait_event(void* stream, int device, void* event);
+void memcpy_async(void* dst, const void* src, std::size_t nbytes, void* stream, int device);
+// Runs fn(arg) on a driver thread once the preceding work of the stream has completed. fn must not
+// throw (a host function that throws ends the process).
+void launch_host_func(void* stream, int device, void (*fn)(void*), void* arg);
 
 }  // namespace hetpipe::backend

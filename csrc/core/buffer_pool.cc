@@ -6,6 +6,7 @@
 
 #include "core/backend.h"
 #include "core/waiters.h"
+#include "hetpipe/device.h"
 #include "hetpipe/errors.h"
 
 namespace hetpipe {
@@ -22,11 +23,12 @@ std::uint64_t pack(std::uint64_t head, std::uint32_t top_plus_one) {
 void* Slot::data() const { return pool->slot_data(index); }
 std::size_t Slot::nbytes() const { return pool->slot_bytes(); }
 
-std::shared_ptr<PinnedBufferPool> PinnedBufferPool::create(std::size_t num_slots, std::size_t slot_bytes) {
-  return std::make_shared<PinnedBufferPool>(Private{}, num_slots, slot_bytes);
+std::shared_ptr<PinnedBufferPool> PinnedBufferPool::create(std::size_t num_slots, std::size_t slot_bytes,
+                                                           int device) {
+  return std::make_shared<PinnedBufferPool>(Private{}, num_slots, slot_bytes, device);
 }
 
-PinnedBufferPool::PinnedBufferPool(Private, std::size_t num_slots, std::size_t slot_bytes)
+PinnedBufferPool::PinnedBufferPool(Private, std::size_t num_slots, std::size_t slot_bytes, int device)
     : num_slots_(num_slots), slot_bytes_(slot_bytes) {
   if (num_slots == 0 || slot_bytes == 0) {
     std::ostringstream msg;
@@ -37,11 +39,17 @@ PinnedBufferPool::PinnedBufferPool(Private, std::size_t num_slots, std::size_t s
   if (num_slots >= std::numeric_limits<std::uint32_t>::max()) {
     throw std::invalid_argument("PinnedBufferPool: too many slots (" + std::to_string(num_slots) + ")");
   }
+  const int devices = device >= 0 ? cuda_device_count() : 0;
+  if (device < -1 || (devices > 0 && device >= devices)) {
+    throw std::invalid_argument("PinnedBufferPool: device " + std::to_string(device) + " out of range (-1 for host " +
+                                "memory, or below the " + std::to_string(devices) + " CUDA devices)");
+  }
   stride_ = (slot_bytes + kAlignment - 1) / kAlignment * kAlignment;
   if (stride_ > std::numeric_limits<std::size_t>::max() / num_slots) throw std::bad_alloc();
-  const backend::HostAllocation allocation = backend::host_alloc(stride_ * num_slots, kAlignment);
+  const backend::HostAllocation allocation = backend::host_alloc(stride_ * num_slots, kAlignment, device);
   base_ = static_cast<unsigned char*>(allocation.ptr);
   pinned_ = allocation.pinned;
+  device_ = allocation.device;
   next_.reset(new std::atomic<std::uint32_t>[num_slots]);
   generation_.reset(new std::atomic<std::uint64_t>[num_slots]);
   // Slot 0 on top: index i links to i + 1 (stored as index + 1), the last one to nothing.
@@ -50,24 +58,39 @@ PinnedBufferPool::PinnedBufferPool(Private, std::size_t num_slots, std::size_t s
     generation_[i].store(0, std::memory_order_relaxed);
   }
   head_.store(1, std::memory_order_seq_cst);
-  free_count_.store(num_slots, std::memory_order_relaxed);
+  free_.store(num_slots, std::memory_order_seq_cst);
 }
 
-PinnedBufferPool::~PinnedBufferPool() { backend::host_free({base_, pinned_}); }
+PinnedBufferPool::~PinnedBufferPool() { backend::host_free({base_, pinned_, device_}); }
 
-std::optional<std::uint32_t> PinnedBufferPool::pop() noexcept {
+bool PinnedBufferPool::reserve() noexcept {
+  std::size_t free = free_.load(std::memory_order_seq_cst);
+  while (free > 0) {
+    if (free_.compare_exchange_weak(free, free - 1, std::memory_order_seq_cst)) return true;
+  }
+  return false;
+}
+
+std::uint32_t PinnedBufferPool::pop() noexcept {
   std::uint64_t head = head_.load(std::memory_order_seq_cst);
   for (;;) {
     const auto top = static_cast<std::uint32_t>(head & kIndexMask);
-    if (top == 0) return std::nullopt;
+    if (top == 0) {
+      // Cannot happen: the stack holds at least as many indices as there are reservations (see
+      // the header). Re-read rather than hand out nothing for a reservation.
+      head = head_.load(std::memory_order_seq_cst);
+      continue;
+    }
     // May read a stale link when another thread popped and pushed `top` meanwhile; the tag then
     // differs and the CAS fails.
     const std::uint32_t next = next_[top - 1].load(std::memory_order_relaxed);
-    if (head_.compare_exchange_weak(head, pack(head, next), std::memory_order_seq_cst)) {
-      free_count_.fetch_sub(1, std::memory_order_relaxed);
-      return top - 1;
-    }
+    if (head_.compare_exchange_weak(head, pack(head, next), std::memory_order_seq_cst)) return top - 1;
   }
+}
+
+std::optional<std::uint32_t> PinnedBufferPool::try_pop() noexcept {
+  if (!reserve()) return std::nullopt;
+  return pop();
 }
 
 void PinnedBufferPool::push(std::uint32_t index) noexcept {
@@ -76,7 +99,7 @@ void PinnedBufferPool::push(std::uint32_t index) noexcept {
     next_[index].store(static_cast<std::uint32_t>(head & kIndexMask), std::memory_order_relaxed);
   } while (!head_.compare_exchange_weak(head, pack(head, index + 1), std::memory_order_seq_cst,
                                         std::memory_order_relaxed));
-  free_count_.fetch_add(1, std::memory_order_relaxed);
+  free_.fetch_add(1, std::memory_order_seq_cst);
 }
 
 Slot PinnedBufferPool::take(std::uint32_t index) {
@@ -95,7 +118,7 @@ void PinnedBufferPool::check_request(std::size_t nbytes) const {
 
 std::optional<Slot> PinnedBufferPool::try_acquire(std::size_t nbytes, std::chrono::nanoseconds wait) {
   check_request(nbytes);
-  if (auto index = pop()) return take(*index);
+  if (auto index = try_pop()) return take(*index);
   if (wait <= std::chrono::nanoseconds::zero()) return std::nullopt;
 
   const auto deadline = std::chrono::steady_clock::now() + wait;
@@ -103,9 +126,9 @@ std::optional<Slot> PinnedBufferPool::try_acquire(std::size_t nbytes, std::chron
   const detail::WaiterRegistration registered(waiters_);
   for (;;) {
     if (closed()) throw std::runtime_error("PinnedBufferPool is closed");
-    if (auto index = pop()) return take(*index);
+    if (auto index = try_pop()) return take(*index);
     if (freed_.wait_until(lock, deadline) == std::cv_status::timeout) {
-      if (auto index = pop()) return take(*index);
+      if (auto index = try_pop()) return take(*index);
       return std::nullopt;
     }
   }

@@ -3,11 +3,12 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <deque>
-#include <functional>
+#include <exception>
+#include <limits>
 #include <mutex>
-#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
@@ -18,6 +19,46 @@
 namespace hetpipe {
 namespace detail {
 
+constexpr std::uint64_t kEverything = std::numeric_limits<std::uint64_t>::max();
+
+// The first failure of a stream's work. `at` is the sequence number of the failed task (CPU
+// streams) or 1 (CUDA streams, whose later reports all see it); 0 while nothing failed.
+// Memory ordering: `what` is written once under `mutex` before `at` is stored with release; a
+// reader that loads a non-zero `at` with acquire reads `what` under `mutex`.
+struct Failure {
+  mutable std::mutex mutex;
+  std::atomic<std::uint64_t> at{0};
+  std::string what;  // guarded by mutex
+
+  // Keeps the exception being handled (call inside a catch block) unless an earlier one was kept.
+  void keep_current(std::uint64_t seq) noexcept {
+    std::string message;
+    try {
+      throw;
+    } catch (const StreamError& e) {
+      message = e.what();  // a wait on a failed point: the original failure, unchanged
+    } catch (const std::exception& e) {
+      message = std::string("a stream task failed: ") + e.what();
+    } catch (...) {
+      message = "a stream task failed with an exception that is not a std::exception";
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    if (at.load(std::memory_order_relaxed) != 0) return;
+    what = std::move(message);
+    at.store(seq, std::memory_order_release);
+  }
+
+  bool failed() const noexcept { return at.load(std::memory_order_acquire) != 0; }
+
+  // Throws StreamError when a task at or before `seq` failed.
+  void throw_if_failed(std::uint64_t seq) const {
+    const std::uint64_t first = at.load(std::memory_order_acquire);
+    if (first == 0 || first > seq) return;
+    std::lock_guard<std::mutex> lock(mutex);
+    throw StreamError(what);
+  }
+};
+
 // A CPU stream's queue and worker. Kept in a shared_ptr so events recorded on it outlive the Stream.
 struct CpuQueue {
   std::mutex mutex;
@@ -27,8 +68,11 @@ struct CpuQueue {
   std::uint64_t enqueued = 0;               // guarded by mutex; sequence number of the last task
   std::atomic<std::uint64_t> completed{0};  // written under mutex with release
   bool stopping = false;                    // guarded by mutex
+  Failure failure;
   std::thread worker;
 
+  // Thread role: the worker thread only. A task runs without the mutex held; once a task failed,
+  // the later ones are dropped unrun (they may depend on it) and still count as completed.
   void run() {
     std::unique_lock<std::mutex> lock(mutex);
     for (;;) {
@@ -36,10 +80,18 @@ struct CpuQueue {
       if (tasks.empty()) return;
       std::function<void()> task = std::move(tasks.front());
       tasks.pop_front();
+      const std::uint64_t seq = completed.load(std::memory_order_relaxed) + 1;
       lock.unlock();
-      task();
+      if (!failure.failed()) {
+        try {
+          task();
+        } catch (...) {
+          failure.keep_current(seq);
+        }
+      }
+      task = nullptr;  // what the task captured is released outside the mutex
       lock.lock();
-      completed.store(completed.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+      completed.store(seq, std::memory_order_release);
       progressed.notify_all();
     }
   }
@@ -59,10 +111,19 @@ struct CpuQueue {
 
   bool reached(std::uint64_t seq) const { return completed.load(std::memory_order_acquire) >= seq; }
 
+  // Never blocks; throws StreamError when the work up to `seq` failed.
+  bool query(std::uint64_t seq) const {
+    if (!reached(seq)) return false;
+    failure.throw_if_failed(seq);
+    return true;
+  }
+
   void wait(std::uint64_t seq) {
-    if (reached(seq)) return;
-    std::unique_lock<std::mutex> lock(mutex);
-    progressed.wait(lock, [&] { return reached(seq); });
+    if (!reached(seq)) {
+      std::unique_lock<std::mutex> lock(mutex);
+      progressed.wait(lock, [&] { return reached(seq); });
+    }
+    failure.throw_if_failed(seq);
   }
 
   void stop() {
@@ -77,24 +138,40 @@ struct CpuQueue {
 };
 
 struct StreamState {
-  std::mutex mutex;  // serialises close() against enqueueing on the CUDA path
+  std::mutex mutex;  // CUDA: serialises enqueueing against close(); never held while waiting
   int device = -1;
   void* cuda = nullptr;  // cudaStream_t; null for a CPU stream
-  bool closed = false;
+  std::atomic<bool> closed{false};
   std::shared_ptr<CpuQueue> cpu;
+  std::shared_ptr<Failure> host_failure;  // CUDA: failures of host functions
 };
 
-// A recorded point: a CPU queue position, or a CUDA event.
+// One CUDA event handle. Shared between an Event and every wait or synchronize still using the
+// point it marks, so re-recording or destroying the Event never touches a handle in use.
+struct CudaPoint {
+  void* event;
+  int device;
+  explicit CudaPoint(int d) : event(backend::event_create(d)), device(d) {}
+  ~CudaPoint() { backend::event_destroy(event, device); }
+  CudaPoint(const CudaPoint&) = delete;
+  CudaPoint& operator=(const CudaPoint&) = delete;
+};
+
+// What an event marks, copied out under the event's mutex: a CPU queue position, a CUDA point, or
+// nothing (never recorded).
+struct Point {
+  std::shared_ptr<CpuQueue> cpu;
+  std::uint64_t seq = 0;
+  std::shared_ptr<CudaPoint> cuda;
+};
+
 struct EventState {
   mutable std::mutex mutex;
-  std::shared_ptr<CpuQueue> cpu;  // set when last recorded on a CPU stream
-  std::uint64_t seq = 0;
-  void* cuda = nullptr;  // created on the first record on a CUDA stream
-  int cuda_device = -1;
-  bool on_cuda = false;  // the last record was on a CUDA stream
+  Point point;  // guarded by mutex
 
-  ~EventState() {
-    if (cuda != nullptr) backend::event_destroy(cuda);
+  Point snapshot() const {
+    std::lock_guard<std::mutex> lock(mutex);
+    return point;
   }
 };
 
@@ -103,24 +180,29 @@ struct EventState {
 namespace {
 
 void require_open(const detail::StreamState& s) {
-  if (s.closed) throw std::logic_error("Stream is closed");
+  if (s.closed.load(std::memory_order_relaxed)) throw std::logic_error("Stream is closed");
 }
 
-void sleep_host(void* arg) {
-  auto* seconds = static_cast<double*>(arg);
-  std::this_thread::sleep_for(std::chrono::duration<double>(*seconds));
-  delete seconds;
+const detail::EventState& event_state(const std::unique_ptr<detail::EventState>& state) {
+  if (!state) throw std::logic_error("Event was moved from");
+  return *state;
 }
 
-struct CpuWait {
-  std::shared_ptr<detail::CpuQueue> queue;
-  std::uint64_t seq;
+// A host function of a CUDA stream: owned by run_host_task, which runs it unless the stream already
+// failed, and keeps what it throws (a CUDA host function must not throw, nor call CUDA).
+struct HostTask {
+  std::function<void()> fn;
+  std::shared_ptr<detail::Failure> failure;
 };
 
-void wait_cpu_point(void* arg) {
-  auto* w = static_cast<CpuWait*>(arg);
-  w->queue->wait(w->seq);
-  delete w;
+void run_host_task(void* arg) {
+  std::unique_ptr<HostTask> task(static_cast<HostTask*>(arg));
+  if (task->failure->failed()) return;
+  try {
+    task->fn();
+  } catch (...) {
+    task->failure->keep_current(1);
+  }
 }
 
 }  // namespace
@@ -133,6 +215,7 @@ Stream::Stream(int device) : state_(std::make_shared<detail::StreamState>()) {
                                   std::to_string(count) + " CUDA devices)");
     }
     state_->device = device;
+    state_->host_failure = std::make_shared<detail::Failure>();
     state_->cuda = backend::stream_create(device);
     return;
   }
@@ -141,15 +224,13 @@ Stream::Stream(int device) : state_(std::make_shared<detail::StreamState>()) {
   state_->cpu->worker = std::thread([queue] { queue->run(); });
 }
 
-Stream::~Stream() {
-  if (state_) close();
-}
+Stream::~Stream() { close_quietly(); }
 
 Stream::Stream(Stream&&) noexcept = default;
 
 Stream& Stream::operator=(Stream&& other) noexcept {
   if (this != &other) {
-    if (state_) close();
+    close_quietly();
     state_ = std::move(other.state_);
   }
   return *this;
@@ -161,11 +242,7 @@ std::uintptr_t Stream::handle() const noexcept {
   return state_ ? reinterpret_cast<std::uintptr_t>(state_->cuda) : 0;
 }
 
-bool Stream::closed() const noexcept {
-  if (!state_) return true;
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  return state_->closed;
-}
+bool Stream::closed() const noexcept { return !state_ || state_->closed.load(std::memory_order_acquire); }
 
 void Stream::synchronize() {
   if (!state_) return;
@@ -173,60 +250,50 @@ void Stream::synchronize() {
     state_->cpu->wait(state_->cpu->last_enqueued());
     return;
   }
-  // Wait on a blocking-sync event so the caller sleeps instead of spinning in cudaStreamSynchronize.
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  if (state_->closed) return;
-  void* event = backend::event_create(state_->device);
-  try {
-    backend::event_record(event, state_->cuda);
-    backend::event_synchronize(event);
-  } catch (...) {
-    backend::event_destroy(event);
-    throw;
+  // Mark the end of the queue under the mutex (so close() cannot destroy the stream meanwhile), then
+  // wait on that blocking-sync event without it: the caller sleeps instead of spinning in
+  // cudaStreamSynchronize, and query()/closed() from other threads never wait behind it.
+  std::shared_ptr<detail::CudaPoint> end;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    if (state_->closed.load(std::memory_order_relaxed)) return;
+    end = std::make_shared<detail::CudaPoint>(state_->device);
+    backend::event_record(end->event, state_->cuda, state_->device);
   }
-  backend::event_destroy(event);
+  backend::event_synchronize(end->event, end->device);
+  state_->host_failure->throw_if_failed(detail::kEverything);
 }
 
 bool Stream::query() const {
   if (!state_) return true;
-  if (state_->cpu) return state_->cpu->reached(state_->cpu->last_enqueued());
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  return state_->closed || backend::stream_query(state_->cuda);
+  if (state_->cpu) return state_->cpu->query(state_->cpu->last_enqueued());
+  bool done = true;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    if (state_->closed.load(std::memory_order_relaxed)) return true;
+    done = backend::stream_query(state_->cuda, state_->device);  // cudaStreamQuery never waits
+  }
+  if (done) state_->host_failure->throw_if_failed(detail::kEverything);
+  return done;
 }
 
 void Stream::wait_for(const Event& event) {
   if (!state_) throw std::logic_error("Stream is closed");
-  std::shared_ptr<detail::CpuQueue> point_queue;
-  std::uint64_t point_seq = 0;
-  void* point_cuda = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(event.state_->mutex);
-    if (event.state_->on_cuda) {
-      point_cuda = event.state_->cuda;
-    } else if (event.state_->cpu) {
-      point_queue = event.state_->cpu;
-      point_seq = event.state_->seq;
-    } else {
-      return;  // never recorded: complete
-    }
+  const detail::Point point = event_state(event.state_).snapshot();
+  if (!point.cpu && !point.cuda) return;  // never recorded: complete
+  if (point.cpu) {
+    if (point.cpu == state_->cpu) return;  // in-order: already satisfied by stream order
+    launch_host_func([queue = point.cpu, seq = point.seq] { queue->wait(seq); });
+    return;
   }
   if (state_->cpu) {
-    if (point_queue) {
-      if (point_queue == state_->cpu) return;  // in-order: already satisfied by stream order
-      state_->cpu->enqueue([point_queue, point_seq] { point_queue->wait(point_seq); });
-    } else {
-      // A CUDA point: the event's later re-records are not tracked, as documented for wait_for.
-      state_->cpu->enqueue([point_cuda] { backend::event_synchronize(point_cuda); });
-    }
+    // The task holds the CUDA point itself: a later re-record of the event gets a new handle.
+    state_->cpu->enqueue([cuda = point.cuda] { backend::event_synchronize(cuda->event, cuda->device); });
     return;
   }
   std::lock_guard<std::mutex> lock(state_->mutex);
   require_open(*state_);
-  if (point_cuda != nullptr) {
-    backend::stream_wait_event(state_->cuda, point_cuda);
-  } else {
-    backend::launch_host_func(state_->cuda, wait_cpu_point, new CpuWait{point_queue, point_seq});
-  }
+  backend::stream_wait_event(state_->cuda, state_->device, point.cuda->event);  // captured at this call
 }
 
 void Stream::copy_async(void* dst, const void* src, std::size_t nbytes) {
@@ -238,34 +305,59 @@ void Stream::copy_async(void* dst, const void* src, std::size_t nbytes) {
   }
   std::lock_guard<std::mutex> lock(state_->mutex);
   require_open(*state_);
-  backend::memcpy_async(dst, src, nbytes, state_->cuda);
+  backend::memcpy_async(dst, src, nbytes, state_->cuda, state_->device);
 }
 
 void Stream::enqueue_sleep(double seconds) {
   if (!state_) throw std::logic_error("Stream is closed");
   if (seconds < 0) throw std::invalid_argument("Stream.enqueue_sleep: negative duration");
+  launch_host_func([seconds] { std::this_thread::sleep_for(std::chrono::duration<double>(seconds)); });
+}
+
+void Stream::launch_host_func(std::function<void()> fn) {
+  if (!state_) throw std::logic_error("Stream is closed");
   if (state_->cpu) {
-    state_->cpu->enqueue([seconds] { std::this_thread::sleep_for(std::chrono::duration<double>(seconds)); });
+    state_->cpu->enqueue(std::move(fn));
     return;
   }
   std::lock_guard<std::mutex> lock(state_->mutex);
   require_open(*state_);
-  backend::launch_host_func(state_->cuda, sleep_host, new double(seconds));
+  auto task = std::make_unique<HostTask>(HostTask{std::move(fn), state_->host_failure});
+  backend::launch_host_func(state_->cuda, state_->device, run_host_task, task.get());
+  task.release();  // owned by run_host_task from here on
 }
 
 void Stream::close() {
   if (!state_) return;
   if (state_->cpu) {
     state_->cpu->stop();
-    std::lock_guard<std::mutex> lock(state_->mutex);
-    state_->closed = true;
+    if (state_->closed.exchange(true, std::memory_order_acq_rel)) return;
+    state_->cpu->failure.throw_if_failed(detail::kEverything);
     return;
   }
-  synchronize();
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  if (state_->closed) return;
-  state_->closed = true;
-  backend::stream_destroy(state_->cuda);
+  // Drain first; whatever that meets, the stream is destroyed before the error is reported.
+  std::exception_ptr pending;
+  try {
+    synchronize();
+  } catch (...) {
+    pending = std::current_exception();
+  }
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    if (state_->closed.exchange(true, std::memory_order_acq_rel)) return;
+    backend::stream_destroy(state_->cuda, state_->device);
+  }
+  if (pending) std::rethrow_exception(pending);
+}
+
+void Stream::close_quietly() noexcept {
+  try {
+    close();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "hetpipe: closing a Stream (%s) failed: %s\n", is_cuda() ? "CUDA" : "CPU", e.what());
+  } catch (...) {
+    std::fprintf(stderr, "hetpipe: closing a Stream failed with an exception that is not a std::exception\n");
+  }
 }
 
 Event::Event() : state_(std::make_unique<detail::EventState>()) {}
@@ -275,56 +367,44 @@ Event& Event::operator=(Event&&) noexcept = default;
 
 void Event::record(Stream& stream) {
   if (!stream.state_) throw std::logic_error("Stream is closed");
+  if (!state_) throw std::logic_error("Event was moved from");
+  detail::StreamState& s = *stream.state_;
   std::lock_guard<std::mutex> lock(state_->mutex);
-  if (stream.state_->cpu) {
-    state_->cpu = stream.state_->cpu;
+  detail::Point& point = state_->point;
+  if (s.cpu) {
+    std::uint64_t seq = 0;
     {
-      std::lock_guard<std::mutex> qlock(state_->cpu->mutex);
-      if (state_->cpu->stopping) throw std::logic_error("Stream is closed");
-      state_->seq = state_->cpu->enqueued;
+      std::lock_guard<std::mutex> qlock(s.cpu->mutex);
+      if (s.cpu->stopping) throw std::logic_error("Stream is closed");
+      seq = s.cpu->enqueued;
     }
-    state_->on_cuda = false;
+    point = detail::Point{s.cpu, seq, nullptr};
     return;
   }
-  std::lock_guard<std::mutex> slock(stream.state_->mutex);
-  require_open(*stream.state_);
-  if (state_->cuda != nullptr && state_->cuda_device != stream.state_->device) {
-    backend::event_destroy(state_->cuda);
-    state_->cuda = nullptr;
-  }
-  if (state_->cuda == nullptr) {
-    state_->cuda = backend::event_create(stream.state_->device);
-    state_->cuda_device = stream.state_->device;
-  }
-  backend::event_record(state_->cuda, stream.state_->cuda);
-  state_->on_cuda = true;
-  state_->cpu.reset();
+  std::lock_guard<std::mutex> slock(s.mutex);
+  require_open(s);
+  // Re-record the handle in place only when nothing else holds it. Every other holder (a wait_for
+  // task, a synchronize in progress) copied it under this mutex and only ever drops it, so a count
+  // of one cannot grow behind our back; a holder drops it after its last CUDA call on it returned.
+  const bool reusable = point.cuda && point.cuda->device == s.device && point.cuda.use_count() == 1;
+  std::shared_ptr<detail::CudaPoint> cuda = reusable ? point.cuda : std::make_shared<detail::CudaPoint>(s.device);
+  backend::event_record(cuda->event, s.cuda, s.device);
+  point = detail::Point{nullptr, 0, std::move(cuda)};
 }
 
 void Event::synchronize() const {
-  std::shared_ptr<detail::CpuQueue> queue;
-  std::uint64_t seq = 0;
-  void* cuda = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(state_->mutex);
-    if (state_->on_cuda) {
-      cuda = state_->cuda;
-    } else {
-      queue = state_->cpu;
-      seq = state_->seq;
-    }
-  }
-  if (cuda != nullptr) {
-    backend::event_synchronize(cuda);
-  } else if (queue) {
-    queue->wait(seq);
+  const detail::Point point = event_state(state_).snapshot();
+  if (point.cuda) {
+    backend::event_synchronize(point.cuda->event, point.cuda->device);
+  } else if (point.cpu) {
+    point.cpu->wait(point.seq);
   }
 }
 
 bool Event::query() const {
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  if (state_->on_cuda) return backend::event_query(state_->cuda);
-  return !state_->cpu || state_->cpu->reached(state_->seq);
+  const detail::Point point = event_state(state_).snapshot();
+  if (point.cuda) return backend::event_query(point.cuda->event, point.cuda->device);
+  return !point.cpu || point.cpu->query(point.seq);
 }
 
 void copy_async(void* dst, const void* src, std::size_t nbytes, Stream& stream) {

@@ -1,7 +1,16 @@
 // Backend with CUDA: page-locked host memory and CUDA streams/events when a device is usable;
 // aligned host memory when none is (the build has CUDA, the machine may not).
+//
+// Every call that touches a device runs under a DeviceGuard: the device's primary context is pushed
+// on the calling thread for the call and popped after (driver API, reached through the runtime's
+// cudaGetDriverEntryPoint*, so the module links no libcuda and imports on machines without a
+// driver). Pushing and popping, unlike cudaSetDevice, restores the thread's state exactly, a thread
+// with no current context included: cudaSetDevice back to a "previous" device 0 would open a
+// context on GPU 0 that the thread never used.
+#include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -12,6 +21,10 @@
 #include "core/backend.h"
 #include "hetpipe/device.h"
 
+#if CUDART_VERSION < 12000
+#error "hetpipe_core needs CUDA 12.0 or newer (cudaGetDriverEntryPoint with a query result)"
+#endif
+
 namespace hetpipe {
 
 bool cuda_built() noexcept { return true; }
@@ -19,6 +32,7 @@ bool cuda_built() noexcept { return true; }
 int cuda_device_count() noexcept {
   int n = 0;
   // No driver or no device is an error code here, not an exception: report zero devices.
+  // cudaGetDeviceCount initialises the driver but creates no context.
   if (cudaGetDeviceCount(&n) != cudaSuccess) {
     cudaGetLastError();
     return 0;
@@ -36,40 +50,160 @@ void check(cudaError_t err, const char* call) {
   }
 }
 
+void check_cu(CUresult result, const char* call) {
+  if (result != CUDA_SUCCESS) {
+    throw std::runtime_error(std::string(call) + " failed: CUresult " + std::to_string(static_cast<int>(result)));
+  }
+}
+
+// The few driver entry points the guard needs, resolved once through the runtime.
+struct Driver {
+  decltype(&::cuDeviceGet) device_get = nullptr;
+  decltype(&::cuDevicePrimaryCtxRetain) retain = nullptr;
+  decltype(&::cuDevicePrimaryCtxRelease) release = nullptr;
+  decltype(&::cuDevicePrimaryCtxGetState) get_state = nullptr;
+  decltype(&::cuCtxGetCurrent) get_current = nullptr;
+  decltype(&::cuCtxPushCurrent) push = nullptr;
+  decltype(&::cuCtxPopCurrent) pop = nullptr;
+  int device_count = 0;
+  // Primary contexts this process retained, one slot per device; retained on first use and held
+  // for the life of the process (as the runtime holds the ones it opens).
+  std::unique_ptr<std::atomic<CUcontext>[]> contexts;
+  bool ok = false;
+};
+
+template <class F>
+bool resolve(const char* name, F& fn) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+  const cudaError_t err = cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found);
+#else
+  const cudaError_t err = cudaGetDriverEntryPoint(name, &p, cudaEnableDefault, &found);
+#endif
+  if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || p == nullptr) {
+    cudaGetLastError();
+    return false;
+  }
+  fn = reinterpret_cast<F>(p);
+  return true;
+}
+
+const Driver& driver() {
+  static const Driver* const instance = [] {
+    auto* d = new Driver();  // never freed: contexts stay retained until the process exits
+    d->device_count = cuda_device_count();
+    if (d->device_count == 0) return d;
+    d->ok = resolve("cuDeviceGet", d->device_get) && resolve("cuDevicePrimaryCtxRetain", d->retain) &&
+            resolve("cuDevicePrimaryCtxRelease", d->release) &&
+            resolve("cuDevicePrimaryCtxGetState", d->get_state) && resolve("cuCtxGetCurrent", d->get_current) &&
+            resolve("cuCtxPushCurrent", d->push) && resolve("cuCtxPopCurrent", d->pop);
+    d->contexts.reset(new std::atomic<CUcontext>[static_cast<std::size_t>(d->device_count)]);
+    for (int i = 0; i < d->device_count; ++i) d->contexts[i].store(nullptr, std::memory_order_relaxed);
+    return d;
+  }();
+  return *instance;
+}
+
+// The primary context of `device`, retained once per process (this creates it on first use).
+CUcontext primary_context(int device) {
+  const Driver& d = driver();
+  if (!d.ok) throw std::runtime_error("hetpipe_core: the CUDA driver entry points are unavailable");
+  if (device < 0 || device >= d.device_count) {
+    throw std::invalid_argument("CUDA device " + std::to_string(device) + " out of range (" +
+                                std::to_string(d.device_count) + " CUDA devices)");
+  }
+  std::atomic<CUcontext>& slot = d.contexts[device];
+  // acquire: pairs with the release CAS below, so the context is fully retained when seen.
+  if (CUcontext ctx = slot.load(std::memory_order_acquire)) return ctx;
+  CUdevice dev = 0;
+  check_cu(d.device_get(&dev, device), "cuDeviceGet");
+  CUcontext ctx = nullptr;
+  check_cu(d.retain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+  CUcontext expected = nullptr;
+  if (!slot.compare_exchange_strong(expected, ctx, std::memory_order_acq_rel)) {
+    d.release(dev);  // another thread retained it first: keep one retain only
+    return expected;
+  }
+  return ctx;
+}
+
+// RAII: `device`'s primary context is current on this thread for the guard's lifetime; the
+// thread's previous context (or none) is current again afterwards. Nothing is pushed when the
+// context is already current.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    const Driver& d = driver();
+    CUcontext ctx = primary_context(device);
+    CUcontext current = nullptr;
+    check_cu(d.get_current(&current), "cuCtxGetCurrent");
+    if (current != ctx) {
+      check_cu(d.push(ctx), "cuCtxPushCurrent");
+      pushed_ = true;
+    }
+  }
+  ~DeviceGuard() {
+    if (pushed_) {
+      CUcontext popped = nullptr;
+      driver().pop(&popped);
+    }
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  bool pushed_ = false;
+};
+
 }  // namespace
 
-HostAllocation host_alloc(std::size_t bytes, std::size_t alignment) {
+HostAllocation host_alloc(std::size_t bytes, std::size_t alignment, int device) {
   const std::size_t n = bytes == 0 ? alignment : bytes;
-  if (cuda_device_count() > 0) {
+  if (device >= 0 && cuda_device_count() > 0) {
+    const DeviceGuard guard(device);
     void* p = nullptr;
     // cudaHostAlloc returns page-aligned memory, which satisfies any alignment <= 4096.
-    if (cudaHostAlloc(&p, n, cudaHostAllocPortable) == cudaSuccess) return {p, true};
+    if (cudaHostAlloc(&p, n, cudaHostAllocPortable) == cudaSuccess) return {p, true, device};
     cudaGetLastError();
   }
   const std::size_t rounded = (n + alignment - 1) / alignment * alignment;
   void* p = std::aligned_alloc(alignment, rounded);
   if (p == nullptr) throw std::bad_alloc();
-  return {p, false};
+  return {p, false, -1};
 }
 
 void host_free(const HostAllocation& allocation) noexcept {
-  if (allocation.pinned) {
-    cudaFreeHost(allocation.ptr);
-  } else {
+  if (!allocation.pinned) {
     std::free(allocation.ptr);
+    return;
+  }
+  try {
+    const DeviceGuard guard(allocation.device);
+    cudaFreeHost(allocation.ptr);
+  } catch (const std::exception&) {
+    // The driver is gone (process teardown): the memory goes with the process.
   }
 }
 
 void* stream_create(int device) {
-  check(cudaSetDevice(device), "cudaSetDevice");
+  const DeviceGuard guard(device);
   cudaStream_t s = nullptr;
   check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
   return s;
 }
 
-void stream_destroy(void* stream) noexcept { cudaStreamDestroy(static_cast<cudaStream_t>(stream)); }
+void stream_destroy(void* stream, int device) noexcept {
+  try {
+    const DeviceGuard guard(device);
+    cudaStreamDestroy(static_cast<cudaStream_t>(stream));
+  } catch (const std::exception&) {
+    // No context to destroy it in (driver shut down): nothing is left to release.
+  }
+}
 
-bool stream_query(void* stream) {
+bool stream_query(void* stream, int device) {
+  const DeviceGuard guard(device);
   const cudaError_t err = cudaStreamQuery(static_cast<cudaStream_t>(stream));
   if (err == cudaErrorNotReady) {
     cudaGetLastError();
@@ -80,19 +214,28 @@ bool stream_query(void* stream) {
 }
 
 void* event_create(int device) {
-  check(cudaSetDevice(device), "cudaSetDevice");
+  const DeviceGuard guard(device);
   cudaEvent_t e = nullptr;
   check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventBlockingSync), "cudaEventCreateWithFlags");
   return e;
 }
 
-void event_destroy(void* event) noexcept { cudaEventDestroy(static_cast<cudaEvent_t>(event)); }
+void event_destroy(void* event, int device) noexcept {
+  try {
+    const DeviceGuard guard(device);
+    cudaEventDestroy(static_cast<cudaEvent_t>(event));
+  } catch (const std::exception&) {
+    // As stream_destroy.
+  }
+}
 
-void event_record(void* event, void* stream) {
+void event_record(void* event, void* stream, int device) {
+  const DeviceGuard guard(device);
   check(cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)), "cudaEventRecord");
 }
 
-bool event_query(void* event) {
+bool event_query(void* event, int device) {
+  const DeviceGuard guard(device);
   const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(event));
   if (err == cudaErrorNotReady) {
     cudaGetLastError();
@@ -102,11 +245,13 @@ bool event_query(void* event) {
   return true;
 }
 
-void event_synchronize(void* event) {
+void event_synchronize(void* event, int device) {
+  const DeviceGuard guard(device);
   check(cudaEventSynchronize(static_cast<cudaEvent_t>(event)), "cudaEventSynchronize");
 }
 
-void stream_wait_event(void* stream, void* event) {
+void stream_wait_event(void* stream, int device, void* event) {
+  const DeviceGuard guard(device);
   check(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0),
         "cudaStreamWaitEvent");
 }
@@ -133,23 +278,36 @@ void host_copy(void* arg) {
 
 }  // namespace
 
-void memcpy_async(void* dst, const void* src, std::size_t nbytes, void* stream) {
+void memcpy_async(void* dst, const void* src, std::size_t nbytes, void* stream, int device) {
+  const DeviceGuard guard(device);
   auto* s = static_cast<cudaStream_t>(stream);
   // cudaMemcpyAsync between two host buffers is synchronous with respect to the host: it would
   // block the caller until the stream drains. A host function keeps the copy stream-ordered and
   // the call non-blocking, as on the CPU backend.
   if (on_host(dst) && on_host(src)) {
     auto copy = std::make_unique<HostCopy>(HostCopy{dst, src, nbytes});
-    launch_host_func(stream, host_copy, copy.get());
+    check(cudaLaunchHostFunc(s, host_copy, copy.get()), "cudaLaunchHostFunc");
     copy.release();  // owned by host_copy from here on
     return;
   }
   check(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, s), "cudaMemcpyAsync");
 }
 
-void launch_host_func(void* stream, void (*fn)(void*), void* arg) {
+void launch_host_func(void* stream, int device, void (*fn)(void*), void* arg) {
+  const DeviceGuard guard(device);
   check(cudaLaunchHostFunc(static_cast<cudaStream_t>(stream), fn, arg), "cudaLaunchHostFunc");
 }
 
 }  // namespace backend
+
+bool cuda_context_active(int device) noexcept {
+  const backend::Driver& d = backend::driver();
+  if (!d.ok || device < 0 || device >= d.device_count) return false;
+  CUdevice dev = 0;
+  unsigned int flags = 0;
+  int active = 0;
+  if (d.device_get(&dev, device) != CUDA_SUCCESS || d.get_state(dev, &flags, &active) != CUDA_SUCCESS) return false;
+  return active != 0;
+}
+
 }  // namespace hetpipe

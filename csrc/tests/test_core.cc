@@ -1,10 +1,16 @@
 // Multithreaded checks of the core without the GIL in the way: the pool never hands one slot to two
-// owners, the ClockTable loses no update, waiters respect the bound, CPU streams keep their order.
+// owners and its free count stays in range under contention, the ClockTable loses no update and its
+// global clock never goes back, waiters respect the bound, CPU streams keep their order, and a task
+// that fails surfaces as an exception (never std::terminate). Run plain and under ThreadSanitizer
+// (HETPIPE_SANITIZE=thread), where every data race these threads could hit is reported.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -13,6 +19,7 @@
 #include "hetpipe/clock_table.h"
 #include "hetpipe/errors.h"
 #include "hetpipe/shard_ops.h"
+#include "hetpipe/shard_plane.h"
 #include "hetpipe/streams.h"
 
 namespace {
@@ -50,6 +57,82 @@ void pool_exclusive_ownership() {
   for (auto& th : threads) th.join();
   CHECK(violations.load() == 0);
   CHECK(pool->available() == 3);
+}
+
+// Runs body(t) on `threads` threads until `seconds` passed (each checks the flag between rounds).
+template <class Body>
+void for_a_while(int threads, double seconds, Body body) {
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      while (!stop.load(std::memory_order_relaxed)) body(t);
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  stop.store(true);
+  for (auto& th : pool) th.join();
+}
+
+// available() is read while six threads acquire and release: it must stay in [0, num_slots]. The
+// old protocol (counter updated after the stack operation) returned 2^64 - 1 here within milliseconds.
+void pool_available_stays_in_range() {
+  constexpr std::size_t kSlots = 4;
+  auto pool = hetpipe::PinnedBufferPool::create(kSlots, 64);
+  std::atomic<long> out_of_range{0};
+  std::atomic<long> reads{0};
+  std::atomic<long> cycles{0};
+  for_a_while(7, 0.4, [&](int t) {
+    if (t == 0) {
+      for (int i = 0; i < 256; ++i) {
+        if (pool->available() > kSlots) out_of_range.fetch_add(1);
+      }
+      reads.fetch_add(256);
+      return;
+    }
+    if (auto s = pool->try_acquire(8, std::chrono::milliseconds(5))) {
+      pool->release(*s);
+      cycles.fetch_add(1);
+    }
+  });
+  CHECK(out_of_range.load() == 0);
+  CHECK(reads.load() > 0 && cycles.load() > 0);
+  CHECK(pool->available() == kSlots);
+}
+
+// Blocked acquirers are woken by releases (no lost wake-up): more threads than slots, each holding a
+// slot briefly, all finish their rounds; closing wakes the ones still waiting.
+void pool_blocking_handoff() {
+  auto pool = hetpipe::PinnedBufferPool::create(2, 64);
+  std::atomic<int> rounds{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 300; ++i) {
+        hetpipe::Slot s = pool->acquire(8, 30.0);
+        std::this_thread::yield();
+        pool->release(s);
+        rounds.fetch_add(1);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  CHECK(rounds.load() == 6 * 300);
+  hetpipe::Slot a = pool->acquire(0, 0), b = pool->acquire(0, 0);
+  std::atomic<bool> woke_with_error{false};
+  std::thread blocked([&] {
+    try {
+      pool->acquire(0, 30.0);
+    } catch (const std::runtime_error&) {
+      woke_with_error = true;
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  pool->close();
+  blocked.join();
+  CHECK(woke_with_error.load());
+  pool->release(a);
+  pool->release(b);
 }
 
 void pool_errors() {
@@ -92,6 +175,52 @@ void clock_no_lost_update_and_bound() {
   CHECK(violations.load() == 0);
 }
 
+// Readers see each VW's clock and the global clock only grow, and the global clock never exceeds a
+// clock read after it, while advancers and a remove() run concurrently.
+void clock_monotonic_under_contention() {
+  constexpr int kVws = 3;
+  hetpipe::ClockTable table(kVws);
+  std::atomic<long> violations{0};
+  std::atomic<bool> removed{false};
+  for_a_while(5, 0.3, [&](int t) {
+    if (t < 2) {
+      for (int vw = 0; vw < kVws; ++vw) {
+        if (vw == 2 && removed.load()) continue;
+        try {
+          table.advance(vw);
+        } catch (const std::invalid_argument&) {
+          // vw 2 was removed between the flag check and the advance
+        }
+      }
+      return;
+    }
+    if (t == 2) {
+      if (table.clock(0) > 1000 && !removed.exchange(true)) table.remove(2);
+      std::this_thread::yield();
+      return;
+    }
+    std::int64_t last_global = 0;
+    std::vector<std::int64_t> last(kVws, 0);
+    for (int i = 0; i < 200; ++i) {
+      const std::int64_t g = table.global_clock();
+      if (g < last_global) violations.fetch_add(1);
+      last_global = g;
+      for (int vw = 0; vw < kVws; ++vw) {
+        const std::int64_t c = table.clock(vw);
+        if (c < last[vw] || (table.active(vw) && c < g)) violations.fetch_add(1);
+        last[vw] = c;
+      }
+    }
+  });
+  CHECK(violations.load() == 0);
+  std::int64_t expected = table.clock(0);
+  for (int vw = 1; vw < kVws; ++vw) {
+    if (table.active(vw)) expected = std::min(expected, table.clock(vw));
+  }
+  CHECK(removed.load() && !table.active(2));
+  CHECK(table.global_clock() == expected);
+}
+
 void cpu_stream_order() {
   hetpipe::Stream a, b;
   CHECK(!a.is_cuda());
@@ -108,6 +237,85 @@ void cpu_stream_order() {
   CHECK(dst[0] == 7 && dst.back() == 7);
 }
 
+template <class F>
+std::string error_of(F f) {
+  try {
+    f();
+  } catch (const hetpipe::StreamError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// A task that throws fails its stream: later tasks do not run, the stream and the events recorded
+// at or after the failure raise StreamError, a stream waiting on such an event fails in turn, and
+// points recorded before the failure still complete normally. Nothing calls std::terminate.
+void cpu_stream_task_failure() {
+  std::vector<unsigned char> src(4096, 3), dst(4096, 0);
+  hetpipe::Stream a, b;
+  hetpipe::Event before, after;
+  a.copy_async(dst.data(), src.data(), 16);
+  before.record(a);
+  a.launch_host_func([] { throw std::runtime_error("boom in a host function"); });
+  a.copy_async(dst.data() + 100, src.data(), 16);  // after the failure: never runs
+  after.record(a);
+  b.wait_for(after);
+  const std::string sync = error_of([&] { a.synchronize(); });
+  CHECK(sync.find("boom in a host function") != std::string::npos);
+  CHECK(error_of([&] { (void)a.query(); }) == sync);
+  before.synchronize();
+  CHECK(before.query() && dst[0] == 3);
+  CHECK(dst[100] == 0);
+  CHECK(error_of([&] { after.synchronize(); }) == sync);
+  CHECK(error_of([&] { b.synchronize(); }) == sync);  // the wait on a failed point failed b
+  CHECK(error_of([&] { b.close(); }) == sync);
+  CHECK(error_of([&] { a.close(); }) == sync);
+  CHECK(a.closed());
+  a.close();  // idempotent, and only the closing call reports
+  {
+    hetpipe::Stream c;  // never synchronised: its destructor meets the failure and must not throw
+    c.launch_host_func([] { throw 42; });
+  }
+  bool closed_error = false;
+  try {
+    a.copy_async(dst.data(), src.data(), 16);
+  } catch (const std::logic_error&) {
+    closed_error = true;
+  }
+  CHECK(closed_error);
+}
+
+// Events re-recorded on two streams while other threads wait on them, query them and make a third
+// stream wait for them: no race on an event's point (checked by ThreadSanitizer), every wait ends.
+void events_record_while_waiting() {
+  hetpipe::Stream s0, s1, waiter;
+  hetpipe::Event e;
+  std::atomic<long> waits{0};
+  for_a_while(4, 0.3, [&](int t) {
+    if (t == 0) {
+      s0.enqueue_sleep(1e-5);
+      e.record(s0);
+      s0.synchronize();  // keeps the queue short
+    } else if (t == 1) {
+      s1.enqueue_sleep(1e-5);
+      e.record(s1);
+      s1.synchronize();
+    } else if (t == 2) {
+      e.synchronize();
+      (void)e.query();
+      waits.fetch_add(1);
+    } else {
+      waiter.wait_for(e);
+      waiter.synchronize();
+      waits.fetch_add(1);
+    }
+  });
+  CHECK(waits.load() > 0);
+  s0.synchronize();
+  s1.synchronize();
+  CHECK(e.query());
+}
+
 void apply_delta_thread_invariant() {
   const std::size_t n = (1 << 20) + 13;
   std::vector<float> a(n), b(n);
@@ -121,14 +329,81 @@ void apply_delta_thread_invariant() {
   CHECK(std::memcmp(one.data(), many.data(), n * sizeof(float)) == 0);
 }
 
+// One thread per stage (2 VWs x 2 stages, D = 1) pulls wave w, then pushes its wave-w delta: the
+// final weights equal a single thread's pushes in canonical order bit for bit (waves are applied in
+// VW order whatever the interleaving), and every pull saw at least w - D applied waves.
+void shard_plane_concurrent_equals_sequential() {
+  const std::vector<std::size_t> numels{3000, 5000, 700};
+  const std::vector<std::vector<std::vector<int>>> stages{{{0, 1}, {2}}, {{0}, {1, 2}}};
+  constexpr int kWaves = 60;
+  constexpr std::int64_t kD = 1;
+  auto delta_of = [&](int vw, int stage, int wave, std::size_t n) {
+    std::vector<float> d(n);
+    for (std::size_t i = 0; i < n; ++i) d[i] = static_cast<float>((vw * 31 + stage * 7 + wave * 3 + i) % 97) * 1e-3f - 0.05f;
+    return d;
+  };
+  hetpipe::ShardPlane sequential(numels, stages, kD, 1), concurrent(numels, stages, kD, 2);
+  for (int wave = 0; wave < kWaves; ++wave) {
+    for (int vw = 0; vw < 2; ++vw) {
+      for (int stage = 0; stage < 2; ++stage) {
+        const auto d = delta_of(vw, stage, wave, sequential.stage_numel(vw, stage));
+        sequential.push(vw, stage, wave, d.data(), d.size());
+      }
+    }
+  }
+  std::atomic<int> violations{0};
+  std::vector<std::thread> threads;
+  for (int vw = 0; vw < 2; ++vw) {
+    for (int stage = 0; stage < 2; ++stage) {
+      threads.emplace_back([&, vw, stage] {
+        std::vector<float> pulled(concurrent.stage_numel(vw, stage));
+        for (int wave = 0; wave < kWaves; ++wave) {
+          const std::int64_t a = concurrent.pull_for(vw, stage, wave, pulled.data(), pulled.size(), std::chrono::seconds(30));
+          if (a < wave - kD) violations.fetch_add(1);
+          const auto d = delta_of(vw, stage, wave, pulled.size());
+          concurrent.push(vw, stage, wave, d.data(), d.size());
+        }
+      });
+    }
+  }
+  for (auto& th : threads) th.join();
+  CHECK(violations.load() == 0);
+  CHECK(concurrent.applied() == kWaves && sequential.applied() == kWaves);
+  for (int l = 0; l < 3; ++l) {
+    CHECK(std::memcmp(concurrent.weights(l), sequential.weights(l), numels[l] * sizeof(float)) == 0);
+  }
+  bool duplicate = false;
+  try {
+    const auto d = delta_of(0, 0, 0, concurrent.stage_numel(0, 0));
+    concurrent.push(0, 0, 0, d.data(), d.size());
+  } catch (const std::invalid_argument&) {
+    duplicate = true;
+  }
+  CHECK(duplicate);
+}
+
+// Runs one check and prints its wall time (the sanitizer build is several times slower).
+void run(const char* name, void (*check)()) {
+  const auto start = std::chrono::steady_clock::now();
+  check();
+  std::printf("%-44s %.2f s\n", name,
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+}
+
 }  // namespace
 
 int main() {
-  pool_exclusive_ownership();
-  pool_errors();
-  clock_no_lost_update_and_bound();
-  cpu_stream_order();
-  apply_delta_thread_invariant();
+  run("pool_exclusive_ownership", pool_exclusive_ownership);
+  run("pool_available_stays_in_range", pool_available_stays_in_range);
+  run("pool_blocking_handoff", pool_blocking_handoff);
+  run("pool_errors", pool_errors);
+  run("clock_no_lost_update_and_bound", clock_no_lost_update_and_bound);
+  run("clock_monotonic_under_contention", clock_monotonic_under_contention);
+  run("cpu_stream_order", cpu_stream_order);
+  run("cpu_stream_task_failure", cpu_stream_task_failure);
+  run("events_record_while_waiting", events_record_while_waiting);
+  run("apply_delta_thread_invariant", apply_delta_thread_invariant);
+  run("shard_plane_concurrent_equals_sequential", shard_plane_concurrent_equals_sequential);
   if (g_failures != 0) {
     std::fprintf(stderr, "%d check(s) failed\n", g_failures);
     return EXIT_FAILURE;

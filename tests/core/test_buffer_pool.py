@@ -14,8 +14,7 @@ from hetpipe_core import PinnedBufferPool
 def test_properties_and_alignment():
     pool = PinnedBufferPool(5, 1000)
     assert pool.num_slots == 5 and pool.slot_bytes == 1000
-    assert isinstance(pool.pinned, bool)
-    assert pool.pinned == hetpipe_core.build_info()["cuda_available"]
+    assert pool.pinned is False and pool.device == -1     # device=-1 (the default): host memory, no CUDA
     slots = [pool.acquire() for _ in range(5)]
     assert pool.available() == 0
     assert sorted(s.index for s in slots) == list(range(5))
@@ -28,6 +27,20 @@ def test_properties_and_alignment():
     for s in slots:
         pool.release(s)
     assert pool.available() == 5
+
+
+def test_device_argument():
+    info = hetpipe_core.build_info()
+    pinned = PinnedBufferPool(2, 64, 0)
+    # Page-locked through device 0 when there is one; ordinary memory (as device=-1) without CUDA.
+    assert pinned.pinned == info["cuda_available"]
+    assert pinned.device == (0 if info["cuda_available"] else -1)
+    assert "device=" in repr(pinned)
+    with pytest.raises(ValueError, match="device -2"):
+        PinnedBufferPool(2, 64, -2)
+    if info["cuda_available"]:
+        with pytest.raises(ValueError, match=f"device {info['cuda_device_count']} out of range"):
+            PinnedBufferPool(2, 64, info["cuda_device_count"])
 
 
 def test_zero_copy_torch_numpy_buffer():

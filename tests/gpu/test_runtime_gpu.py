@@ -44,7 +44,8 @@ def test_two_stage_replay_on_cuda_matches_cpu():
 def test_stager_round_trip_is_exact_and_ordered_after_its_producer():
     _needs_torch_cuda()
     n = 1 << 22
-    pool = hetpipe_core.PinnedBufferPool(2, 4 * n)
+    pool = hetpipe_core.PinnedBufferPool(2, 4 * n, 0)
+    assert pool.pinned and pool.device == 0
     stager = CopyStager(pool, torch.device("cuda", 0))
     a = torch.randn(n, device="cuda")
     t = a * 2                                   # the copy must wait for this kernel

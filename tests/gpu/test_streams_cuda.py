@@ -23,7 +23,7 @@ def test_cuda_semantics(case):
 def test_cuda_stream_and_pinned_pool():
     s = Stream(0)
     assert s.is_cuda and s.handle != 0 and s.device == 0
-    assert PinnedBufferPool(1, 64).pinned
+    assert PinnedBufferPool(1, 64, 0).pinned
     s.close()
 
 
@@ -32,7 +32,7 @@ def test_host_device_round_trip():
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA")
     n = 1 << 20
-    pool = PinnedBufferPool(2, n)
+    pool = PinnedBufferPool(2, n, 0)
     src, back = pool.acquire(), pool.acquire()
     src.numpy("uint8")[:] = np.arange(n, dtype=np.uint64).astype(np.uint8)
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")

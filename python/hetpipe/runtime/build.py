@@ -139,7 +139,15 @@ def _round_slot(nbytes: int) -> int:
     return max(4096, -(-nbytes // 4096) * 4096)
 
 
+def _pin_device(device: Optional[torch.device]) -> int:
+    """The CUDA device whose context pins a pool's slots; -1 (ordinary host memory, no CUDA call) off CUDA."""
+    if device is None or device.type != "cuda":
+        return -1
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def stage_pool(spec: RunSpec, vw: int, stage: int):
+    """A stage's slots, page-locked through its own device's context when it runs on CUDA."""
     st = spec.plan.virtual_workers[vw].stages[stage]
     lay = spec.layout
     param_bytes = 4 * (sum(lay.numel(l) + lay.buffer_numel(l) for l in range(st.start, st.stop))
@@ -147,16 +155,18 @@ def stage_pool(spec: RunSpec, vw: int, stage: int):
     act = max(boundary_bytes(spec.boundaries[st.start], spec.sample_batch),
               boundary_bytes(spec.boundaries[st.stop], spec.sample_batch))
     slots = 2 * spec.plan.nm + 2 * len(spec.plan.ps_shards) + 8
-    return hetpipe_core.PinnedBufferPool(slots, _round_slot(max(act, param_bytes)))
+    device = _pin_device(spec.devices.get(spec.plan.rank_of(vw, stage)))
+    return hetpipe_core.PinnedBufferPool(slots, _round_slot(max(act, param_bytes)), device)
 
 
 def shard_pool(spec: RunSpec, shard: int):
+    """A PS shard's slots: ordinary host memory (device -1), so a PS rank opens no CUDA context."""
     owned = spec.plan.ps_shards[shard].layers
     lay = spec.layout
     biggest = max((4 * (sum(lay.numel(l) + lay.buffer_numel(l) for l in owned if st.start <= l < st.stop)
                         + sum(r.numel for r in lay.stage_replicas(st.start, st.stop) if r.owner in owned))
                    for vw in spec.plan.virtual_workers for st in vw.stages), default=0)
-    return hetpipe_core.PinnedBufferPool(2 * spec.plan.num_stage_ranks + 8, _round_slot(biggest))
+    return hetpipe_core.PinnedBufferPool(2 * spec.plan.num_stage_ranks + 8, _round_slot(biggest), -1)
 
 
 def shard_layers(plan: Plan) -> Dict[int, Sequence[int]]:

@@ -263,6 +263,9 @@ class Trainer:
     def _run_role(self, comm, plan: Plan, spec: RunSpec, role: Role, emulated: bool) -> TrainResult:
         trace: Optional[List[TraceEvent]] = [] if self.trace_path else None
         if role.kind == "stage":
+            device = spec.devices[role.rank]
+            if device.type == "cuda":
+                torch.cuda.set_device(device)    # before this rank's first CUDA call: nothing lands on GPU 0
             pool = stage_pool(spec, role.vw, role.stage)
         else:
             pool = shard_pool(spec, role.shard)

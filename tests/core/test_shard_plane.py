@@ -1,0 +1,119 @@
+"""ShardPlane (the PS shard's data plane in the core) against the Python shard, ShardState of
+hetpipe.runtime.ps: the same pushes and pulls give bit-identical weights, clocks and pull replies,
+sequentially and with one thread per stage pushing and pulling at once (GIL released)."""
+
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from hetpipe.runtime.ps import ShardState
+from hetpipe_core import ShardPlane
+
+# The shard owns model layers 1, 4 and 5 (plane indices 0, 1, 2); VW 0 has 2 stages, VW 1 has 3.
+LAYERS = {1: 3000, 4: 1100, 5: 70}
+CUTS = [[(0, 3), (3, 6)], [(0, 2), (2, 5), (5, 6)]]
+
+
+def _plane_layout():
+    order = sorted(LAYERS)
+    stage_layers = [[[order.index(l) for l in order if a <= l < b] for (a, b) in vw] for vw in CUTS]
+    return [LAYERS[l] for l in order], stage_layers
+
+
+def _pair(d: int, threads: int = 1):
+    rng = np.random.default_rng(0)
+    init = {l: rng.standard_normal(n).astype(np.float32) for l, n in LAYERS.items()}
+    ref = ShardState(0, init, CUTS, d)
+    numels, stage_layers = _plane_layout()
+    plane = ShardPlane(numels, stage_layers, d, threads)
+    for i, l in enumerate(sorted(LAYERS)):
+        plane.weights(i)[:] = init[l]
+    return ref, plane
+
+
+def _stages(ref: ShardState):
+    return [(vw, s) for vw in range(ref.num_vws) for s in sorted(ref.stage_layers[vw])]
+
+
+def _delta(vw: int, stage: int, wave: int, n: int) -> np.ndarray:
+    return np.random.default_rng(1000 * vw + 100 * stage + wave).standard_normal(n).astype(np.float32) * 0.01
+
+
+def _assert_same_weights(ref: ShardState, plane: ShardPlane):
+    for i, l in enumerate(sorted(LAYERS)):
+        assert np.array_equal(plane.weights(i), ref.W[l]), f"layer {l}"
+
+
+@pytest.mark.parametrize("d", [0, 1, 2])
+def test_random_interleaving_matches_python_shard(d):
+    ref, plane = _pair(d)
+    stages = _stages(ref)
+    next_wave = {k: 0 for k in stages}
+    rnd = random.Random(d)
+    waves = 12
+    while any(w < waves for w in next_wave.values()):
+        # A stage may push wave w once its pull of w was answered: w - D <= global clock.
+        ready = [k for k, w in next_wave.items() if w < waves and w - d <= ref.global_clock]
+        vw, stage = rnd.choice(ready)
+        w = next_wave[(vw, stage)]
+        n = ref.stage_numel(vw, stage)
+        got, want = np.empty(n, np.float32), np.empty(n, np.float32)
+        g = plane.pull(vw, stage, w, got, timeout=5)
+        ref.snapshot_into(vw, stage, want)
+        assert g == ref.global_clock and np.array_equal(got, want)
+        delta = _delta(vw, stage, w, n)
+        ref.push(vw, stage, w, delta)
+        plane.push(vw, stage, w, delta)
+        assert plane.applied == ref.applied and plane.clock(vw) == int(ref.clock.clock(vw))
+        next_wave[(vw, stage)] += 1
+    assert plane.applied == waves
+    _assert_same_weights(ref, plane)
+
+
+def test_threads_per_stage_match_python_shard():
+    d, waves = 1, 25
+    ref, plane = _pair(d, threads=2)
+    stages = _stages(ref)
+    for w in range(waves):
+        for vw, stage in stages:
+            ref.push(vw, stage, w, _delta(vw, stage, w, ref.stage_numel(vw, stage)))
+    errors = []
+
+    def stage_thread(vw: int, stage: int) -> None:
+        try:
+            out = np.empty(plane.stage_numel(vw, stage), np.float32)
+            for w in range(waves):
+                g = plane.pull(vw, stage, w, out, timeout=30)
+                assert g >= w - d, (vw, stage, w, g)
+                plane.push(vw, stage, w, _delta(vw, stage, w, out.size))
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=stage_thread, args=k) for k in stages]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert plane.applied == waves == ref.applied
+    _assert_same_weights(ref, plane)
+
+
+def test_bad_pushes_and_pulls_name_the_culprit():
+    _, plane = _pair(0)
+    n = plane.stage_numel(0, 0)
+    with pytest.raises(ValueError, match="VW 0 stage 7 holds none"):
+        plane.push(0, 7, 0, np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match=f"has 3 floats, expected {n}"):
+        plane.push(0, 0, 0, np.zeros(3, np.float32))
+    with pytest.raises(TypeError, match="delta must be float32"):
+        plane.push(0, 0, 0, np.zeros(n, np.float64))
+    plane.push(0, 0, 0, np.zeros(n, np.float32))
+    with pytest.raises(ValueError, match="duplicate push of wave 0 from VW 0 stage 0"):
+        plane.push(0, 0, 0, np.zeros(n, np.float32))
+    with pytest.raises(TimeoutError, match="0 waves applied"):
+        plane.pull(0, 0, 1, np.empty(n, np.float32), timeout=0.05)
+    with pytest.raises(ValueError, match="no stage of VW 0 holds layer 1"):
+        ShardPlane([4, 4], [[[0]]], 0)
