@@ -72,7 +72,7 @@ def test_stager_copy_overlaps_compute_enqueued_after_it():
     # CUDA events: the copy has completed while that compute (~100 ms of matmuls) has not.
     _needs_torch_cuda()
     n = 1 << 22
-    pool = hetpipe_core.PinnedBufferPool(1, 4 * n)
+    pool = hetpipe_core.PinnedBufferPool(1, 4 * n, 0)             # pinned: the copy can run asynchronously
     stager = CopyStager(pool, torch.device("cuda", 0))
     t = torch.randn(n, device="cuda") * 2
     m = torch.randn(4096, 4096, device="cuda") / 64
