@@ -181,6 +181,28 @@ class LayerTable:
         return int(self.cum_state[-1] + self.weight_copies(1) * self.cum_param[-1])
 
 
+def stage_matrix(table: LayerTable, slot: Slot, k: int, num_stages: int, nm: int, starts: np.ndarray,
+                 stops: np.ndarray, prev: Optional[LinkCost], nxt: Optional[LinkCost], mode: str,
+                 capacity: float) -> Tuple[np.ndarray, np.ndarray]:
+    """Stage ``k`` on ``slot`` for every start in ``starts`` (rows) and stop in ``stops`` (columns):
+    (seconds, recompute flags), seconds ``+inf`` where the range is empty or does not fit
+    ``capacity`` bytes. Mode ``none`` or ``all`` fixes recomputation; ``fit`` recomputes only where
+    keeping the activations would not fit (recomputing is never faster)."""
+    a, b = starts[:, None], stops[None, :]
+    invalid = b <= a
+    best = rc = None
+    for r in ([False, True] if mode == "fit" else [mode == "all"]):
+        t, m = table.stage_arrays(slot, k, num_stages, nm, a, b, prev, nxt, r)
+        t = np.where(invalid | (m > capacity), np.inf, t)
+        if best is None:
+            best, rc = t, np.full(t.shape, r)
+        else:
+            better = t < best
+            best = np.where(better, t, best)
+            rc = np.where(better, r, rc)
+    return best, rc
+
+
 def reference_times(table: LayerTable, device_type: str) -> Sequence[float]:
     """Per-layer fwd + bwd seconds on one type."""
     return np.diff(table.cum_fwd[device_type]) + np.diff(table.cum_bwd[device_type])
