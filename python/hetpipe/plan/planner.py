@@ -11,17 +11,18 @@ The best plan by ``objective`` wins: ``throughput`` (ties: smaller Nm, less stal
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hetpipe.cluster import ClusterSpec, load_cluster
 from hetpipe.plan import cost as cost_model
-from hetpipe.plan.formation import POLICIES, form_virtual_workers
+from hetpipe.plan.formation import POLICIES, default_vw_size, form_virtual_workers
 from hetpipe.plan.partition import Partition, partition
 from hetpipe.plan.placement import place_layers
 from hetpipe.plan.recompute import memory_efficiency, single_device_throughput
 from hetpipe.plan.stage import LayerTable, Slot
-from hetpipe.plan.types import Plan, StagePlan, VirtualWorkerPlan
+from hetpipe.plan.types import MAX_NM, Plan, StagePlan, VirtualWorkerPlan
 from hetpipe.profile import ModelProfile, load_profile
 
 OBJECTIVES = ("throughput", "memory_efficiency")
@@ -38,6 +39,7 @@ class _Candidate:
     throughput: float
     memory: int
     score: float
+    left_out: List[Dict[str, Any]]     # VWs that fit nowhere: their devices and why
 
 
 def _canonical(slots: Sequence[Slot]) -> Tuple[List[Slot], tuple]:
@@ -53,7 +55,14 @@ def _canonical(slots: Sequence[Slot]) -> Tuple[List[Slot], tuple]:
 
 def _relabel(part: Partition, src: Sequence[Slot], dst: Sequence[Slot]) -> Partition:
     m = {a.device: b for a, b in zip(src, dst)}
-    return Partition(tuple(m[s.device] for s in part.slots), part.stages, part.nm)
+    return replace(part, slots=tuple(m[s.device] for s in part.slots))
+
+
+def _rename(text: str, src: Sequence[Slot], dst: Sequence[Slot]) -> str:
+    """``text`` about the devices of ``src`` retold about those of ``dst`` (same structure)."""
+    m = {a.device: b.device for a, b in zip(src, dst)}
+    pattern = "|".join(re.escape(d) for d in sorted(m, key=len, reverse=True))
+    return re.sub(rf"(?<![\w.-])({pattern})(?![\w-])", lambda g: m[g.group(1)], text)
 
 
 def check_fits_cluster(table: LayerTable, cluster: ClusterSpec, profile: ModelProfile) -> None:
@@ -75,6 +84,17 @@ def check_fits_cluster(table: LayerTable, cluster: ClusterSpec, profile: ModelPr
                              f"{big.id} ({big.type}), has {cap} bytes")
 
 
+def _integer(name: str, value: Any, lo: int, hi: Optional[int] = None, why: str = "") -> None:
+    """An integer argument in [lo, hi], or None; else one ValueError naming it."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"make_plan: {name} must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise ValueError(f"make_plan: {name} must be {rng}{f' ({why})' if why else ''}, got {value}")
+
+
 def _stage_nodes(part: Partition) -> List[Tuple[int, int, str]]:
     return [(st.start, st.stop, sl.node) for st, sl in zip(part.stages, part.slots)]
 
@@ -94,12 +114,17 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     """
     cluster = load_cluster(cluster)
     profile = load_profile(profile)
-    if d < 0:
-        raise ValueError(f"make_plan: d must be >= 0, got {d}")
-    if nm is not None and nm < 1:
-        raise ValueError(f"make_plan: nm must be >= 1, got {nm}")
-    if max_nm is not None and max_nm < 1:
-        raise ValueError(f"make_plan: max_nm must be >= 1, got {max_nm}")
+    _integer("d", d, 0)
+    _integer("nm", nm, 1, MAX_NM)
+    _integer("max_nm", max_nm, 1, MAX_NM)
+    _integer("horizon", horizon, 1)
+    _integer("minibatch_size", minibatch_size, 0)
+    _integer("num_ps_shards", num_ps_shards, 1, profile.num_layers,
+             f"a shard owns whole layers and the model has {profile.num_layers}")
+    _integer("vw_size", vw_size, 1, profile.num_layers, f"every stage needs a layer and the model has "
+                                                         f"{profile.num_layers}")
+    if vw_size is None and default_vw_size(cluster) > profile.num_layers:
+        vw_size = profile.num_layers     # nodes with more devices than layers: VWs of one stage per layer
     if objective not in OBJECTIVES:
         raise ValueError(f"make_plan: unknown objective {objective!r} (known: {', '.join(OBJECTIVES)})")
     used_types = sorted({dv.type for dv in cluster.devices})
@@ -142,9 +167,10 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
         pol_best: Optional[_Candidate] = None
         for mode in modes:
             for m in nms:
-                try:
-                    parts = []
-                    for cs, key in canon:
+                parts = []
+                left_out: List[Dict[str, Any]] = []
+                for (cs, key), vw in zip(canon, slots):
+                    try:
                         if (key, mode) not in relaxed:
                             relaxed[(key, mode)] = partition(table, cs, cluster, m, recompute=mode,
                                                              exhaustive_max=exhaustive_max, ignore_memory=True)
@@ -152,13 +178,21 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
                             cache[(key, m, mode)] = (cs, partition(table, cs, cluster, m, recompute=mode,
                                                                    exhaustive_max=exhaustive_max,
                                                                    relaxed=relaxed[(key, mode)]))
-                        src, part = cache[(key, m, mode)]
+                    except ValueError as e:
+                        # this VW fits nowhere: leave its devices out rather than fail the policy
+                        cache[(key, m, mode)] = (cs, str(e))
+                    src, part = cache[(key, m, mode)]
+                    if isinstance(part, str):
+                        left_out.append({"devices": [s.device for s in vw], "reason": _rename(part, src, cs)})
+                    else:
                         parts.append(_relabel(part, src, cs))
-                except ValueError as e:
-                    errors.setdefault(pol, str(e))
+                if not parts:
+                    errors.setdefault(pol, left_out[0]["reason"])
                     continue
                 stage_nodes = [_stage_nodes(p) for p in parts]
-                shards = place_layers(pb, cluster.nodes, stage_nodes, num_ps_shards)
+                # shards go to the nodes the VWs use (all of them unless a VW was left out)
+                used = {n for sn in stage_nodes for _, _, n in sn}
+                shards = place_layers(pb, [n for n in cluster.nodes if n in used], stage_nodes, num_ps_shards)
                 waves = [cost_model.vw_wave_time(p.bottleneck, p.round_trip,
                                                  cost_model.vw_sync_time(sn, pb, shards, cluster.node_link), m, d,
                                                  len(p.stages))
@@ -168,7 +202,7 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
                 thr = cost_model.cluster_throughput(waves, m, d, period, horizon)
                 mem = sum(st.memory for p in parts for st in p.stages)
                 score = thr if objective == "throughput" else memory_efficiency(thr, single, mem)
-                cand = _Candidate(pol, m, mode, parts, shards, waves, thr, mem, score)
+                cand = _Candidate(pol, m, mode, parts, shards, waves, thr, mem, score, left_out)
                 if pol_best is None or score > pol_best.score * (1 + 1e-9):
                     pol_best = cand
         if pol_best is None:
@@ -200,7 +234,12 @@ def _to_plan(c: _Candidate, table: LayerTable, cluster: ClusterSpec, profile: Mo
         "bottleneck_s": [p.bottleneck for p in c.parts], "wave_time_s": list(c.wave_times),
         "policies": {k: v for k, v in outcomes.items()},
         "devices": "modelled" if not cluster.emulated else "emulated",
+        "search": ["exact" if p.optimal else
+                   f"bottleneck within {p.bottleneck / p.lower_bound:.3g}x of optimal" if p.lower_bound > 0 else
+                   "heuristic" for p in c.parts],
     }
+    if c.left_out:
+        meta["left_out"] = c.left_out
     return Plan(num_layers=table.num_layers, nm=c.nm, d=d, policy=c.policy, virtual_workers=tuple(vws),
                 ps_shards=c.shards, throughput=c.throughput,
                 minibatch_size=minibatch_size if minibatch_size is not None else profile.minibatch_size,
