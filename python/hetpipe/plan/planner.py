@@ -90,9 +90,10 @@ def _integer(name: str, value: Any, lo: int, hi: Optional[int] = None, why: str 
         return
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"make_plan: {name} must be an integer, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
-        raise ValueError(f"make_plan: {name} must be {rng}{f' ({why})' if why else ''}, got {value}")
+    if value < lo:
+        raise ValueError(f"make_plan: {name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"make_plan: {name} must be <= {hi}{f' ({why})' if why else ''}, got {value}")
 
 
 def _stage_nodes(part: Partition) -> List[Tuple[int, int, str]]:

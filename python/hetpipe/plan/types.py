@@ -86,8 +86,10 @@ class Plan:
                                     ("num_layers", self.num_layers, 1, None)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"plan: {name} must be an integer, got {value!r}")
-            if value < lo or (hi is not None and value > hi):
-                raise ValueError(f"plan: {name} must be {f'in {lo}..{hi}' if hi else f'>= {lo}'}, got {value}")
+            if value < lo:
+                raise ValueError(f"plan: {name} must be >= {lo}, got {value}")
+            if hi is not None and value > hi:
+                raise ValueError(f"plan: {name} must be <= {hi}, got {value}")
         if not self.virtual_workers:
             raise ValueError("plan: no virtual workers")
         for i, vw in enumerate(self.virtual_workers):
