@@ -233,9 +233,12 @@ def _solve_exact(table, slots, cluster, nm, mode, coarse_above, num_blocks, igno
             refined = _refine(table, list(order), links_of(order, cluster), nm, mode, cap, bounds, width)
             return (order,) + (refined if refined is not None else (bounds, flags)) + (False,)
     full = _full_positions(L, K)
-    links = links_of(slots, cluster)
-    first = _dp(table, slots, links, nm, full, mode, capacity)
-    upper = np.inf if first is None else evaluate(table, slots, links, nm, *first).bottleneck
+    upper = np.inf
+    if len(device_classes(slots)) > 2:
+        # branch and bound: the given order's optimum is an upper bound worth its one DP
+        links = links_of(slots, cluster)
+        first = _dp(table, slots, links, nm, full, mode, capacity)
+        upper = np.inf if first is None else evaluate(table, slots, links, nm, *first).bottleneck
     sol = search(table, slots, cluster, nm, mode, full, ignore_memory, upper)
     return None if sol is None else sol + (True,)
 

@@ -39,7 +39,8 @@ class _Candidate:
     throughput: float
     memory: int
     score: float
-    left_out: List[Dict[str, Any]]     # VWs that fit nowhere: their devices and why
+    # VWs that fit nowhere: (VW, why, the slots the reason names, the VW's canonical slots)
+    left_out: List[Tuple[List[Slot], str, List[Slot], List[Slot]]]
 
 
 def _canonical(slots: Sequence[Slot]) -> Tuple[List[Slot], tuple]:
@@ -152,6 +153,7 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
 
     single = single_device_throughput(table, used_types)
     by_id = {dv.id: dv for dv in cluster.devices}
+    nodes = cluster.nodes
     pb = [float(x) for x in table.param_bytes]
     best: Optional[_Candidate] = None
     errors: Dict[str, str] = {}
@@ -169,7 +171,7 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
         for mode in modes:
             for m in nms:
                 parts = []
-                left_out: List[Dict[str, Any]] = []
+                left_out: List[Tuple[List[Slot], str, List[Slot], List[Slot]]] = []
                 for (cs, key), vw in zip(canon, slots):
                     try:
                         if (key, mode) not in relaxed:
@@ -184,21 +186,21 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
                         cache[(key, m, mode)] = (cs, str(e))
                     src, part = cache[(key, m, mode)]
                     if isinstance(part, str):
-                        left_out.append({"devices": [s.device for s in vw], "reason": _rename(part, src, cs)})
+                        left_out.append((vw, part, src, cs))
                     else:
                         parts.append(_relabel(part, src, cs))
                 if not parts:
-                    errors.setdefault(pol, left_out[0]["reason"])
+                    errors.setdefault(pol, _rename(*left_out[0][1:]))
                     continue
                 stage_nodes = [_stage_nodes(p) for p in parts]
                 # shards go to the nodes the VWs use (all of them unless a VW was left out)
                 used = {n for sn in stage_nodes for _, _, n in sn}
-                shards = place_layers(pb, [n for n in cluster.nodes if n in used], stage_nodes, num_ps_shards)
+                shards = place_layers(pb, [n for n in nodes if n in used], stage_nodes, num_ps_shards)
                 waves = [cost_model.vw_wave_time(p.bottleneck, p.round_trip,
                                                  cost_model.vw_sync_time(sn, pb, shards, cluster.node_link), m, d,
                                                  len(p.stages))
                          for p, sn in zip(parts, stage_nodes)]
-                period = max(cost_model.shard_times(stage_nodes, pb, shards, cluster.nodes,
+                period = max(cost_model.shard_times(stage_nodes, pb, shards, nodes,
                                                     cluster.inter_node.bandwidth), default=0.0)
                 thr = cost_model.cluster_throughput(waves, m, d, period, horizon)
                 mem = sum(st.memory for p in parts for st in p.stages)
@@ -240,7 +242,8 @@ def _to_plan(c: _Candidate, table: LayerTable, cluster: ClusterSpec, profile: Mo
                    "heuristic" for p in c.parts],
     }
     if c.left_out:
-        meta["left_out"] = c.left_out
+        meta["left_out"] = [{"devices": [s.device for s in vw], "reason": _rename(why, src, dst)}
+                            for vw, why, src, dst in c.left_out]
     return Plan(num_layers=table.num_layers, nm=c.nm, d=d, policy=c.policy, virtual_workers=tuple(vws),
                 ps_shards=c.shards, throughput=c.throughput,
                 minibatch_size=minibatch_size if minibatch_size is not None else profile.minibatch_size,
