@@ -114,7 +114,7 @@ def random_instance(rng: random.Random, K: int, L: int, ntypes: int, nnodes: int
     prof = profile_of(fwd, act, param, stash, ws, speeds)
     # memory from "a device holds about its share of the model" down to tight
     share = sum(8 * p + 2 * s for p, s in zip(param, stash)) / K
-    types = {t: (int(share * rng.uniform(0.9, 2.5)), s) for t, s in speeds.items()}
+    types = {t: (int(share * rng.uniform(0.8, 2.0)), s) for t, s in speeds.items()}
     kinds = [rng.choice(sorted(types)) for _ in range(K)]
     nodes = [[] for _ in range(nnodes)]
     for kind in kinds:
