@@ -72,6 +72,11 @@ def search(table: LayerTable, slots: Sequence[Slot], cluster, nm: int, mode: str
     ref, rates = work_rates(table, {s.device_type for s in slots})
     after = np.concatenate([np.cumsum(ref[::-1])[::-1], [0.0]])
     speed = [1.0 / rates[c[0].device_type] if rates[c[0].device_type] > 0 else np.inf for c in classes]
+    # and their memory must hold what any stage keeps of the layers after the cut: state, one weight
+    # stash and its gradient, D + 2 wave deltas, one minibatch's activations (n >= 1 in flight)
+    tail = (table.cum_state[-1] - table.cum_state + (table.d + 4) * (table.cum_param[-1] - table.cum_param)
+            + table.cum_stash[-1] - table.cum_stash)
+    memory = [0.0 if ignore_memory else float(c[0].memory_bytes) for c in classes]
 
     def link(kind: Optional[str], n: str) -> Optional[LinkCost]:
         if kind is None:
@@ -142,8 +147,12 @@ def search(table: LayerTable, slots: Sequence[Slot], cluster, nm: int, mode: str
                         g = np.full(width, np.inf)
                         g[c0:c1] = part
                         if k < K - 1:
-                            rate = sum((total[j] - u2[j]) * speed[j] for j in range(len(classes)))
+                            left = [total[j] - u2[j] for j in range(len(classes))]
+                            rate = sum(n * sp for n, sp in zip(left, speed))
                             g[after[positions[k + 1]] > cut * rate] = np.inf
+                            if not ignore_memory:
+                                room = sum(n * mem for n, mem in zip(left, memory))
+                                g[tail[positions[k + 1]] > room] = np.inf
                             if not np.isfinite(g).any():
                                 continue
                         arg = np.zeros(width, dtype=int)
