@@ -1,4 +1,7 @@
-"""Device mapping: the orders in which a VW's devices may form its pipeline.
+"""Device mapping: candidate pipeline orders for VWs beyond the exact order search.
+
+The partitioner searches every distinct order exactly (:mod:`hetpipe.plan.orders`) when a VW has at
+most ``exhaustive_max`` devices or few interchangeable classes; otherwise it tries these orders.
 
 Two devices of the same type on the same node are interchangeable, and so are node labels (every
 intra-node link is alike, and every inter-node link), so orders are compared by their *signature*:

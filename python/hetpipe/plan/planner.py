@@ -104,7 +104,7 @@ def _stage_nodes(part: Partition) -> List[Tuple[int, int, str]]:
 def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int] = None, d: int = 0,
               minibatch_size: Optional[int] = None, num_ps_shards: Optional[int] = None, recompute: Any = False,
               *, vw_size: Optional[int] = None, objective: str = "throughput", horizon: Optional[int] = None,
-              exhaustive_max: int = 5, derive_missing: bool = False, max_nm: Optional[int] = None) -> Plan:
+              exhaustive_max: int = 8, derive_missing: bool = False, max_nm: Optional[int] = None) -> Plan:
     """The HetPipe plan for ``profile`` (a ModelProfile, preset name or path) on ``cluster`` (a
     ClusterSpec, preset name, path or dict).
 
@@ -112,6 +112,10 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     recompute: False / "none", True / "fit", or "all" (see :mod:`hetpipe.plan.recompute`).
     derive_missing: derive device types the profile lacks by speed ratio instead of failing.
     max_nm: the largest Nm tried when ``nm`` is None (default: twice the largest VW).
+    exhaustive_max: VWs of at most this many devices are searched over every distinct device order
+    (:func:`hetpipe.plan.partition.partition`); ``meta["search"]`` says, per VW, whether the
+    partition is exact or how far from optimal it can be.
+    A VW that fits nowhere is left out (``meta["left_out"]``: its devices and why, in bytes).
     Raises ValueError naming the device, layer and bytes when nothing fits.
     """
     cluster = load_cluster(cluster)
