@@ -22,7 +22,7 @@ from hetpipe.plan.partition import Partition, partition
 from hetpipe.plan.placement import place_layers
 from hetpipe.plan.recompute import memory_efficiency, single_device_throughput
 from hetpipe.plan.stage import LayerTable, Slot
-from hetpipe.plan.types import MAX_NM, Plan, StagePlan, VirtualWorkerPlan
+from hetpipe.plan.types import MAX_NM, Plan, StagePlan, VirtualWorkerPlan, check_integer
 from hetpipe.profile import ModelProfile, load_profile
 
 OBJECTIVES = ("throughput", "memory_efficiency")
@@ -85,18 +85,6 @@ def check_fits_cluster(table: LayerTable, cluster: ClusterSpec, profile: ModelPr
                              f"{big.id} ({big.type}), has {cap} bytes")
 
 
-def _integer(name: str, value: Any, lo: int, hi: Optional[int] = None, why: str = "") -> None:
-    """An integer argument in [lo, hi], or None; else one ValueError naming it."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"make_plan: {name} must be an integer, got {value!r}")
-    if value < lo:
-        raise ValueError(f"make_plan: {name} must be >= {lo}, got {value}")
-    if hi is not None and value > hi:
-        raise ValueError(f"make_plan: {name} must be <= {hi}{f' ({why})' if why else ''}, got {value}")
-
-
 def _stage_nodes(part: Partition) -> List[Tuple[int, int, str]]:
     return [(st.start, st.stop, sl.node) for st, sl in zip(part.stages, part.slots)]
 
@@ -120,15 +108,13 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     """
     cluster = load_cluster(cluster)
     profile = load_profile(profile)
-    _integer("d", d, 0)
-    _integer("nm", nm, 1, MAX_NM)
-    _integer("max_nm", max_nm, 1, MAX_NM)
-    _integer("horizon", horizon, 1)
-    _integer("minibatch_size", minibatch_size, 0)
-    _integer("num_ps_shards", num_ps_shards, 1, profile.num_layers,
-             f"a shard owns whole layers and the model has {profile.num_layers}")
-    _integer("vw_size", vw_size, 1, profile.num_layers, f"every stage needs a layer and the model has "
-                                                         f"{profile.num_layers}")
+    for name, value, lo, hi in (("d", d, 0, None), ("nm", nm, 1, MAX_NM), ("max_nm", max_nm, 1, MAX_NM),
+                                ("horizon", horizon, 1, None), ("minibatch_size", minibatch_size, 0, None)):
+        check_integer("make_plan", name, value, lo, hi)
+    check_integer("make_plan", "num_ps_shards", num_ps_shards, 1, profile.num_layers,
+                  f"a shard owns whole layers and the model has {profile.num_layers}")
+    check_integer("make_plan", "vw_size", vw_size, 1, profile.num_layers,
+                  f"every stage needs a layer and the model has {profile.num_layers}")
     if vw_size is None and default_vw_size(cluster) > profile.num_layers:
         vw_size = profile.num_layers     # nodes with more devices than layers: VWs of one stage per layer
     if objective not in OBJECTIVES:

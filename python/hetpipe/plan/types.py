@@ -10,12 +10,24 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 PLAN_FORMAT = 1
 # the most minibatches in flight per VW a plan may ask for: past a few times the pipeline depth a
 # larger Nm buys nothing, and the runtime and simulator work per wave grows with it
 MAX_NM = 1024
+
+
+def check_integer(where: str, name: str, value: Any, lo: int, hi: Optional[int] = None, why: str = "") -> None:
+    """Raise one ValueError naming ``name`` unless ``value`` is an integer in [lo, hi] (None passes)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where}: {name} must be an integer, got {value!r}")
+    if value < lo:
+        raise ValueError(f"{where}: {name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{where}: {name} must be <= {hi}{f' ({why})' if why else ''}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -82,14 +94,9 @@ class Plan:
     # --- structure -------------------------------------------------------------------------
     def check(self) -> None:
         """Raise ValueError naming the culprit if the plan is not self-consistent."""
-        for name, value, lo, hi in (("nm", self.nm, 1, MAX_NM), ("d", self.d, 0, None),
-                                    ("num_layers", self.num_layers, 1, None)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"plan: {name} must be an integer, got {value!r}")
-            if value < lo:
-                raise ValueError(f"plan: {name} must be >= {lo}, got {value}")
-            if hi is not None and value > hi:
-                raise ValueError(f"plan: {name} must be <= {hi}, got {value}")
+        check_integer("plan", "nm", self.nm, 1, MAX_NM)
+        check_integer("plan", "d", self.d, 0)
+        check_integer("plan", "num_layers", self.num_layers, 1)
         if not self.virtual_workers:
             raise ValueError("plan: no virtual workers")
         for i, vw in enumerate(self.virtual_workers):
