@@ -72,11 +72,11 @@ def search(table: LayerTable, slots: Sequence[Slot], cluster, nm: int, mode: str
     ref, rates = work_rates(table, {s.device_type for s in slots})
     after = np.concatenate([np.cumsum(ref[::-1])[::-1], [0.0]])
     speed = [1.0 / rates[c[0].device_type] if rates[c[0].device_type] > 0 else np.inf for c in classes]
-    # and their memory must hold what any stage keeps of the layers after the cut: state, one weight
-    # stash and its gradient, D + 2 wave deltas, one minibatch's activations (n >= 1 in flight)
-    tail = (table.cum_state[-1] - table.cum_state + (table.d + 4) * (table.cum_param[-1] - table.cum_param)
-            + table.cum_stash[-1] - table.cum_stash)
+    # and their memory must hold what any stage keeps of the layers after the cut
+    tail = least_bytes_after(table)
     memory = [0.0 if ignore_memory else float(c[0].memory_bytes) for c in classes]
+    if not ignore_memory and tail[0] > sum(s.memory_bytes for s in slots):
+        return None
 
     def link(kind: Optional[str], n: str) -> Optional[LinkCost]:
         if kind is None:
@@ -207,6 +207,14 @@ def search(table: LayerTable, slots: Sequence[Slot], cluster, nm: int, mode: str
                              np.inf if ignore_memory else float(s.memory_bytes))
         flags.append(bool(rc[0, 0]))
     return tuple(order), tuple(bounds), tuple(flags)
+
+
+def least_bytes_after(table: LayerTable) -> np.ndarray:
+    """Per cut position ``j``: the least memory the layers ``[j, L)`` need on any stages — state, one
+    weight stash and its gradient, D + 2 wave deltas, one minibatch's activations (a stage has at
+    least one minibatch in flight, and recomputation still holds one minibatch's activations)."""
+    return (table.cum_state[-1] - table.cum_state + (table.d + 4) * (table.cum_param[-1] - table.cum_param)
+            + table.cum_stash[-1] - table.cum_stash)
 
 
 def work_rates(table: LayerTable, types: Sequence[str]) -> Tuple[np.ndarray, Dict[str, float]]:

@@ -16,10 +16,10 @@ fall into few interchangeable classes, are searched over every distinct order at
 bottleneck (:func:`hetpipe.plan.orders.lower_bound`), so ``bottleneck / lower_bound`` bounds how far
 from optimal they can be.
 
-Deep models (more than ``coarse_above`` layers) whose exact search would be slow at layer
-granularity are first solved on blocks of layers of about equal compute (AutoPipe-H's sub-block
-granularity), then refined exactly at layer granularity with each cut free to move within one
-block either side (not proven optimal: ``Partition.optimal`` is False). When nothing fits at block
+Deep models (more than ``coarse_above`` layers) are first solved on blocks of layers of about equal
+compute (AutoPipe-H's sub-block granularity), then refined exactly at layer granularity with each
+cut free to move within one block either side (not proven optimal: ``Partition.optimal`` is False);
+every order when there are at most ``MAX_GROUP_ORDERS``, else the order search's winner on blocks. When nothing fits at block
 granularity the blocks are made four times finer, and then every layer boundary is tried: blocks
 never make a feasible model look infeasible.
 
@@ -35,16 +35,12 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hetpipe.plan.mapping import candidate_orders
-from hetpipe.plan.orders import EXACT_MAX_PAIRS, device_classes, lower_bound, search, state_pairs
+from hetpipe.plan.mapping import MAX_GROUP_ORDERS, distinct_perms, candidate_orders
+from hetpipe.plan.orders import EXACT_MAX_PAIRS, device_classes, least_bytes_after, lower_bound, search, state_pairs
 from hetpipe.plan.stage import LayerTable, LinkCost, Slot, reference_times, stage_matrix
 from hetpipe.plan.recompute import choose_layers, recompute_cost, recompute_seconds
 
 RECOMPUTE_MODES = ("none", "fit", "all")
-# deep models: the largest estimate of the matrix entries the exact order search touches at layer
-# granularity (:func:`_exact_work`; bounds prune most of them) before it searches blocks of layers
-# first; about a second of numpy
-FINE_WORK_MAX = 5e8
 
 
 @dataclass(frozen=True)
@@ -200,30 +196,28 @@ def _refine(table, slots, links, nm, mode, capacity, bounds, width, bound=np.inf
     return _dp(table, slots, links, nm, fine, mode, capacity, bound)
 
 
-def _solve_order(table, slots, links, nm, mode, capacity, coarse_above, num_blocks, bound=np.inf):
+def _solve_order(table, slots, links, nm, mode, capacity, coarse_above, num_blocks, bound=np.inf,
+                 fine_fallback: bool = True):
     """(bounds, flags) on one device order: block granularity refined to layers for deep models,
-    and layer granularity before answering None, so blocks never hide the only feasible cut."""
+    and (``fine_fallback``) layer granularity before answering None, so blocks never hide the only
+    feasible cut."""
     for coarse, width in _granularities(table, slots, coarse_above, num_blocks):
         sol = _dp(table, slots, links, nm, coarse, mode, capacity)   # no bound: refining may beat it
         if sol is not None:
             refined = _refine(table, slots, links, nm, mode, capacity, sol[0], width, bound)
             return refined if refined is not None else sol
+    if (not fine_fallback and table.num_layers > coarse_above) or least_bytes_after(table)[0] > float(np.sum(capacity)):
+        return None
     return _dp(table, slots, links, nm, _full_positions(table.num_layers, len(slots)), mode, capacity, bound)
-
-
-def _exact_work(slots, positions: int) -> float:
-    """About how many matrix entries the order search touches at one granularity."""
-    return 2.0 * state_pairs(slots) * len(device_classes(slots)) * positions ** 2
 
 
 def _solve_exact(table, slots, cluster, nm, mode, coarse_above, num_blocks, ignore_memory):
     """(order, bounds, flags, optimal) over every distinct order, or None when nothing fits.
-    Deep models are searched at layer granularity when that is cheap (few device classes), else at
-    block granularity with the winning order's cuts refined to layers (not proven optimal); layer
-    granularity is always tried before answering None."""
+    Deep models are searched at block granularity with the winning order's cuts refined to layers
+    (not proven optimal); layer granularity is always tried before answering None."""
     K, L = len(slots), table.num_layers
     capacity = np.array([np.inf if ignore_memory else float(s.memory_bytes) for s in slots])
-    if L > coarse_above and _exact_work(slots, L - K + 1) > FINE_WORK_MAX:
+    if L > coarse_above:
         for coarse, width in _granularities(table, slots, coarse_above, num_blocks):
             sol = search(table, slots, cluster, nm, mode, coarse, ignore_memory)   # no bound: see _solve_order
             if sol is None:
@@ -285,11 +279,10 @@ def keep_what_fits(table: LayerTable, part: Partition, links: Sequence[LinkCost]
 def overflow_report(table: LayerTable, slots, links, nm, mode) -> str:
     """Why no partition fits: the stage that overflows most in the time-optimal unconstrained split."""
     K = len(slots)
-    inf_cap = np.full(K, np.inf)
-    L = table.num_layers
-    full = [np.array([0])] + [np.arange(k, L - K + k + 1) for k in range(1, K)] + [np.array([L])]
     rc = mode != "none"
-    bounds, _ = _dp(table, slots, links, nm, full, "all" if rc else "none", inf_cap)
+    # deep models: the block-granularity split refined to layers is as good an example, and cheap
+    bounds, _ = _solve_order(table, list(slots), list(links), nm, "all" if rc else "none", np.full(K, np.inf),
+                             256, 128)
     part = evaluate(table, slots, links, nm, bounds, [rc] * K)
     worst = max(range(K), key=lambda k: part.stages[k].memory / max(slots[k].memory_bytes, 1))
     s, sl = part.stages[worst], slots[worst]
@@ -299,9 +292,11 @@ def overflow_report(table: LayerTable, slots, links, nm, mode) -> str:
 
 def partition_order(table: LayerTable, slots: Sequence[Slot], links: Sequence[LinkCost], nm: int,
                     recompute="none", coarse_above: int = 256, num_blocks: int = 128,
-                    bound: float = np.inf, ignore_memory: bool = False) -> Optional[Partition]:
+                    bound: float = np.inf, ignore_memory: bool = False, fine_fallback: bool = True
+                    ) -> Optional[Partition]:
     """The optimal partition on a fixed device order, or None when nothing fits memory (or when no
-    partition has a bottleneck <= ``bound``)."""
+    partition has a bottleneck <= ``bound``; or, without ``fine_fallback``, when nothing fits at
+    block granularity)."""
     mode = _mode(recompute)
     if nm < 1:
         raise ValueError(f"partition: nm must be >= 1, got {nm}")
@@ -309,7 +304,8 @@ def partition_order(table: LayerTable, slots: Sequence[Slot], links: Sequence[Li
         raise ValueError(f"partition: {len(slots)} devices need at least {len(slots)} layers, "
                          f"the model has {table.num_layers}")
     capacity = np.array([np.inf if ignore_memory else float(s.memory_bytes) for s in slots])
-    sol = _solve_order(table, list(slots), list(links), nm, mode, capacity, coarse_above, num_blocks, bound)
+    sol = _solve_order(table, list(slots), list(links), nm, mode, capacity, coarse_above, num_blocks, bound,
+                       fine_fallback)
     if sol is None:
         return None
     return evaluate(table, slots, links, nm, sol[0], sol[1])
@@ -354,7 +350,14 @@ def partition(table, slots: Sequence, cluster, nm: int, *, recompute="none",
     if ignore_memory and mode == "fit":
         mode = "none"
     best: Optional[Partition] = None
-    if len(slots) <= exhaustive_max or state_pairs(slots) <= EXACT_MAX_PAIRS:
+    if table.num_layers > coarse_above and distinct_perms(slots, _class) <= MAX_GROUP_ORDERS:
+        # deep models on few orders: each order at block granularity refined to layers (the order
+        # that wins on blocks need not win after refinement); layer granularity before None
+        best = _search_candidates(table, slots, cluster, nm, mode, len(slots), coarse_above, num_blocks,
+                                  ignore_memory, fine_fallback=False)
+    if best is not None:
+        pass
+    elif len(slots) <= exhaustive_max or state_pairs(slots) <= EXACT_MAX_PAIRS:
         sol = _solve_exact(table, slots, cluster, nm, mode, coarse_above, num_blocks, ignore_memory)
         if sol is not None:
             order, bounds, flags, optimal = sol
@@ -374,8 +377,12 @@ def partition(table, slots: Sequence, cluster, nm: int, *, recompute="none",
     return best
 
 
+def _class(s: Slot) -> Tuple[str, int, str]:
+    return s.device_type, s.memory_bytes, s.node
+
+
 def _search_candidates(table, slots, cluster, nm, mode, exhaustive_max, coarse_above, num_blocks,
-                       ignore_memory) -> Optional[Partition]:
+                       ignore_memory, fine_fallback: bool = True) -> Optional[Partition]:
     """The best partition over :func:`hetpipe.plan.mapping.candidate_orders` (each order exact),
     with the admissible :func:`hetpipe.plan.orders.lower_bound`; None when none fits."""
     speed = {t: dt.speed for t, dt in cluster.device_types.items()}
@@ -384,7 +391,8 @@ def _search_candidates(table, slots, cluster, nm, mode, exhaustive_max, coarse_a
     for order in candidate_orders(slots, speed, exhaustive_max):
         links = links_of(order, cluster)
         bound = best_key[0] if best is not None else np.inf
-        p = partition_order(table, order, links, nm, mode, coarse_above, num_blocks, bound, ignore_memory)
+        p = partition_order(table, order, links, nm, mode, coarse_above, num_blocks, bound, ignore_memory,
+                            fine_fallback)
         if p is None:
             continue
         key = (p.bottleneck, p.round_trip)

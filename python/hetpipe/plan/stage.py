@@ -106,15 +106,21 @@ class LayerTable:
         self._sparse = np.zeros((len(levels), max(n, 1)))
         for p, row in enumerate(levels):
             self._sparse[p, :len(row)] = row
+        self._flat = self._sparse.ravel()
+        # floor(log2(length)) for every range length, and 2 ** that
+        self._lg = np.zeros(n + 1, dtype=np.intp)
+        for i in range(2, n + 1):
+            self._lg[i] = self._lg[i // 2] + 1
+        self._pow = np.left_shift(1, self._lg)
 
     def ws_max(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """Largest workspace over layers [a, b) (b > a), elementwise."""
         if self._dense is not None:
             return self._dense[a, b]
         length = np.maximum(b - a, 1)
-        lvl = np.log2(length).astype(int)
-        start2 = np.maximum(b - (1 << lvl), a)
-        return np.maximum(self._sparse[lvl, a], self._sparse[lvl, start2])
+        row = self._lg[length] * self._sparse.shape[1]
+        start2 = np.maximum(b - self._pow[length], a)
+        return np.maximum(self._flat[row + a], self._flat[row + start2])
 
     def stage_arrays(self, slot: Slot, k: int, num_stages: int, nm: int, a: np.ndarray, b: np.ndarray,
                      prev: Optional[LinkCost], nxt: Optional[LinkCost], recompute: bool):
