@@ -6,7 +6,7 @@ import random
 import pytest
 
 from hetpipe.cluster import cluster_from_dict
-from hetpipe.plan import LayerTable, Slot, make_plan, partition
+from hetpipe.plan import LayerTable, Slot, format_plan, make_plan, partition
 from hetpipe.plan.orders import lower_bound
 from hetpipe.profile import LayerProfile, ModelProfile
 
@@ -243,3 +243,4 @@ def test_vw_beyond_exact_search_states_its_gap():
     assert not part.optimal and 0 < part.lower_bound <= part.bottleneck
     plan = make_plan(cluster, prof, nm=2, policy="ED", vw_size=10)
     assert plan.meta["search"][0].startswith("bottleneck within ")
+    assert "VW 0 partition: bottleneck within " in format_plan(plan)
