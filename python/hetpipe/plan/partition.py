@@ -211,13 +211,13 @@ def _solve_order(table, slots, links, nm, mode, capacity, coarse_above, num_bloc
     return _dp(table, slots, links, nm, _full_positions(table.num_layers, len(slots)), mode, capacity, bound)
 
 
-def _solve_exact(table, slots, cluster, nm, mode, coarse_above, num_blocks, ignore_memory):
+def _solve_exact(table, slots, cluster, nm, mode, coarse_above, num_blocks, ignore_memory, blocks: bool = True):
     """(order, bounds, flags, optimal) over every distinct order, or None when nothing fits.
     Deep models are searched at block granularity with the winning order's cuts refined to layers
     (not proven optimal); layer granularity is always tried before answering None."""
     K, L = len(slots), table.num_layers
     capacity = np.array([np.inf if ignore_memory else float(s.memory_bytes) for s in slots])
-    if L > coarse_above:
+    if blocks and L > coarse_above:
         for coarse, width in _granularities(table, slots, coarse_above, num_blocks):
             sol = search(table, slots, cluster, nm, mode, coarse, ignore_memory)   # no bound: see _solve_order
             if sol is None:
@@ -350,20 +350,21 @@ def partition(table, slots: Sequence, cluster, nm: int, *, recompute="none",
     if ignore_memory and mode == "fit":
         mode = "none"
     best: Optional[Partition] = None
-    if table.num_layers > coarse_above and distinct_perms(slots, _class) <= MAX_GROUP_ORDERS:
+    few = table.num_layers > coarse_above and distinct_perms(slots, _class) <= MAX_GROUP_ORDERS
+    if few:
         # deep models on few orders: each order at block granularity refined to layers (the order
-        # that wins on blocks need not win after refinement); layer granularity before None
+        # that wins on blocks need not win after refinement)
         best = _search_candidates(table, slots, cluster, nm, mode, len(slots), coarse_above, num_blocks,
                                   ignore_memory, fine_fallback=False)
-    if best is not None:
-        pass
-    elif len(slots) <= exhaustive_max or state_pairs(slots) <= EXACT_MAX_PAIRS:
-        sol = _solve_exact(table, slots, cluster, nm, mode, coarse_above, num_blocks, ignore_memory)
+    if best is None and (len(slots) <= exhaustive_max or state_pairs(slots) <= EXACT_MAX_PAIRS):
+        # when blocks fit nothing in any order above, only layer granularity is left to try
+        sol = _solve_exact(table, slots, cluster, nm, mode, coarse_above, num_blocks, ignore_memory,
+                           blocks=not few)
         if sol is not None:
             order, bounds, flags, optimal = sol
             best = evaluate(table, order, links_of(order, cluster), nm, bounds, flags)
             best = replace(best, optimal=optimal, lower_bound=best.bottleneck if optimal else lower_bound(table, slots))
-    else:
+    elif best is None:
         best = _search_candidates(table, slots, cluster, nm, mode, exhaustive_max, coarse_above, num_blocks,
                                   ignore_memory)
     if best is None:
