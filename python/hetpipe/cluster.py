@@ -26,6 +26,7 @@ eight times slower than the host). Only ratios of speeds are ever used.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Tuple, Union
@@ -130,6 +131,8 @@ class ClusterSpec:
 def _positive(where: str, value: Any, *, allow_zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{where} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{where} must be a finite number, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{where} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
     return float(value)
@@ -161,6 +164,8 @@ def _device_type(cname: str, tname: str, data: Any) -> DeviceType:
         speed = flops / 1e12
     else:
         raise ValueError(f"{where}: needs speed or peak_flops")
+    if mem < 1:
+        raise ValueError(f"{where}: memory_bytes must be at least 1 byte, got {data['memory_bytes']!r}")
     return DeviceType(tname, int(mem), speed, flops)
 
 

@@ -102,10 +102,10 @@ class ModelProfile:
         where = f"profile {self.name!r}"
         if not self.layers:
             raise ValueError(f"{where}: no layers")
-        if self.minibatch_size < 0:
-            raise ValueError(f"{where}: minibatch_size must be >= 0, got {self.minibatch_size}")
-        if self.input_bytes < 0:
-            raise ValueError(f"{where}: input_bytes must be >= 0, got {self.input_bytes}")
+        for kind in ("minibatch_size", "input_bytes"):
+            v = getattr(self, kind)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{where}: {kind} must be an integer >= 0, got {v!r}")
         need = list(device_types) if device_types is not None else None
         for i, layer in enumerate(self.layers):
             lw = f"{where}: layer {i} ({layer.name!r})"
@@ -121,8 +121,12 @@ class ModelProfile:
                 v = getattr(layer, kind)
                 if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                     raise ValueError(f"{lw}: {kind} must be an integer >= 0, got {v!r}")
-            if layer.stash_bytes is not None and (not isinstance(layer.stash_bytes, int) or layer.stash_bytes < 0):
-                raise ValueError(f"{lw}: stash_bytes must be an integer >= 0, got {layer.stash_bytes!r}")
+            sb = layer.stash_bytes
+            if sb is not None and (isinstance(sb, bool) or not isinstance(sb, int) or sb < 0):
+                raise ValueError(f"{lw}: stash_bytes must be an integer >= 0, got {sb!r}")
+            fl = layer.flops
+            if isinstance(fl, bool) or not isinstance(fl, (int, float)) or not math.isfinite(fl) or fl < 0:
+                raise ValueError(f"{lw}: flops must be a finite number >= 0, got {fl!r}")
 
     def fwd(self, device_type: str) -> List[float]:
         return [layer.fwd_time[device_type] for layer in self.layers]
@@ -187,6 +191,9 @@ class ModelProfile:
             unknown = set(ld) - {f.name for f in LayerProfile.__dataclass_fields__.values()}
             if unknown:
                 raise ValueError(f"profile {name!r}: layer {i} ({lname!r}): unknown field(s) {sorted(unknown)}")
+            if not isinstance(ld.get("derived", {}), Mapping):
+                raise ValueError(f"profile {name!r}: layer {i} ({lname!r}): derived must be an object "
+                                 f"mapping device type to true/false, got {ld['derived']!r}")
             for key in ("fwd_time", "bwd_time"):
                 if not isinstance(ld.get(key), Mapping):
                     raise ValueError(f"profile {name!r}: layer {i} ({lname!r}): {key} must be an object "
@@ -196,9 +203,9 @@ class ModelProfile:
                 activation_bytes=ld.get("activation_bytes", 0), param_bytes=ld.get("param_bytes", 0),
                 optimizer_bytes=ld.get("optimizer_bytes", 0), workspace_bytes=ld.get("workspace_bytes", 0),
                 derived=dict(ld.get("derived", {})), stash_bytes=ld.get("stash_bytes"),
-                flops=float(ld.get("flops", 0.0))))
-        return cls(name=name, minibatch_size=int(data.get("minibatch_size", 0)), layers=tuple(layers),
-                   input_bytes=int(data.get("input_bytes", 0)), source=str(data.get("source", "")))
+                flops=ld.get("flops", 0.0)))
+        return cls(name=name, minibatch_size=data.get("minibatch_size", 0), layers=tuple(layers),
+                   input_bytes=data.get("input_bytes", 0), source=str(data.get("source", "")))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)

@@ -1,6 +1,7 @@
 """make_plan, format_plan, formation, placement, the cost model, errors and the CLI."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -103,13 +104,46 @@ def test_layer_too_big_for_every_device():
         make_plan("cpu-emulated", ModelProfile("toy", 16, layers))
 
 
-def test_no_policy_fits_names_device_and_bytes():
+def test_vw_that_fits_nowhere_is_left_out_and_named():
     # the slow devices (16 MiB) cannot hold even one layer (7 x 3 MiB: weights, gradients, optimizer
     # state, one weight stash and its gradient, 2 wave deltas), though the cluster holds the model:
-    # every policy fails on memory
+    # NP leaves the slow node's VW out and trains on the fast one; ED and HD mix slow devices into
+    # every VW, so they fit nowhere
     prof = toy_profile(n=4, param=3 * 2**20)
-    with pytest.raises(ValueError, match=r"no plan of 'toy' fits .*NP: .*needing \d+ bytes of its \d+ bytes"):
-        make_plan("cpu-emulated", prof)
+    plan = make_plan("cpu-emulated", prof)
+    assert plan.policy == "NP" and [vw.devices for vw in plan.virtual_workers] == [("n0.g0", "n0.g1")]
+    assert plan.meta["policies"]["ED"] == plan.meta["policies"]["HD"] == "infeasible"
+    [out] = plan.meta["left_out"]
+    assert out["devices"] == ["n1.g0", "n1.g1"]
+    assert re.search(r"needing \d+ bytes of its 16777216 bytes", out["reason"])
+    assert {sh.node for sh in plan.ps_shards} == {"n0"}
+    assert "left out n1.g0, n1.g1: " in format_plan(plan)
+    assert Plan.from_json(plan.to_json()) == plan
+    # the slow node alone, 12 MiB of activations per layer and Nm = 2: the first stage stashes two
+    # minibatches' (24 MiB) in any order; every VW fails, and the error names the device and the bytes
+    slow = {"name": "slow", "device_types": {"emu_slow": {"memory_bytes": 16777216, "speed": 0.0625}},
+            "nodes": [{"name": "n1", "type": "emu_slow", "count": 2}], "emulated": True,
+            "intra_node": {"bandwidth": 2e9}, "inter_node": {"bandwidth": 2.5e8}}
+    with pytest.raises(ValueError, match=r"no plan of 'toy' fits .*NP: .*n1\.g0 \(emu_slow\), "
+                                         r"needing \d+ bytes of its \d+ bytes"):
+        make_plan(slow, toy_profile(("emu_slow",), n=4, act=12 * 2**20), nm=2)
+
+
+def test_gpt_on_testbed_every_policy_plans_around_the_rtx2060s():
+    # one RTX 2060 VW cannot hold the 1.3B GPT; NP and HD leave those devices out instead of failing
+    plan = make_plan("hetpipe-testbed", "gpt")
+    pols = plan.meta["policies"]
+    assert all(isinstance(pols[p], float) and pols[p] > 0 for p in ("NP", "ED", "HD")), pols
+    np_ = make_plan("hetpipe-testbed", "gpt", nm=1, policy="NP")
+    left = {out["devices"][0][:2]: out for out in np_.meta["left_out"]}
+    assert set(left) == {"n2", "n3"} and len(np_.virtual_workers) == 2    # n2: the RTX 2060 node
+    assert re.search(r"on n2\.g0 \(rtx2060\), needing \d+ bytes of its 6442450944 bytes", left["n2"]["reason"])
+    # VWs of one structure share one search; each reason still names its own devices
+    hd = make_plan("hetpipe-testbed", "gpt", nm=8, policy="HD")
+    assert len(hd.meta["left_out"]) == 2
+    for out in hd.meta["left_out"]:
+        named = set(re.findall(r"n\d\.g\d", out["reason"]))
+        assert named and named <= set(out["devices"]), out
 
 
 def test_unknown_device_type_in_profile():

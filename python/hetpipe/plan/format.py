@@ -55,6 +55,11 @@ def format_plan(plan: Plan, cluster=None) -> str:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, width)).rstrip())
     for vw in plan.virtual_workers:
         lines.append(f"VW {vw.index}: {' -> '.join(vw.devices)}; alone {vw.throughput:.3f} minibatches/s")
+    for v, how in enumerate(meta.get("search", ())):
+        if how != "exact":
+            lines.append(f"VW {v} partition: {how}")
+    for out in meta.get("left_out", ()):
+        lines.append(f"left out {', '.join(out['devices'])}: {out['reason']}")
     for sh in plan.ps_shards:
         lines.append(f"PS shard {sh.index} on {sh.node}: {len(sh.layers)} layers, {_bytes(sh.param_bytes)}")
     lines.append(f"predicted throughput: {plan.throughput:.3f} minibatches/s"

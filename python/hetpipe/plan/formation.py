@@ -45,8 +45,9 @@ def form_np(cluster: ClusterSpec, vw_size: Optional[int] = None) -> List[List[st
 def form_ed(cluster: ClusterSpec, vw_size: Optional[int] = None) -> List[List[str]]:
     size = vw_size or default_vw_size(cluster)
     count = -(-len(cluster.devices) // size)
+    node_pos = {n: i for i, n in enumerate(cluster.nodes)}
     order = sorted(cluster.devices,
-                   key=lambda d: (-cluster.device_types[d.type].speed, d.type, cluster.nodes.index(d.node), d.id))
+                   key=lambda d: (-cluster.device_types[d.type].speed, d.type, node_pos[d.node], d.id))
     vws: List[List[str]] = [[] for _ in range(count)]
     for i, d in enumerate(order):
         vws[i % count].append(d.id)
@@ -61,7 +62,8 @@ def form_hd(cluster: ClusterSpec, vw_size: Optional[int] = None) -> List[List[st
         devs = cluster.devices_of(n)
         return sum(cluster.device_types[d.type].speed for d in devs) / len(devs)
 
-    nodes = sorted(cluster.nodes, key=lambda n: (-node_speed(n), cluster.nodes.index(n)))
+    node_pos = {n: i for i, n in enumerate(cluster.nodes)}
+    nodes = sorted(cluster.nodes, key=lambda n: (-node_speed(n), node_pos[n]))
     out: List[List[str]] = []
     lo, hi = 0, len(nodes) - 1
     while lo < hi:

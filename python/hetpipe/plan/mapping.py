@@ -1,4 +1,7 @@
-"""Device mapping: the orders in which a VW's devices may form its pipeline.
+"""Device mapping: candidate pipeline orders for VWs beyond the exact order search.
+
+The partitioner searches every distinct order exactly (:mod:`hetpipe.plan.orders`) when a VW has at
+most ``exhaustive_max`` devices or few interchangeable classes; otherwise it tries these orders.
 
 Two devices of the same type on the same node are interchangeable, and so are node labels (every
 intra-node link is alike, and every inter-node link), so orders are compared by their *signature*:
@@ -36,7 +39,8 @@ def _dedup(orders) -> List[Tuple[Slot, ...]]:
     return out
 
 
-def _distinct_perms(items: Sequence, key) -> int:
+def distinct_perms(items: Sequence, key) -> int:
+    """How many orders of ``items`` differ under ``key`` (a multinomial coefficient)."""
     counts: Dict = {}
     for it in items:
         counts[key(it)] = counts.get(key(it), 0) + 1
@@ -93,7 +97,7 @@ def candidate_orders(slots: Sequence[Slot], speed: Mapping[str, float], exhausti
         return tuple(s.device_type for s in u)
 
     orders: List[List[Slot]] = [slots, [s for u in units for s in u]]
-    if _distinct_perms(units, unit_key) <= MAX_GROUP_ORDERS:
+    if distinct_perms(units, unit_key) <= MAX_GROUP_ORDERS:
         for perm in _unique_permutations(units, unit_key):
             orders.append([s for u in perm for s in u])
     else:

@@ -7,15 +7,21 @@ does not fit its device's memory. Among the partitions with the optimal bottlene
 picks the one with the smallest sum of stage times (a shorter round trip). Every device gets at
 least one layer.
 
-Each DP step is one vectorised (starts x stops) matrix. Deep models (more than ``coarse_above``
-layers) are first solved on blocks of layers of about equal compute (AutoPipe-H's sub-block
-granularity), then refined exactly at layer granularity with each cut free to move within one
-block either side. When nothing fits at block granularity the blocks are made four times finer
-once; a fit that needs cuts inside even those blocks is reported as infeasible (models at most
-``coarse_above`` layers deep are always solved exactly).
+Each DP step is one vectorised (starts x stops) matrix.
 
-Device orders: all orders (up to interchangeable devices) for VWs of at most ``exhaustive_max``
-devices, else the candidate orders of :mod:`hetpipe.plan.mapping`.
+Device orders: VWs of at most ``exhaustive_max`` devices (default 8), and larger VWs whose devices
+fall into few interchangeable classes, are searched over every distinct order at once by the DP of
+:mod:`hetpipe.plan.orders`, which is exact. Other VWs try the candidate orders of
+:mod:`hetpipe.plan.mapping`, each solved exactly, and carry an admissible lower bound on the best
+bottleneck (:func:`hetpipe.plan.orders.lower_bound`), so ``bottleneck / lower_bound`` bounds how far
+from optimal they can be.
+
+Deep models (more than ``coarse_above`` layers) are first solved on blocks of layers of about equal
+compute (AutoPipe-H's sub-block granularity), then refined exactly at layer granularity with each
+cut free to move within one block either side (not proven optimal: ``Partition.optimal`` is False);
+every order when there are at most ``MAX_GROUP_ORDERS``, else the order search's winner on blocks. When nothing fits at block
+granularity the blocks are made four times finer, and then every layer boundary is tried: blocks
+never make a feasible model look infeasible.
 
 Recomputation: the DP decides it per stage (mode ``fit``: only where a stage would not fit
 otherwise); the winning partition's recomputing stages then recompute only the layers their memory
@@ -24,13 +30,14 @@ requires (:func:`keep_what_fits`, :mod:`hetpipe.plan.recompute`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hetpipe.plan.mapping import candidate_orders
-from hetpipe.plan.stage import LayerTable, LinkCost, Slot, reference_times
+from hetpipe.plan.mapping import MAX_GROUP_ORDERS, distinct_perms, candidate_orders
+from hetpipe.plan.orders import EXACT_MAX_PAIRS, device_classes, least_bytes_after, lower_bound, search, state_pairs
+from hetpipe.plan.stage import LayerTable, LinkCost, Slot, reference_times, stage_matrix
 from hetpipe.plan.recompute import choose_layers, recompute_cost, recompute_seconds
 
 RECOMPUTE_MODES = ("none", "fit", "all")
@@ -56,6 +63,8 @@ class Partition:
     slots: Tuple[Slot, ...]
     stages: Tuple[StageResult, ...]
     nm: int
+    optimal: bool = True        # proven optimal under the stage model (every order, every cut)
+    lower_bound: float = 0.0    # when not proven optimal: an admissible bound on the best bottleneck
 
     @property
     def bottleneck(self) -> float:
@@ -97,22 +106,9 @@ def _mode(recompute) -> str:
 
 def _cost_matrix(table: LayerTable, slots, links, k, nm, starts, stops, mode, capacity):
     K = len(slots)
-    a, b = starts[:, None], stops[None, :]
     prev = links[k - 1] if k > 0 else None
     nxt = links[k] if k < K - 1 else None
-    invalid = b <= a
-    options = [False, True] if mode == "fit" else [mode == "all"]
-    best = rc = None
-    for r in options:
-        t, m = table.stage_arrays(slots[k], k, K, nm, a, b, prev, nxt, r)
-        t[invalid | (m > capacity[k])] = np.inf
-        if best is None:
-            best, rc = t, np.full(t.shape, r)
-        else:
-            better = t < best
-            best[better] = t[better]
-            rc[better] = r
-    return best, rc
+    return stage_matrix(table, slots[k], k, K, nm, starts, stops, prev, nxt, mode, capacity[k])
 
 
 def _dp(table, slots, links, nm, positions, mode, capacity, bound=np.inf):
@@ -159,33 +155,86 @@ def _blocks(table: LayerTable, slots, num_blocks: int) -> np.ndarray:
     return np.unique(np.concatenate([[0, L], cuts, np.linspace(0, L, num_blocks + 1).astype(int)]))
 
 
-def _solve_order(table, slots, links, nm, mode, capacity, coarse_above, num_blocks, bound=np.inf):
+def _full_positions(L: int, K: int) -> List[np.ndarray]:
+    """Every cut: stage ``k`` starts anywhere that leaves a layer for each stage."""
+    return [np.array([0])] + [np.arange(k, L - K + k + 1) for k in range(1, K)] + [np.array([L])]
+
+
+def _coarse_positions(table: LayerTable, slots, blocks: int) -> Optional[Tuple[List[np.ndarray], int]]:
+    """Cuts at block boundaries only, and the widest block; None when some stage has no start."""
     K, L = len(slots), table.num_layers
-    full = [np.array([0])] + [np.arange(k, L - K + k + 1) for k in range(1, K)] + [np.array([L])]
+    cuts = _blocks(table, slots, blocks)
+    coarse = [np.array([0])] + [cuts[(cuts >= k) & (cuts <= L - K + k)] for k in range(1, K)] + [np.array([L])]
+    if any(len(p) == 0 for p in coarse):
+        return None
+    return coarse, int(np.max(np.diff(cuts)))
+
+
+def _granularities(table: LayerTable, slots, coarse_above: int, num_blocks: int):
+    """The coarse grids to try before layer granularity: none for models of at most
+    ``coarse_above`` layers, else blocks of ``num_blocks`` then four times as many."""
+    L = table.num_layers
     if L <= coarse_above:
-        return _dp(table, slots, links, nm, full, mode, capacity, bound)
-    sol, cuts = None, None
+        return
     for blocks in (num_blocks, 4 * num_blocks):
         if blocks >= L:
-            return _dp(table, slots, links, nm, full, mode, capacity, bound)
-        cuts = _blocks(table, slots, blocks)
-        coarse = ([np.array([0])] + [cuts[(cuts >= k) & (cuts <= L - K + k)] for k in range(1, K)]
-                  + [np.array([L])])
-        if any(len(p) == 0 for p in coarse):
-            return _dp(table, slots, links, nm, full, mode, capacity, bound)
-        sol = _dp(table, slots, links, nm, coarse, mode, capacity)   # no bound: refining may beat it
-        if sol is not None:
-            break
-    if sol is None:
-        return None
-    w = int(np.max(np.diff(cuts)))
+            return
+        grid = _coarse_positions(table, slots, blocks)
+        if grid is None:
+            return
+        yield grid
+
+
+def _refine(table, slots, links, nm, mode, capacity, bounds, width, bound=np.inf):
+    """The exact DP with each cut free to move ``width`` layers either side of ``bounds``."""
+    K, L = len(slots), table.num_layers
     fine = [np.array([0])]
     for k in range(1, K):
-        c = sol[0][k]
-        fine.append(np.arange(max(k, c - w), min(L - K + k, c + w) + 1))
+        c = bounds[k]
+        fine.append(np.arange(max(k, c - width), min(L - K + k, c + width) + 1))
     fine.append(np.array([L]))
-    refined = _dp(table, slots, links, nm, fine, mode, capacity, bound)
-    return refined if refined is not None else sol
+    return _dp(table, slots, links, nm, fine, mode, capacity, bound)
+
+
+def _solve_order(table, slots, links, nm, mode, capacity, coarse_above, num_blocks, bound=np.inf,
+                 fine_fallback: bool = True):
+    """(bounds, flags) on one device order: block granularity refined to layers for deep models,
+    and (``fine_fallback``) layer granularity before answering None, so blocks never hide the only
+    feasible cut."""
+    for coarse, width in _granularities(table, slots, coarse_above, num_blocks):
+        sol = _dp(table, slots, links, nm, coarse, mode, capacity)   # no bound: refining may beat it
+        if sol is not None:
+            refined = _refine(table, slots, links, nm, mode, capacity, sol[0], width, bound)
+            return refined if refined is not None else sol
+    if (not fine_fallback and table.num_layers > coarse_above) or least_bytes_after(table)[0] > float(np.sum(capacity)):
+        return None
+    return _dp(table, slots, links, nm, _full_positions(table.num_layers, len(slots)), mode, capacity, bound)
+
+
+def _solve_exact(table, slots, cluster, nm, mode, coarse_above, num_blocks, ignore_memory, blocks: bool = True):
+    """(order, bounds, flags, optimal) over every distinct order, or None when nothing fits.
+    Deep models are searched at block granularity with the winning order's cuts refined to layers
+    (not proven optimal); layer granularity is always tried before answering None."""
+    K, L = len(slots), table.num_layers
+    capacity = np.array([np.inf if ignore_memory else float(s.memory_bytes) for s in slots])
+    if blocks and L > coarse_above:
+        for coarse, width in _granularities(table, slots, coarse_above, num_blocks):
+            sol = search(table, slots, cluster, nm, mode, coarse, ignore_memory)   # no bound: see _solve_order
+            if sol is None:
+                continue
+            order, bounds, flags = sol
+            cap = np.array([np.inf if ignore_memory else float(s.memory_bytes) for s in order])
+            refined = _refine(table, list(order), links_of(order, cluster), nm, mode, cap, bounds, width)
+            return (order,) + (refined if refined is not None else (bounds, flags)) + (False,)
+    full = _full_positions(L, K)
+    upper = np.inf
+    if len(device_classes(slots)) > 2:
+        # branch and bound: the given order's optimum is an upper bound worth its one DP
+        links = links_of(slots, cluster)
+        first = _dp(table, slots, links, nm, full, mode, capacity)
+        upper = np.inf if first is None else evaluate(table, slots, links, nm, *first).bottleneck
+    sol = search(table, slots, cluster, nm, mode, full, ignore_memory, upper)
+    return None if sol is None else sol + (True,)
 
 
 def evaluate(table: LayerTable, slots: Sequence[Slot], links: Sequence[LinkCost], nm: int,
@@ -224,17 +273,16 @@ def keep_what_fits(table: LayerTable, part: Partition, links: Sequence[LinkCost]
         f, bw = table.compute_times(slot.device_type, st.start, st.stop, False)
         bw += recompute_seconds(table, slot.device_type, layers)
         stages.append(StageResult(st.start, st.stop, t, f, bw, st.send, m, bool(layers), tuple(layers)))
-    return Partition(part.slots, tuple(stages), part.nm)
+    return replace(part, stages=tuple(stages))
 
 
 def overflow_report(table: LayerTable, slots, links, nm, mode) -> str:
     """Why no partition fits: the stage that overflows most in the time-optimal unconstrained split."""
     K = len(slots)
-    inf_cap = np.full(K, np.inf)
-    L = table.num_layers
-    full = [np.array([0])] + [np.arange(k, L - K + k + 1) for k in range(1, K)] + [np.array([L])]
     rc = mode != "none"
-    bounds, _ = _dp(table, slots, links, nm, full, "all" if rc else "none", inf_cap)
+    # deep models: the block-granularity split refined to layers is as good an example, and cheap
+    bounds, _ = _solve_order(table, list(slots), list(links), nm, "all" if rc else "none", np.full(K, np.inf),
+                             256, 128)
     part = evaluate(table, slots, links, nm, bounds, [rc] * K)
     worst = max(range(K), key=lambda k: part.stages[k].memory / max(slots[k].memory_bytes, 1))
     s, sl = part.stages[worst], slots[worst]
@@ -244,9 +292,11 @@ def overflow_report(table: LayerTable, slots, links, nm, mode) -> str:
 
 def partition_order(table: LayerTable, slots: Sequence[Slot], links: Sequence[LinkCost], nm: int,
                     recompute="none", coarse_above: int = 256, num_blocks: int = 128,
-                    bound: float = np.inf, ignore_memory: bool = False) -> Optional[Partition]:
+                    bound: float = np.inf, ignore_memory: bool = False, fine_fallback: bool = True
+                    ) -> Optional[Partition]:
     """The optimal partition on a fixed device order, or None when nothing fits memory (or when no
-    partition has a bottleneck <= ``bound``)."""
+    partition has a bottleneck <= ``bound``; or, without ``fine_fallback``, when nothing fits at
+    block granularity)."""
     mode = _mode(recompute)
     if nm < 1:
         raise ValueError(f"partition: nm must be >= 1, got {nm}")
@@ -254,19 +304,25 @@ def partition_order(table: LayerTable, slots: Sequence[Slot], links: Sequence[Li
         raise ValueError(f"partition: {len(slots)} devices need at least {len(slots)} layers, "
                          f"the model has {table.num_layers}")
     capacity = np.array([np.inf if ignore_memory else float(s.memory_bytes) for s in slots])
-    sol = _solve_order(table, list(slots), list(links), nm, mode, capacity, coarse_above, num_blocks, bound)
+    sol = _solve_order(table, list(slots), list(links), nm, mode, capacity, coarse_above, num_blocks, bound,
+                       fine_fallback)
     if sol is None:
         return None
     return evaluate(table, slots, links, nm, sol[0], sol[1])
 
 
 def partition(table, slots: Sequence, cluster, nm: int, *, recompute="none",
-              exhaustive_max: int = 5, coarse_above: int = 256, num_blocks: int = 128,
+              exhaustive_max: int = 8, coarse_above: int = 256, num_blocks: int = 128,
               relaxed: Optional[Partition] = None, ignore_memory: bool = False, d: Optional[int] = None) -> Partition:
-    """The best partition of the model over the VW ``slots`` in any device order we search.
+    """The best partition of the model over the VW ``slots`` in any device order.
 
     ``table``: a :class:`LayerTable` or a ModelProfile; ``slots``: :class:`Slot` objects or device
     ids of ``cluster``, which supplies the links (``node_link``) and the devices' relative speeds.
+    VWs of at most ``exhaustive_max`` devices, and larger ones whose devices fall into few
+    interchangeable classes (:data:`hetpipe.plan.orders.EXACT_MAX_PAIRS`), are searched over every
+    distinct order (:mod:`hetpipe.plan.orders`); others over the candidate orders of
+    :mod:`hetpipe.plan.mapping`, with ``lower_bound`` set so that ``bottleneck / lower_bound``
+    bounds the optimality gap.
     Raises ValueError naming a device and bytes when no order and no partition fits memory.
     ``relaxed``: the result of the same call with ``ignore_memory=True`` (any nm); when it fits
     memory at this ``nm`` it is optimal here too and the search is skipped.
@@ -280,33 +336,69 @@ def partition(table, slots: Sequence, cluster, nm: int, *, recompute="none",
         table = LayerTable(table, {s.device_type for s in slots}, 0 if d is None else d)
     elif d is not None and d != table.d:
         raise ValueError(f"partition: d={d} but the LayerTable was built for d={table.d}")
+    if len(slots) > table.num_layers:
+        raise ValueError(f"partition: {len(slots)} devices need at least {len(slots)} layers, "
+                         f"the model has {table.num_layers}")
+    if nm < 1:
+        raise ValueError(f"partition: nm must be >= 1, got {nm}")
     mode = _mode(recompute)
     if relaxed is not None:
         links = links_of(relaxed.slots, cluster)
         again = evaluate(table, relaxed.slots, links, nm, relaxed.bounds, [s.recompute for s in relaxed.stages])
         if all(st.memory <= sl.memory_bytes for st, sl in zip(again.stages, again.slots)):
-            return again
+            return replace(again, optimal=relaxed.optimal, lower_bound=relaxed.lower_bound)
     if ignore_memory and mode == "fit":
         mode = "none"
+    best: Optional[Partition] = None
+    few = table.num_layers > coarse_above and distinct_perms(slots, _class) <= MAX_GROUP_ORDERS
+    if few:
+        # deep models on few orders: each order at block granularity refined to layers (the order
+        # that wins on blocks need not win after refinement)
+        best = _search_candidates(table, slots, cluster, nm, mode, len(slots), coarse_above, num_blocks,
+                                  ignore_memory, fine_fallback=False)
+    if best is None and (len(slots) <= exhaustive_max or state_pairs(slots) <= EXACT_MAX_PAIRS):
+        # when blocks fit nothing in any order above, only layer granularity is left to try
+        sol = _solve_exact(table, slots, cluster, nm, mode, coarse_above, num_blocks, ignore_memory,
+                           blocks=not few)
+        if sol is not None:
+            order, bounds, flags, optimal = sol
+            best = evaluate(table, order, links_of(order, cluster), nm, bounds, flags)
+            best = replace(best, optimal=optimal, lower_bound=best.bottleneck if optimal else lower_bound(table, slots))
+    elif best is None:
+        best = _search_candidates(table, slots, cluster, nm, mode, exhaustive_max, coarse_above, num_blocks,
+                                  ignore_memory)
+    if best is None:
+        links = links_of(slots, cluster)
+        raise ValueError(
+            f"partition: no split of {table.num_layers} layers over {', '.join(s.device for s in slots)} "
+            f"fits memory with nm={nm} (recompute={mode}) in any device order; "
+            f"{overflow_report(table, slots, links, nm, mode)}")
+    if mode == "fit":
+        best = keep_what_fits(table, best, links_of(best.slots, cluster))
+    return best
+
+
+def _class(s: Slot) -> Tuple[str, int, str]:
+    return s.device_type, s.memory_bytes, s.node
+
+
+def _search_candidates(table, slots, cluster, nm, mode, exhaustive_max, coarse_above, num_blocks,
+                       ignore_memory, fine_fallback: bool = True) -> Optional[Partition]:
+    """The best partition over :func:`hetpipe.plan.mapping.candidate_orders` (each order exact),
+    with the admissible :func:`hetpipe.plan.orders.lower_bound`; None when none fits."""
     speed = {t: dt.speed for t, dt in cluster.device_types.items()}
     best: Optional[Partition] = None
     best_key = None
-    orders = candidate_orders(slots, speed, exhaustive_max)
-    for order in orders:
+    for order in candidate_orders(slots, speed, exhaustive_max):
         links = links_of(order, cluster)
         bound = best_key[0] if best is not None else np.inf
-        p = partition_order(table, order, links, nm, mode, coarse_above, num_blocks, bound, ignore_memory)
+        p = partition_order(table, order, links, nm, mode, coarse_above, num_blocks, bound, ignore_memory,
+                            fine_fallback)
         if p is None:
             continue
         key = (p.bottleneck, p.round_trip)
         if best is None or key < best_key:
             best, best_key = p, key
     if best is None:
-        links = links_of(orders[0], cluster)
-        raise ValueError(
-            f"partition: no split of {table.num_layers} layers over {', '.join(s.device for s in slots)} "
-            f"fits memory with nm={nm} (recompute={mode}); "
-            f"{overflow_report(table, orders[0], links, nm, mode)}")
-    if mode == "fit":
-        best = keep_what_fits(table, best, links_of(best.slots, cluster))
-    return best
+        return None
+    return replace(best, optimal=False, lower_bound=lower_bound(table, slots))

@@ -11,17 +11,18 @@ The best plan by ``objective`` wins: ``throughput`` (ties: smaller Nm, less stal
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hetpipe.cluster import ClusterSpec, load_cluster
 from hetpipe.plan import cost as cost_model
-from hetpipe.plan.formation import POLICIES, form_virtual_workers
+from hetpipe.plan.formation import POLICIES, default_vw_size, form_virtual_workers
 from hetpipe.plan.partition import Partition, partition
 from hetpipe.plan.placement import place_layers
 from hetpipe.plan.recompute import memory_efficiency, single_device_throughput
 from hetpipe.plan.stage import LayerTable, Slot
-from hetpipe.plan.types import Plan, StagePlan, VirtualWorkerPlan
+from hetpipe.plan.types import MAX_NM, Plan, StagePlan, VirtualWorkerPlan, check_integer
 from hetpipe.profile import ModelProfile, load_profile
 
 OBJECTIVES = ("throughput", "memory_efficiency")
@@ -38,6 +39,8 @@ class _Candidate:
     throughput: float
     memory: int
     score: float
+    # VWs that fit nowhere: (VW, why, the slots the reason names, the VW's canonical slots)
+    left_out: List[Tuple[List[Slot], str, List[Slot], List[Slot]]]
 
 
 def _canonical(slots: Sequence[Slot]) -> Tuple[List[Slot], tuple]:
@@ -53,7 +56,14 @@ def _canonical(slots: Sequence[Slot]) -> Tuple[List[Slot], tuple]:
 
 def _relabel(part: Partition, src: Sequence[Slot], dst: Sequence[Slot]) -> Partition:
     m = {a.device: b for a, b in zip(src, dst)}
-    return Partition(tuple(m[s.device] for s in part.slots), part.stages, part.nm)
+    return replace(part, slots=tuple(m[s.device] for s in part.slots))
+
+
+def _rename(text: str, src: Sequence[Slot], dst: Sequence[Slot]) -> str:
+    """``text`` about the devices of ``src`` retold about those of ``dst`` (same structure)."""
+    m = {a.device: b.device for a, b in zip(src, dst)}
+    pattern = "|".join(re.escape(d) for d in sorted(m, key=len, reverse=True))
+    return re.sub(rf"(?<![\w.-])({pattern})(?![\w-])", lambda g: m[g.group(1)], text)
 
 
 def check_fits_cluster(table: LayerTable, cluster: ClusterSpec, profile: ModelProfile) -> None:
@@ -82,7 +92,7 @@ def _stage_nodes(part: Partition) -> List[Tuple[int, int, str]]:
 def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int] = None, d: int = 0,
               minibatch_size: Optional[int] = None, num_ps_shards: Optional[int] = None, recompute: Any = False,
               *, vw_size: Optional[int] = None, objective: str = "throughput", horizon: Optional[int] = None,
-              exhaustive_max: int = 5, derive_missing: bool = False, max_nm: Optional[int] = None) -> Plan:
+              exhaustive_max: int = 8, derive_missing: bool = False, max_nm: Optional[int] = None) -> Plan:
     """The HetPipe plan for ``profile`` (a ModelProfile, preset name or path) on ``cluster`` (a
     ClusterSpec, preset name, path or dict).
 
@@ -90,16 +100,23 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     recompute: False / "none", True / "fit", or "all" (see :mod:`hetpipe.plan.recompute`).
     derive_missing: derive device types the profile lacks by speed ratio instead of failing.
     max_nm: the largest Nm tried when ``nm`` is None (default: twice the largest VW).
+    exhaustive_max: VWs of at most this many devices are searched over every distinct device order
+    (:func:`hetpipe.plan.partition.partition`); ``meta["search"]`` says, per VW, whether the
+    partition is exact or how far from optimal it can be.
+    A VW that fits nowhere is left out (``meta["left_out"]``: its devices and why, in bytes).
     Raises ValueError naming the device, layer and bytes when nothing fits.
     """
     cluster = load_cluster(cluster)
     profile = load_profile(profile)
-    if d < 0:
-        raise ValueError(f"make_plan: d must be >= 0, got {d}")
-    if nm is not None and nm < 1:
-        raise ValueError(f"make_plan: nm must be >= 1, got {nm}")
-    if max_nm is not None and max_nm < 1:
-        raise ValueError(f"make_plan: max_nm must be >= 1, got {max_nm}")
+    for name, value, lo, hi in (("d", d, 0, None), ("nm", nm, 1, MAX_NM), ("max_nm", max_nm, 1, MAX_NM),
+                                ("horizon", horizon, 1, None), ("minibatch_size", minibatch_size, 0, None)):
+        check_integer("make_plan", name, value, lo, hi)
+    check_integer("make_plan", "num_ps_shards", num_ps_shards, 1, profile.num_layers,
+                  f"a shard owns whole layers and the model has {profile.num_layers}")
+    check_integer("make_plan", "vw_size", vw_size, 1, profile.num_layers,
+                  f"every stage needs a layer and the model has {profile.num_layers}")
+    if vw_size is None and default_vw_size(cluster) > profile.num_layers:
+        vw_size = profile.num_layers     # nodes with more devices than layers: VWs of one stage per layer
     if objective not in OBJECTIVES:
         raise ValueError(f"make_plan: unknown objective {objective!r} (known: {', '.join(OBJECTIVES)})")
     used_types = sorted({dv.type for dv in cluster.devices})
@@ -126,6 +143,7 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
 
     single = single_device_throughput(table, used_types)
     by_id = {dv.id: dv for dv in cluster.devices}
+    nodes = cluster.nodes
     pb = [float(x) for x in table.param_bytes]
     best: Optional[_Candidate] = None
     errors: Dict[str, str] = {}
@@ -142,9 +160,10 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
         pol_best: Optional[_Candidate] = None
         for mode in modes:
             for m in nms:
-                try:
-                    parts = []
-                    for cs, key in canon:
+                parts = []
+                left_out: List[Tuple[List[Slot], str, List[Slot], List[Slot]]] = []
+                for (cs, key), vw in zip(canon, slots):
+                    try:
                         if (key, mode) not in relaxed:
                             relaxed[(key, mode)] = partition(table, cs, cluster, m, recompute=mode,
                                                              exhaustive_max=exhaustive_max, ignore_memory=True)
@@ -152,23 +171,31 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
                             cache[(key, m, mode)] = (cs, partition(table, cs, cluster, m, recompute=mode,
                                                                    exhaustive_max=exhaustive_max,
                                                                    relaxed=relaxed[(key, mode)]))
-                        src, part = cache[(key, m, mode)]
+                    except ValueError as e:
+                        # this VW fits nowhere: leave its devices out rather than fail the policy
+                        cache[(key, m, mode)] = (cs, str(e))
+                    src, part = cache[(key, m, mode)]
+                    if isinstance(part, str):
+                        left_out.append((vw, part, src, cs))
+                    else:
                         parts.append(_relabel(part, src, cs))
-                except ValueError as e:
-                    errors.setdefault(pol, str(e))
+                if not parts:
+                    errors.setdefault(pol, _rename(*left_out[0][1:]))
                     continue
                 stage_nodes = [_stage_nodes(p) for p in parts]
-                shards = place_layers(pb, cluster.nodes, stage_nodes, num_ps_shards)
+                # shards go to the nodes the VWs use (all of them unless a VW was left out)
+                used = {n for sn in stage_nodes for _, _, n in sn}
+                shards = place_layers(pb, [n for n in nodes if n in used], stage_nodes, num_ps_shards)
                 waves = [cost_model.vw_wave_time(p.bottleneck, p.round_trip,
                                                  cost_model.vw_sync_time(sn, pb, shards, cluster.node_link), m, d,
                                                  len(p.stages))
                          for p, sn in zip(parts, stage_nodes)]
-                period = max(cost_model.shard_times(stage_nodes, pb, shards, cluster.nodes,
+                period = max(cost_model.shard_times(stage_nodes, pb, shards, nodes,
                                                     cluster.inter_node.bandwidth), default=0.0)
                 thr = cost_model.cluster_throughput(waves, m, d, period, horizon)
                 mem = sum(st.memory for p in parts for st in p.stages)
                 score = thr if objective == "throughput" else memory_efficiency(thr, single, mem)
-                cand = _Candidate(pol, m, mode, parts, shards, waves, thr, mem, score)
+                cand = _Candidate(pol, m, mode, parts, shards, waves, thr, mem, score, left_out)
                 if pol_best is None or score > pol_best.score * (1 + 1e-9):
                     pol_best = cand
         if pol_best is None:
@@ -200,7 +227,13 @@ def _to_plan(c: _Candidate, table: LayerTable, cluster: ClusterSpec, profile: Mo
         "bottleneck_s": [p.bottleneck for p in c.parts], "wave_time_s": list(c.wave_times),
         "policies": {k: v for k, v in outcomes.items()},
         "devices": "modelled" if not cluster.emulated else "emulated",
+        "search": ["exact" if p.optimal else
+                   f"bottleneck within {p.bottleneck / p.lower_bound:.3g}x of optimal" if p.lower_bound > 0 else
+                   "heuristic" for p in c.parts],
     }
+    if c.left_out:
+        meta["left_out"] = [{"devices": [s.device for s in vw], "reason": _rename(why, src, dst)}
+                            for vw, why, src, dst in c.left_out]
     return Plan(num_layers=table.num_layers, nm=c.nm, d=d, policy=c.policy, virtual_workers=tuple(vws),
                 ps_shards=c.shards, throughput=c.throughput,
                 minibatch_size=minibatch_size if minibatch_size is not None else profile.minibatch_size,

@@ -106,15 +106,21 @@ class LayerTable:
         self._sparse = np.zeros((len(levels), max(n, 1)))
         for p, row in enumerate(levels):
             self._sparse[p, :len(row)] = row
+        self._flat = self._sparse.ravel()
+        # floor(log2(length)) for every range length, and 2 ** that
+        self._lg = np.zeros(n + 1, dtype=np.intp)
+        for i in range(2, n + 1):
+            self._lg[i] = self._lg[i // 2] + 1
+        self._pow = np.left_shift(1, self._lg)
 
     def ws_max(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """Largest workspace over layers [a, b) (b > a), elementwise."""
         if self._dense is not None:
             return self._dense[a, b]
         length = np.maximum(b - a, 1)
-        lvl = np.log2(length).astype(int)
-        start2 = np.maximum(b - (1 << lvl), a)
-        return np.maximum(self._sparse[lvl, a], self._sparse[lvl, start2])
+        row = self._lg[length] * self._sparse.shape[1]
+        start2 = np.maximum(b - self._pow[length], a)
+        return np.maximum(self._flat[row + a], self._flat[row + start2])
 
     def stage_arrays(self, slot: Slot, k: int, num_stages: int, nm: int, a: np.ndarray, b: np.ndarray,
                      prev: Optional[LinkCost], nxt: Optional[LinkCost], recompute: bool):
@@ -179,6 +185,28 @@ class LayerTable:
         """The least memory the whole model needs over all devices together: every layer's state,
         one weight stash and its gradient, and the wave deltas (activations and workspace left out)."""
         return int(self.cum_state[-1] + self.weight_copies(1) * self.cum_param[-1])
+
+
+def stage_matrix(table: LayerTable, slot: Slot, k: int, num_stages: int, nm: int, starts: np.ndarray,
+                 stops: np.ndarray, prev: Optional[LinkCost], nxt: Optional[LinkCost], mode: str,
+                 capacity: float) -> Tuple[np.ndarray, np.ndarray]:
+    """Stage ``k`` on ``slot`` for every start in ``starts`` (rows) and stop in ``stops`` (columns):
+    (seconds, recompute flags), seconds ``+inf`` where the range is empty or does not fit
+    ``capacity`` bytes. Mode ``none`` or ``all`` fixes recomputation; ``fit`` recomputes only where
+    keeping the activations would not fit (recomputing is never faster)."""
+    a, b = starts[:, None], stops[None, :]
+    invalid = b <= a
+    best = rc = None
+    for r in ([False, True] if mode == "fit" else [mode == "all"]):
+        t, m = table.stage_arrays(slot, k, num_stages, nm, a, b, prev, nxt, r)
+        t = np.where(invalid | (m > capacity), np.inf, t)
+        if best is None:
+            best, rc = t, np.full(t.shape, r)
+        else:
+            better = t < best
+            best = np.where(better, t, best)
+            rc = np.where(better, r, rc)
+    return best, rc
 
 
 def reference_times(table: LayerTable, device_type: str) -> Sequence[float]:

@@ -10,9 +10,24 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 PLAN_FORMAT = 1
+# the most minibatches in flight per VW a plan may ask for: past a few times the pipeline depth a
+# larger Nm buys nothing, and the runtime and simulator work per wave grows with it
+MAX_NM = 1024
+
+
+def check_integer(where: str, name: str, value: Any, lo: int, hi: Optional[int] = None, why: str = "") -> None:
+    """Raise one ValueError naming ``name`` unless ``value`` is an integer in [lo, hi] (None passes)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where}: {name} must be an integer, got {value!r}")
+    if value < lo:
+        raise ValueError(f"{where}: {name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{where}: {name} must be <= {hi}{f' ({why})' if why else ''}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -85,14 +100,33 @@ class Plan:
     # --- structure -------------------------------------------------------------------------
     def check(self) -> None:
         """Raise ValueError naming the culprit if the plan is not self-consistent."""
-        if self.nm < 1:
-            raise ValueError(f"plan: nm must be >= 1, got {self.nm}")
-        if self.d < 0:
-            raise ValueError(f"plan: d must be >= 0, got {self.d}")
+        check_integer("plan", "nm", self.nm, 1, MAX_NM)
+        check_integer("plan", "d", self.d, 0)
+        check_integer("plan", "num_layers", self.num_layers, 1)
         if self.aggregate not in AGGREGATES:
             raise ValueError(f"plan: aggregate must be one of {list(AGGREGATES)}, got {self.aggregate!r}")
         if not self.virtual_workers:
             raise ValueError("plan: no virtual workers")
+        for i, vw in enumerate(self.virtual_workers):
+            if vw.index != i:
+                raise ValueError(f"plan: virtual worker at position {i} has index {vw.index!r}; "
+                                 f"VW indices must be 0, 1, ... in order")
+            for k, st in enumerate(vw.stages):
+                for name in ("start", "stop"):
+                    v = getattr(st, name)
+                    if isinstance(v, bool) or not isinstance(v, int):
+                        raise ValueError(f"plan: VW {i} stage {k} on {st.device}: {name} must be an integer, "
+                                         f"got {v!r}")
+        for i, sh in enumerate(self.ps_shards):
+            if sh.index != i:
+                raise ValueError(f"plan: PS shard at position {i} has index {sh.index!r}; "
+                                 f"shard indices must be 0, 1, ... in order")
+            bad = [x for x in sh.layers if isinstance(x, bool) or not isinstance(x, int)]
+            if bad:
+                raise ValueError(f"plan: PS shard {i} on {sh.node}: layers must be integers, got {bad[0]!r}")
+        if len(self.virtual_workers) > 1 and not self.ps_shards:
+            raise ValueError(f"plan: {len(self.virtual_workers)} virtual workers but no PS shards; without a "
+                             f"parameter server the VWs would train unrelated replicas")
         for vw in self.virtual_workers:
             if not vw.stages:
                 raise ValueError(f"plan: virtual worker {vw.index} has no stages")
