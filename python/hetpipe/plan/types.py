@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Tuple, Union
 
+from hetpipe.precision import check_precision
+
 PLAN_FORMAT = 1
 
 
@@ -78,6 +80,9 @@ class Plan:
     # How the PS combines the VWs' wave deltas: "mean" (each divided by the number of VWs: the step of
     # one GPU, as with DDP) or "sum" (HetPipe's rule). Plans written before the field read as "mean".
     aggregate: str = "mean"
+    # "fp32", or "bf16": stages compute under autocast on float32 master weights and send bfloat16
+    # activations (hetpipe.precision). Plans written before the field read as "fp32".
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         self.check()
@@ -91,6 +96,7 @@ class Plan:
             raise ValueError(f"plan: d must be >= 0, got {self.d}")
         if self.aggregate not in AGGREGATES:
             raise ValueError(f"plan: aggregate must be one of {list(AGGREGATES)}, got {self.aggregate!r}")
+        check_precision(self.precision, "plan")
         if not self.virtual_workers:
             raise ValueError("plan: no virtual workers")
         for vw in self.virtual_workers:

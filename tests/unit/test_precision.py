@@ -1,0 +1,160 @@
+"""bf16 mixed precision: one VW of two stages against plain PyTorch autocast in one process, the
+bytes on the wire, the plan field, and the planner's halved transfer bytes against hand-computed ones."""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "mpi" / "scripts"))
+from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic  # noqa: E402
+
+from hetpipe.plan.types import Plan  # noqa: E402
+from hetpipe.runtime.trainer import Trainer  # noqa: E402
+
+EPOCHS = 2
+
+
+def _no_ps(plan: Plan) -> Plan:
+    """``plan`` without PS shards: the stages' live weights are the result (no PS round trip)."""
+    return dataclasses.replace(plan, ps_shards=())
+
+
+def _autocast_reference(model: nn.Sequential, cast_after=None):
+    """Plain PyTorch: one process, forward and loss under CPU autocast (bfloat16), backward outside,
+    float32 weights and SGD; ``cast_after``: layer indices whose float32 output is rounded to bfloat16
+    (what a stage boundary there does). Returns (losses, per-layer flat weights)."""
+    opt = sgd()(model.parameters())
+    data = synthetic()
+    losses = []
+    for e in range(EPOCHS):
+        data.set_epoch(e)
+        for x, y in data:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                h = x
+                for i, layer in enumerate(model):
+                    h = layer(h)
+                    if cast_after and i in cast_after:
+                        h = h.to(torch.bfloat16)
+                loss = cross_entropy(h, y)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+    weights = {l: torch.cat([p.detach().reshape(-1) for p in layer.parameters()]).numpy()
+               for l, layer in enumerate(model) if list(layer.parameters())}
+    return losses, weights
+
+
+def _run(model, plan, precision):
+    r = Trainer(model, cross_entropy, sgd(), synthetic(), plan=plan, epochs=EPOCHS, precision=precision).replay()
+    return [v for _, v in sorted(r.losses[0].items())], r.weights
+
+
+def _max_diff(a, b) -> float:
+    (la, wa), (lb, wb) = a, b
+    d = max(abs(x - y) for x, y in zip(la, lb))
+    return max(d, *(float(np.abs(wa[l] - wb[l]).max()) for l in wb))
+
+
+def test_bf16_two_stages_equal_plain_autocast_bitwise():
+    """Cut after a Linear: autocast's own boundary value is bfloat16, so the wire cast changes nothing
+    and one VW of two stages (Nm = 1, D = 0, no PS round trip) equals plain autocast bitwise; the same
+    run in fp32 does not."""
+    plan = _no_ps(one_vw_plan([3], nm=1, d=0))
+    ref = _autocast_reference(mlp())
+    got = _run(mlp(), plan, "bf16")
+    assert got[0] == ref[0]
+    assert all(np.array_equal(got[1][l], w) for l, w in ref[1].items())
+    assert _max_diff(_run(mlp(), plan, "fp32"), ref) > 1e-4
+
+
+def test_bf16_with_a_ps_shard_equals_plain_autocast_up_to_the_ps_rounding():
+    """The same through a PS shard: the stage then takes the shard's W + delta, which can differ from
+    the step it took by float32 rounding (as in fp32, where plain PyTorch is matched within 1e-4);
+    under bf16 such a difference may move a bfloat16 rounding, hence the wider bound, still far
+    below the fp32-vs-autocast gap."""
+    plan = one_vw_plan([3], nm=1, d=0)
+    ref = _autocast_reference(mlp())
+    got = _run(mlp(), plan, "bf16")
+    fp32_gap = _max_diff(_run(mlp(), plan, "fp32"), ref)
+    assert _max_diff(got, ref) <= 1e-3 < fp32_gap
+
+
+class _Residual(nn.Module):
+    """``x + W x``: from a float32 input autocast returns float32 (bfloat16 matmul, float32 add)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + self.lin(x)
+
+
+def _residual_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(_Residual(64), nn.Tanh(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def test_a_float32_boundary_value_is_rounded_to_bfloat16_on_the_wire():
+    """Cut after a residual add, whose value autocast keeps in float32, before a Tanh, which runs in its
+    input's dtype: the wire rounds the value to bfloat16 earlier than autocast would (at the next
+    Linear), so the run equals autocast with that one cast inserted, bitwise, and not plain autocast."""
+    plan = _no_ps(one_vw_plan([1], nm=1, d=0, num_layers=5))
+    got = _run(_residual_mlp(), plan, "bf16")
+    with_cast = _autocast_reference(_residual_mlp(), cast_after={0})
+    assert got[0] == with_cast[0]
+    assert all(np.array_equal(got[1][l], w) for l, w in with_cast[1].items())
+    assert _max_diff(got, _autocast_reference(_residual_mlp())) > 0
+
+
+def _wire_headers(monkeypatch, precision):
+    from hetpipe.runtime.transport import LoopbackTransport
+    seen = []
+    send = LoopbackTransport.send
+
+    def recording_send(self, dest, h, slot=None):
+        seen.append(h)
+        send(self, dest, h, slot)
+
+    monkeypatch.setattr(LoopbackTransport, "send", recording_send)
+    Trainer(_residual_mlp(), cross_entropy, sgd(), synthetic(), plan=one_vw_plan([1], nm=2, d=0, num_layers=5),
+            epochs=1, precision=precision).replay()
+    monkeypatch.undo()
+    return seen
+
+
+def test_the_wire_carries_bfloat16_activations_and_gradients_and_float32_weights(monkeypatch):
+    from hetpipe.runtime.transport import ACT, GRAD, PULL, PUSH, WEIGHTS
+    fp32, bf16 = _wire_headers(monkeypatch, "fp32"), _wire_headers(monkeypatch, "bf16")
+
+    def by_kind(headers, kind):
+        return [h for h in headers if h.kind == kind]
+
+    for kind in (ACT, GRAD):
+        a, b = by_kind(fp32, kind), by_kind(bf16, kind)
+        assert len(a) == len(b) == 8
+        assert all(h.dtype == "float32" and h.nbytes == 16 * 64 * 4 for h in a)
+        assert all(h.dtype == "bfloat16" and h.nbytes == 16 * 64 * 2 for h in b)
+    for kind in (PUSH, PULL, WEIGHTS):
+        assert [(h.dtype, h.nbytes) for h in by_kind(fp32, kind)] == [(h.dtype, h.nbytes) for h in by_kind(bf16, kind)]
+    assert {h.dtype for h in by_kind(bf16, PUSH) + by_kind(bf16, WEIGHTS)} == {"float32"}
+
+
+def test_the_plan_records_its_precision():
+    plan = one_vw_plan([3], nm=1, d=0)
+    bf16 = dataclasses.replace(plan, precision="bf16")
+    assert Plan.from_json(bf16.to_json()) == bf16
+    old = json.loads(plan.to_json())
+    del old["precision"]
+    assert Plan.from_dict(old).precision == "fp32"
+    with pytest.raises(ValueError, match="precision must be one of"):
+        dataclasses.replace(plan, precision="fp16")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        Trainer(mlp(), cross_entropy, sgd(), synthetic(), precision="half")
