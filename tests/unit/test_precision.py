@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "mpi" / "scripts"))
-from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic  # noqa: E402
+from common import cross_entropy, mlp, one_vw_plan, plain_training, sgd, synthetic  # noqa: E402
 
 from hetpipe.plan.types import Plan  # noqa: E402
 from hetpipe.runtime.trainer import Trainer  # noqa: E402
@@ -25,27 +25,9 @@ def _no_ps(plan: Plan) -> Plan:
     return dataclasses.replace(plan, ps_shards=())
 
 
-def _autocast_reference(model: nn.Sequential, cast_after=None):
-    """Plain PyTorch: one process, forward and loss under CPU autocast (bfloat16), backward outside,
-    float32 weights and SGD; ``cast_after``: layer indices whose float32 output is rounded to bfloat16
-    (what a stage boundary there does). Returns (losses, per-layer flat weights)."""
-    opt = sgd()(model.parameters())
-    data = synthetic()
-    losses = []
-    for e in range(EPOCHS):
-        data.set_epoch(e)
-        for x, y in data:
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                h = x
-                for i, layer in enumerate(model):
-                    h = layer(h)
-                    if cast_after and i in cast_after:
-                        h = h.to(torch.bfloat16)
-                loss = cross_entropy(h, y)
-            loss.backward()
-            opt.step()
-            losses.append(float(loss.detach()))
+def _autocast_reference(model: nn.Sequential, cast_after=()):
+    """Plain PyTorch autocast in one process (``common.plain_training``): (losses, per-layer flat weights)."""
+    losses = plain_training(model, EPOCHS, autocast=True, cast_after=cast_after)
     weights = {l: torch.cat([p.detach().reshape(-1) for p in layer.parameters()]).numpy()
                for l, layer in enumerate(model) if list(layer.parameters())}
     return losses, weights
