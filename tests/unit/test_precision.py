@@ -180,3 +180,23 @@ def test_a_profile_already_in_two_byte_activations_is_not_halved_again():
     assert wire_factor("bf16") == 0.5 and wire_factor("fp32") == 1.0
     with pytest.raises(ValueError, match="activation_dtype must be one of"):
         dataclasses.replace(_toy_profile(), activation_dtype="int8")
+
+
+def test_recomputed_segments_rerun_under_autocast():
+    """Recomputation reruns a segment under the same autocast as its forward: equal bitwise to no
+    recomputation (a float32 rerun would give other gradients)."""
+    from common import with_recompute
+    plan = one_vw_plan([3], nm=2, d=0)
+    plain = _run(mlp(), plan, "bf16")
+    again = _run(mlp(), with_recompute(plan, [[0, 1, 2], [4, 5]]), "bf16")
+    assert plain[0] == again[0] and all(np.array_equal(plain[1][l], again[1][l]) for l in plain[1])
+
+
+def test_overriding_a_plans_precision_drops_its_prediction():
+    from hetpipe.runtime.trainer import with_precision
+    plan = dataclasses.replace(one_vw_plan([3], nm=1, d=0), throughput=2.0)
+    assert with_precision(plan, "fp32") is plan
+    bf16 = with_precision(plan, "bf16")
+    assert (bf16.precision, bf16.throughput) == ("bf16", 0.0) and "precision fp32" in bf16.meta["prediction"]
+    kept = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=bf16)._make_plan()
+    assert kept.precision == "bf16"
