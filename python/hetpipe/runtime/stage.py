@@ -45,9 +45,10 @@ Thread role: used by one thread (the rank's main thread, or the replay loop).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -231,9 +232,12 @@ class StageModel:
         """Whether the stage's output has no graph until ``Recompute`` (its last segment is recomputed)."""
         return self.segments[-1][0]
 
-    def compute_context(self) -> torch.autocast:
-        """Where forwards and the loss run: autocast to bfloat16 under "bf16", plain float32 otherwise."""
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
+    def compute_context(self) -> ContextManager[Any]:
+        """Where forwards and the loss run: autocast to bfloat16 under "bf16"; under "fp32" no context
+        at all, so the float32 path is exactly what it was."""
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def _run(self, stash: List[Dict[str, torch.Tensor]], x: Any, layers: range, side: Dict[str, Any],
              buffers: Optional[List[Dict[str, torch.Tensor]]] = None) -> Any:
