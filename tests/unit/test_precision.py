@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "mpi" / "scripts"))
-from common import cross_entropy, mlp, one_vw_plan, plain_training, sgd, synthetic  # noqa: E402
+import real_models as rm  # noqa: E402
+from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic  # noqa: E402
 
 from hetpipe.plan.types import Plan  # noqa: E402
 from hetpipe.runtime.trainer import Trainer  # noqa: E402
@@ -25,9 +26,23 @@ def _no_ps(plan: Plan) -> Plan:
     return dataclasses.replace(plan, ps_shards=())
 
 
-def _autocast_reference(model: nn.Sequential, cast_after=()):
-    """Plain PyTorch autocast in one process (``common.plain_training``): (losses, per-layer flat weights)."""
-    losses = plain_training(model, EPOCHS, autocast=True, cast_after=cast_after)
+class _RoundedOutput(nn.Module):
+    """``layer`` with its output rounded to bfloat16: what a bf16 stage boundary after it does."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x).to(torch.bfloat16)
+
+
+def _autocast_reference(model: nn.Sequential, rounded_after=None):
+    """Plain PyTorch autocast in one process (``real_models.plain_training``) on ``model``, whose layer
+    ``rounded_after`` rounds its output: (losses, per-layer flat weights)."""
+    if rounded_after is not None:
+        model[rounded_after] = _RoundedOutput(model[rounded_after])
+    losses = rm.plain_training(model, cross_entropy, sgd(), synthetic(), EPOCHS, autocast=True)
     weights = {l: torch.cat([p.detach().reshape(-1) for p in layer.parameters()]).numpy()
                for l, layer in enumerate(model) if list(layer.parameters())}
     return losses, weights
@@ -91,7 +106,7 @@ def test_a_float32_boundary_value_is_rounded_to_bfloat16_on_the_wire():
     Linear), so the run equals autocast with that one cast inserted, bitwise, and not plain autocast."""
     plan = _no_ps(one_vw_plan([1], nm=1, d=0, num_layers=5))
     got = _run(_residual_mlp(), plan, "bf16")
-    with_cast = _autocast_reference(_residual_mlp(), cast_after={0})
+    with_cast = _autocast_reference(_residual_mlp(), rounded_after=0)
     assert got[0] == with_cast[0]
     assert all(np.array_equal(got[1][l], w) for l, w in with_cast[1].items())
     assert _max_diff(got, _autocast_reference(_residual_mlp())) > 0

@@ -74,29 +74,3 @@ def split_world(n: int, comm=None) -> Optional[object]:
     world = comm or MPI.COMM_WORLD
     sub = world.Split(0 if world.Get_rank() < n else MPI.UNDEFINED, world.Get_rank())
     return None if sub == MPI.COMM_NULL else sub
-
-
-def plain_training(model: nn.Sequential, epochs: int, *, autocast: bool = False,
-                   cast_after: Sequence[int] = ()) -> list:
-    """Plain PyTorch in one process: ``epochs`` epochs of :func:`synthetic` with :func:`sgd` on
-    ``model`` (trained in place); returns the losses. ``autocast``: forward and loss under CPU autocast
-    to bfloat16, backward outside (PyTorch's recipe); ``cast_after``: layers whose output is rounded to
-    bfloat16 (what a bf16 stage boundary there does)."""
-    opt = sgd()(model.parameters())
-    data = synthetic()
-    losses = []
-    for e in range(epochs):
-        data.set_epoch(e)
-        for x, y in data:
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                h = x
-                for i, layer in enumerate(model):
-                    h = layer(h)
-                    if i in cast_after:
-                        h = h.to(torch.bfloat16)
-                loss = cross_entropy(h, y)
-            loss.backward()
-            opt.step()
-            losses.append(float(loss.detach()))
-    return losses
