@@ -41,6 +41,8 @@ def _add_plan_command(sub) -> None:
     p.add_argument("--recompute", choices=("none", "fit", "all"), default="none",
                    help="recompute activations: never, only to fit memory, or on every stage")
     p.add_argument("--ps-shards", type=int, help="number of parameter-server shards (default: one per node)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: autocast compute and bfloat16 activations on the wire (half the transfer bytes)")
     p.add_argument("-o", "--output", help="write the plan as JSON to this file")
 
 
@@ -58,7 +60,7 @@ def _run_plan(args) -> int:
     try:
         cluster = load_cluster(args.cluster)
         plan = make_plan(cluster, args.profile, policy=args.policy, nm=args.nm, d=args.d,
-                         num_ps_shards=args.ps_shards, recompute=args.recompute)
+                         num_ps_shards=args.ps_shards, recompute=args.recompute, precision=args.precision)
     except ValueError as e:
         print(f"hetpipe plan: {e}", file=sys.stderr)
         return 2

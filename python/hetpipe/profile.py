@@ -41,6 +41,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
+from hetpipe.precision import ACTIVATION_DTYPES
+
 PRESET_DIR = Path(__file__).resolve().parent / "data" / "profiles"
 EFFICIENCY = 0.5
 
@@ -71,6 +73,9 @@ class ModelProfile:
     layers: Tuple[LayerProfile, ...]
     input_bytes: int = 0        # bytes of one minibatch's input to layer 0
     source: str = ""
+    # The dtype ``activation_bytes`` counts floating activations in (the planner halves float32 ones
+    # for a bf16 plan, see hetpipe.precision.wire_factor); profile_model measures float32 models.
+    activation_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -106,6 +111,9 @@ class ModelProfile:
             v = getattr(self, kind)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{where}: {kind} must be an integer >= 0, got {v!r}")
+        if self.activation_dtype not in ACTIVATION_DTYPES:
+            raise ValueError(f"{where}: activation_dtype must be one of {list(ACTIVATION_DTYPES)}, "
+                             f"got {self.activation_dtype!r}")
         need = list(device_types) if device_types is not None else None
         for i, layer in enumerate(self.layers):
             lw = f"{where}: layer {i} ({layer.name!r})"
@@ -173,8 +181,11 @@ class ModelProfile:
             if layer.flops:
                 d["flops"] = layer.flops
             out.append(d)
-        return {"name": self.name, "minibatch_size": self.minibatch_size, "input_bytes": self.input_bytes,
-                "source": self.source, "layers": out}
+        d = {"name": self.name, "minibatch_size": self.minibatch_size, "input_bytes": self.input_bytes,
+             "source": self.source, "layers": out}
+        if self.activation_dtype != "float32":
+            d["activation_dtype"] = self.activation_dtype
+        return d
 
     @classmethod
     def from_dict(cls, data: Any) -> "ModelProfile":
@@ -205,7 +216,8 @@ class ModelProfile:
                 derived=dict(ld.get("derived", {})), stash_bytes=ld.get("stash_bytes"),
                 flops=ld.get("flops", 0.0)))
         return cls(name=name, minibatch_size=data.get("minibatch_size", 0), layers=tuple(layers),
-                   input_bytes=data.get("input_bytes", 0), source=str(data.get("source", "")))
+                   input_bytes=data.get("input_bytes", 0), source=str(data.get("source", "")),
+                   activation_dtype=str(data.get("activation_dtype", "float32")))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -487,7 +499,8 @@ def analytic_profile(name: str, device_types: Mapping[str, Any], efficiency: flo
             workspace_bytes=batch * sh.out_elems * abytes, derived={t: True for t in device_types},
             stash_bytes=batch * sh.stash_elems * abytes, flops=float(fl)))
     return ModelProfile(name=name, minibatch_size=batch, layers=tuple(layers), input_bytes=batch * in_bytes,
-                        source=f"analytic: layer FLOPs / (peak FP32 FLOP/s x {efficiency}); devices modelled")
+                        source=f"analytic: layer FLOPs / (peak FP32 FLOP/s x {efficiency}); devices modelled",
+                        activation_dtype="bfloat16" if abytes == 2 else "float32")
 
 
 def write_presets(cluster: Any = "hetpipe-testbed", directory: Union[str, Path, None] = None) -> List[Path]:

@@ -17,12 +17,13 @@ PLAIN = {"cuts": [], "nm": 1, "d": 0, "plain": True}
 # Per-layer recomputation must equal the plain plan bitwise, split start-up within 1e-6.
 VARIANTS = [{"cuts": [2, 4], "nm": 2, "d": 0, "recompute": [[1], [], [4, 5]]},
             {"cuts": [3], "nm": 2, "d": 0, "split": 2},
-            {"cuts": [2, 4], "nm": 3, "d": 0, "copy_stream": True}]
+            {"cuts": [2, 4], "nm": 3, "d": 0, "copy_stream": True},
+            {"cuts": [3], "nm": 2, "d": 0, "precision": "bf16"}]
 
 
 def _key(cfg):
     return (tuple(cfg["cuts"]), cfg["nm"], tuple(map(tuple, cfg.get("recompute", ()))), cfg.get("split", 0),
-            bool(cfg.get("copy_stream")))
+            bool(cfg.get("copy_stream")), cfg.get("precision", "fp32"))
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +42,8 @@ def _id(cfg) -> str:
         name += f"-split{cfg['split']}"
     if cfg.get("copy_stream"):
         name += "-copystream"
+    if cfg.get("precision"):
+        name += f"-{cfg['precision']}"
     return name
 
 
@@ -56,6 +59,8 @@ def test_multiprocess_equals_replay(equal_runs, cfg):
         assert r["unmodified_max_diff"] == 0.0, r
     if cfg.get("split"):
         assert r["unmodified_max_diff"] <= 1e-6, r
+    if cfg.get("precision"):
+        assert r["plan_precision"] == cfg["precision"] and r["fp32_max_diff"] > 1e-4, r
 
 
 def test_one_stage_equals_plain_pytorch(equal_runs):

@@ -23,6 +23,7 @@ from hetpipe.plan.placement import place_layers
 from hetpipe.plan.recompute import memory_efficiency, single_device_throughput
 from hetpipe.plan.stage import LayerTable, Slot
 from hetpipe.plan.types import MAX_NM, Plan, StagePlan, VirtualWorkerPlan, check_integer
+from hetpipe.precision import check_precision, wire_factor
 from hetpipe.profile import ModelProfile, load_profile
 
 OBJECTIVES = ("throughput", "memory_efficiency")
@@ -92,7 +93,8 @@ def _stage_nodes(part: Partition) -> List[Tuple[int, int, str]]:
 def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int] = None, d: int = 0,
               minibatch_size: Optional[int] = None, num_ps_shards: Optional[int] = None, recompute: Any = False,
               *, vw_size: Optional[int] = None, objective: str = "throughput", horizon: Optional[int] = None,
-              exhaustive_max: int = 8, derive_missing: bool = False, max_nm: Optional[int] = None) -> Plan:
+              exhaustive_max: int = 8, derive_missing: bool = False, max_nm: Optional[int] = None,
+              precision: str = "fp32") -> Plan:
     """The HetPipe plan for ``profile`` (a ModelProfile, preset name or path) on ``cluster`` (a
     ClusterSpec, preset name, path or dict).
 
@@ -104,6 +106,8 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     (:func:`hetpipe.plan.partition.partition`); ``meta["search"]`` says, per VW, whether the
     partition is exact or how far from optimal it can be.
     A VW that fits nowhere is left out (``meta["left_out"]``: its devices and why, in bytes).
+    precision: "fp32" or "bf16"; under "bf16" float32 activations and their gradients cross stages
+    as bfloat16, so the transfers cost half the profiled bytes (``meta["wire_factor"]``).
     Raises ValueError naming the device, layer and bytes when nothing fits.
     """
     cluster = load_cluster(cluster)
@@ -122,7 +126,8 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     used_types = sorted({dv.type for dv in cluster.devices})
     if derive_missing:
         profile = profile.derive_types({t: cluster.device_types[t].speed for t in used_types})
-    table = LayerTable(profile, used_types, d)
+    table = LayerTable(profile, used_types, d, wire_factor(check_precision(precision, "make_plan"),
+                                                          profile.activation_dtype))
     check_fits_cluster(table, cluster, profile)
     if policy.lower() == "auto":
         policies = list(POLICIES)
@@ -207,11 +212,11 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     if best is None:
         detail = "; ".join(f"{p}: {e}" for p, e in errors.items())
         raise ValueError(f"make_plan: no plan of {profile.name!r} fits cluster {cluster.name!r}: {detail}")
-    return _to_plan(best, table, cluster, profile, d, minibatch_size, objective, outcomes)
+    return _to_plan(best, table, cluster, profile, d, minibatch_size, objective, outcomes, precision)
 
 
 def _to_plan(c: _Candidate, table: LayerTable, cluster: ClusterSpec, profile: ModelProfile, d: int,
-             minibatch_size: Optional[int], objective: str, outcomes: Dict[str, Any]) -> Plan:
+             minibatch_size: Optional[int], objective: str, outcomes: Dict[str, Any], precision: str) -> Plan:
     vws = []
     for v, (part, wave) in enumerate(zip(c.parts, c.wave_times)):
         stages = tuple(
@@ -230,6 +235,7 @@ def _to_plan(c: _Candidate, table: LayerTable, cluster: ClusterSpec, profile: Mo
         "search": ["exact" if p.optimal else
                    f"bottleneck within {p.bottleneck / p.lower_bound:.3g}x of optimal" if p.lower_bound > 0 else
                    "heuristic" for p in c.parts],
+        "wire_factor": table.wire_factor,
     }
     if c.left_out:
         meta["left_out"] = [{"devices": [s.device for s in vw], "reason": _rename(why, src, dst)}
@@ -237,4 +243,4 @@ def _to_plan(c: _Candidate, table: LayerTable, cluster: ClusterSpec, profile: Mo
     return Plan(num_layers=table.num_layers, nm=c.nm, d=d, policy=c.policy, virtual_workers=tuple(vws),
                 ps_shards=c.shards, throughput=c.throughput,
                 minibatch_size=minibatch_size if minibatch_size is not None else profile.minibatch_size,
-                layer_names=profile.layer_names, meta=meta)
+                layer_names=profile.layer_names, meta=meta, precision=precision)

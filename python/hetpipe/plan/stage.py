@@ -7,7 +7,9 @@ in flight in the VW:
 * compute  = fwd_t[a:b] + bwd_t[a:b] (+ fwd_t[a:b] again when the stage recomputes);
 * transfer = send of the output activation of layer ``b-1`` to stage ``k+1`` plus send of the input
   gradient (as large as the activation of layer ``a-1``) back to stage ``k-1``, each
-  ``latency + bytes / bandwidth`` over the link between the two devices (0 at the pipeline ends);
+  ``latency + wire_factor x bytes / bandwidth`` over the link between the two devices (0 at the
+  pipeline ends); ``wire_factor`` is 1/2 for a bf16 plan of a float32 profile
+  (:func:`hetpipe.precision.wire_factor`), 1 otherwise;
 * stage time = compute + transfer; the VW's bottleneck is the largest stage time.
 * memory: the runtime's memory model (:mod:`hetpipe.runtime.stage`). With ``P = param[a:b]`` and
   ``n_k = min(nm, K - k)`` (the HetPipe schedule's 1F1B rule lets stage ``k`` run at most ``n_k``
@@ -64,11 +66,16 @@ class LinkCost:
 class LayerTable:
     """Prefix sums and range maxima over a profile's layers, for O(1) stage queries (vectorised)."""
 
-    def __init__(self, profile: ModelProfile, device_types: Iterable[str], d: int = 0):
-        """``d``: the plan's WSP staleness bound, which sets how many wave deltas a stage keeps."""
+    def __init__(self, profile: ModelProfile, device_types: Iterable[str], d: int = 0, wire_factor: float = 1.0):
+        """``d``: the plan's WSP staleness bound, which sets how many wave deltas a stage keeps.
+        ``wire_factor``: bytes on the wire per profiled activation byte (transfers only; the memory
+        model counts the profiled bytes)."""
         if d < 0:
             raise ValueError(f"LayerTable: d must be >= 0, got {d}")
+        if not 0 < wire_factor <= 1:
+            raise ValueError(f"LayerTable: wire_factor must be in (0, 1], got {wire_factor}")
         self.d = d
+        self.wire_factor = wire_factor
         types = sorted(set(device_types))
         profile.validate(types)
         self.profile = profile
@@ -82,6 +89,9 @@ class LayerTable:
         self.out_bytes = np.array([float(x.activation_bytes) for x in layers])
         # in_bytes[a]: the input of layer a (the model input for a = 0); in_bytes[n] is unused
         self.in_bytes = np.concatenate([[float(profile.input_bytes)], self.out_bytes])
+        # What crosses a stage boundary: the activation forward, its gradient (as large) back.
+        self.wire_out = self.out_bytes * wire_factor
+        self.wire_in = self.in_bytes * wire_factor
         self.param_bytes = np.array([float(x.param_bytes) for x in layers])
         state = np.array([2.0 * x.param_bytes + x.optimizer_bytes for x in layers])
         self.cum_state = np.concatenate([[0.0], np.cumsum(state)])
@@ -134,10 +144,10 @@ class LayerTable:
         hi = scale * cf[b] + cb[b]
         lo = scale * cf[a] + cb[a]
         if nxt is not None:
-            out = self.out_bytes[b - 1]
+            out = self.wire_out[b - 1]
             hi = hi + np.where(out > 0, nxt.latency + out / nxt.bandwidth, 0.0)
         if prev is not None:
-            inb = self.in_bytes[a]
+            inb = self.wire_in[a]
             lo = lo - np.where(inb > 0, prev.latency + inb / prev.bandwidth, 0.0)
         comp = hi - lo
         n = min(nm, num_stages - k)
@@ -165,7 +175,7 @@ class LayerTable:
 
     def send_time(self, b: int, link: Optional[LinkCost]) -> float:
         """Seconds to send the output activation of layer ``b-1`` over ``link`` (0 without one)."""
-        return 0.0 if link is None else link.time(float(self.out_bytes[b - 1]))
+        return 0.0 if link is None else link.time(float(self.wire_out[b - 1]))
 
     def weight_copies(self, in_flight: int) -> int:
         """Parameter-sized buffers a stage holds beyond its weights, gradients and optimizer state,

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+from hetpipe.precision import check_precision
+
 PLAN_FORMAT = 1
 # the most minibatches in flight per VW a plan may ask for: past a few times the pipeline depth a
 # larger Nm buys nothing, and the runtime and simulator work per wave grows with it
@@ -93,6 +95,9 @@ class Plan:
     # How the PS combines the VWs' wave deltas: "mean" (each divided by the number of VWs: the step of
     # one GPU, as with DDP) or "sum" (HetPipe's rule). Plans written before the field read as "mean".
     aggregate: str = "mean"
+    # "fp32", or "bf16": stages compute under autocast on float32 master weights and send bfloat16
+    # activations (hetpipe.precision). Plans written before the field read as "fp32".
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         self.check()
@@ -105,6 +110,7 @@ class Plan:
         check_integer("plan", "num_layers", self.num_layers, 1)
         if self.aggregate not in AGGREGATES:
             raise ValueError(f"plan: aggregate must be one of {list(AGGREGATES)}, got {self.aggregate!r}")
+        check_precision(self.precision, "plan")
         if not self.virtual_workers:
             raise ValueError("plan: no virtual workers")
         for i, vw in enumerate(self.virtual_workers):

@@ -25,7 +25,7 @@ from hetpipe.runtime.executor import MinibatchFeed, StageContext, StageExecutor
 from hetpipe.runtime.layout import ModelLayout
 from hetpipe.runtime.ps import ShardLog, ShardServer, ShardState
 from hetpipe.runtime.stage import StageModel, TiedKey
-from hetpipe.runtime.tree import Boundary, boundary_of
+from hetpipe.runtime.tree import Boundary, boundary_of, on_wire
 from hetpipe.runtime.transport import Backoff, Transport
 from hetpipe.schedule.ir import Schedule
 from hetpipe.schedule.trace import TraceEvent
@@ -187,7 +187,8 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
     device = spec.devices.get(rank, torch.device("cpu"))
     model = StageModel(spec.layers, st.start, st.stop, nm=plan.nm, shard_layers=shard_layers(plan),
                        optimizer_factory=spec.optimizer_factory, device=device, recompute=tuple(st.recompute),
-                       layout=spec.layout, tied_stages=tied_stages(spec, vw), seed=spec.seed, vw=vw, stage=stage)
+                       layout=spec.layout, tied_stages=tied_stages(spec, vw), seed=spec.seed, vw=vw, stage=stage,
+                       precision=plan.precision)
     owning = {sh.index: plan.ps_rank(sh.index) for sh in plan.ps_shards
               if any(st.start <= l < st.stop for l in sh.layers)}
     ctx = StageContext(vw, stage, num_stages, lambda s: plan.rank_of(vw, s), owning,
@@ -205,8 +206,9 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
     clock = EmulatedClock(spec.emulation_scale if emulated else None)
     return StageExecutor(ctx, layout.streams[stage], model, transport, pool, loss_fn=spec.loss_fn,
                          inputs=inputs, labels=labels,
-                         expect_in=spec.boundaries[st.start] if stage > 0 else None,
-                         expect_out=spec.boundaries[st.stop] if stage < num_stages - 1 else None,
+                         expect_in=on_wire(spec.boundaries[st.start], plan.precision) if stage > 0 else None,
+                         expect_out=on_wire(spec.boundaries[st.stop], plan.precision) if stage < num_stages - 1
+                         else None,
                          clock=clock, fwd_time=st.fwd_time, bwd_time=st.bwd_time, trace=trace, t0=t0, d=plan.d,
                          layout=layout, stager=CopyStager(pool, device) if staged else None)
 

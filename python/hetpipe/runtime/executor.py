@@ -114,6 +114,13 @@ def tensor_to_slot(pool, t: torch.Tensor):
     return slot, _TORCH_DTYPE_NAME[t.dtype]
 
 
+def _to_wire(leaves: Sequence[torch.Tensor], boundary: Boundary) -> List[torch.Tensor]:
+    """The float32 leaves that ``boundary`` (a wire boundary, see ``tree.on_wire``) carries as
+    bfloat16, rounded to it; every other leaf as it is (a mismatch is still the receiver's error)."""
+    return [t.to(torch.bfloat16) if t.dtype == torch.float32 and leaf.dtype == torch.bfloat16 else t
+            for t, leaf in zip(leaves, boundary.leaves)]
+
+
 def payload_tensor(payload: np.ndarray, dtype: str, shape: Sequence[int], device: torch.device) -> torch.Tensor:
     t = torch.from_numpy(payload).view(getattr(torch, dtype)).reshape(tuple(shape))
     return t.to(device) if device.type != "cpu" else t
@@ -248,6 +255,8 @@ class StageExecutor:
             if self.expect_out is not None and spec != self.expect_out.spec:
                 raise StageError(f"hetpipe: {self.ctx.who()}: layer {self.model.stop - 1} returned {spec} for "
                                  f"minibatch {instr.mb}, but {self.expect_out.spec} on the first minibatch")
+            if self.model.precision == "bf16" and self.expect_out is not None:
+                leaves = _to_wire(leaves, self.expect_out)
             if not self._send_value(ACT, instr.peer, instr.mb, leaves):
                 return False
             del self._outputs[instr.mb]
@@ -294,8 +303,10 @@ class StageExecutor:
 
     def _loss(self, mb: int, out: torch.Tensor) -> torch.Tensor:
         """The loss micro-batch ``mb`` back-propagates: a half's (mean) loss weighted by its share of the
-        minibatch's samples, so that the halves' gradients sum to the whole minibatch's."""
-        loss = self.loss_fn(out, self._labels[mb])
+        minibatch's samples, so that the halves' gradients sum to the whole minibatch's. It is computed
+        where the forward was (under autocast with "bf16"), as in a single-process autocast loop."""
+        with self.model.compute_context():
+            loss = self.loss_fn(out, self._labels[mb])
         share = self._shares[mb]
         return loss if share == 1.0 else loss * share
 

@@ -32,6 +32,12 @@ Buffers: persistent float32 buffers (BatchNorm running statistics) live in a sec
 pushed and pulled with the weights (``push_payload``, ``merge_pull``); the forward updates them
 once, a recomputed segment reruns on a copy of the buffers its forward saw.
 
+Precision (docs/design.md, "Mixed precision"): with ``precision="bf16"`` every segment's forward (and
+its recompute) runs under ``torch.autocast(device, bfloat16)`` on the float32 flat weights, which stay
+the master copy the optimizer steps and the PS exchanges; the backward runs outside autocast, and a
+gradient that arrives in a narrower dtype than the output leaf it belongs to is widened first (what
+autograd does for the cast the wire stands for).
+
 Random state: ``forward(mb)`` runs with the CPU (and device) generator seeded from ``seed``, the
 stage and ``mb``; a recomputed segment reruns from the generator state its forward started from.
 Thread role: used by one thread (the rank's main thread, or the replay loop).
@@ -39,15 +45,17 @@ Thread role: used by one thread (the rank's main thread, or the replay loop).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from hetpipe.precision import check_precision
 from hetpipe.runtime.layout import ModelLayout
 
 TiedKey = Tuple[int, str]          # (owner layer, the owner's parameter name)
@@ -110,9 +118,10 @@ class StageModel:
                  shard_layers: Dict[int, Sequence[int]], optimizer_factory: Callable,
                  device: torch.device, recompute: Sequence[int] = (), layout: Optional[ModelLayout] = None,
                  tied_stages: Optional[Dict[TiedKey, Sequence[int]]] = None, seed: int = 0, vw: int = 0,
-                 stage: int = 0) -> None:
+                 stage: int = 0, precision: str = "fp32") -> None:
         self.start, self.stop, self.nm = start, stop, nm
         self.device = device
+        self.precision = check_precision(precision, f"stage layers [{start}, {stop})")
         self.seed, self.vw, self.stage = seed, vw, stage
         outside = sorted(set(recompute) - set(range(start, stop)))
         if outside:
@@ -223,8 +232,20 @@ class StageModel:
         """Whether the stage's output has no graph until ``Recompute`` (its last segment is recomputed)."""
         return self.segments[-1][0]
 
+    def compute_context(self) -> ContextManager[Any]:
+        """Where forwards and the loss run: autocast to bfloat16 under "bf16"; under "fp32" no context
+        at all, so the float32 path is exactly what it was."""
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     def _run(self, stash: List[Dict[str, torch.Tensor]], x: Any, layers: range, side: Dict[str, Any],
              buffers: Optional[List[Dict[str, torch.Tensor]]] = None) -> Any:
+        with self.compute_context():
+            return self._run_layers(stash, x, layers, side, buffers)
+
+    def _run_layers(self, stash: List[Dict[str, torch.Tensor]], x: Any, layers: range, side: Dict[str, Any],
+                    buffers: Optional[List[Dict[str, torch.Tensor]]]) -> Any:
         for n, i in enumerate(layers):
             kwargs = {k: side[k] for k in self.side_inputs[i]}
             tensors = stash[i] if buffers is None else {**stash[i], **buffers[n]}
@@ -330,7 +351,10 @@ class StageModel:
                 if root.requires_grad:
                     root.backward()
                 continue
-            pairs = [(t, g) for t, g in zip(_float_leaves(root), grads) if t.requires_grad and g is not None]
+            # A bfloat16 wire gradient of a float32 output is widened, as autograd widens the gradient
+            # of a cast (exact); under "fp32" the dtypes already agree.
+            pairs = [(t, g.to(t.dtype)) for t, g in zip(_float_leaves(root), grads)
+                     if t.requires_grad and g is not None]
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         leaves = _float_leaves(saved[0][0])

@@ -25,6 +25,7 @@ from hetpipe.launch.deaths import register_rank
 from hetpipe.launch.mpi import gather_hosts, world
 from hetpipe.launch.roles import LaunchError, Role, check_world, resolve_device, role_of
 from hetpipe.plan.types import Plan
+from hetpipe.precision import check_precision
 from hetpipe.runtime.build import (RunSpec, as_layers, build_shard, build_stage, drive, infer_boundaries,
                                    load_layer_weights, merge_outcomes, part_outcome, shard_pool, stage_pool)
 from hetpipe.runtime.data import first_minibatch, minibatches_per_epoch
@@ -89,6 +90,18 @@ def override(plan: Plan, nm: Optional[int], d: Optional[int]) -> Plan:
     return dataclasses.replace(plan, virtual_workers=vws, throughput=0.0, meta=meta, **changes)
 
 
+def with_precision(plan: Plan, precision: str) -> Plan:
+    """``plan`` training in ``precision`` ("fp32" or "bf16"). Its stages' send times were predicted
+    for its own wire bytes, which the precision halves or doubles: when it changes, the plan's and
+    its VWs' throughputs become 0 and ``meta["prediction"]`` says why (re-plan to predict)."""
+    check_precision(precision, "hetpipe")
+    if precision == plan.precision:
+        return plan
+    vws = tuple(dataclasses.replace(vw, throughput=0.0) for vw in plan.virtual_workers)
+    meta = {**plan.meta, "prediction": f"none: the plan's predicted throughput was for precision {plan.precision}"}
+    return dataclasses.replace(plan, virtual_workers=vws, throughput=0.0, meta=meta, precision=precision)
+
+
 class Trainer:
     """Train ``model`` with HetPipe: pipelined virtual workers synchronised by WSP through PS shards.
 
@@ -119,6 +132,11 @@ class Trainer:
         "mean"). With "mean" a wave moves the weights by the VWs' average change, so learning rates
         tuned on one GPU carry over (as with DDP); "sum" is HetPipe's rule, which with N VWs takes
         N times the step: scale the learning rate by 1/N to get the same.
+    precision: "fp32" or "bf16" (None: the plan's; a plan made here is "fp32"). With "bf16" each stage
+        computes its forward and the loss under ``torch.autocast`` to bfloat16 while its weights, the
+        optimizer and the PS stay float32, and float32 activations and their gradients cross stages as
+        bfloat16 (docs/design.md, "Mixed precision"); a plan made here then predicts half the transfer
+        bytes. Overriding a given plan's precision drops its prediction (:func:`with_precision`).
     seed: seeds every stage's random draws (dropout): micro-batch ``mb`` of stage ``s`` of VW ``v``
         draws from its own generator state, derived from (seed, v, s, mb), in the run and the replay.
     """
@@ -131,7 +149,7 @@ class Trainer:
                  copy_stream: Optional[bool] = None, audit: bool = False,
                  metrics: Union[str, Path, None] = None, trace: Union[str, Path, None] = None,
                  progress: bool = True, comm: Any = None, plan_callback: Optional[Callable[[Plan], None]] = None,
-                 aggregate: Optional[str] = None, seed: int = 0):
+                 aggregate: Optional[str] = None, seed: int = 0, precision: Optional[str] = None):
         self.model = model
         self.layers = as_layers(model)
         self.loss_fn, self.optimizer, self.data = loss_fn, optimizer, data
@@ -148,6 +166,7 @@ class Trainer:
         self.comm = comm
         self.plan_callback = plan_callback
         self.aggregate, self.seed = aggregate, seed
+        self.precision = check_precision(precision, "Trainer") if precision is not None else None
         self._describe = "rank ?"
 
     # --- planning ----------------------------------------------------------------------------
@@ -155,6 +174,8 @@ class Trainer:
         plan = self._plan()
         if self.aggregate is not None and self.aggregate != plan.aggregate:
             plan = dataclasses.replace(plan, aggregate=self.aggregate)
+        if self.precision is not None:
+            plan = with_precision(plan, self.precision)
         return plan
 
     def _plan(self) -> Plan:
@@ -173,7 +194,7 @@ class Trainer:
             x, y = first_minibatch(self.data)
             profile = profile_model(list(self.layers), x, cluster, loss_fn=lambda out: self.loss_fn(out, y))
             plan = make_plan(cluster, profile, policy=self.policy, nm=self.nm, d=self.d or 0,
-                             minibatch_size=batch_of(x))
+                             minibatch_size=batch_of(x), precision=self.precision or "fp32")
             return self._check_layers(plan)
         return self._check_layers(override(plan, self.nm, self.d))
 

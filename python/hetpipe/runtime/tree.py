@@ -64,6 +64,15 @@ class Boundary:
         return ", ".join(parts)
 
 
+def on_wire(boundary: Boundary, precision: str) -> Boundary:
+    """``boundary`` as it crosses the wire under ``precision``: with "bf16" its float32 leaves travel as
+    bfloat16 (and so do their gradients); other leaves, and every leaf with "fp32", keep their dtype."""
+    if precision != "bf16":
+        return boundary
+    leaves = tuple(Leaf(l.shape, torch.bfloat16) if l.dtype == torch.float32 else l for l in boundary.leaves)
+    return Boundary(boundary.spec, leaves)
+
+
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 

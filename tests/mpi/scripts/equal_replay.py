@@ -6,7 +6,8 @@ Usage: mpiexec -n N python equal_replay.py '[{"cuts": [3], "nm": 2, "d": 0}, ...
 Optional keys: ``shards``, ``epochs``, ``plain`` (also compare with plain PyTorch), ``recompute``
 (layers each stage recomputes) and ``split`` (split start-up minibatches); with either of the last
 two the replay is also compared with the replay of the plain plan and schedule; ``copy_stream``
-(stage-to-stage tensors through the copy stream in the multi-process run; the replay copies inline).
+(stage-to-stage tensors through the copy stream in the multi-process run; the replay copies inline);
+``precision`` ("bf16": autocast stages, bfloat16 on the wire, in both the run and the replay).
 """
 
 import json
@@ -33,10 +34,11 @@ def main() -> int:
             MPI.COMM_WORLD.Barrier()
             continue
         run = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=epochs, split_startup=split,
-                      copy_stream=cfg.get("copy_stream"), progress=False, comm=sub).fit()
+                      copy_stream=cfg.get("copy_stream"), progress=False, comm=sub,
+                      precision=cfg.get("precision")).fit()
         if sub.Get_rank() == 0:
             ref = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=epochs,
-                          split_startup=split).replay()
+                          split_startup=split, precision=cfg.get("precision")).replay()
             same_losses = run.losses == ref.losses
             same_weights = sorted(run.weights) == sorted(ref.weights) and all(
                 torch.equal(torch.from_numpy(run.weights[l]), torch.from_numpy(ref.weights[l])) for l in ref.weights)
@@ -48,6 +50,11 @@ def main() -> int:
                 unmodified = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=base, epochs=epochs).replay()
                 res["unmodified_max_diff"] = _max_diff(ref, unmodified)
                 ok = ok and res["unmodified_max_diff"] <= (1e-6 if split else 0.0)
+            if cfg.get("precision"):
+                fp32 = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=epochs,
+                               precision="fp32").replay()
+                res["plan_precision"] = run.plan.precision
+                res["fp32_max_diff"] = _max_diff(run, fp32)
             if cfg.get("plain"):
                 res["plain_max_diff"] = _plain_max_diff(run, cfg.get("epochs", 2))
             print("RESULT " + json.dumps(res), flush=True)

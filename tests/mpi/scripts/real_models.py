@@ -181,9 +181,10 @@ def run_layers(layers: nn.Sequential, inputs):
     return value
 
 
-def plain_training(model: nn.Sequential, loss_fn: Callable, opt_factory: Callable, data, epochs: int = 1
-                   ) -> List[float]:
-    """Train ``model`` in place, one minibatch after the other (plain PyTorch); the losses."""
+def plain_training(model: nn.Sequential, loss_fn: Callable, opt_factory: Callable, data, epochs: int = 1,
+                   autocast: bool = False) -> List[float]:
+    """Train ``model`` in place, one minibatch after the other (plain PyTorch); the losses.
+    ``autocast``: forward and loss under CPU autocast to bfloat16, backward outside (PyTorch's recipe)."""
     opt = opt_factory(model.parameters())
     losses = []
     for e in range(epochs):
@@ -191,7 +192,8 @@ def plain_training(model: nn.Sequential, loss_fn: Callable, opt_factory: Callabl
             data.set_epoch(e)
         for x, y in data:
             opt.zero_grad()
-            loss = loss_fn(run_layers(model, x), y)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = loss_fn(run_layers(model, x), y)
             loss.backward()
             opt.step()
             losses.append(float(loss.detach()))

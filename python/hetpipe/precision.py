@@ -1,0 +1,33 @@
+"""Training precision: "fp32", or "bf16" (autocast compute, float32 master weights, bfloat16 on the wire).
+
+The names and the planner's wire factor live here, free of torch, so the planner and the runtime
+agree on them; what the runtime does with each is in docs/design.md ("Mixed precision").
+"""
+
+from __future__ import annotations
+
+PRECISIONS = ("fp32", "bf16")
+
+# Bytes per element of the floating dtypes a profile's activations may be measured in.
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ACTIVATION_DTYPES = tuple(_ELEMENT_BYTES)
+
+
+def check_precision(precision: str, where: str) -> str:
+    """``precision`` if it is one of :data:`PRECISIONS`; else a ValueError naming ``where``."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"{where}: precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    return precision
+
+
+def wire_factor(precision: str, activation_dtype: str = "float32") -> float:
+    """Stage-to-stage bytes per profiled activation byte: under "bf16" the float32 activations and
+    their gradients cross as bfloat16 (half the bytes); activations already profiled in a 2-byte
+    dtype, and every activation under "fp32", cross as profiled."""
+    check_precision(precision, "wire_factor")
+    if activation_dtype not in _ELEMENT_BYTES:
+        raise ValueError(f"wire_factor: activation dtype must be one of {list(ACTIVATION_DTYPES)}, "
+                         f"got {activation_dtype!r}")
+    if precision == "fp32":
+        return 1.0
+    return min(1.0, 2 / _ELEMENT_BYTES[activation_dtype])

@@ -1,0 +1,217 @@
+"""bf16 mixed precision: one VW of two stages against plain PyTorch autocast in one process, the
+bytes on the wire, the plan field, and the planner's halved transfer bytes against hand-computed ones."""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "mpi" / "scripts"))
+import real_models as rm  # noqa: E402
+from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic  # noqa: E402
+
+from hetpipe.plan.types import Plan  # noqa: E402
+from hetpipe.runtime.trainer import Trainer  # noqa: E402
+
+EPOCHS = 2
+
+
+def _no_ps(plan: Plan) -> Plan:
+    """``plan`` without PS shards: the stages' live weights are the result (no PS round trip)."""
+    return dataclasses.replace(plan, ps_shards=())
+
+
+class _RoundedOutput(nn.Module):
+    """``layer`` with its output rounded to bfloat16: what a bf16 stage boundary after it does."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x).to(torch.bfloat16)
+
+
+def _autocast_reference(model: nn.Sequential, rounded_after=None):
+    """Plain PyTorch autocast in one process (``real_models.plain_training``) on ``model``, whose layer
+    ``rounded_after`` rounds its output: (losses, per-layer flat weights)."""
+    if rounded_after is not None:
+        model[rounded_after] = _RoundedOutput(model[rounded_after])
+    losses = rm.plain_training(model, cross_entropy, sgd(), synthetic(), EPOCHS, autocast=True)
+    weights = {l: torch.cat([p.detach().reshape(-1) for p in layer.parameters()]).numpy()
+               for l, layer in enumerate(model) if list(layer.parameters())}
+    return losses, weights
+
+
+def _run(model, plan, precision):
+    r = Trainer(model, cross_entropy, sgd(), synthetic(), plan=plan, epochs=EPOCHS, precision=precision).replay()
+    return [v for _, v in sorted(r.losses[0].items())], r.weights
+
+
+def _max_diff(a, b) -> float:
+    (la, wa), (lb, wb) = a, b
+    d = max(abs(x - y) for x, y in zip(la, lb))
+    return max(d, *(float(np.abs(wa[l] - wb[l]).max()) for l in wb))
+
+
+def test_bf16_two_stages_equal_plain_autocast_bitwise():
+    """Cut after a Linear: autocast's own boundary value is bfloat16, so the wire cast changes nothing
+    and one VW of two stages (Nm = 1, D = 0, no PS round trip) equals plain autocast bitwise; the same
+    run in fp32 does not."""
+    plan = _no_ps(one_vw_plan([3], nm=1, d=0))
+    ref = _autocast_reference(mlp())
+    got = _run(mlp(), plan, "bf16")
+    assert got[0] == ref[0]
+    assert all(np.array_equal(got[1][l], w) for l, w in ref[1].items())
+    assert _max_diff(_run(mlp(), plan, "fp32"), ref) > 1e-4
+
+
+def test_bf16_with_a_ps_shard_equals_plain_autocast_up_to_the_ps_rounding():
+    """The same through a PS shard: the stage then takes the shard's ``W + (W' - W)`` for the step
+    ``W'`` it took, which float32 rounds to ``W'`` except where the subtraction is inexact (a weight
+    crossing zero): an ulp of a weight, below 1e-6 for these weights (3.7e-9 measured), against
+    1.9e-3 between the fp32 run and the autocast reference. A bfloat16 rounding moved by such an
+    ulp would show as a jump of about 1e-3 and fail the bound."""
+    plan = one_vw_plan([3], nm=1, d=0)
+    ref = _autocast_reference(mlp())
+    got = _run(mlp(), plan, "bf16")
+    fp32_gap = _max_diff(_run(mlp(), plan, "fp32"), ref)
+    assert _max_diff(got, ref) <= 1e-6 < fp32_gap
+
+
+class _Residual(nn.Module):
+    """``x + W x``: from a float32 input autocast returns float32 (bfloat16 matmul, float32 add)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + self.lin(x)
+
+
+def _residual_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(_Residual(64), nn.Tanh(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def test_a_float32_boundary_value_is_rounded_to_bfloat16_on_the_wire():
+    """Cut after a residual add, whose value autocast keeps in float32, before a Tanh, which runs in its
+    input's dtype: the wire rounds the value to bfloat16 earlier than autocast would (at the next
+    Linear), so the run equals autocast with that one cast inserted, bitwise, and not plain autocast."""
+    plan = _no_ps(one_vw_plan([1], nm=1, d=0, num_layers=5))
+    got = _run(_residual_mlp(), plan, "bf16")
+    with_cast = _autocast_reference(_residual_mlp(), rounded_after=0)
+    assert got[0] == with_cast[0]
+    assert all(np.array_equal(got[1][l], w) for l, w in with_cast[1].items())
+    assert _max_diff(got, _autocast_reference(_residual_mlp())) > 0
+
+
+def _wire_headers(monkeypatch, precision):
+    from hetpipe.runtime.transport import LoopbackTransport
+    seen = []
+    send = LoopbackTransport.send
+
+    def recording_send(self, dest, h, slot=None):
+        seen.append(h)
+        send(self, dest, h, slot)
+
+    monkeypatch.setattr(LoopbackTransport, "send", recording_send)
+    Trainer(_residual_mlp(), cross_entropy, sgd(), synthetic(), plan=one_vw_plan([1], nm=2, d=0, num_layers=5),
+            epochs=1, precision=precision).replay()
+    monkeypatch.undo()
+    return seen
+
+
+def test_the_wire_carries_bfloat16_activations_and_gradients_and_float32_weights(monkeypatch):
+    from hetpipe.runtime.transport import ACT, GRAD, PULL, PUSH, WEIGHTS
+    fp32, bf16 = _wire_headers(monkeypatch, "fp32"), _wire_headers(monkeypatch, "bf16")
+
+    def by_kind(headers, kind):
+        return [h for h in headers if h.kind == kind]
+
+    for kind in (ACT, GRAD):
+        a, b = by_kind(fp32, kind), by_kind(bf16, kind)
+        assert len(a) == len(b) == 8
+        assert all(h.dtype == "float32" and h.nbytes == 16 * 64 * 4 for h in a)
+        assert all(h.dtype == "bfloat16" and h.nbytes == 16 * 64 * 2 for h in b)
+    for kind in (PUSH, PULL, WEIGHTS):
+        assert [(h.dtype, h.nbytes) for h in by_kind(fp32, kind)] == [(h.dtype, h.nbytes) for h in by_kind(bf16, kind)]
+    assert {h.dtype for h in by_kind(bf16, PUSH) + by_kind(bf16, WEIGHTS)} == {"float32"}
+
+
+def test_the_plan_records_its_precision():
+    plan = one_vw_plan([3], nm=1, d=0)
+    bf16 = dataclasses.replace(plan, precision="bf16")
+    assert Plan.from_json(bf16.to_json()) == bf16
+    old = json.loads(plan.to_json())
+    del old["precision"]
+    assert Plan.from_dict(old).precision == "fp32"
+    with pytest.raises(ValueError, match="precision must be one of"):
+        dataclasses.replace(plan, precision="fp16")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        Trainer(mlp(), cross_entropy, sgd(), synthetic(), precision="half")
+
+
+def _toy_profile():
+    from hetpipe.profile import LayerProfile, ModelProfile
+    acts = [4000, 8000, 2000, 100]
+    return ModelProfile("toy", 1, tuple(LayerProfile(f"l{i}", {"g": 1.0}, {"g": 2.0}, activation_bytes=a,
+                                                     param_bytes=40) for i, a in enumerate(acts)))
+
+
+# One node of two devices joined by a 1 MB/s link with 1 ms latency: one VW of two stages.
+_SLOW_LINK = {"name": "pair", "device_types": {"g": {"memory_bytes": 10**9, "speed": 1.0}},
+              "nodes": [{"name": "n0", "type": "g", "count": 2}],
+              "intra_node": {"bandwidth": 1e6, "latency": 1e-3}, "inter_node": {"bandwidth": 1e6, "latency": 1e-3}}
+
+
+@pytest.mark.parametrize("precision, wire_bytes", [("fp32", 8000), ("bf16", 4000)])
+def test_the_planner_and_simulator_send_half_the_bytes_under_bf16(precision, wire_bytes):
+    """Layers of 1 s forward and 2 s backward cut in the middle, after layer 1 (8000 float32 bytes):
+    the send takes 1 ms + bytes / 1 MB/s, and 3 waves of Nm = 1 simulate to 3 x (12 s + 2 sends)."""
+    from hetpipe.plan import make_plan
+    from hetpipe.schedule import simulate_plan
+    plan = make_plan(_SLOW_LINK, _toy_profile(), policy="NP", nm=1, d=0, precision=precision)
+    first, second = plan.virtual_workers[0].stages
+    send = 1e-3 + wire_bytes / 1e6
+    assert (first.stop, plan.precision, plan.meta["wire_factor"]) == (2, precision, wire_bytes / 8000)
+    assert first.send_time == pytest.approx(send, rel=1e-12) and second.send_time == 0.0
+    assert simulate_plan(plan, waves=3).makespan_s == pytest.approx(3 * (12.0 + 2 * send), rel=1e-12)
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_a_profile_already_in_two_byte_activations_is_not_halved_again():
+    from hetpipe.precision import wire_factor
+    from hetpipe.profile import load_profile
+    gpt = load_profile("gpt")
+    assert gpt.activation_dtype == "bfloat16"
+    assert wire_factor("bf16", gpt.activation_dtype) == 1.0
+    assert wire_factor("bf16") == 0.5 and wire_factor("fp32") == 1.0
+    with pytest.raises(ValueError, match="activation_dtype must be one of"):
+        dataclasses.replace(_toy_profile(), activation_dtype="int8")
+
+
+def test_recomputed_segments_rerun_under_autocast():
+    """Recomputation reruns a segment under the same autocast as its forward: equal bitwise to no
+    recomputation (a float32 rerun would give other gradients)."""
+    from common import with_recompute
+    plan = one_vw_plan([3], nm=2, d=0)
+    plain = _run(mlp(), plan, "bf16")
+    again = _run(mlp(), with_recompute(plan, [[0, 1, 2], [4, 5]]), "bf16")
+    assert plain[0] == again[0] and all(np.array_equal(plain[1][l], again[1][l]) for l in plain[1])
+
+
+def test_overriding_a_plans_precision_drops_its_prediction():
+    from hetpipe.runtime.trainer import with_precision
+    plan = dataclasses.replace(one_vw_plan([3], nm=1, d=0), throughput=2.0)
+    assert with_precision(plan, "fp32") is plan
+    bf16 = with_precision(plan, "bf16")
+    assert (bf16.precision, bf16.throughput) == ("bf16", 0.0) and "precision fp32" in bf16.meta["prediction"]
+    kept = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=bf16)._make_plan()
+    assert kept.precision == "bf16"
