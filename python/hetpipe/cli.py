@@ -98,7 +98,10 @@ def _run_simulate(args) -> int:
 def _add_launch_command(sub) -> None:
     p = sub.add_parser("launch", help="run a training script on N MPI ranks (mpiexec from this environment)")
     p.add_argument("-n", "--np", dest="n", type=int, required=True, help="number of ranks")
-    p.add_argument("--timeout", type=float, help="seconds a rank may wait for a peer (sets HETPIPE_TIMEOUT)")
+    p.add_argument("--timeout", type=float, help="seconds a rank may wait for a peer (sets HETPIPE_TIMEOUT); "
+                                                 "a rank stopped for half of it is declared unresponsive")
+    p.add_argument("--run-dir", help="directory for the ranks' pids and the run's outcome.json (default: a "
+                                     "temporary one, kept only if the run fails)")
     p.add_argument("script", help="the Python script every rank runs")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
 
@@ -111,7 +114,7 @@ def _run_launch(args) -> int:
     if args.timeout is not None:
         os.environ["HETPIPE_TIMEOUT"] = str(args.timeout)
     try:
-        return launch(args.n, [args.script, *args.args])
+        return launch(args.n, [args.script, *args.args], run_dir=args.run_dir)
     except (MPIUnavailable, ValueError) as e:
         print(e, file=sys.stderr)
         return 2

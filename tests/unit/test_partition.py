@@ -240,24 +240,6 @@ def test_partition_accepts_a_profile_and_device_ids():
         partition(load_profile("vgg19"), ["n9.g0"], tb, 1)
 
 
-def test_weight_stashes_and_wave_deltas_follow_the_runtime():
-    # parameters only: weights and gradients (2), a weight stash and its gradient per minibatch in
-    # flight (2 x warmup), and d + 2 wave deltas, with or without recomputation
-    from hetpipe.plan.stage import LinkCost
-    from hetpipe.schedule.generators import warmup
-    prof = make_profile([1.0] * 4, {"a": 1.0}, [0] * 4, [0] * 4, [30] * 4, [0] * 4, [0] * 4)
-    slot = Slot("d", "a", "n", 10**9)
-    link = LinkCost(1e9, 0.0)
-    for d in (0, 1, 3):
-        tab = LayerTable(prof, ["a"], d)
-        for K, nm in ((1, 1), (3, 2), (4, 5)):
-            for k in range(K):
-                for rc in (False, True):
-                    _, mem = tab.stage(slot, k, K, nm, 1, 3, link if k else None, link if k < K - 1 else None, rc)
-                    assert mem == (2 + 2 * warmup(k, K, nm) + d + 2) * 60
-        assert tab.min_layer_bytes(0) == (2 + 2 + d + 2) * 30
-
-
 def test_partition_checks_d_against_its_table():
     cluster = make_cluster({"a": (10**9, 1.0)}, [["a"]])
     prof = make_profile([1.0], {"a": 1.0}, [0], [0], [10], [0], [0])

@@ -20,6 +20,7 @@ DEFAULT_TIMEOUT_S = 120.0
 # mpiexec forwards each rank's stderr asynchronously, and Abort tears its proxies down at once, which
 # can drop a message still in flight; the failing rank waits this long after reporting before Abort.
 ABORT_GRACE_S = 0.5
+_reported = ""      # the last one-line failure message of this process, kept in its aborted mark
 
 
 def timeout_s(explicit: Optional[float] = None) -> float:
@@ -32,14 +33,16 @@ def timeout_s(explicit: Optional[float] = None) -> float:
 
 def report(describe: str, exc: BaseException, with_traceback: bool = True) -> None:
     """Print the one-line failure message (and the traceback below it) to stderr."""
+    global _reported
     lines = traceback.format_exception(type(exc), exc, exc.__traceback__) if with_traceback else []
-    sys.stderr.write(f"hetpipe: {describe} failed: {type(exc).__name__}: {exc}\n{''.join(lines)}")
+    _reported = f"hetpipe: {describe} failed: {type(exc).__name__}: {exc}"
+    sys.stderr.write(f"{_reported}\n{''.join(lines)}")
     sys.stderr.flush()
 
 
 def abort(comm, code: int = 1) -> None:
     """Tear the job down; falls back to a hard exit if there is no communicator."""
-    mark_aborted()
+    mark_aborted(_reported)
     if comm is not None:
         time.sleep(ABORT_GRACE_S)
         comm.Abort(code)

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from hetpipe.launch.deaths import RUN_DIR_ENV, DeathWatcher, marked, ranks_by_pid
+from hetpipe.launch.deaths import RUN_DIR_ENV, register_rank
+
 
 
 class MPIUnavailable(RuntimeError):
@@ -17,13 +18,20 @@ class MPIUnavailable(RuntimeError):
 
 
 def world():
-    """``MPI.COMM_WORLD``; raises :class:`MPIUnavailable` naming the fix when mpi4py cannot be imported."""
+    """``MPI.COMM_WORLD``; raises :class:`MPIUnavailable` naming the fix when mpi4py cannot be imported.
+
+    Under ``hetpipe launch`` the rank records itself in the run directory at once (its role follows
+    once known), so that the launcher can name it even if it fails before its role is assigned."""
     try:
         from mpi4py import MPI
     except ImportError as e:
         raise MPIUnavailable(
             f"hetpipe: mpi4py is not importable ({e}); install it (pip install mpi4py mpich) and start the "
             "program with mpiexec -n N or `hetpipe launch -n N`") from None
+    if os.environ.get(RUN_DIR_ENV):
+        rank = MPI.COMM_WORLD.Get_rank()
+        if not Path(os.environ[RUN_DIR_ENV], f"rank-{rank}.txt").exists():
+            register_rank(rank, f"rank {rank}")
     return MPI.COMM_WORLD
 
 
@@ -65,58 +73,32 @@ def mpiexec_command(n: int, argv: List[str]) -> List[str]:
     return [mpiexec_path(), "-n", str(n), sys.executable, *argv]
 
 
-def launch(n: int, argv: List[str]) -> int:
-    """Run ``argv`` on ``n`` ranks under mpiexec, relaying its output; return its exit status.
+def launch(n: int, argv: List[str], run_dir: Optional[str] = None) -> int:
+    """Run ``argv`` on ``n`` ranks under mpiexec, relaying its output; return the run's exit status.
 
-    When a rank died without reporting an error (killed, or crashed in native code), say which rank
-    and role it was: :mod:`hetpipe.launch.deaths` watches the ranks, since mpiexec may name any."""
-    import subprocess
+    Supervised by :class:`hetpipe.launch.supervisor.Supervisor`: on any fault every process of the run
+    ends and the failed rank is named, on stderr and in ``<run_dir>/outcome.json``. ``run_dir`` (made
+    if missing, must hold no earlier run) is kept; by default a temporary one is used, removed after a
+    successful run and kept after a failure."""
     import tempfile
-    import threading
 
-    with tempfile.TemporaryDirectory(prefix="hetpipe-run-") as run_dir:
-        env = {**os.environ, RUN_DIR_ENV: run_dir}
-        watcher = DeathWatcher(run_dir, n).start()
-        proc = subprocess.Popen(mpiexec_command(n, argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        tail: List[bytes] = []
+    from hetpipe.launch.failure import timeout_s
+    from hetpipe.launch.supervisor import OUTCOME_FILE, Supervisor
 
-        def relay(src, dst) -> None:
-            for chunk in iter(lambda: src.read1(65536), b""):
-                dst.write(chunk)
-                dst.flush()
-                tail.append(chunk)
-                del tail[:-64]
-
-        threads = [threading.Thread(target=relay, args=(proc.stdout, sys.stdout.buffer), daemon=True),
-                   threading.Thread(target=relay, args=(proc.stderr, sys.stderr.buffer), daemon=True)]
-        for t in threads:
-            t.start()
-        rc = proc.wait()
-        watcher.stop()
-        for t in threads:
-            t.join(timeout=5)
-        if rc != 0:
-            culprit = _culprit(run_dir, watcher, b"".join(tail).decode(errors="replace"))
-            if culprit:
-                sys.stderr.write(f"hetpipe: {culprit} failed: it died without reporting an error (killed, or "
-                                 "crashed in native code); mpiexec ended the job\n")
-    return rc
-
-
-def _culprit(run_dir: str, watcher: DeathWatcher, mpiexec_text: str) -> Optional[str]:
-    """The role of the rank that died unreported, or None when a rank reported its own failure.
-
-    The first recorded process to vanish without a mark is the one; mpiexec's text names a pid only
-    as a fallback (no pidfd support), since after a death it may report any rank it killed."""
-    import re
-
-    if marked(run_dir, "aborted"):
-        return None
-    who = ranks_by_pid(run_dir)
-    pid = watcher.first_unmarked()
-    if pid is None and not watcher.supported:
-        found = re.findall(r"PID (\d+) RUNNING", mpiexec_text)
-        pid = int(found[0]) if found else None
-    if pid is None:
-        return None
-    return who.get(pid, f"the process with pid {pid}")
+    command = mpiexec_command(n, argv)
+    keep = run_dir is not None
+    if run_dir is None:
+        run_dir = tempfile.mkdtemp(prefix="hetpipe-run-")
+    else:
+        run_dir = os.path.abspath(run_dir)
+        os.makedirs(run_dir, exist_ok=True)
+        if any(Path(run_dir).iterdir()):
+            raise ValueError(f"hetpipe launch: the run directory {run_dir} is not empty (it holds an earlier run?)")
+    outcome = Supervisor(command, n, run_dir, timeout_s()).run()
+    if outcome.status != "ok":
+        if outcome.cause not in ("reported", ""):
+            sys.stderr.write(outcome.message + "\n")
+        sys.stderr.write(f"hetpipe: the run ended ({outcome.status}); details in {Path(run_dir, OUTCOME_FILE)}\n")
+    elif not keep:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return outcome.exit_status

@@ -1,0 +1,241 @@
+"""Launcher side: run mpiexec, watch the ranks, end every process of the run on any fault, and record why.
+
+Contract (docs: README, "When a run fails"). The launcher starts mpiexec in a session of its own, so
+that a terminal's Ctrl-C reaches the launcher alone, and ends the run itself:
+
+* a rank reported its own failure, or died (killed, crashed): mpiexec normally ends the job; if it
+  has not within ``END_GRACE_S``, the launcher does;
+* a rank is stopped (state ``T``: SIGSTOP, SIGTSTP) for ``STOP_FRACTION`` of the peer timeout: its
+  peers would only time out later, naming whom they waited for, so the launcher names it and ends the run;
+* the launcher gets SIGINT, SIGTERM or SIGHUP: it ends the run and exits with 128 + the signal;
+* mpiexec exits (killed, or after a failure): the launcher ends whatever is left.
+
+Ending the run: every process whose environment carries this run's ``HETPIPE_RUN_DIR`` (mpiexec, its
+proxies, the ranks, anything they started; :mod:`hetpipe.launch.procs`) gets SIGTERM (SIGKILL if
+stopped), and SIGKILL after ``TERM_GRACE_S``. The verdict is written to ``<run dir>/outcome.json``
+(:class:`Outcome`) for programs (a restarting launcher) and printed as one line for people.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from hetpipe.launch.deaths import RUN_DIR_ENV, DeathWatcher, marked, recorded_ranks
+from hetpipe.launch.guard import LAUNCHER_PID_ENV
+from hetpipe.launch.procs import environment_marker, processes_with, send, signal_name, stopped
+
+OUTCOME_FILE = "outcome.json"
+LAUNCHER_PID_FILE = "launcher.pid"
+MPIEXEC_PID_FILE = "mpiexec.pid"
+STOP_FRACTION = 0.5     # a rank stopped this long (x the peer timeout) is declared unresponsive
+STOP_MIN_S = 1.0
+END_GRACE_S = 3.0       # after a rank died or reported, the time mpiexec gets to end the job itself
+TERM_GRACE_S = 2.0      # SIGTERM, then SIGKILL after this long
+GONE_WAIT_S = 5.0       # after SIGKILL, how long to wait for the processes to disappear
+TICK_S = 0.1
+_HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@dataclass
+class Outcome:
+    """How a launched run ended; ``outcome.json`` holds it as JSON.
+
+    status: ``ok``, ``failed`` or ``interrupted``. cause (when not ok): ``reported`` (a rank raised
+    and said why), ``died`` (a rank vanished without reporting), ``stopped`` (a rank stopped
+    responding), ``mpiexec`` (mpiexec itself was killed), ``signal`` (the launcher was interrupted) or
+    ``exit`` (mpiexec failed and no rank is to blame). rank, role, pid: the culprit rank, if any.
+    """
+
+    status: str
+    exit_status: int
+    cause: str = ""
+    rank: Optional[int] = None
+    role: Optional[str] = None
+    pid: Optional[int] = None
+    message: str = ""
+    reports: List[str] = field(default_factory=list)      # the failure messages ranks reported themselves
+    ended_pids: List[int] = field(default_factory=list)   # processes the launcher had to signal
+    run_dir: str = ""
+
+    def write(self, run_dir: str) -> None:
+        tmp = Path(run_dir, f".{OUTCOME_FILE}.tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        os.replace(tmp, Path(run_dir, OUTCOME_FILE))
+
+    @classmethod
+    def read(cls, run_dir: str) -> "Outcome":
+        return cls(**json.loads(Path(run_dir, OUTCOME_FILE).read_text()))
+
+
+class Supervisor:
+    """Runs one mpiexec job of ``ranks`` ranks with ``run_dir`` as its run directory (see the module doc).
+
+    Thread role: :meth:`run` is called from the main thread (it installs signal handlers there, and
+    restores them); two daemon threads relay mpiexec's output, the death watcher has its own."""
+
+    def __init__(self, command: List[str], ranks: int, run_dir: str, peer_timeout_s: float) -> None:
+        self.command, self.ranks, self.run_dir = command, ranks, run_dir
+        self.stop_after_s = max(STOP_MIN_S, STOP_FRACTION * peer_timeout_s)
+        self.marker = environment_marker(RUN_DIR_ENV, run_dir)
+        self._signal: Optional[int] = None
+
+    def run(self) -> Outcome:
+        previous = self._install_handlers()
+        try:
+            return self._run()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _install_handlers(self) -> Dict[int, object]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def note(sig, _frame) -> None:
+            if self._signal is None:
+                self._signal = sig
+
+        return {sig: signal.signal(sig, note) for sig in _HANDLED}
+
+    def _run(self) -> Outcome:
+        Path(self.run_dir, LAUNCHER_PID_FILE).write_text(f"{os.getpid()}\n")
+        env = {**os.environ, RUN_DIR_ENV: self.run_dir, LAUNCHER_PID_ENV: str(os.getpid())}
+        watcher = DeathWatcher(self.run_dir, self.ranks).start()
+        proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        Path(self.run_dir, MPIEXEC_PID_FILE).write_text(f"{proc.pid}\n")
+        relays = [_relay(proc.stdout, sys.stdout.buffer), _relay(proc.stderr, sys.stderr.buffer)]
+        verdict = self._watch(proc, watcher)
+        rc = proc.poll()
+        # What happened before the launcher stepped in decides the culprit; the teardown's deaths do not.
+        vanished, aborted = list(watcher.vanished), _reports(self.run_dir)
+        stuck = [pid for pid in recorded_ranks(self.run_dir) if stopped(pid)]
+        ended = self._end_all()
+        final_rc = proc.wait()
+        watcher.stop()
+        for t in relays:
+            t.join(timeout=5)
+        outcome = self._verdict(verdict, rc if rc is not None else final_rc, vanished, aborted, stuck)
+        outcome.ended_pids = ended
+        outcome.run_dir = self.run_dir
+        outcome.write(self.run_dir)
+        return outcome
+
+    def _watch(self, proc: subprocess.Popen, watcher: DeathWatcher) -> Optional[Tuple[str, int, float]]:
+        """Wait for mpiexec to exit, or for a reason to end the run: ("signal", sig, 0), ("stopped", pid,
+        seconds), ("overdue", 0, 0) (mpiexec did not end the job after a failure). None: mpiexec exited."""
+        since: Dict[int, float] = {}
+        failed_at: Optional[float] = None
+        while proc.poll() is None:
+            if self._signal is not None:
+                return "signal", self._signal, 0.0
+            now = time.monotonic()
+            for pid in recorded_ranks(self.run_dir):
+                if stopped(pid):
+                    since.setdefault(pid, now)
+                else:
+                    since.pop(pid, None)
+            late = [pid for pid, t in since.items() if now - t >= self.stop_after_s]
+            if late:
+                pid = min(late, key=since.__getitem__)
+                return "stopped", pid, now - since[pid]
+            if failed_at is None and (watcher.first_unmarked() is not None or marked(self.run_dir, "aborted")):
+                failed_at = now
+            if failed_at is not None and now - failed_at > END_GRACE_S:
+                return "overdue", 0, 0.0
+            time.sleep(TICK_S)
+        return None
+
+    def _end_all(self) -> List[int]:
+        """SIGTERM (SIGKILL if stopped) every process of the run, SIGKILL the survivors after
+        ``TERM_GRACE_S``, and wait until none runs. Returns the pids signalled."""
+        me = {os.getpid()}
+        left = processes_with(self.marker, me)
+        ended = sorted(left)
+        for pid in left:
+            send(pid, signal.SIGKILL if stopped(pid) else signal.SIGTERM)
+        deadline = time.monotonic() + TERM_GRACE_S
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = processes_with(self.marker, me)
+        for pid in left:
+            send(pid, signal.SIGKILL)
+        deadline = time.monotonic() + GONE_WAIT_S
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = processes_with(self.marker, me)
+            for pid in set(left) - set(ended):      # started meanwhile (a rank forking)
+                send(pid, signal.SIGKILL)
+                ended.append(pid)
+        if left:
+            sys.stderr.write(f"hetpipe: process(es) {left} of the run survived SIGKILL (uninterruptible sleep?)\n")
+        return ended
+
+    def _verdict(self, verdict, rc: int, vanished: List[int], reports: List[Tuple[int, str]],
+                 stuck: List[int]) -> Outcome:
+        who = recorded_ranks(self.run_dir)
+        messages = [text for _, text in reports if text]
+
+        def blame(cause: str, pid: int, message: str) -> Outcome:
+            rank, role = who.get(pid, (None, f"the process with pid {pid}"))
+            return Outcome("failed", rc if rc > 0 else 1, cause, rank, role, pid, message.format(role=role),
+                           messages)
+
+        if verdict is not None and verdict[0] == "signal":
+            name = signal_name(verdict[1])
+            return Outcome("interrupted", 128 + verdict[1], "signal", message=f"hetpipe: interrupted by {name}",
+                           reports=messages)
+        if verdict is not None and verdict[0] == "stopped":
+            return blame("stopped", verdict[1], f"hetpipe: {{role}} failed: it stopped responding (its process "
+                                                f"was stopped, state T, for {verdict[2]:.1f} s); the launcher "
+                                                "ended the job")
+        if rc == 0 and verdict is None:
+            return Outcome("ok", 0)
+        if stuck:
+            return blame("stopped", stuck[0], "hetpipe: {role} failed: it stopped responding (its process was "
+                                              "stopped, state T); the job was ended")
+        if rc < 0 and verdict is None:
+            return Outcome("failed", 1, "mpiexec", message=f"hetpipe: mpiexec was killed by {signal_name(-rc)}; "
+                                                           "the launcher ended the run's processes",
+                           reports=messages)
+        if reports:
+            pid, text = reports[0]
+            return blame("reported", pid, text or "hetpipe: {role} failed (it reported an error)")
+        done = marked(self.run_dir, "exited")
+        died = next((pid for pid in vanished if pid not in done), None)
+        if died is not None:
+            return blame("died", died, "hetpipe: {role} failed: it died without reporting an error (killed, "
+                                       "or crashed in native code); the job was ended")
+        return Outcome("failed", rc if rc > 0 else 1, "exit", message=f"hetpipe: mpiexec exited with status {rc}",
+                       reports=messages)
+
+
+def _reports(run_dir: str) -> List[Tuple[int, str]]:
+    """(pid, message) of the ranks that reported their own failure, earliest first."""
+    marks = sorted(Path(run_dir).glob("aborted-*"), key=lambda f: f.stat().st_mtime_ns)
+    return [(int(f.name.split("-", 1)[1]), f.read_text().strip()) for f in marks]
+
+
+def _relay(src, dst) -> threading.Thread:
+    """A daemon thread copying ``src`` to ``dst`` as it arrives (mpiexec's output to the launcher's)."""
+
+    def copy() -> None:
+        for chunk in iter(lambda: src.read1(65536), b""):
+            try:
+                dst.write(chunk)
+                dst.flush()
+            except (BrokenPipeError, ValueError):
+                pass    # the launcher's own output is gone; keep draining so that mpiexec never blocks
+
+    t = threading.Thread(target=copy, name="hetpipe-relay", daemon=True)
+    t.start()
+    return t

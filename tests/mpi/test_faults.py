@@ -1,0 +1,153 @@
+"""Fault suite: real `hetpipe launch` runs under mpiexec, faults injected at seeded random times after
+training started; no process of the run survives the bound, and the failed rank is named.
+
+The reference for "no process survives" is the kernel's, read here independently of the launcher:
+every pid the run directory records (ranks, launcher, mpiexec) and every process whose environment
+carries the run's HETPIPE_RUN_DIR (proxies and all) must be gone or a zombie by the deadline.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mpirun import SCRIPTS
+
+pytestmark = pytest.mark.slow
+
+PEER_TIMEOUT_S = 4.0
+BOUND_S = PEER_TIMEOUT_S + 5.0          # the contract: the peer timeout plus a few seconds
+START_TIMEOUT_S = 180.0                 # start-up on a loaded 2-core machine
+ROLES = {0: "rank 0 (vw 0 stage 0)", 1: "rank 1 (vw 0 stage 1)", 2: "rank 2 (ps shard 0)"}
+
+
+def _alive(pid: int, run_dir: Path) -> bool:
+    """Whether ``pid`` runs (not a zombie) and still belongs to this run (its environment says so)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        env = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] not in "ZXx" and f"HETPIPE_RUN_DIR={run_dir}\0".encode() in env
+
+
+def _run_processes(run_dir: Path) -> set:
+    """Every pid recorded in the run directory, and every process carrying the run's environment."""
+    pids = {int(f.read_text().split()[0]) for f in run_dir.glob("*.pid")}
+    pids |= {int(f.read_text().split()[0]) for f in run_dir.glob("rank-*.txt")}
+    pids |= {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()}
+    return {pid for pid in pids if pid != os.getpid() and _alive(pid, run_dir)}
+
+
+def _rank_pid(run_dir: Path, rank: int) -> int:
+    return int((run_dir / f"rank-{rank}.txt").read_text().split()[0])
+
+
+class Run:
+    """One `hetpipe launch -n 3 endless.py` in a session of its own (like a job started from a shell)."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.run_dir = tmp_path / "run"
+        self.metrics = tmp_path / "metrics.jsonl"
+        self.err = tmp_path / "launcher.err"
+        cmd = [sys.executable, "-m", "hetpipe.cli", "launch", "-n", "3", "--timeout", str(PEER_TIMEOUT_S),
+               "--run-dir", str(self.run_dir), "endless.py", str(self.metrics)]
+        env = {k: v for k, v in os.environ.items() if k != "HETPIPE_TIMEOUT"}
+        with open(self.err, "wb") as err:
+            self.proc = subprocess.Popen(cmd, cwd=SCRIPTS, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                         start_new_session=True)
+
+    def wait_training(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.metrics.exists() and self.metrics.read_text().count("\n") >= 1 and \
+                    len(list(self.run_dir.glob("rank-*.txt"))) == 3:
+                return
+            if self.proc.poll() is not None:
+                pytest.fail(f"the run ended before training started:\n{self.err.read_text()}")
+            time.sleep(0.1)
+        pytest.fail(f"training did not start within {START_TIMEOUT_S} s:\n{self.err.read_text()}")
+
+    def pid_of(self, target: str) -> int:
+        if target.startswith("rank"):
+            return _rank_pid(self.run_dir, int(target[4:]))
+        return int((self.run_dir / f"{target}.pid").read_text())
+
+    def wait_gone(self, since: float) -> float:
+        """Seconds from ``since`` until no process of the run (launcher included) is left; fails past the bound."""
+        while True:
+            self.proc.poll()        # reap the launcher, our child
+            left = _run_processes(self.run_dir)
+            if self.proc.returncode is not None and not left:
+                return time.monotonic() - since
+            if time.monotonic() - since > BOUND_S:
+                pytest.fail(f"{len(left)} process(es) of the run still alive {BOUND_S} s after the fault: "
+                            f"{sorted(left)}\n{self.err.read_text()}")
+            time.sleep(0.05)
+
+    def clean_up(self) -> None:
+        for pid in _run_processes(self.run_dir):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def outcome(self) -> dict:
+        return json.loads((self.run_dir / "outcome.json").read_text())
+
+
+# (fault, whom, signal, expected cause, expected culprit rank or None)
+FAULTS = [
+    ("stage-kill", "rank1", signal.SIGKILL, "died", 1),
+    ("stage-term", "rank0", signal.SIGTERM, "died", 0),
+    ("stage-stop", "rank1", signal.SIGSTOP, "stopped", 1),
+    ("ps-kill", "rank2", signal.SIGKILL, "died", 2),
+    ("ps-stop", "rank2", signal.SIGSTOP, "stopped", 2),
+    ("ctrl-c", "launcher-group", signal.SIGINT, "signal", None),
+    ("launcher-term", "launcher", signal.SIGTERM, "signal", None),
+    ("mpiexec-kill", "mpiexec", signal.SIGKILL, "mpiexec", None),
+    ("launcher-kill", "launcher", signal.SIGKILL, None, None),
+]
+
+
+@pytest.mark.parametrize("fault,whom,sig,cause,rank", FAULTS, ids=[f[0] for f in FAULTS])
+def test_fault_ends_every_process_and_names_the_culprit(tmp_path, fault, whom, sig, cause, rank):
+    run = Run(tmp_path)
+    try:
+        run.wait_training()
+        time.sleep(random.Random(fault).uniform(0.0, 1.5))     # a seeded random moment of the training
+        at = time.monotonic()
+        if whom == "launcher-group":
+            os.killpg(run.proc.pid, sig)                        # what a terminal's Ctrl-C does
+        else:
+            os.kill(run.pid_of("launcher" if whom == "launcher" else whom), sig)
+        took = run.wait_gone(at)
+        print(f"{fault}: every process of the run gone {took:.2f} s after the fault")
+    finally:
+        run.clean_up()
+    err = run.err.read_text()
+    assert took <= BOUND_S
+    if cause is None:           # SIGKILL of the launcher: nobody is left to write an outcome
+        return
+    out = run.outcome()
+    assert out["cause"] == cause, (out, err)
+    assert out["status"] == ("interrupted" if cause == "signal" else "failed")
+    assert run.proc.returncode == out["exit_status"] != 0
+    if cause == "signal":
+        assert run.proc.returncode == 128 + sig and f"interrupted by {signal.Signals(sig).name}" in err
+    if rank is not None:
+        assert out["rank"] == rank and out["role"] == ROLES[rank], out
+        assert f"hetpipe: {ROLES[rank]} failed: it " + ("died" if cause == "died" else "stopped responding") in err
+    if cause == "stopped":
+        assert "state T" in out["message"]
+    if cause == "mpiexec":
+        assert "mpiexec was killed by SIGKILL" in err
