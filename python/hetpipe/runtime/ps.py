@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -92,6 +92,8 @@ class ShardState:
         # cost as much to fault in as the copy itself).
         self.spare: Dict[int, List[np.ndarray]] = collections.defaultdict(list)
         self.log_sums = log_sums
+        # Called with ``applied`` each time a wave is applied (checkpoints: W is then the global W_applied).
+        self.on_applied: Optional[Callable[[int], None]] = None
         if log_sums:
             self.log.pushed_sum = {l: np.zeros(self.W[l].size, dtype=np.float64) for l in self.layers}
 
@@ -179,6 +181,8 @@ class ShardState:
                     self.spare[l].append(delta)
             self._average_buffers(self.pending_buffers.pop(c, {}))
             self.applied += 1
+            if self.on_applied is not None:
+                self.on_applied(self.applied)
 
     def _average_buffers(self, values: Dict[int, Dict[int, np.ndarray]]) -> None:
         """B <- the VWs' average of the buffer values they pushed for one wave (VW order)."""
