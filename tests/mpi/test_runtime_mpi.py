@@ -120,9 +120,11 @@ def _failed(mode: str, rank: int, timeout_env: str = "30", via_launcher: bool = 
     started = time.monotonic()
     if via_launcher:
         import os
-        proc = subprocess.run([sys.executable, "-m", "hetpipe.cli", "launch", "-n", str(n),
-                               str(SCRIPTS / "failing.py"), mode, str(rank)], capture_output=True, text=True,
-                              timeout=300, env={**os.environ, **env}, cwd=SCRIPTS)
+        import tempfile
+        with tempfile.TemporaryDirectory() as run_dir:      # a failed run's directory is kept otherwise
+            proc = subprocess.run([sys.executable, "-m", "hetpipe.cli", "launch", "-n", str(n), "--run-dir", run_dir,
+                                   str(SCRIPTS / "failing.py"), mode, str(rank)], capture_output=True, text=True,
+                                  timeout=300, env={**os.environ, **env}, cwd=SCRIPTS)
     else:
         proc = run_mpi(n, "failing.py", mode, str(rank), env=env, timeout=300)
     return proc, time.monotonic() - started

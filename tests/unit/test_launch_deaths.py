@@ -88,3 +88,30 @@ def test_without_a_run_dir_nothing_is_written(tmp_path, monkeypatch):
     register_rank(0, "rank 0")
     mark_aborted()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_run_processes_are_found_by_environment_and_stopped_ones_seen(tmp_path):
+    from hetpipe.launch.procs import environment_marker, processes_with, running, state, stopped
+
+    env = {**os.environ, RUN_DIR_ENV: str(tmp_path)}
+    mine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env, start_new_session=True)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             env={**env, RUN_DIR_ENV: str(tmp_path) + "-other"})
+    try:
+        assert processes_with(environment_marker(RUN_DIR_ENV, str(tmp_path))) == [mine.pid]
+        mine.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not stopped(mine.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert state(mine.pid) == "T" and not stopped(other.pid)
+        mine.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while running(mine.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert state(mine.pid) == "Z" and not running(mine.pid)      # a zombie until reaped
+        assert processes_with(environment_marker(RUN_DIR_ENV, str(tmp_path))) == []
+    finally:
+        for p in (mine, other):
+            p.kill()
+            p.wait()
+    assert state(mine.pid) is None
