@@ -65,34 +65,70 @@ def _result(out: Path):
     return res, weights
 
 
-def test_run_killed_at_a_random_wave_resumes_bitwise_at_d0(tmp_path):
-    """D = 0, 1 VW of 2 stages + a PS shard: killed (SIGKILL of a random rank at a random wave) and
-    resumed with `--resume`, the run ends with the uninterrupted run's weights and losses, bitwise."""
-    rng = random.Random(11)
-    wave, victim = rng.randint(3, 10), rng.randint(0, 2)
-    cfg = {"nm": 2, "d": 0, "epochs": 2, "minibatches": 16, "cuts": [3], "time": 0.01}
-    ref = _launch("-n", "3", "ckpt_run.py", str(tmp_path / "ref"), json.dumps(cfg))
-    rc, err = _finish(ref)
+CFG = {"nm": 2, "d": 0, "epochs": 2, "minibatches": 16, "cuts": [3], "time": 0.01}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: the same run, never interrupted."""
+    out = tmp_path_factory.mktemp("ref")
+    rc, err = _finish(_launch("-n", "3", "ckpt_run.py", str(out), json.dumps(CFG)))
     assert rc == 0, err
-    metrics, ckpt, run = tmp_path / "metrics.jsonl", tmp_path / "ckpt", tmp_path / "run"
-    killed = _launch("-n", "3", "--run-dir", str(run), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
-                     "ckpt_run.py", str(tmp_path / "killed"), json.dumps({**cfg, "metrics": str(metrics)}))
-    _kill_at_wave(killed, metrics, ckpt, run, wave, victim)
-    rc, err = _finish(killed)
-    assert rc != 0 and f"rank {victim}" in err, err
-    resumed = _launch("-n", "3", "--resume", str(ckpt), "--run-dir", str(tmp_path / "run2"),
-                      "ckpt_run.py", str(tmp_path / "resumed"), json.dumps(cfg))
-    rc, err = _finish(resumed)
+    return _result(out)
+
+
+def _resume_and_compare(tmp_path, ckpt: Path, uninterrupted) -> int:
+    """Resume from ``ckpt`` with `--resume`; the result must be the uninterrupted run's, bitwise.
+    Returns the clock it resumed from."""
+    rc, err = _finish(_launch("-n", "3", "--resume", str(ckpt), "--run-dir", str(tmp_path / "run2"),
+                              "ckpt_run.py", str(tmp_path / "resumed"), json.dumps(CFG)))
     assert rc == 0, err
-    (want, w_want), (got, w_got) = _result(tmp_path / "ref"), _result(tmp_path / "resumed")
+    (want, w_want), (got, w_got) = uninterrupted, _result(tmp_path / "resumed")
     clock = got["resumed"]["clock"]
-    assert got["resumed"]["same_plan"] and 2 <= clock < 16 and clock % 2 == 0
+    assert got["resumed"]["same_plan"] and 1 <= clock < 16
     assert sorted(w_got) == sorted(w_want)
     assert all(np.array_equal(w_got[l], w_want[l]) for l in w_want), "weights differ from the uninterrupted run"
     assert got["losses"] == want["losses"]          # before the cut from the checkpoint, after it from the resume
     assert len(want["losses"]["0"]) == 32
     # The resumed run trained only what was left after the cut.
     assert got["samples"] == 16 * (32 - clock * 2)
+    return clock
+
+
+def test_run_killed_at_a_random_wave_resumes_bitwise_at_d0(tmp_path, uninterrupted):
+    """D = 0, 1 VW of 2 stages + a PS shard: killed (SIGKILL of a random rank at a random wave) and
+    resumed with `--resume`, the run ends with the uninterrupted run's weights and losses, bitwise."""
+    rng = random.Random(11)
+    wave, victim = rng.randint(3, 10), rng.randint(0, 2)
+    metrics, ckpt, run = tmp_path / "metrics.jsonl", tmp_path / "ckpt", tmp_path / "run"
+    killed = _launch("-n", "3", "--run-dir", str(run), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+                     "ckpt_run.py", str(tmp_path / "killed"), json.dumps({**CFG, "metrics": str(metrics)}))
+    _kill_at_wave(killed, metrics, ckpt, run, wave, victim)
+    rc, err = _finish(killed)
+    assert rc != 0 and f"rank {victim}" in err, err
+    assert _resume_and_compare(tmp_path, ckpt, uninterrupted) % 2 == 0
+
+
+def test_sigterm_writes_a_checkpoint_to_resume_from(tmp_path, uninterrupted):
+    """SIGTERM to `hetpipe launch` at a random wave, with no periodic checkpoint due (every 1000 waves):
+    the ranks write the newest clock they all hold on SIGTERM, and the resumed run is bitwise the
+    uninterrupted one."""
+    from hetpipe.runtime.checkpoint import latest
+
+    wave = random.Random(13).randint(2, 10)
+    metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
+    proc = _launch("-n", "3", "--run-dir", str(tmp_path / "run"), "--checkpoint-dir", str(ckpt),
+                   "--checkpoint-every", "1000", "ckpt_run.py", str(tmp_path / "stopped"),
+                   json.dumps({**CFG, "metrics": str(metrics)}))
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not (metrics.exists() and metrics.read_text().count("\n") >= wave):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1] if proc.poll() else ""
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGTERM)
+    rc, err = _finish(proc)
+    assert rc == 128 + signal.SIGTERM and "SIGTERM; checkpoint(s) at clock(s)" in err, err
+    assert latest(ckpt) is not None, err
+    assert _resume_and_compare(tmp_path, ckpt, uninterrupted) >= wave - 1
 
 
 def test_max_restarts_goes_on_without_the_killed_device(tmp_path):

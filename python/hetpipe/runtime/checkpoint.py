@@ -248,6 +248,7 @@ class Checkpointer:
         for clock, snapshot in list(self.ring):
             if clock not in self.written:
                 self._write(clock, snapshot)
+        self._collect()
 
     def _raise(self) -> None:
         if self.error is not None:
