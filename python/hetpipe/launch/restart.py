@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,14 @@ from hetpipe.runtime import checkpoint as ckpt
 
 RESTARTABLE = ("died", "stopped")       # faults of a rank or its device; a rank that raised is a bug
 PROBE_TIMEOUT_S = 30.0
+
+
+def restartable(outcome) -> bool:
+    """Whether a failed run is worth restarting: a rank died or stopped, or a peer gave up waiting on
+    one that never answered (its report is a ``PeerTimeout``). Any other error would happen again."""
+    if outcome.cause in RESTARTABLE:
+        return True
+    return outcome.cause == "reported" and any("PeerTimeout" in r for r in (outcome.message, *outcome.reports))
 
 
 def device_of(plan: Plan, rank: Optional[int]) -> Optional[str]:
@@ -133,11 +142,13 @@ def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max
                     os.environ[k] = v
         outcome = Outcome.read(str(here))
         if outcome.status == "ok":
+            if run_dir is None:
+                shutil.rmtree(base, ignore_errors=True)
             return rc
-        if outcome.cause not in RESTARTABLE:
+        if not restartable(outcome):
             if max_restarts > 0:
                 _say(f"not restarting: the run ended with cause '{outcome.cause}' (restarts follow a rank that "
-                     "died or stopped answering; one that raised would raise again)")
+                     "died or stopped answering; one that raised for another reason would raise again)")
             return rc
         if attempt >= max_restarts:
             if max_restarts > 0:
@@ -150,15 +161,18 @@ def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max
             _say("not restarting: the run failed before it had a plan")
             return rc
         plan = Plan.load(here / "plan.json")
-        device = device_of(plan, outcome.rank)
+        # A peer's timeout names the rank that waited, not the one that hung: no device to leave out.
+        device = device_of(plan, outcome.rank) if outcome.cause in RESTARTABLE else None
         why = (outcome.message or f"{outcome.role} failed ({outcome.cause})").removeprefix("hetpipe: ")
         if device is not None and answers(device):
             left = f"device {device} of {outcome.role} answers again: it stays in the plan"
         elif device is not None:
             failed.add(device)
             left = f"device {device} of {outcome.role} is left out"
-        else:
+        elif outcome.cause in RESTARTABLE:
             left = f"{outcome.role} holds no device of the plan (a PS shard of this host): restarting it"
+        else:
+            left = "the rank that stopped answering is not known: restarting with the same devices"
         try:
             new_plan = plan_without(plan, failed & {st.device for vw in plan.virtual_workers for st in vw.stages})
         except ValueError as e:
