@@ -91,8 +91,13 @@ def test_data_position_continues_without_repeating_or_skipping(seed):
     assert len(seen) == len(set(seen)) and not consumed & set(seen)
     if new == old:                                  # the same VWs go on exactly where they stopped
         assert rest == [[b for b, _ in r[q:]] for r in runs]
-    if n % old == 0 and n % new == 0:               # nothing dropped: every minibatch trained once
-        assert len(consumed) + len(seen) == n * epochs
+    if n % old == 0 and n % new == 0:
+        # Every minibatch is trained once, but for fewer than `new` of the cut's epoch, which the new
+        # VWs cannot share evenly (each VW trains as many minibatches).
+        missing = {(e, i) for e in range(epochs) for i in range(n)} - consumed - set(seen)
+        assert len(missing) < new and all(e == pos.epoch for e, _ in missing)
+        if new == 1 or new == old:
+            assert not missing
 
 
 def test_optimizer_state_round_trips_through_safetensors_and_json(tmp_path):
