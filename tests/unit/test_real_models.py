@@ -62,6 +62,24 @@ def test_boundary_specs_hold_the_pytree_and_integer_leaves_carry_no_gradient():
     assert tup.nbytes(8) == 8 * 24 * 4 + 8 * 8
 
 
+class _MeanEmbedding(nn.Embedding):
+    def forward(self, ids):
+        return super().forward(ids).mean(dim=1)
+
+
+def test_a_boundary_of_integer_tensors_only_sends_an_empty_gradient():
+    ids = torch.randint(0, 50, (64, 6), generator=torch.Generator().manual_seed(2))
+    from hetpipe.runtime.data import Batches
+    data = Batches(ids, ids[:, 0] % 10, 8, shuffle=False)
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Identity(), _MeanEmbedding(50, 16), nn.Linear(16, 10))
+
+    model, ref, loss_diff, _ = _replay_vs_plain(make, data, [1])
+    assert loss_diff <= 1e-6 and _max_param_diff(model, ref) <= 1e-6
+
+
 class _ReturnsString(nn.Module):
     def forward(self, x):
         return x, "not a tensor"

@@ -15,7 +15,8 @@ A shard owns some layers' weights ``W`` (float32, one flat array per layer). Pro
 * Replicas: a stage holding a tied parameter owned by a layer of this shard outside the stage pulls
   the parameter's slice too (``replicas``), after its own layers' weights; it never pushes it.
 * Pull ``(vw, stage, w)``: queued until ``g >= w - D``, then answered with ``(g, W_g)`` restricted to
-  the stage's layers, then its replica slices, then ``B_g`` of its layers. With ``D = 0`` every pull gets ``g = w``: runs are reproducible.
+  the stage's layers, then its replica slices, then ``B_g`` of its layers. With ``D = 0`` every pull
+  gets ``g = w``: runs are reproducible.
 * DONE ``(vw, stage, n)``: the stage finished and sent ``n`` pushes here; the shard is finished once
   every stage said DONE and all announced pushes have arrived.
 
@@ -49,7 +50,7 @@ class ShardLog:
     pushes: List[Tuple[int, int, int]] = field(default_factory=list)      # (vw, stage, wave), arrival order
     clocks: List[Tuple[int, int, int]] = field(default_factory=list)      # (vw, clock_vw, global) after each change
     pulls: List[Tuple[int, int, int, int]] = field(default_factory=list)  # (vw, stage, wave, g) as answered
-    pushed_sum: Dict[int, np.ndarray] = field(default_factory=dict)       # layer -> float64 sum of the deltas as applied
+    pushed_sum: Dict[int, np.ndarray] = field(default_factory=dict)       # layer -> float64 sum of applied deltas
 
 
 class ShardState:
