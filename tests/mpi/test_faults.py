@@ -50,14 +50,15 @@ def _rank_pid(run_dir: Path, rank: int) -> int:
 
 
 class Run:
-    """One `hetpipe launch -n 3 endless.py` in a session of its own (like a job started from a shell)."""
+    """One `hetpipe launch -n 3 endless.py` (or ``script``) in a session of its own, like a job started
+    from a shell."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, *script: str) -> None:
         self.run_dir = tmp_path / "run"
         self.metrics = tmp_path / "metrics.jsonl"
         self.err = tmp_path / "launcher.err"
         cmd = [sys.executable, "-m", "hetpipe.cli", "launch", "-n", "3", "--timeout", str(PEER_TIMEOUT_S),
-               "--run-dir", str(self.run_dir), "endless.py", str(self.metrics)]
+               "--run-dir", str(self.run_dir), *(script or ("endless.py", str(self.metrics)))]
         env = {k: v for k, v in os.environ.items() if k != "HETPIPE_TIMEOUT"}
         with open(self.err, "wb") as err:
             self.proc = subprocess.Popen(cmd, cwd=SCRIPTS, env=env, stdout=subprocess.DEVNULL, stderr=err,
@@ -111,6 +112,7 @@ FAULTS = [
     ("stage-term", "rank0", signal.SIGTERM, "died", 0),
     ("stage-stop", "rank1", signal.SIGSTOP, "stopped", 1),
     ("ps-kill", "rank2", signal.SIGKILL, "died", 2),
+    ("ps-term", "rank2", signal.SIGTERM, "died", 2),
     ("ps-stop", "rank2", signal.SIGSTOP, "stopped", 2),
     ("ctrl-c", "launcher-group", signal.SIGINT, "signal", None),
     ("launcher-term", "launcher", signal.SIGTERM, "signal", None),
@@ -151,3 +153,17 @@ def test_fault_ends_every_process_and_names_the_culprit(tmp_path, fault, whom, s
         assert "state T" in out["message"]
     if cause == "mpiexec":
         assert "mpiexec was killed by SIGKILL" in err
+
+
+def test_rank_that_raises_is_named_from_its_own_report(tmp_path):
+    run = Run(tmp_path, "failing.py", "raise", "1")
+    try:
+        run.proc.wait(timeout=START_TIMEOUT_S)
+        assert not _run_processes(run.run_dir)
+    finally:
+        run.clean_up()
+    out = run.outcome()
+    assert (out["status"], out["cause"], out["rank"], out["role"]) == ("failed", "reported", 1, ROLES[1]), out
+    assert out["message"] == "hetpipe: rank 1 (vw 0 stage 1) failed: RuntimeError: deliberate failure in the " \
+                             "forward pass"
+    assert run.proc.returncode == out["exit_status"] != 0

@@ -15,6 +15,7 @@ import atexit
 import os
 import select
 import threading
+import time
 from pathlib import Path
 from typing import Dict, List, Optional, Set, Tuple
 
@@ -83,7 +84,8 @@ class DeathWatcher:
     """Watches the pids recorded in a run directory and keeps the order in which they vanished.
 
     Thread role: one daemon thread polls the pidfds (blocking in ``poll`` with a short timeout so it
-    also picks up ranks that register later); ``vanished`` is appended only by that thread and read
+    also picks up ranks that register later); ``vanished`` (and ``vanished_at``, the wall-clock time
+    the thread saw each go, comparable with file mtimes) is appended only by that thread and read
     after :meth:`stop`, which joins it. Without pidfd support (not Linux, or a kernel before 5.3)
     :attr:`supported` is False and the order stays empty.
     """
@@ -94,6 +96,7 @@ class DeathWatcher:
         self.run_dir, self.ranks = run_dir, ranks
         self.supported = hasattr(os, "pidfd_open") and hasattr(select, "poll")
         self.vanished: List[int] = []
+        self.vanished_at: Dict[int, float] = {}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -113,6 +116,10 @@ class DeathWatcher:
         done = marked(self.run_dir, "exited") | marked(self.run_dir, "aborted")
         return next((pid for pid in self.vanished if pid not in done), None)
 
+    def _gone(self, pid: int) -> None:
+        self.vanished_at[pid] = time.time()
+        self.vanished.append(pid)
+
     def _run(self) -> None:
         poller = select.poll()
         fds: Dict[int, int] = {}        # fd -> pid
@@ -126,7 +133,7 @@ class DeathWatcher:
                     try:
                         fd = os.pidfd_open(pid)
                     except ProcessLookupError:
-                        self.vanished.append(pid)
+                        self._gone(pid)
                         continue
                     except OSError:
                         self.supported = False
@@ -134,7 +141,7 @@ class DeathWatcher:
                     fds[fd] = pid
                     poller.register(fd, select.POLLIN)
                 for fd, _ in poller.poll(self.POLL_MS):
-                    self.vanished.append(fds.pop(fd))
+                    self._gone(fds.pop(fd))
                     poller.unregister(fd)
                     os.close(fd)
         finally:

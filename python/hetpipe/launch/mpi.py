@@ -12,7 +12,6 @@ from typing import Any, Dict, List, Optional
 from hetpipe.launch.deaths import RUN_DIR_ENV, register_rank
 
 
-
 class MPIUnavailable(RuntimeError):
     """mpi4py (or an MPI library) is missing."""
 

@@ -27,9 +27,10 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from hetpipe.launch.deaths import RUN_DIR_ENV, DeathWatcher, marked, recorded_ranks
+from hetpipe.launch.failure import ABORT_GRACE_S
 from hetpipe.launch.guard import LAUNCHER_PID_ENV
 from hetpipe.launch.procs import environment_marker, processes_with, send, signal_name, stopped
 
@@ -117,7 +118,8 @@ class Supervisor:
         verdict = self._watch(proc, watcher)
         rc = proc.poll()
         # What happened before the launcher stepped in decides the culprit; the teardown's deaths do not.
-        vanished, aborted = list(watcher.vanished), _reports(self.run_dir)
+        vanished = [(pid, watcher.vanished_at[pid]) for pid in list(watcher.vanished)]
+        aborted = _reports(self.run_dir)
         stuck = [pid for pid in recorded_ranks(self.run_dir) if stopped(pid)]
         ended = self._end_all()
         final_rc = proc.wait()
@@ -180,49 +182,53 @@ class Supervisor:
             sys.stderr.write(f"hetpipe: process(es) {left} of the run survived SIGKILL (uninterruptible sleep?)\n")
         return ended
 
-    def _verdict(self, verdict, rc: int, vanished: List[int], reports: List[Tuple[int, str]],
+    def _verdict(self, verdict, rc: int, vanished: List[Tuple[int, float]], reports: List[Tuple[int, str, float]],
                  stuck: List[int]) -> Outcome:
         who = recorded_ranks(self.run_dir)
-        messages = [text for _, text in reports if text]
+        messages = [text for _, text, _ in reports if text]
+        done = marked(self.run_dir, "exited")
+        died = next(((pid, at) for pid, at in vanished if pid not in done), None)
 
-        def blame(cause: str, pid: int, message: str) -> Outcome:
+        def blame(cause: str, pid: int, say: Callable[[str], str]) -> Outcome:
+            """The outcome naming rank ``pid``; ``say(role)`` is the message."""
             rank, role = who.get(pid, (None, f"the process with pid {pid}"))
-            return Outcome("failed", rc if rc > 0 else 1, cause, rank, role, pid, message.format(role=role),
-                           messages)
+            return Outcome("failed", rc if rc > 0 else 1, cause, rank, role, pid, say(role), messages)
 
         if verdict is not None and verdict[0] == "signal":
             name = signal_name(verdict[1])
             return Outcome("interrupted", 128 + verdict[1], "signal", message=f"hetpipe: interrupted by {name}",
                            reports=messages)
         if verdict is not None and verdict[0] == "stopped":
-            return blame("stopped", verdict[1], f"hetpipe: {{role}} failed: it stopped responding (its process "
-                                                f"was stopped, state T, for {verdict[2]:.1f} s); the launcher "
-                                                "ended the job")
+            return blame("stopped", verdict[1], lambda role: f"hetpipe: {role} failed: it stopped responding (its "
+                                                             f"process was stopped, state T, for {verdict[2]:.1f} "
+                                                             "s); the launcher ended the job")
         if rc == 0 and verdict is None:
             return Outcome("ok", 0)
         if stuck:
-            return blame("stopped", stuck[0], "hetpipe: {role} failed: it stopped responding (its process was "
-                                              "stopped, state T); the job was ended")
+            return blame("stopped", stuck[0], lambda role: f"hetpipe: {role} failed: it stopped responding (its "
+                                                           "process was stopped, state T); the job was ended")
         if rc < 0 and verdict is None:
             return Outcome("failed", 1, "mpiexec", message=f"hetpipe: mpiexec was killed by {signal_name(-rc)}; "
                                                            "the launcher ended the run's processes",
                            reports=messages)
+        # A rank that died before any report is the cause: its peers may then fail on their transfers
+        # with it (MPI errors) and report that. A report before any death is the cause: its rank calls
+        # Abort, which kills the rest, ABORT_GRACE_S after writing its mark; deaths seen up to half
+        # that after the mark cannot be Abort's, and allow for the watcher thread waking late.
+        if died is not None and (not reports or died[1] < reports[0][2] + ABORT_GRACE_S / 2):
+            return blame("died", died[0], lambda role: f"hetpipe: {role} failed: it died without reporting an "
+                                                       "error (killed, or crashed in native code); the job was ended")
         if reports:
-            pid, text = reports[0]
-            return blame("reported", pid, text or "hetpipe: {role} failed (it reported an error)")
-        done = marked(self.run_dir, "exited")
-        died = next((pid for pid in vanished if pid not in done), None)
-        if died is not None:
-            return blame("died", died, "hetpipe: {role} failed: it died without reporting an error (killed, "
-                                       "or crashed in native code); the job was ended")
+            pid, text, _ = reports[0]
+            return blame("reported", pid, lambda role: text or f"hetpipe: {role} failed (it reported an error)")
         return Outcome("failed", rc if rc > 0 else 1, "exit", message=f"hetpipe: mpiexec exited with status {rc}",
                        reports=messages)
 
 
-def _reports(run_dir: str) -> List[Tuple[int, str]]:
-    """(pid, message) of the ranks that reported their own failure, earliest first."""
-    marks = sorted(Path(run_dir).glob("aborted-*"), key=lambda f: f.stat().st_mtime_ns)
-    return [(int(f.name.split("-", 1)[1]), f.read_text().strip()) for f in marks]
+def _reports(run_dir: str) -> List[Tuple[int, str, float]]:
+    """(pid, message, wall-clock time) of the ranks that reported their own failure, earliest first."""
+    marks = sorted((f.stat().st_mtime, f) for f in Path(run_dir).glob("aborted-*"))
+    return [(int(f.name.split("-", 1)[1]), f.read_text().strip(), at) for at, f in marks]
 
 
 def _relay(src, dst) -> threading.Thread:
