@@ -83,6 +83,8 @@ class ShardState:
         self.replicas = {k: list(v) for k, v in (replicas or {}).items() if v}
         self.clock = hetpipe_core.ClockTable(self.num_vws)
         self.applied = 0                                            # waves < applied are in W
+        # Called with ``applied`` each time a wave is applied (checkpoints: W is then the global W_applied).
+        self.on_applied: Optional[Callable[[int], None]] = None
         self.pending: Dict[int, Dict[int, Dict[int, np.ndarray]]] = collections.defaultdict(dict)  # wave->vw->layer
         self.pending_buffers: Dict[int, Dict[int, Dict[int, np.ndarray]]] = collections.defaultdict(dict)
         self.arrived: Dict[Tuple[int, int], Set[int]] = collections.defaultdict(set)  # (vw, wave) -> stages
@@ -93,8 +95,6 @@ class ShardState:
         # cost as much to fault in as the copy itself).
         self.spare: Dict[int, List[np.ndarray]] = collections.defaultdict(list)
         self.log_sums = log_sums
-        # Called with ``applied`` each time a wave is applied (checkpoints: W is then the global W_applied).
-        self.on_applied: Optional[Callable[[int], None]] = None
         if log_sums:
             self.log.pushed_sum = {l: np.zeros(self.W[l].size, dtype=np.float64) for l in self.layers}
 

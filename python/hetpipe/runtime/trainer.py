@@ -128,8 +128,6 @@ class Trainer:
         "mean"). With "mean" a wave moves the weights by the VWs' average change, so learning rates
         tuned on one GPU carry over (as with DDP); "sum" is HetPipe's rule, which with N VWs takes
         N times the step: scale the learning rate by 1/N to get the same.
-    seed: seeds every stage's random draws (dropout): micro-batch ``mb`` of stage ``s`` of VW ``v``
-        draws from its own generator state, derived from (seed, v, s, mb), in the run and the replay.
     checkpoint_dir, checkpoint_every: write a checkpoint every ``checkpoint_every`` waves (default 1)
         into ``checkpoint_dir`` (seen by every rank), and on SIGTERM; asynchronous and atomic, see
         :mod:`hetpipe.runtime.checkpoint` and docs/design.md, "Checkpoints and restart". Default:
@@ -139,6 +137,8 @@ class Trainer:
         the run goes on exactly (bitwise at D = 0); with another plan (VW count, cuts, Nm) it starts
         from the checkpoint's global weights, each stage's optimizer state taken per parameter from
         the stages of VW ``v % old VW count``, the data going on from the cut.
+    seed: seeds every stage's random draws (dropout): micro-batch ``mb`` of stage ``s`` of VW ``v``
+        draws from its own generator state, derived from (seed, v, s, mb), in the run and the replay.
     """
 
     def __init__(self, model: Union[nn.Module, Sequence[nn.Module]], loss_fn: Callable,
@@ -147,11 +147,11 @@ class Trainer:
                  nm: Optional[int] = None, d: Optional[int] = None, epochs: int = 1, split_startup: int = 0,
                  timeout: Optional[float] = None, emulate: Optional[bool] = None, emulation_scale: float = 1.0,
                  copy_stream: Optional[bool] = None, audit: bool = False,
+                 checkpoint_dir: Union[str, Path, None] = None, checkpoint_every: Optional[int] = None,
+                 resume: Union[str, Path, None] = None,
                  metrics: Union[str, Path, None] = None, trace: Union[str, Path, None] = None,
                  progress: bool = True, comm: Any = None, plan_callback: Optional[Callable[[Plan], None]] = None,
-                 aggregate: Optional[str] = None, seed: int = 0,
-                 checkpoint_dir: Union[str, Path, None] = None, checkpoint_every: Optional[int] = None,
-                 resume: Union[str, Path, None] = None):
+                 aggregate: Optional[str] = None, seed: int = 0):
         self.model = model
         self.layers = as_layers(model)
         self.loss_fn, self.optimizer, self.data = loss_fn, optimizer, data
@@ -162,12 +162,6 @@ class Trainer:
         self.emulate, self.emulation_scale = emulate, emulation_scale
         self.copy_stream = copy_stream
         self.audit = audit
-        self.metrics = Path(metrics) if metrics else None
-        self.trace_path = Path(trace) if trace else None
-        self.progress = progress
-        self.comm = comm
-        self.plan_callback = plan_callback
-        self.aggregate, self.seed = aggregate, seed
         checkpoint_dir = checkpoint_dir or os.environ.get(ckpt.DIR_ENV) or None
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         every = checkpoint_every if checkpoint_every is not None else os.environ.get(ckpt.EVERY_ENV)
@@ -176,6 +170,12 @@ class Trainer:
             raise ValueError(f"hetpipe: checkpoint_every must be >= 1 wave, got {self.checkpoint_every}")
         resume = resume or os.environ.get(ckpt.RESUME_ENV) or None
         self.resume_from = Path(resume) if resume else None
+        self.metrics = Path(metrics) if metrics else None
+        self.trace_path = Path(trace) if trace else None
+        self.progress = progress
+        self.comm = comm
+        self.plan_callback = plan_callback
+        self.aggregate, self.seed = aggregate, seed
         self._describe = "rank ?"
 
     # --- planning ----------------------------------------------------------------------------
