@@ -188,6 +188,8 @@ class Checkpoint:
 class Checkpointer:
     """One rank's checkpoints: keeps its last ``keep`` boundary snapshots in memory, writes every
     ``every``-th clock through the writer thread, and on SIGTERM the snapshots not yet written.
+    ``keep = 0`` copies the state only at due clocks (no SIGTERM checkpoint: a signal then only lets
+    the checkpoint in flight finish).
 
     ``manifest(clock)`` gives the manifest of a clock (identical on every rank)."""
 
@@ -199,6 +201,7 @@ class Checkpointer:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.manifest = manifest
         self.progress = progress                        # a file to record the latest clock in (launcher's)
+        self.keep = keep
         self.ring: Deque[Tuple[int, Snapshot]] = collections.deque(maxlen=max(1, keep))
         self.written: List[int] = []
         self.waited_s = 0.0
@@ -213,13 +216,17 @@ class Checkpointer:
     def boundary(self, clock: int, capture: Callable[[], Snapshot]) -> None:
         """This rank reached clock ``clock``: keep a snapshot, and hand it to the writer if it is due."""
         self._raise()
-        snapshot = capture()
-        self.ring.append((clock, snapshot))
+        due = clock % self.every == 0
+        if self.keep == 0 and not due:
+            snapshot = None
+        else:
+            snapshot = capture()
+            self.ring.append((clock, snapshot))
         if self.progress is not None:
             tmp = self.progress.with_name(f".{self.progress.name}.tmp")
             tmp.write_text(f"{clock}\n")
             os.replace(tmp, self.progress)
-        if clock % self.every == 0:
+        if due:
             started = time.monotonic()
             with self._cv:
                 while self._job is not None:
@@ -245,7 +252,7 @@ class Checkpointer:
         with self._cv:
             while self._job is not None and time.monotonic() < deadline:
                 self._cv.wait(timeout=0.1)
-        for clock, snapshot in list(self.ring):
+        for clock, snapshot in list(self.ring) if self.keep else ():
             if clock not in self.written:
                 self._write(clock, snapshot)
         self._collect()

@@ -137,6 +137,10 @@ class Trainer:
         the run goes on exactly (bitwise at D = 0); with another plan (VW count, cuts, Nm) it starts
         from the checkpoint's global weights, each stage's optimizer state taken per parameter from
         the stages of VW ``v % old VW count``, the data going on from the cut.
+    checkpoint_on_sigterm: keep a host copy of this rank's state at each of the last D + 2 wave
+        boundaries, so that SIGTERM writes the newest clock every rank holds (the cost: one copy of
+        the optimizer state, or of a shard's weights, per wave; bench/checkpoint.py). False: copies
+        only at due clocks, and SIGTERM only lets the checkpoint in flight finish.
     seed: seeds every stage's random draws (dropout): micro-batch ``mb`` of stage ``s`` of VW ``v``
         draws from its own generator state, derived from (seed, v, s, mb), in the run and the replay.
     """
@@ -148,7 +152,7 @@ class Trainer:
                  timeout: Optional[float] = None, emulate: Optional[bool] = None, emulation_scale: float = 1.0,
                  copy_stream: Optional[bool] = None, audit: bool = False,
                  checkpoint_dir: Union[str, Path, None] = None, checkpoint_every: Optional[int] = None,
-                 resume: Union[str, Path, None] = None,
+                 resume: Union[str, Path, None] = None, checkpoint_on_sigterm: bool = True,
                  metrics: Union[str, Path, None] = None, trace: Union[str, Path, None] = None,
                  progress: bool = True, comm: Any = None, plan_callback: Optional[Callable[[Plan], None]] = None,
                  aggregate: Optional[str] = None, seed: int = 0):
@@ -170,6 +174,7 @@ class Trainer:
             raise ValueError(f"hetpipe: checkpoint_every must be >= 1 wave, got {self.checkpoint_every}")
         resume = resume or os.environ.get(ckpt.RESUME_ENV) or None
         self.resume_from = Path(resume) if resume else None
+        self.checkpoint_on_sigterm = checkpoint_on_sigterm
         self.metrics = Path(metrics) if metrics else None
         self.trace_path = Path(trace) if trace else None
         self.progress = progress
@@ -291,7 +296,8 @@ class Trainer:
         run_dir = os.environ.get(RUN_DIR_ENV)
         progress = Path(run_dir, f"clock-of-rank-{role.rank}") if run_dir else None
         writer = ckpt.Checkpointer(self.checkpoint_dir, self.checkpoint_every, role.rank,
-                                   lambda clock: self._manifest(plan, spec, clock), keep=plan.d + 2,
+                                   lambda clock: self._manifest(plan, spec, clock),
+                                   keep=plan.d + 2 if self.checkpoint_on_sigterm else 0,
                                    progress=progress)
         clock0 = spec.resume.checkpoint.clock if spec.resume is not None else 0
         if role.kind == "stage":
