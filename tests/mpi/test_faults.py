@@ -19,7 +19,8 @@ import pytest
 
 from mpirun import SCRIPTS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfd_open (Linux >= 5.3)")]
 
 PEER_TIMEOUT_S = 4.0
 BOUND_S = PEER_TIMEOUT_S + 5.0          # the contract: the peer timeout plus a few seconds
