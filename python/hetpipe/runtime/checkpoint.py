@@ -297,11 +297,17 @@ class Checkpointer:
             return
         keep = int(newest.name.split("-")[1])
         name = part_name(self.rank)
+        ranks = len(json.loads((newest / MANIFEST).read_text())["parts"])
         for path in self.directory.glob("clock-*"):
             if int(path.name.split("-")[1]) >= keep:
                 continue
             for suffix in (".json", ".safetensors"):
                 (path / f"{name}{suffix}").unlink(missing_ok=True)
+                if self.rank == 0:
+                    # Parts of ranks a run before a restart had and this one has not: nobody else removes them.
+                    for f in path.glob(f"rank-*{suffix}"):
+                        if int(f.name[5:10]) >= ranks:
+                            f.unlink(missing_ok=True)
             if not any(path.glob("rank-*")):
                 shutil.rmtree(path, ignore_errors=True)
 
