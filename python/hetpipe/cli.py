@@ -204,6 +204,15 @@ def _add_launch_command(sub) -> None:
                                                  "a rank stopped for half of it is declared unresponsive")
     p.add_argument("--run-dir", help="directory for the ranks' pids and the run's outcome.json (default: a "
                                      "temporary one, kept only if the run fails)")
+    p.add_argument("--checkpoint-dir", help="checkpoint every --checkpoint-every waves into this directory (for a "
+                                            "script whose Trainer sets no checkpoint_dir)")
+    p.add_argument("--checkpoint-every", type=int, help="waves between checkpoints (default 1)")
+    p.add_argument("--resume", metavar="DIR", help="resume from the latest complete checkpoint in DIR")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="after a rank dies or stops answering, restart the job up to this many times without "
+                        "its device, from the latest checkpoint (attempt k runs in RUN_DIR/attempt-k)")
+    p.add_argument("--exclude-device", action="append", default=[], metavar="ID",
+                   help="mark a device of the plan failed: resume (--resume) without the VW holding it")
     p.add_argument("script", help="the Python script every rank runs")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
 
@@ -212,12 +221,23 @@ def _run_launch(args) -> int:
     import os
 
     from hetpipe.launch.mpi import MPIUnavailable, launch
+    from hetpipe.runtime.checkpoint import CheckpointError
 
     if args.timeout is not None:
         os.environ["HETPIPE_TIMEOUT"] = str(args.timeout)
     try:
+        if args.max_restarts or args.resume or args.checkpoint_dir or args.exclude_device or \
+                args.checkpoint_every is not None:
+            from hetpipe.launch.restart import launch_with_restarts
+
+            if args.max_restarts < 0:
+                raise ValueError(f"hetpipe launch: --max-restarts must be >= 0, got {args.max_restarts}")
+            return launch_with_restarts(args.n, [args.script, *args.args], run_dir=args.run_dir,
+                                        max_restarts=args.max_restarts, resume=args.resume,
+                                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                                        exclude=args.exclude_device)
         return launch(args.n, [args.script, *args.args], run_dir=args.run_dir)
-    except (MPIUnavailable, ValueError) as e:
+    except (MPIUnavailable, ValueError, CheckpointError) as e:
         print(e, file=sys.stderr)
         return 2
 

@@ -54,6 +54,9 @@ class RunSpec:
     audit: bool = False                         # PS shards log float64 sums of the pushed deltas
     seed: int = 0                               # of every stage's random draws (runtime.stage.minibatch_seed)
     layout: Optional[ModelLayout] = None        # None: computed from ``layers``
+    # A resumed run (runtime.checkpoint.Resume): where its data starts, the seeds' micro-batch offset,
+    # and the optimizer states each stage restores once built. None: a run from the start.
+    resume: Any = None
 
     def __post_init__(self) -> None:
         if self.layout is None:
@@ -188,19 +191,23 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
     model = StageModel(spec.layers, st.start, st.stop, nm=plan.nm, shard_layers=shard_layers(plan),
                        optimizer_factory=spec.optimizer_factory, device=device, recompute=tuple(st.recompute),
                        layout=spec.layout, tied_stages=tied_stages(spec, vw), seed=spec.seed, vw=vw, stage=stage,
-                       precision=plan.precision)
+                       precision=plan.precision,
+                       micro_offset=spec.resume.micro_offset if spec.resume is not None else 0)
+    if spec.resume is not None:
+        spec.resume.restore_stage(model, spec.layout, vw, stage)
     owning = {sh.index: plan.ps_rank(sh.index) for sh in plan.ps_shards
               if any(st.start <= l < st.stop for l in sh.layers)}
     ctx = StageContext(vw, stage, num_stages, lambda s: plan.rank_of(vw, s), owning,
                        {sh.index: plan.ps_rank(sh.index) for sh in plan.ps_shards})
     inputs = labels = None
     layout = spec.schedules[vw]
+    start = (spec.resume.start.epoch, spec.resume.start.index) if spec.resume is not None else (0, 0)
     if stage == 0 or model.needs_side_inputs:
-        inputs = MinibatchFeed(select(vw_minibatches(spec.data, vw, len(plan.virtual_workers), spec.epochs), 0),
-                               layout)
+        inputs = MinibatchFeed(select(vw_minibatches(spec.data, vw, len(plan.virtual_workers), spec.epochs, *start),
+                                      0), layout)
     if stage == num_stages - 1:
-        labels = MinibatchFeed(select(vw_minibatches(spec.data, vw, len(plan.virtual_workers), spec.epochs), 1),
-                               layout)
+        labels = MinibatchFeed(select(vw_minibatches(spec.data, vw, len(plan.virtual_workers), spec.epochs, *start),
+                                      1), layout)
     staged = spec.copy_stream if spec.copy_stream is not None else device.type == "cuda"
     emulated = spec.emulated.get(rank, False) and spec.emulation_scale is not None
     clock = EmulatedClock(spec.emulation_scale if emulated else None)

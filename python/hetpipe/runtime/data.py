@@ -32,18 +32,24 @@ def first_minibatch(data: Iterable) -> Tuple[torch.Tensor, torch.Tensor]:
     raise ValueError("hetpipe: the data yields no minibatch")
 
 
-def vw_minibatches(data: Iterable, vw: int, num_vws: int, epochs: int) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
-    """VW ``vw``'s share of ``epochs`` epochs of ``data``, in order (see the module docstring)."""
+def vw_minibatches(data: Iterable, vw: int, num_vws: int, epochs: int, start_epoch: int = 0,
+                   start_index: int = 0) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    """VW ``vw``'s share of ``epochs`` epochs of ``data``, in order (see the module docstring).
+
+    A resumed run starts at minibatch ``start_index`` of epoch ``start_epoch``: the rest of that epoch
+    (up to the usual tail) is dealt round-robin from there, each VW taking as many; later epochs as usual."""
     per_vw = minibatches_per_epoch(data) // num_vws
     if per_vw == 0:
         raise ValueError(f"hetpipe: one epoch has fewer minibatches than the {num_vws} virtual workers")
-    for epoch in range(epochs):
+    for epoch in range(start_epoch, epochs):
         if hasattr(data, "set_epoch"):
             data.set_epoch(epoch)
+        first = start_index if epoch == start_epoch else 0
+        end = first + (per_vw * num_vws - first) // num_vws * num_vws
         for i, batch in enumerate(data):
-            if i >= per_vw * num_vws:
+            if i >= end:
                 break
-            if i % num_vws == vw:
+            if i >= first and (i - first) % num_vws == vw:
                 yield batch
 
 

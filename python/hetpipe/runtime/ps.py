@@ -30,7 +30,7 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -83,6 +83,8 @@ class ShardState:
         self.replicas = {k: list(v) for k, v in (replicas or {}).items() if v}
         self.clock = hetpipe_core.ClockTable(self.num_vws)
         self.applied = 0                                            # waves < applied are in W
+        # Called with ``applied`` each time a wave is applied (checkpoints: W is then the global W_applied).
+        self.on_applied: Optional[Callable[[int], None]] = None
         self.pending: Dict[int, Dict[int, Dict[int, np.ndarray]]] = collections.defaultdict(dict)  # wave->vw->layer
         self.pending_buffers: Dict[int, Dict[int, Dict[int, np.ndarray]]] = collections.defaultdict(dict)
         self.arrived: Dict[Tuple[int, int], Set[int]] = collections.defaultdict(set)  # (vw, wave) -> stages
@@ -180,6 +182,8 @@ class ShardState:
                     self.spare[l].append(delta)
             self._average_buffers(self.pending_buffers.pop(c, {}))
             self.applied += 1
+            if self.on_applied is not None:
+                self.on_applied(self.applied)
 
     def _average_buffers(self, values: Dict[int, Dict[int, np.ndarray]]) -> None:
         """B <- the VWs' average of the buffer values they pushed for one wave (VW order)."""

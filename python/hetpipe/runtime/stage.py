@@ -118,11 +118,15 @@ class StageModel:
                  shard_layers: Dict[int, Sequence[int]], optimizer_factory: Callable,
                  device: torch.device, recompute: Sequence[int] = (), layout: Optional[ModelLayout] = None,
                  tied_stages: Optional[Dict[TiedKey, Sequence[int]]] = None, seed: int = 0, vw: int = 0,
-                 stage: int = 0, precision: str = "fp32") -> None:
+                 stage: int = 0, precision: str = "fp32", micro_offset: int = 0) -> None:
         self.start, self.stop, self.nm = start, stop, nm
         self.device = device
         self.precision = check_precision(precision, f"stage layers [{start}, {stop})")
         self.seed, self.vw, self.stage = seed, vw, stage
+        # Micro-batches of this VW run before micro-batch 0 of this stream (a resumed run): seeds go on.
+        self.micro_offset = micro_offset
+        # Called with ``wave + 1`` after Push(wave) (checkpoints: the optimizer holds waves <= wave).
+        self.on_pushed: Optional[Callable[[int], None]] = None
         outside = sorted(set(recompute) - set(range(start, stop)))
         if outside:
             raise ValueError(f"hetpipe: stage layers [{start}, {stop}) cannot recompute layers {outside}")
@@ -291,7 +295,7 @@ class StageModel:
         saved: List[List[Any]] = []
         replay: Dict[int, Tuple[Any, List[Dict[str, torch.Tensor]]]] = {}
         with self._forked_rng():
-            self._seed_rng(minibatch_seed(self.seed, self.vw, self.stage, mb))
+            self._seed_rng(minibatch_seed(self.seed, self.vw, self.stage, mb + self.micro_offset))
             for k, (recomputed, layers) in enumerate(self.segments):
                 if k > 0 or needs_input_grad:
                     x = _attach(x)
@@ -446,6 +450,8 @@ class StageModel:
     def mark_pushed(self, wave: int) -> None:
         """Record that wave ``wave``'s delta was sent: a later ``apply`` to that wave is an error."""
         self.pushed.add(wave)
+        if self.on_pushed is not None:
+            self.on_pushed(wave + 1)
 
     def push_payload(self, wave: int, shard: int) -> torch.Tensor:
         """What Push(wave) sends shard ``shard``: the wave's delta of its weights, then the current

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,15 +25,17 @@ import torch
 from torch import nn
 
 from hetpipe.launch import failure
-from hetpipe.launch.deaths import register_rank
+from hetpipe.launch.deaths import RUN_DIR_ENV, register_rank
 from hetpipe.launch.mpi import gather_hosts, world
 from hetpipe.launch.roles import LaunchError, Role, check_world, resolve_device, role_of
 from hetpipe.plan.types import Plan
 from hetpipe.precision import check_precision
 from hetpipe.runtime.build import (RunSpec, as_layers, build_shard, build_stage, drive, infer_boundaries,
                                    load_layer_weights, merge_outcomes, part_outcome, shard_pool, stage_pool)
+from hetpipe.runtime import checkpoint as ckpt
 from hetpipe.runtime.data import first_minibatch, minibatches_per_epoch
 from hetpipe.runtime.executor import StageExecutor
+from hetpipe.runtime.layout import ModelLayout
 from hetpipe.runtime.ps import ShardLog
 from hetpipe.runtime.replay import ReplayResult, replay_run
 from hetpipe.runtime.transport import MPITransport
@@ -52,6 +58,9 @@ class TrainResult:
     trace: List[TraceEvent] = field(default_factory=list)
     emulated: bool = False
     buffers: Dict[int, np.ndarray] = field(default_factory=dict)   # layer -> final synced buffers (flat float32)
+    # A resumed run: the checkpoint's path, clock, whether the plan changed, and the losses before the
+    # cut (vw -> minibatch -> loss; already merged into ``losses`` when the plan is the same).
+    resumed: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def samples_per_s(self) -> float:
@@ -137,6 +146,19 @@ class Trainer:
         optimizer and the PS stay float32, and float32 activations and their gradients cross stages as
         bfloat16 (docs/design.md, "Mixed precision"); a plan made here then predicts half the transfer
         bytes. Overriding a given plan's precision drops its prediction (:func:`with_precision`).
+    checkpoint_dir, checkpoint_every: write a checkpoint every ``checkpoint_every`` waves (default 1)
+        into ``checkpoint_dir`` (seen by every rank), and on SIGTERM; asynchronous and atomic, see
+        :mod:`hetpipe.runtime.checkpoint` and docs/design.md, "Checkpoints and restart". Default:
+        ``HETPIPE_CHECKPOINT_DIR`` / ``HETPIPE_CHECKPOINT_EVERY`` (set by ``hetpipe launch``).
+    resume: a checkpoint directory (its latest complete checkpoint) or one checkpoint to resume from
+        (default ``HETPIPE_RESUME``, set by ``hetpipe launch --resume``). With the checkpoint's own plan
+        the run goes on exactly (bitwise at D = 0); with another plan (VW count, cuts, Nm) it starts
+        from the checkpoint's global weights, each stage's optimizer state taken per parameter from
+        the stages of VW ``v % old VW count``, the data going on from the cut.
+    checkpoint_on_sigterm: keep a host copy of this rank's state at each of the last D + 2 wave
+        boundaries, so that SIGTERM writes the newest clock every rank holds (the cost: one copy of
+        the optimizer state, or of a shard's weights, per wave; bench/checkpoint.py). False: copies
+        only at due clocks, and SIGTERM only lets the checkpoint in flight finish.
     seed: seeds every stage's random draws (dropout): micro-batch ``mb`` of stage ``s`` of VW ``v``
         draws from its own generator state, derived from (seed, v, s, mb), in the run and the replay.
     """
@@ -147,6 +169,8 @@ class Trainer:
                  nm: Optional[int] = None, d: Optional[int] = None, epochs: int = 1, split_startup: int = 0,
                  timeout: Optional[float] = None, emulate: Optional[bool] = None, emulation_scale: float = 1.0,
                  copy_stream: Optional[bool] = None, audit: bool = False,
+                 checkpoint_dir: Union[str, Path, None] = None, checkpoint_every: Optional[int] = None,
+                 resume: Union[str, Path, None] = None, checkpoint_on_sigterm: bool = True,
                  metrics: Union[str, Path, None] = None, trace: Union[str, Path, None] = None,
                  progress: bool = True, comm: Any = None, plan_callback: Optional[Callable[[Plan], None]] = None,
                  aggregate: Optional[str] = None, seed: int = 0, precision: Optional[str] = None):
@@ -160,6 +184,15 @@ class Trainer:
         self.emulate, self.emulation_scale = emulate, emulation_scale
         self.copy_stream = copy_stream
         self.audit = audit
+        checkpoint_dir = checkpoint_dir or os.environ.get(ckpt.DIR_ENV) or None
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        every = checkpoint_every if checkpoint_every is not None else os.environ.get(ckpt.EVERY_ENV)
+        self.checkpoint_every = int(every) if every else 1
+        if self.checkpoint_every < 1:
+            raise ValueError(f"hetpipe: checkpoint_every must be >= 1 wave, got {self.checkpoint_every}")
+        resume = resume or os.environ.get(ckpt.RESUME_ENV) or None
+        self.resume_from = Path(resume) if resume else None
+        self.checkpoint_on_sigterm = checkpoint_on_sigterm
         self.metrics = Path(metrics) if metrics else None
         self.trace_path = Path(trace) if trace else None
         self.progress = progress
@@ -179,6 +212,9 @@ class Trainer:
         return plan
 
     def _plan(self) -> Plan:
+        if os.environ.get(ckpt.PLAN_ENV):
+            # A restarting launcher replanned without a failed device: its plan replaces the script's.
+            return self._check_layers(Plan.load(os.environ[ckpt.PLAN_ENV]))
         if isinstance(self.plan_arg, Plan):
             plan = self.plan_arg
         elif self.plan_arg is not None:
@@ -203,29 +239,133 @@ class Trainer:
             raise LaunchError(f"hetpipe: the plan has {plan.num_layers} layers, the model {len(self.layers)}")
         return plan
 
-    def spec(self, plan: Plan) -> RunSpec:
-        """The run's :class:`RunSpec` for ``plan`` (schedules, activation shapes) on this rank."""
+    def spec(self, plan: Plan, resume: Optional[ckpt.Resume] = None) -> RunSpec:
+        """The run's :class:`RunSpec` for ``plan`` (schedules, activation shapes) on this rank; a resumed
+        run trains what is left after the checkpoint's cut."""
         from hetpipe.schedule import hetpipe_schedule
 
-        per_vw = minibatches_per_epoch(self.data) // len(plan.virtual_workers)
+        num_vws = len(plan.virtual_workers)
+        per_epoch = minibatches_per_epoch(self.data)
+        per_vw = per_epoch // num_vws
         if per_vw < 1:
-            raise ValueError(f"hetpipe: one epoch has fewer minibatches than the {len(plan.virtual_workers)} VWs")
-        total = per_vw * self.epochs
+            raise ValueError(f"hetpipe: one epoch has fewer minibatches than the {num_vws} VWs")
+        total, split = per_vw * self.epochs, self.split_startup
+        if resume is not None:
+            total = resume.start.per_vw(per_epoch, num_vws, self.epochs)
+            split = max(0, split - resume.minibatches) if resume.same_plan else 0
+            if total < 1:
+                raise ValueError(f"hetpipe: the checkpoint {resume.checkpoint.path} is at epoch "
+                                 f"{resume.start.epoch} minibatch {resume.start.index}: nothing is left of the "
+                                 f"{self.epochs} epoch(s) to train")
         x, _ = first_minibatch(self.data)
         schedules = []
         for vw in plan.virtual_workers:
             recompute = any(st.recompute for st in vw.stages)
             schedules.append(hetpipe_schedule(len(vw.stages), total, plan.nm, plan.d, recompute=recompute,
-                                              split_startup=self.split_startup))
+                                              split_startup=split))
         return RunSpec(plan, self.layers, self.loss_fn, self.optimizer, self.data, self.epochs, schedules,
                        infer_boundaries(self.layers, x), batch_of(x), copy_stream=self.copy_stream, audit=self.audit,
-                       seed=self.seed)
+                       seed=self.seed, resume=resume)
+
+    # --- checkpoints -------------------------------------------------------------------------
+    def _resume(self, plan: Plan) -> Optional[ckpt.Resume]:
+        """What this run resumes from (None: from the start); loads the global weights into the model."""
+        if self.resume_from is None:
+            return None
+        found = ckpt.Checkpoint.find(self.resume_from)
+        old = Plan.from_dict(found.manifest["plan"])
+        if old.num_layers != plan.num_layers:
+            raise LaunchError(f"hetpipe: the checkpoint {found.path} is of a model of {old.num_layers} layers, "
+                              f"this run's has {plan.num_layers}")
+        weights, buffers = found.global_weights()
+        lay = ModelLayout(self.layers)
+        for l, w in weights.items():
+            if w.size != lay.numel(l):
+                raise LaunchError(f"hetpipe: the checkpoint {found.path} holds {w.size} weights of layer {l}, "
+                                  f"the model's layer {l} has {lay.numel(l)}")
+        load_layer_weights(self.layers, weights, buffers)
+        data = found.manifest["data"]
+        q = int(data["minibatches_per_vw"])
+        same = same_layout(old, plan)
+        split = int(found.manifest.get("split_startup", 0))
+        return ckpt.Resume(found, same, ckpt.DataPosition(**data["position"]), q + min(split, q) if same else 0,
+                           q if same else 0)
+
+    def _manifest(self, plan: Plan, spec: RunSpec, clock: int) -> Dict[str, Any]:
+        """The manifest of the checkpoint at ``clock`` (identical on every rank)."""
+        resume = spec.resume
+        clock0 = resume.checkpoint.clock if resume is not None else 0
+        start = resume.start if resume is not None else ckpt.DataPosition()
+        total = spec.schedules[0].num_minibatches
+        k = min(total, (clock - clock0) * plan.nm)
+        per_epoch = minibatches_per_epoch(self.data)
+        pos = start.advance(k, per_epoch, len(plan.virtual_workers))
+        return {"format": ckpt.FORMAT, "clock": clock, "plan": plan.to_dict(),
+                "parts": [ckpt.part_name(r) for r in range(plan.num_ranks)],
+                "data": {"position": {"epoch": pos.epoch, "index": pos.index},
+                         "minibatches_per_vw": (resume.minibatches if resume is not None else 0) + k,
+                         "minibatches_per_epoch": per_epoch, "epochs": self.epochs},
+                "rng": {"seed": self.seed, "rule": "micro-batch j of stage s of VW v draws from a generator "
+                                                  "seeded by (seed, v, s, j); no other random state"},
+                "split_startup": self.split_startup, "checkpoint_every": self.checkpoint_every,
+                "resumed_from": {"path": str(resume.checkpoint.path), "clock": clock0} if resume else None}
+
+    def _checkpointer(self, plan: Plan, spec: RunSpec, role: Role, part) -> Optional[ckpt.Checkpointer]:
+        """This rank's checkpointer, hooked to its part's wave boundaries (None: no checkpoints)."""
+        if self.checkpoint_dir is None:
+            return None
+        run_dir = os.environ.get(RUN_DIR_ENV)
+        progress = Path(run_dir, f"clock-of-rank-{role.rank}") if run_dir else None
+        writer = ckpt.Checkpointer(self.checkpoint_dir, self.checkpoint_every, role.rank,
+                                   lambda clock: self._manifest(plan, spec, clock),
+                                   keep=plan.d + 2 if self.checkpoint_on_sigterm else 0,
+                                   progress=progress)
+        clock0 = spec.resume.checkpoint.clock if spec.resume is not None else 0
+        if role.kind == "stage":
+            part.model.on_pushed = lambda wave: writer.boundary(clock0 + wave,
+                                                                lambda: self._stage_snapshot(plan, spec, part, role))
+        else:
+            state = part.state
+            state.on_applied = lambda applied: writer.boundary(clock0 + applied,
+                                                               lambda: self._shard_snapshot(state, role, clock0))
+        return writer
+
+    def _stage_snapshot(self, plan: Plan, spec: RunSpec, ex: StageExecutor, role: Role) -> ckpt.Snapshot:
+        model = ex.model
+        tensors, opt = ckpt.optimizer_snapshot(model.optimizer, ckpt.param_keys(model, spec.layout))
+        for name, b in ckpt.local_buffers(model, spec.layout).items():
+            tensors[f"buf/{name}"] = b.detach().to("cpu", copy=True)
+        if not plan.ps_shards and role.vw == 0:
+            for l, (w, b) in model.layer_weights(spec.layout).items():
+                tensors.update({f"w/{l}": torch.from_numpy(w), f"b/{l}": torch.from_numpy(b)})
+        part: Dict[str, Any] = {"role": "stage", "vw": role.vw, "stage": role.stage, "optimizer": opt}
+        if ex.is_last:
+            resume = spec.resume
+            q0 = resume.minibatches if resume is not None else 0
+            before = resume.checkpoint.losses().get(role.vw, {}) if resume is not None and resume.same_plan else {}
+            part["losses"] = {**{str(p): v for p, v in before.items()},
+                              **{str(q0 + p): v for p, v in ex.losses.items()}}
+        return tensors, part
+
+    @staticmethod
+    def _shard_snapshot(state, role: Role, clock0: int) -> ckpt.Snapshot:
+        tensors = {}
+        for l in state.layers:
+            for kind, values in (("w", state.W), ("b", state.B)):
+                if values[l].size:
+                    tensors[f"{kind}/{l}"] = torch.from_numpy(values[l].copy())
+        clocks = [clock0 + int(state.clock.clock(v)) for v in range(state.num_vws)]
+        return tensors, {"role": "ps", "shard": role.shard, "clocks": clocks, "applied": clock0 + state.applied}
 
     # --- single process ----------------------------------------------------------------------
     def replay(self) -> ReplayResult:
         """Run the whole plan in this process over a loopback transport (the reference; no padding)."""
         torch.set_num_threads(1)
-        result = replay_run(self.spec(self._make_plan()))
+        plan = self._make_plan()
+        spec = self.spec(plan, self._resume(plan))
+        result = replay_run(spec)
+        if spec.resume is not None:
+            result.losses = resumed_losses(result.losses, spec.resume)
         load_layer_weights(self.layers, result.weights, result.buffers)
         return result
 
@@ -261,19 +401,24 @@ class Trainer:
         plan = Plan.from_json(plan_text)
         if self.plan_callback is not None and rank == 0:
             self.plan_callback(plan)
+        if rank == 0 and os.environ.get(RUN_DIR_ENV):
+            # For a restarting launcher: which device each rank ran, and where the checkpoints are.
+            plan.save(Path(os.environ[RUN_DIR_ENV], "plan.json"))
+            if self.checkpoint_dir is not None:
+                Path(os.environ[RUN_DIR_ENV], "checkpoints.txt").write_text(f"{self.checkpoint_dir.resolve()}\n")
         check_world(plan, size)
         role = role_of(plan, rank)
         self._describe = role.describe()
         register_rank(rank, self._describe)
         spec, problem = None, None
         try:
-            spec = self.spec(plan)
+            spec = self.spec(plan, self._resume(plan))
             if role.kind == "stage":
                 st = plan.virtual_workers[role.vw].stages[role.stage]
                 dev, emulated = resolve_device(st, emulate=self.emulate, cuda_count=len(hosts[rank]["cuda"]))
                 spec.devices[rank], spec.emulated[rank] = dev, emulated
                 spec.emulation_scale = self.emulation_scale
-        except (LaunchError, ValueError, TypeError) as e:
+        except (LaunchError, ValueError, TypeError, ckpt.CheckpointError) as e:
             problem = f"{role.describe()}: {e}"
         problems = [p for p in comm.allgather(problem) if p]
         if problems:
@@ -301,22 +446,70 @@ class Trainer:
                                      self.epochs)
         else:
             part = build_shard(spec, role.shard, transport, pool, trace=trace, t0=t0)
+        writer = self._checkpointer(plan, spec, role, part)
+        previous = self._on_sigterm(writer)
         # A shard idles legitimately while stages compute; it waits twice as long, so that a stuck
         # peer is reported by the stage that waits on it directly.
         limit = self.timeout if role.kind == "stage" else 2 * self.timeout
-        drive(part, limit, f"hetpipe: {role.describe()}", reporter.update if reporter else None)
+        try:
+            drive(part, limit, f"hetpipe: {role.describe()}", reporter.update if reporter else None)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        if writer is not None:
+            writer.close()
         elapsed = time.perf_counter() - t0
         transport.close()
         mine = {**part_outcome(part, plan, spec.layout), "elapsed": elapsed, "trace": trace or []}
         everyone = comm.allgather(mine)
         outcome = merge_outcomes(everyone)
-        result = TrainResult(plan, role.rank, role.describe(), outcome.losses, outcome.weights, outcome.shard_logs,
+        losses, resumed = outcome.losses, {}
+        if spec.resume is not None:
+            losses = resumed_losses(outcome.losses, spec.resume)
+            resumed = {"path": str(spec.resume.checkpoint.path), "clock": spec.resume.checkpoint.clock,
+                       "same_plan": spec.resume.same_plan, "losses": spec.resume.checkpoint.losses()}
+        result = TrainResult(plan, role.rank, role.describe(), losses, outcome.weights, outcome.shard_logs,
                              max(m["elapsed"] for m in everyone), outcome.samples,
-                             [e for m in everyone for e in m["trace"]], emulated, outcome.buffers)
+                             [e for m in everyone for e in m["trace"]], emulated, outcome.buffers, resumed)
         load_layer_weights(self.layers, result.weights, result.buffers)
         if reporter is not None:
             reporter.finish(result, self.trace_path)
         return result
+
+
+    def _on_sigterm(self, writer: Optional[ckpt.Checkpointer]):
+        """On SIGTERM, write the kept wave-boundary snapshots not yet on disk, then exit 128 + 15;
+        returns the previous handler (None: nothing installed)."""
+        if writer is None or threading.current_thread() is not threading.main_thread():
+            return None
+
+        def handler(sig, _frame) -> None:
+            writer.on_signal()
+            sys.stderr.write(f"hetpipe: {self._describe}: SIGTERM; checkpoint(s) at clock(s) {writer.written} in "
+                             f"{self.checkpoint_dir}\n")
+            sys.stderr.flush()
+            os._exit(128 + sig)
+
+        return signal.signal(signal.SIGTERM, handler)
+
+
+def same_layout(a: Plan, b: Plan) -> bool:
+    """Whether two plans run the same VWs, stages, Nm, D and shards (devices and predictions aside)."""
+    def shape(p: Plan):
+        return (p.nm, p.d, p.aggregate, tuple(tuple((s.start, s.stop, tuple(s.recompute)) for s in vw.stages)
+                                              for vw in p.virtual_workers),
+                tuple(tuple(sh.layers) for sh in p.ps_shards))
+    return shape(a) == shape(b)
+
+
+def resumed_losses(losses: Dict[int, Dict[int, float]], resume: ckpt.Resume) -> Dict[int, Dict[int, float]]:
+    """A resumed run's losses by minibatch of the whole run: with the same plan, the checkpoint's
+    losses before the cut, then this run's, shifted by the minibatches before it."""
+    if not resume.same_plan:
+        return losses
+    before = resume.checkpoint.losses()
+    return {vw: {**before.get(vw, {}), **{resume.minibatches + p: v for p, v in per.items()}}
+            for vw, per in losses.items()}
 
 
 class _Reporter:

@@ -1,0 +1,203 @@
+"""Restart a failed run from its last checkpoint, without the failed device: ``hetpipe launch --max-restarts N``.
+
+MPI ends a job when one of its ranks dies, so elasticity here is a fast restart (docs/design.md,
+"Checkpoints and restart"). After a run ends with a rank that died or stopped answering (the
+supervisor's ``outcome.json`` names it), the launcher looks up the device that rank ran in the plan
+the run recorded (``plan.json`` in its run directory), leaves that device out unless it answers
+again, drops the virtual worker that held it, and starts the job again on the remaining ranks,
+resuming from the latest complete checkpoint. A device is the plan's device id: a GPU of a host, or,
+for an emulated device, the rank process that emulates it; only a real CUDA device can be probed, so an
+emulated device whose rank failed stays out. A user marks devices failed with ``--exclude-device``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Set
+
+from hetpipe.plan.types import Plan
+from hetpipe.runtime import checkpoint as ckpt
+
+RESTARTABLE = ("died", "stopped")       # faults of a rank or its device; a rank that raised is a bug
+PROBE_TIMEOUT_S = 30.0
+
+
+def restartable(outcome) -> bool:
+    """Whether a failed run is worth restarting: a rank died or stopped, or a peer gave up waiting on
+    one that never answered (its report is a ``PeerTimeout``). Any other error would happen again."""
+    if outcome.cause in RESTARTABLE:
+        return True
+    return outcome.cause == "reported" and any("PeerTimeout" in r for r in (outcome.message, *outcome.reports))
+
+
+def device_of(plan: Plan, rank: Optional[int]) -> Optional[str]:
+    """The plan's device of stage rank ``rank`` (None for a PS rank, or no rank)."""
+    if rank is None or not 0 <= rank < plan.num_stage_ranks:
+        return None
+    kind, vw, stage = plan.role_of(rank)
+    return plan.virtual_workers[vw].stages[stage].device
+
+
+def plan_without(plan: Plan, devices: Iterable[str]) -> Plan:
+    """``plan`` without the virtual workers holding any of ``devices`` (the others renumbered in order).
+
+    Each remaining VW keeps its stages, and the PS shards their layers: the pipelines are unchanged,
+    only fewer of them run. Raises ValueError naming the devices when no VW would be left."""
+    out = set(devices)
+    unknown = sorted(out - {st.device for vw in plan.virtual_workers for st in vw.stages})
+    if unknown:
+        raise ValueError(f"hetpipe: device(s) {unknown} are not in the plan (its devices: "
+                         f"{[st.device for vw in plan.virtual_workers for st in vw.stages]})")
+    kept = [vw for vw in plan.virtual_workers if not out & set(vw.devices)]
+    if not kept:
+        raise ValueError(f"hetpipe: without device(s) {sorted(out)} no virtual worker of the plan is left")
+    vws = tuple(dataclasses.replace(vw, index=i) for i, vw in enumerate(kept))
+    meta = {**plan.meta, "left_out": sorted(out),
+            "prediction": f"none: the plan's prediction was for all its VWs; device(s) {sorted(out)} were left out"}
+    return dataclasses.replace(plan, virtual_workers=vws, throughput=0.0, meta=meta)
+
+
+def answers(device: str) -> bool:
+    """Whether ``device`` works again: a CUDA device (``cuda:i``, or a cluster id ``...g<i>`` on a GPU
+    host) if a fresh process can compute on it within ``PROBE_TIMEOUT_S``; an emulated device never
+    (its rank process was the device, and it failed)."""
+    import re
+
+    m = re.match(r"^cuda(?::(\d+))?$", device) or re.search(r"g(\d+)$", device)
+    if m is None:
+        return False
+    index = int(m.group(1) or 0)
+    probe = (f"import sys, torch; sys.exit(0 if torch.cuda.is_available() and torch.cuda.device_count() > {index} "
+             f"and float(torch.ones(4, device='cuda:{index}').sum()) == 4.0 else 1)")
+    try:
+        return subprocess.run([sys.executable, "-c", probe], timeout=PROBE_TIMEOUT_S,
+                              capture_output=True).returncode == 0
+    except (subprocess.TimeoutExpired, OSError):
+        return False
+
+
+def _reached(run_dir: Path) -> int:
+    """The highest wave-boundary clock any rank of the run reached (-1: none recorded)."""
+    clocks = []
+    for f in run_dir.glob("clock-of-rank-*"):
+        try:
+            clocks.append(int(f.read_text().split()[0]))
+        except (OSError, ValueError, IndexError):
+            pass
+    return max(clocks, default=-1)
+
+
+def _say(text: str) -> None:
+    sys.stderr.write(f"hetpipe: {text}\n")
+    sys.stderr.flush()
+
+
+def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max_restarts: int,
+                         resume: Optional[str], checkpoint_dir: Optional[str], checkpoint_every: Optional[int],
+                         exclude: Iterable[str] = ()) -> int:
+    """Run ``argv`` on ``n`` ranks (see :func:`hetpipe.launch.mpi.launch`), restarting it up to
+    ``max_restarts`` times after a rank died or stopped answering; returns the last run's exit status.
+
+    Attempt ``k`` runs in ``<run_dir>/attempt-k``. ``resume``: a checkpoint directory the first attempt
+    resumes from; ``exclude``: devices to leave out of its plan (needs ``resume``: the plan is the
+    checkpoint's)."""
+    from hetpipe.launch.mpi import launch
+    from hetpipe.launch.supervisor import Outcome
+
+    base = Path(run_dir).resolve() if run_dir else Path(tempfile.mkdtemp(prefix="hetpipe-run-"))
+    base.mkdir(parents=True, exist_ok=True)
+    env: Dict[str, str] = {}
+    if checkpoint_dir:
+        env[ckpt.DIR_ENV] = str(Path(checkpoint_dir).resolve())
+    if checkpoint_every is not None:
+        env[ckpt.EVERY_ENV] = str(checkpoint_every)
+    if resume:
+        env[ckpt.RESUME_ENV] = str(Path(resume).resolve())
+    failed: Set[str] = set(exclude)
+    if failed:
+        if not resume:
+            raise ValueError("hetpipe launch: --exclude-device needs --resume DIR (the plan left out of is the "
+                             "checkpoint's)")
+        plan = plan_without(Plan.from_dict(ckpt.Checkpoint.find(Path(resume)).manifest["plan"]), failed)
+        n = _use_plan(plan, base / "plan-0.json", env, n)
+        _say(f"device(s) {sorted(failed)} marked failed: {len(plan.virtual_workers)} VW(s), {n} ranks")
+    attempt = 0
+    while True:
+        here = base / f"attempt-{attempt}"
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            rc = launch(n, argv, run_dir=str(here))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        outcome = Outcome.read(str(here))
+        if outcome.status == "ok":
+            if run_dir is None:
+                shutil.rmtree(base, ignore_errors=True)
+            return rc
+        if not restartable(outcome):
+            if max_restarts > 0:
+                _say(f"not restarting: the run ended with cause '{outcome.cause}' (restarts follow a rank that "
+                     "died or stopped answering; one that raised for another reason would raise again)")
+            return rc
+        if attempt >= max_restarts:
+            if max_restarts > 0:
+                _say(f"not restarting: all {max_restarts} restart(s) used")
+            return rc
+        directory = env.get(ckpt.DIR_ENV)
+        if directory is None and (here / "checkpoints.txt").exists():
+            directory = (here / "checkpoints.txt").read_text().strip()
+        if not (here / "plan.json").exists():
+            _say("not restarting: the run failed before it had a plan")
+            return rc
+        plan = Plan.load(here / "plan.json")
+        # A peer's timeout names the rank that waited, not the one that hung: no device to leave out.
+        device = device_of(plan, outcome.rank) if outcome.cause in RESTARTABLE else None
+        why = (outcome.message or f"{outcome.role} failed ({outcome.cause})").removeprefix("hetpipe: ")
+        if device is not None and answers(device):
+            left = f"device {device} of {outcome.role} answers again: it stays in the plan"
+        elif device is not None:
+            failed.add(device)
+            left = f"device {device} of {outcome.role} is left out"
+        elif outcome.cause in RESTARTABLE:
+            left = f"{outcome.role} holds no device of the plan (a PS shard of this host): restarting it"
+        else:
+            left = "the rank that stopped answering is not known: restarting with the same devices"
+        try:
+            new_plan = plan_without(plan, failed & {st.device for vw in plan.virtual_workers for st in vw.stages})
+        except ValueError as e:
+            _say(f"not restarting: {e}")
+            return rc
+        reached = _reached(here)
+        found = ckpt.latest(Path(directory)) if directory else None
+        if found is not None:
+            clock = int(found.name.split("-")[1])
+            env[ckpt.RESUME_ENV] = str(found.parent)
+            lost = (f"resuming from the checkpoint at clock {clock} ({found}); the ranks had reached clock "
+                    f"{max(reached, clock)}: the work of waves {clock}..{max(reached, clock) - 1} is lost "
+                    f"({max(reached, clock) - clock} wave(s))")
+        else:
+            if not resume:
+                env.pop(ckpt.RESUME_ENV, None)
+            lost = (f"no complete checkpoint{' in ' + directory if directory else ' (no checkpoint directory)'}: "
+                    f"restarting from the start; the work of {max(reached, 0)} wave(s) is lost")
+        attempt += 1
+        n = _use_plan(new_plan, base / f"plan-{attempt}.json", env, n)
+        _say(f"restart {attempt} of {max_restarts}: {why}; {left}; {len(new_plan.virtual_workers)} VW(s) on "
+             f"{n} ranks; {lost}")
+
+
+def _use_plan(plan: Plan, path: Path, env: Dict[str, str], n: int) -> int:
+    plan.save(path)
+    env[ckpt.PLAN_ENV] = str(path)
+    return plan.num_ranks

@@ -1,0 +1,57 @@
+"""A run for the checkpoint tests, started with `hetpipe launch`. Usage: ckpt_run.py OUT CONFIG_JSON
+
+CONFIG keys: ``vws`` (1 or 2 VWs; VW v is stages on emulated devices n<v>.g<k> split at ``cuts``),
+``nm``, ``d``, ``epochs``, ``minibatches`` (per epoch), ``shuffle``, ``momentum``, ``time`` (emulated
+seconds per forward, twice per backward: slow enough to be killed mid-run), ``metrics``. Checkpoints
+and resuming come from the launcher (--checkpoint-dir, --resume, --max-restarts). Rank 0 writes
+OUT/result.json (losses, samples, what it resumed from) and OUT/weights.npz (final global weights)."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common import cross_entropy, mlp, sgd
+from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
+from hetpipe.runtime.data import Batches
+from hetpipe.runtime.trainer import Trainer
+
+
+def plan_of(cfg) -> Plan:
+    vws = []
+    for v in range(cfg.get("vws", 1)):
+        bounds = [0, *cfg.get("cuts", []), 6]
+        t = cfg.get("time", 0.0)
+        stages = tuple(StagePlan(f"n{v}.g{k}", "emulated", a, b, t, 2 * t) for k, (a, b) in enumerate(zip(bounds, bounds[1:])))
+        vws.append(VirtualWorkerPlan(v, stages))
+    return Plan(6, cfg["nm"], cfg["d"], "manual", tuple(vws), (ShardPlan(0, "n0", tuple(range(6))),))
+
+
+def data_of(cfg) -> Batches:
+    g = torch.Generator().manual_seed(1)
+    n = 16 * cfg["minibatches"]
+    x = torch.randn(n, 64, generator=g)
+    y = torch.randint(0, 10, (n,), generator=g)
+    return Batches(x, y, 16, seed=1, shuffle=cfg.get("shuffle", True))
+
+
+def main() -> int:
+    out, cfg = Path(sys.argv[1]), json.loads(sys.argv[2])
+    torch.manual_seed(0)
+    run = Trainer(mlp(), cross_entropy, sgd(momentum=cfg.get("momentum", 0.9)), data_of(cfg), plan=plan_of(cfg),
+                  epochs=cfg["epochs"], progress=False, metrics=cfg.get("metrics"), emulate=True).fit()
+    if run.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        np.savez(out / "weights.npz", **{str(l): w for l, w in run.weights.items()})
+        resumed = {k: v for k, v in run.resumed.items() if k != "losses"}
+        resumed["losses"] = {str(vw): {str(p): v for p, v in per.items()} for vw, per in run.resumed.get("losses", {}).items()}
+        (out / "result.json").write_text(json.dumps({
+            "losses": {str(vw): {str(p): v for p, v in per.items()} for vw, per in run.losses.items()},
+            "samples": run.samples, "vws": len(run.plan.virtual_workers), "resumed": resumed}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

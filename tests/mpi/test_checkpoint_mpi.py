@@ -1,0 +1,176 @@
+"""Checkpoints and restarts on real `hetpipe launch` runs under mpiexec, against independent references:
+an uninterrupted run (bitwise, D = 0), and single-process replays of the plans before and after a
+restart chained through the weights at the cut."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpirun import SCRIPTS
+
+sys.path.insert(0, str(SCRIPTS))
+
+pytestmark = pytest.mark.slow
+
+START_TIMEOUT_S = 180.0
+RUN_TIMEOUT_S = 300.0
+
+
+def _launch(*args: str, cwd=SCRIPTS) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "hetpipe.cli", "launch", *args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETPIPE_")}
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen) -> tuple:
+    try:
+        out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)     # the launcher ends its run's processes itself
+        out, err = proc.communicate()
+        pytest.fail(f"the launch did not finish within {RUN_TIMEOUT_S} s:\n{err}")
+    return proc.returncode, err
+
+
+def _kill_at_wave(proc: subprocess.Popen, metrics: Path, ckpt_dir: Path, run_dir: Path, wave: int, rank: int) -> int:
+    """SIGKILL ``rank`` once VW 0 finished ``wave`` waves and a complete checkpoint exists; returns its pid."""
+    from hetpipe.runtime.checkpoint import latest
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        done = metrics.read_text().count("\n") if metrics.exists() else 0
+        if done >= wave and latest(ckpt_dir) is not None:
+            pid = int((run_dir / "attempt-0" / f"rank-{rank}.txt").read_text().split()[0])
+            os.kill(pid, signal.SIGKILL)
+            return pid
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before wave {wave}:\n{proc.communicate()[1]}")
+        time.sleep(0.01)
+    pytest.fail(f"the run did not reach wave {wave} within {START_TIMEOUT_S} s")
+
+
+def _result(out: Path):
+    res = json.loads((out / "result.json").read_text())
+    with np.load(out / "weights.npz", allow_pickle=False) as z:
+        weights = {int(k): z[k] for k in z.files}
+    return res, weights
+
+
+CFG = {"nm": 2, "d": 0, "epochs": 2, "minibatches": 16, "cuts": [3], "time": 0.01}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: the same run, never interrupted."""
+    out = tmp_path_factory.mktemp("ref")
+    rc, err = _finish(_launch("-n", "3", "ckpt_run.py", str(out), json.dumps(CFG)))
+    assert rc == 0, err
+    return _result(out)
+
+
+def _resume_and_compare(tmp_path, ckpt: Path, uninterrupted) -> int:
+    """Resume from ``ckpt`` with `--resume`; the result must be the uninterrupted run's, bitwise.
+    Returns the clock it resumed from."""
+    rc, err = _finish(_launch("-n", "3", "--resume", str(ckpt), "--run-dir", str(tmp_path / "run2"),
+                              "ckpt_run.py", str(tmp_path / "resumed"), json.dumps(CFG)))
+    assert rc == 0, err
+    (want, w_want), (got, w_got) = uninterrupted, _result(tmp_path / "resumed")
+    clock = got["resumed"]["clock"]
+    assert got["resumed"]["same_plan"] and 1 <= clock < 16
+    assert sorted(w_got) == sorted(w_want)
+    assert all(np.array_equal(w_got[l], w_want[l]) for l in w_want), "weights differ from the uninterrupted run"
+    assert got["losses"] == want["losses"]          # before the cut from the checkpoint, after it from the resume
+    assert len(want["losses"]["0"]) == 32
+    # The resumed run trained only what was left after the cut.
+    assert got["samples"] == 16 * (32 - clock * 2)
+    return clock
+
+
+def test_run_killed_at_a_random_wave_resumes_bitwise_at_d0(tmp_path, uninterrupted):
+    """D = 0, 1 VW of 2 stages + a PS shard: killed (SIGKILL of a random rank at a random wave) and
+    resumed with `--resume`, the run ends with the uninterrupted run's weights and losses, bitwise."""
+    rng = random.Random(11)
+    wave, victim = rng.randint(3, 10), rng.randint(0, 2)
+    metrics, ckpt, run = tmp_path / "metrics.jsonl", tmp_path / "ckpt", tmp_path / "run"
+    killed = _launch("-n", "3", "--run-dir", str(run), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+                     "ckpt_run.py", str(tmp_path / "killed"), json.dumps({**CFG, "metrics": str(metrics)}))
+    _kill_at_wave(killed, metrics, ckpt, run, wave, victim)
+    rc, err = _finish(killed)
+    assert rc != 0 and f"rank {victim}" in err, err
+    assert _resume_and_compare(tmp_path, ckpt, uninterrupted) % 2 == 0
+
+
+def test_sigterm_writes_a_checkpoint_to_resume_from(tmp_path, uninterrupted):
+    """SIGTERM to `hetpipe launch` at a random wave, with no periodic checkpoint due (every 1000 waves):
+    the ranks write the newest clock they all hold on SIGTERM, and the resumed run is bitwise the
+    uninterrupted one."""
+    from hetpipe.runtime.checkpoint import latest
+
+    wave = random.Random(13).randint(2, 10)
+    metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
+    proc = _launch("-n", "3", "--run-dir", str(tmp_path / "run"), "--checkpoint-dir", str(ckpt),
+                   "--checkpoint-every", "1000", "ckpt_run.py", str(tmp_path / "stopped"),
+                   json.dumps({**CFG, "metrics": str(metrics)}))
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not (metrics.exists() and metrics.read_text().count("\n") >= wave):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1] if proc.poll() else ""
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGTERM)
+    rc, err = _finish(proc)
+    assert rc == 128 + signal.SIGTERM and "SIGTERM; checkpoint(s) at clock(s)" in err, err
+    assert latest(ckpt) is not None, err
+    assert _resume_and_compare(tmp_path, ckpt, uninterrupted) >= wave - 1
+
+
+def test_max_restarts_goes_on_without_the_killed_device(tmp_path):
+    """2 VWs, D = 0: the stage rank of VW 1 is SIGKILLed mid-run; `--max-restarts 1` restarts the job
+    without its device (1 VW, 2 ranks) from the last checkpoint. Every minibatch of the epoch is trained
+    once, and the final weights equal a replay of the 2-VW plan up to the cut followed by a replay of
+    the 1-VW plan from those weights over the rest of the data (plain SGD: no optimizer state)."""
+    import torch
+
+    from ckpt_run import data_of, plan_of
+    from common import cross_entropy, mlp, sgd
+    from hetpipe.runtime.data import Batches
+    from hetpipe.runtime.trainer import Trainer
+
+    rng = random.Random(12)
+    wave = rng.randint(2, 5)
+    cfg = {"vws": 2, "nm": 2, "d": 0, "epochs": 1, "minibatches": 32, "shuffle": False, "momentum": 0.0,
+           "time": 0.02}
+    metrics, ckpt, run, out = tmp_path / "metrics.jsonl", tmp_path / "ckpt", tmp_path / "run", tmp_path / "out"
+    proc = _launch("-n", "3", "--max-restarts", "1", "--timeout", "20", "--run-dir", str(run), "--checkpoint-dir",
+                   str(ckpt), "ckpt_run.py", str(out), json.dumps({**cfg, "metrics": str(metrics)}))
+    _kill_at_wave(proc, metrics, ckpt, run, wave, 1)
+    rc, err = _finish(proc)
+    assert rc == 0, err
+    assert "restart 1 of 1: rank 1 (vw 1 stage 0) failed: it died" in err, err
+    assert "device n1.g0 of rank 1 (vw 1 stage 0) is left out; 1 VW(s) on 2 ranks" in err, err
+    assert "is lost" in err, err
+    res, weights = _result(out)
+    clock = res["resumed"]["clock"]
+    assert res["vws"] == 1 and not res["resumed"]["same_plan"] and clock >= 1
+    before = sum(len(per) for per in res["resumed"]["losses"].values())
+    assert before == 2 * 2 * clock                  # 2 VWs, nm = 2, up to the cut
+    assert before + len(res["losses"]["0"]) == 32   # the epoch, every minibatch once
+
+    full = data_of(cfg)
+    cut = before * 16
+    model = mlp()
+    Trainer(model, cross_entropy, sgd(momentum=0.0), Batches(full.x[:cut], full.y[:cut], 16, shuffle=False),
+            plan=plan_of(cfg), epochs=1).replay()
+    ref = Trainer(model, cross_entropy, sgd(momentum=0.0), Batches(full.x[cut:], full.y[cut:], 16, shuffle=False),
+                  plan=plan_of({**cfg, "vws": 1}), epochs=1).replay()
+    assert all(np.array_equal(weights[l], ref.weights[l]) for l in ref.weights), "weights differ from the replays"
+    assert [v for _, v in sorted((int(p), v) for p, v in res["losses"]["0"].items())] == \
+        [v for _, v in sorted(ref.losses[0].items())]
+    assert torch.is_tensor(full.x)
