@@ -1,14 +1,14 @@
 """The cluster, device model and plan of a run, from hetpipe's own cluster preset, profiler and planner.
 
-``make_device_model`` profiles the benchmark model on this host with ``hetpipe.profile.profile_model``
-on the ``cpu-emulated-6`` preset (types derived by speed ratio) and turns it into the
+``make_device_model`` (the MLP) and ``profile_device_model`` (any list of layers) profile a model on
+this host with ``hetpipe.profile.profile_model`` on the ``cpu-emulated-6`` preset (types derived by speed ratio) and turns it into the
 ``DeviceModel`` every system pads to. ``make_plan`` calls ``hetpipe.plan.make_plan`` on that same
 profile. Labels name each source.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Callable, Dict, Sequence, Tuple
 
 from devices import DeviceModel
 from hetpipe.cluster import load_cluster
@@ -21,15 +21,21 @@ CLUSTER = "cpu-emulated-6"
 
 
 def make_device_model(spec: ModelSpec) -> Tuple[DeviceModel, ModelProfile, Any]:
-    """(device model, the hetpipe profile it came from, the cluster spec)."""
+    """(device model, the hetpipe profile it came from, the cluster spec) of the benchmark MLP."""
+    x, y = synthetic_batches(spec, 1, spec.minibatch)[0]
+    return profile_device_model(build_layers(spec), x, lambda out: loss_fn(out, y), f"mlp{spec.depth}x{spec.width}")
+
+
+def profile_device_model(layers: Sequence[Any], x: Any, loss: Callable[[Any], Any], name: str,
+                         optimizer_factor: float = 1.0) -> Tuple[DeviceModel, ModelProfile, Any]:
+    """Profile ``layers`` on one minibatch ``x`` (``loss(output)`` drives the backward) on this host, one
+    thread, on the ``CLUSTER`` preset: (device model, the hetpipe profile it came from, the cluster spec)."""
     import torch
     from torch import nn
 
     torch.set_num_threads(1)
     cluster = load_cluster(CLUSTER)
-    x, y = synthetic_batches(spec, 1, spec.minibatch)[0]
-    prof = profile_model(nn.Sequential(*build_layers(spec)), x, cluster, loss_fn=lambda out: loss_fn(out, y),
-                         name=f"mlp{spec.depth}x{spec.width}")
+    prof = profile_model(nn.Sequential(*layers), x, cluster, loss_fn=loss, optimizer_factor=optimizer_factor, name=name)
     types = sorted(cluster.device_types)
     ref = types[0]
     speed = cluster.device_types[ref].speed
