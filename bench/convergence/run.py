@@ -5,9 +5,9 @@ Usage: python bench/convergence/run.py [--quick] [--out DIR] [--keep DIR]
 Every system trains the same byte-level GPT (task.py) on the same emulated heterogeneous cluster
 (bench/e2e's device model and launch machinery), for the same wall-clock budget. Each system's
 learning rate is the best of a sweep (seed 0, lowest validation loss at the budget); the best is then
-run on the other seeds. Each seed is one pass over the systems (one launch per system and seed, the
-sweep's learning rates back to back in it), so load on the host falls on every system alike. Weights are recorded during training and validated after each
-run (snapshots.py). Prints the sweep, the summary (time to target, loss at the budget, spread over
+run on the other seeds. The sweep is one pass over the systems (one launch each, its learning rates
+back to back), the later seeds another, so load changes on the host fall on every system alike.
+Weights are recorded during training and validated after each run (snapshots.py). Prints the sweep, the summary (time to target, loss at the budget, spread over
 seeds), the goal lines; writes a PNG and the raw JSON to --out.
 """
 
@@ -48,17 +48,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 8 s budget, 2 learning rates, 2 seeds, D in {0, 4} (figures not meaningful)")
-    ap.add_argument("--budget", type=float, default=30.0, help="seconds of training wall time per run")
+    ap.add_argument("--budget", type=float, default=20.0, help="seconds of training wall time per run")
     ap.add_argument("--lrs", default="1e-3,3e-3,1e-2", help="learning rates of the sweep (every system)")
     ap.add_argument("--seeds", default="0,1,2", help="seeds; the sweep runs on the first")
     ap.add_argument("--d", default="0,1,4", help="hetpipe staleness bounds")
     ap.add_argument("--aggregate", default="auto",
                     help="hetpipe aggregation rules, comma separated (auto: sum and mean if the Trainer has both)")
     ap.add_argument("--only", default="ddp,pipelining,hetpipe", help="systems to run")
-    ap.add_argument("--nm", type=int, default=4, help="hetpipe minibatches in flight per VW")
+    ap.add_argument("--nm", type=int, help="hetpipe minibatches in flight per VW (default: the planner's choice)")
     ap.add_argument("--policy", default="auto", help="hetpipe VW formation policy (NP, ED, HD, auto)")
     ap.add_argument("--target", type=float, help="target validation loss (default: chosen, see README)")
-    ap.add_argument("--snapshot-every", type=float, default=1.5, help="seconds between recorded weights")
+    ap.add_argument("--snapshot-every", type=float, default=2.0, help="seconds between recorded weights")
     ap.add_argument("--margin", type=float, default=1.1,
                     help="hetpipe runs a fixed number of waves: the fewest whose simulated time is budget x margin")
     ap.add_argument("--out", type=Path, default=HERE / "results", help="where the PNG and the JSON go")
@@ -99,6 +99,24 @@ def hetpipe_size(plan, d: int, budget: float, margin: float, snapshot_every: flo
         waves += 1
     every = max(1, round(snapshot_every * rate / plan.minibatch_size / per_wave))
     return waves * per_wave, every, rate
+
+
+def best_lrs(runs: List[dict], syss: List[dict], budget: float) -> Dict[str, float]:
+    """Per system, the learning rate of its sweep run with the lowest validation loss at the budget."""
+    return {s["key"]: min((r for r in runs if r["key"] == s["key"] and r["phase"] == "sweep"),
+                          key=lambda r: report.loss_at(r["curve"], budget))["lr"] for s in syss}
+
+
+def extend(lrs: List[float], best: float) -> float:
+    """The next learning rate past the grid's edge if ``best`` is at that edge (0.0 otherwise)."""
+    if len(lrs) < 2:
+        return 0.0
+    grid = sorted(lrs)
+    if best == grid[0]:
+        return grid[0] * grid[0] / grid[1]
+    if best == grid[-1]:
+        return grid[-1] * grid[-1] / grid[-2]
+    return 0.0
 
 
 def main(argv=None) -> int:
@@ -143,6 +161,11 @@ def main(argv=None) -> int:
         f"{about['train_bytes']} bytes train; {about['val_files']} held-out files, {task.val_windows} windows of "
         f"{task.context} validated); uniform guess = {uniform_loss():.3f} nats/byte",
         f"plan: {planner}, Nm={plan.nm}, {len(plan.ps_shards)} PS shard(s); {vws}",
+        f"device model throughputs (compute only): cluster limit {predict.limit_rate(dm):.0f} samples/s (sum of "
+        f"the devices' standalone rates); DDP {predict.ddp_rate(dm, len(dm.fwd[dm.types[0]]), ndev * task.minibatch):.0f} "
+        f"(every step waits for the slowest device's minibatch); pipelining "
+        f"{predict.pipelining_rate(dm, len(dm.fwd[dm.types[0]]), ndev, '1f1b'):.0f}; hetpipe "
+        f"plan {predict.hetpipe_rate(plan, 8, 2):.0f}",
         f"DDP: {ndev} ranks x 1 minibatch per step; pipelining: uniform split over {ndev} stages, {ndev} "
         f"micro-batches (1 minibatch each) per step; budget {args.budget:g} s training wall time per run",
         "validation: weights recorded every ~%g s during training (hetpipe: the PS's global weights W_g at wave "
@@ -151,40 +174,49 @@ def main(argv=None) -> int:
 
     runs: List[dict] = []
 
-    def run_batch(s: dict, seed: int, lrs: List[float], phase: str) -> None:
-        """One launch of system ``s`` training seed ``seed`` at each of ``lrs`` in turn; validates each run."""
-        tag = f"{s['key']}-s{seed}"
+    def run_batch(s: dict, pairs: List[Tuple[int, float]], phase: str) -> None:
+        """One launch of system ``s`` training each ``(seed, lr)`` of ``pairs`` in turn; validates each run."""
+        tag = f"{s['key']}-{phase}{len(runs)}"
         jobs = [Job(system=s["key"], task=task, seed=seed, lr=lr, budget_s=args.budget,
                     snapshot_every_s=args.snapshot_every, device_model=str(work / "devices.json"),
-                    snapshots=str(work / f"{tag}-lr{lr:g}.npz"), micro=ndev, **s["job"]) for lr in lrs]
+                    snapshots=str(work / f"{tag}-s{seed}-lr{lr:g}.npz"), micro=ndev, **s["job"]) for seed, lr in pairs]
         save_jobs(work / f"{tag}.jobs.json", jobs)
         load = os.getloadavg()[0]
         res = run_worker(HERE / s["script"], s["ranks"], work / f"{tag}.jobs.json", work / f"{tag}.result.json",
-                         timeout_s=len(lrs) * (3 * args.budget + 60) + 120)
+                         timeout_s=len(jobs) * (3 * args.budget + 60) + 120)
         for job, r in zip(jobs, res["runs"]):
-            curve = validation_curve(task, seed, Path(job.snapshots), xv, yv)
+            curve = validation_curve(task, job.seed, Path(job.snapshots), xv, yv)
             end = curve[-1][0] if s["key"].startswith("hetpipe") else r["wall_s"]
             over = max(x["overrun_s"] for x in r["ranks"]) / r["wall_s"]
-            runs.append({"key": s["key"], "label": s["label"], "seed": seed, "lr": job.lr, "phase": phase,
+            runs.append({"key": s["key"], "label": s["label"], "seed": job.seed, "lr": job.lr, "phase": phase,
                          "curve": curve, "end_s": end, "samples": r["samples"], "wall_s": r["wall_s"],
                          "overrun_frac": over, "load_at_launch": load, "launch_s": res["elapsed_s"],
                          "note": r.get("note", ""), "ranks": r["ranks"]})
-            print(f"  {s['label']:<24} seed {seed} lr {job.lr:<6g} val loss {curve[-1][1]:.3f} at {curve[-1][0]:5.1f} s,"
-                  f" {r['samples'] / r['wall_s']:6.0f} samples/s, overrun {100 * over:4.1f}%", flush=True)
-        print(f"    (launch of {len(lrs)} run(s): {res['elapsed_s']:.0f} s, load average {load:.1f} at its start)",
+            print(f"  {s['label']:<24} seed {job.seed} lr {job.lr:<6g} val loss {curve[-1][1]:.3f} at "
+                  f"{curve[-1][0]:5.1f} s, {r['samples'] / r['wall_s']:6.0f} samples/s, overrun {100 * over:4.1f}%",
+                  flush=True)
+        print(f"    (launch of {len(jobs)} run(s): {res['elapsed_s']:.0f} s, load average {load:.1f} at its start)",
               flush=True)
 
     print(f"\nseed {seeds[0]}: learning-rate sweep {lrs}, one launch per system", flush=True)
     for s in syss:
-        run_batch(s, seeds[0], lrs, "sweep")
-    best: Dict[str, float] = {}
-    for s in syss:
-        rs = [r for r in runs if r["key"] == s["key"]]
-        best[s["key"]] = min(rs, key=lambda r: report.loss_at(r["curve"], args.budget))["lr"]
-    for seed in seeds[1:]:
-        print(f"\nseed {seed} at each system's best learning rate", flush=True)
+        run_batch(s, [(seeds[0], lr) for lr in lrs], "sweep")
+    best = best_lrs(runs, syss, args.budget)
+    # A best learning rate at the edge of the grid may not be the system's best: one more value past that
+    # edge (the grid's ratio), for every system alike.
+    edge = {s["key"]: extend(lrs, best[s["key"]]) for s in syss}
+    if any(edge.values()):
+        print(f"\nseed {seeds[0]}: sweep extended past its edge where the best learning rate sits there", flush=True)
         for s in syss:
-            run_batch(s, seed, [best[s["key"]]], "seed")
+            if edge[s["key"]]:
+                run_batch(s, [(seeds[0], edge[s["key"]])], "sweep")
+        best = best_lrs(runs, syss, args.budget)
+    if seeds[1:]:
+        # The later seeds share one launch per system: a launch's start-up (imports of every rank) costs
+        # tens of seconds on a loaded 2-core host. The pass still alternates the systems.
+        print(f"\nseeds {seeds[1:]} at each system's best learning rate, one launch per system", flush=True)
+        for s in syss:
+            run_batch(s, [(seed, best[s["key"]]) for seed in seeds[1:]], "seed")
 
     final = [r for r in runs if r["lr"] == best[r["key"]]]
     target = args.target if args.target is not None else report.choose_target(final, args.budget)
@@ -194,6 +226,9 @@ def main(argv=None) -> int:
     print("\n".join(header))
     print(f"\nlearning-rate sweep, seed {seeds[0]}: validation loss at {args.budget:g} s (* = best, used below)")
     print(report.sweep_table([r for r in runs if r["phase"] == "sweep"], best, args.budget))
+    still = [s["label"] for s in syss if extend(sorted({r["lr"] for r in runs if r["key"] == s["key"]}), best[s["key"]])]
+    if still:
+        print(f"best learning rate still at the edge of the (extended) sweep: {', '.join(still)}")
     how = "given" if args.target is not None else "the lowest loss (rounded up to 0.01) that every run below reaches within the budget"
     print(f"\ntarget validation loss {target:.2f} nats/byte ({how}); seeds {seeds}; times are training wall-clock "
           "seconds on EMULATED devices")

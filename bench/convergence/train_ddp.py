@@ -3,8 +3,8 @@
 Every rank holds the whole model and takes one minibatch per step (the per-device batch of the
 HetPipe paper's data-parallel baseline), each layer padded to its device type's profiled time
 (bench/e2e's ``Emulated``). After each step rank 0 decides — and broadcasts — whether the budget is
-spent and whether the weights are due for a snapshot; the broadcast of two numbers is the only
-addition to DDP's own per-step synchronisation.
+spent and whether the weights are due for a snapshot (``gloo_runs.StepClock``); that broadcast of two
+numbers is the only addition to DDP's own per-step synchronisation.
 """
 
 from __future__ import annotations
@@ -13,19 +13,17 @@ import sys
 import time
 from typing import Optional
 
-import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from config import write_result
+import gloo_runs
+import snapshots
 from devices import DeviceModel
 from emulate import Emulated, clock_report
 from hetpipe.runtime.build import initial_weights
 from hetpipe.runtime.emulation import EmulatedClock
-from job import Job, load_jobs
-from mpi_env import gather_results, init_gloo
-import snapshots
+from job import Job
+from mpi_env import gather_results
 from task import MinibatchStream, build_layers, corpus, loss_fn, optimizer
 
 
@@ -40,10 +38,9 @@ def train(job: Job, rank: int, world: int, dm: DeviceModel) -> Optional[dict]:
                                 for i, layer in enumerate(layers)]))
     opt = optimizer(model.parameters(), job.lr)
     snaps = {0: (0.0, initial_weights(layers, 0))}
-    flags = torch.zeros(2)           # [budget spent, snapshot due], decided by rank 0
-    steps, last_snap = 0, 0.0
-    dist.barrier()
-    t0 = time.perf_counter()
+    steps = 0
+    timer = gloo_runs.StepClock(job, rank)
+    timer.start()
     while True:
         x, y = stream[steps * world + rank]
         opt.zero_grad(set_to_none=True)
@@ -51,17 +48,12 @@ def train(job: Job, rank: int, world: int, dm: DeviceModel) -> Optional[dict]:
         loss.backward()
         opt.step()
         steps += 1
-        now = time.perf_counter() - t0
-        if rank == 0:
-            flags[0] = float(now >= job.budget_s)
-            flags[1] = float(now - last_snap >= job.snapshot_every_s or flags[0])
-        dist.broadcast(flags, 0)
-        if flags[1] and rank == 0:
+        now, stop, snap = timer.after_step()
+        if snap and rank == 0:
             snaps[len(snaps)] = (now, initial_weights(layers, 0))
-            last_snap = now
-        if flags[0]:
+        if stop:
             break
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - timer.t0
     pad, over = clock_report(clock, wall)
     ranks = gather_results({"rank": rank, "device": dm.devices[rank][0], "type": dtype, "wall_s": wall,
                             "pad_frac": pad, "overrun_s": over, "loss": float(loss)})
@@ -73,17 +65,5 @@ def train(job: Job, rank: int, world: int, dm: DeviceModel) -> Optional[dict]:
             "note": f"{world} ranks x 1 minibatch of {job.task.minibatch} per step"}
 
 
-def main(jobs_path: str, out_path: str) -> None:
-    jobs = load_jobs(jobs_path)
-    rank, world = init_gloo()
-    dm = DeviceModel.load(jobs[0].device_model)
-    if world != len(dm.devices):
-        raise SystemExit(f"ddp: {world} ranks for {len(dm.devices)} devices")
-    runs = [train(job, rank, world, dm) for job in jobs]
-    if rank == 0:
-        write_result(out_path, {"runs": runs})
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    gloo_runs.main(train, "ddp", sys.argv[1], sys.argv[2])

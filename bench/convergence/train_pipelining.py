@@ -4,8 +4,8 @@ Rank r is stage r on device r (cluster order) with bench/e2e's uniform layer spl
 is one minibatch, padded to the stage's profiled time on its device type; one step is ``job.micro``
 micro-batches and a flush (so the global batch equals DDP's). Every rank passes ``loss_fn`` to the
 schedule (shape inference needs it on all of them). After each step rank 0 decides and broadcasts
-whether the budget is spent and whether a snapshot is due; every stage then records its own layers
-under the same snapshot index, and rank 0 joins them at the end.
+whether the budget is spent and whether a snapshot is due (``gloo_runs.StepClock``); every stage then
+records its own layers under the same snapshot index, and rank 0 joins them at the end.
 """
 
 from __future__ import annotations
@@ -15,18 +15,17 @@ import time
 from typing import Optional
 
 import torch
-import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from config import write_result
+import gloo_runs
+import snapshots
 from devices import DeviceModel
 from emulate import Emulated, clock_report
 from hetpipe.runtime.build import initial_weights
 from hetpipe.runtime.emulation import EmulatedClock
-from job import Job, load_jobs
-from mpi_env import gather_results, init_gloo
-import snapshots
+from job import Job
+from mpi_env import gather_results
 from split import uniform_split
 from task import MinibatchStream, build_layers, corpus, loss_fn, optimizer
 
@@ -45,11 +44,10 @@ def train(job: Job, rank: int, world: int, dm: DeviceModel) -> Optional[dict]:
     schedule = Schedule1F1B(stage, job.micro, loss_fn=loss_fn)
     opt = optimizer(module.parameters(), job.lr)
     snaps = {0: (0.0, initial_weights(mine, start))}
-    flags = torch.zeros(2)           # [budget spent, snapshot due], decided by rank 0
-    steps, last_snap = 0, 0.0
+    steps = 0
     losses: list = []
-    dist.barrier()
-    t0 = time.perf_counter()
+    timer = gloo_runs.StepClock(job, rank)
+    timer.start()
     while True:
         x, y = stream.concat(steps * job.micro, job.micro)
         opt.zero_grad(set_to_none=True)
@@ -62,17 +60,12 @@ def train(job: Job, rank: int, world: int, dm: DeviceModel) -> Optional[dict]:
             schedule.step()
         opt.step()
         steps += 1
-        now = time.perf_counter() - t0
-        if rank == 0:
-            flags[0] = float(now >= job.budget_s)
-            flags[1] = float(now - last_snap >= job.snapshot_every_s or flags[0])
-        dist.broadcast(flags, 0)
-        if flags[1]:
+        now, stop, snap = timer.after_step()
+        if snap:
             snaps[len(snaps)] = (now, initial_weights(mine, start))
-            last_snap = now
-        if flags[0]:
+        if stop:
             break
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - timer.t0
     pad, over = clock_report(clock, wall)
     loss = float(torch.stack(losses).mean()) if losses else None
     ranks = gather_results({"rank": rank, "device": dm.devices[rank][0], "type": dtype, "wall_s": wall,
@@ -86,17 +79,5 @@ def train(job: Job, rank: int, world: int, dm: DeviceModel) -> Optional[dict]:
             "note": f"uniform split {[r['layers'] for r in ranks]}, {job.micro} x {job.task.minibatch}"}
 
 
-def main(jobs_path: str, out_path: str) -> None:
-    jobs = load_jobs(jobs_path)
-    rank, world = init_gloo()
-    dm = DeviceModel.load(jobs[0].device_model)
-    if world != len(dm.devices):
-        raise SystemExit(f"pipelining: {world} ranks for {len(dm.devices)} devices")
-    runs = [train(job, rank, world, dm) for job in jobs]
-    if rank == 0:
-        write_result(out_path, {"runs": runs})
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    gloo_runs.main(train, "pipelining", sys.argv[1], sys.argv[2])
