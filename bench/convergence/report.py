@@ -38,7 +38,7 @@ def sweep_table(runs: List[dict], best: Dict[str, float], budget: float) -> str:
                 cell += " *"
             row.append(cell)
         body.append(row)
-    return _table(["system"] + [f"lr {lr:g}" for lr in lrs], body)
+    return _table(["system"] + [f"lr {lr:.3g}" for lr in lrs], body)
 
 
 def summarize(runs: List[dict], target: float, budget: float) -> List[dict]:

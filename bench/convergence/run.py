@@ -173,17 +173,26 @@ def main(argv=None) -> int:
     print("\n".join(header), flush=True)
 
     runs: List[dict] = []
+    failed: Dict[str, str] = {}
 
     def run_batch(s: dict, pairs: List[Tuple[int, float]], phase: str) -> None:
         """One launch of system ``s`` training each ``(seed, lr)`` of ``pairs`` in turn; validates each run."""
         tag = f"{s['key']}-{phase}{len(runs)}"
         jobs = [Job(system=s["key"], task=task, seed=seed, lr=lr, budget_s=args.budget,
                     snapshot_every_s=args.snapshot_every, device_model=str(work / "devices.json"),
-                    snapshots=str(work / f"{tag}-s{seed}-lr{lr:g}.npz"), micro=ndev, **s["job"]) for seed, lr in pairs]
+                    snapshots=str(work / f"{tag}-s{seed}-lr{lr:.3g}.npz"), micro=ndev, **s["job"]) for seed, lr in pairs]
         save_jobs(work / f"{tag}.jobs.json", jobs)
         load = os.getloadavg()[0]
-        res = run_worker(HERE / s["script"], s["ranks"], work / f"{tag}.jobs.json", work / f"{tag}.result.json",
-                         timeout_s=len(jobs) * (3 * args.budget + 60) + 120)
+        try:
+            res = run_worker(HERE / s["script"], s["ranks"], work / f"{tag}.jobs.json", work / f"{tag}.result.json",
+                             timeout_s=len(jobs) * (3 * args.budget + 60) + 120)
+        except RuntimeError as e:
+            # One system failing must not cost the others their measurement: it is named and left out.
+            lines = str(e).strip().splitlines()
+            failed[s["key"]] = next((l for l in reversed(lines) if "rror" in l), lines[-1])[:200]
+            print(f"  {s['label']} FAILED: {failed[s['key']]}", flush=True)
+            print(str(e)[-3000:], file=sys.stderr, flush=True)
+            return
         for job, r in zip(jobs, res["runs"]):
             curve = validation_curve(task, job.seed, Path(job.snapshots), xv, yv)
             end = curve[-1][0] if s["key"].startswith("hetpipe") else r["wall_s"]
@@ -192,7 +201,7 @@ def main(argv=None) -> int:
                          "curve": curve, "end_s": end, "samples": r["samples"], "wall_s": r["wall_s"],
                          "overrun_frac": over, "load_at_launch": load, "launch_s": res["elapsed_s"],
                          "note": r.get("note", ""), "ranks": r["ranks"]})
-            print(f"  {s['label']:<24} seed {job.seed} lr {job.lr:<6g} val loss {curve[-1][1]:.3f} at "
+            print(f"  {s['label']:<24} seed {job.seed} lr {job.lr:<6.3g} val loss {curve[-1][1]:.3f} at "
                   f"{curve[-1][0]:5.1f} s, {r['samples'] / r['wall_s']:6.0f} samples/s, overrun {100 * over:4.1f}%",
                   flush=True)
         print(f"    (launch of {len(jobs)} run(s): {res['elapsed_s']:.0f} s, load average {load:.1f} at its start)",
@@ -201,6 +210,7 @@ def main(argv=None) -> int:
     print(f"\nseed {seeds[0]}: learning-rate sweep {lrs}, one launch per system", flush=True)
     for s in syss:
         run_batch(s, [(seeds[0], lr) for lr in lrs], "sweep")
+    syss = [s for s in syss if s["key"] not in failed]
     best = best_lrs(runs, syss, args.budget)
     # A best learning rate at the edge of the grid may not be the system's best: one more value past that
     # edge (the grid's ratio), for every system alike.
@@ -210,6 +220,7 @@ def main(argv=None) -> int:
         for s in syss:
             if edge[s["key"]]:
                 run_batch(s, [(seeds[0], edge[s["key"]])], "sweep")
+        syss = [s for s in syss if s["key"] not in failed]
         best = best_lrs(runs, syss, args.budget)
     if seeds[1:]:
         # The later seeds share one launch per system: a launch's start-up (imports of every rank) costs
@@ -217,8 +228,9 @@ def main(argv=None) -> int:
         print(f"\nseeds {seeds[1:]} at each system's best learning rate, one launch per system", flush=True)
         for s in syss:
             run_batch(s, [(seed, best[s["key"]]) for seed in seeds[1:]], "seed")
+        syss = [s for s in syss if s["key"] not in failed]
 
-    final = [r for r in runs if r["lr"] == best[r["key"]]]
+    final = [r for r in runs if r["key"] in best and r["lr"] == best[r["key"]]]
     target = args.target if args.target is not None else report.choose_target(final, args.budget)
     rows = report.summarize(final, target, args.budget)
     load1 = os.getloadavg()
@@ -235,6 +247,8 @@ def main(argv=None) -> int:
     print(report.summary_table(rows, args.budget))
     print()
     print("\n".join(report.goal_lines(rows)))
+    for key, why in failed.items():
+        print(f"FAILED and left out: {next(x['label'] for x in systems(args, plan) if x['key'] == key)}: {why}")
     print(f"\nload average at end: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}; whole run {time.time() - started:.0f} s")
     stamp = "quick" if args.quick else "full"
     png = args.out / f"convergence-{stamp}.png"
@@ -243,14 +257,14 @@ def main(argv=None) -> int:
                 f"{len(seeds)} seeds")
     raw = {"args": {k: str(v) for k, v in vars(args).items()}, "header": header, "corpus": about,
            "task": task.to_dict(), "device_model": dataclasses.asdict(dm), "plan": json.loads(plan.to_json()),
-           "target": target, "best_lr": best, "summary": rows, "runs": runs,
+           "target": target, "best_lr": best, "summary": rows, "runs": runs, "failed": failed,
            "load_start": load0, "load_end": load1, "predicted_hetpipe_samples_per_s":
                {s["key"]: s.get("predicted") for s in syss}}
     (args.out / f"convergence-{stamp}.json").write_text(json.dumps(raw, indent=1))
     print(f"figure: {png}\nraw results: {args.out / f'convergence-{stamp}.json'}")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
