@@ -227,20 +227,6 @@ def test_copy_stager_sends_in_order_and_returns_slots():
     stager.close()
 
 
-def test_layers_with_buffers_are_rejected_at_start_up():
-    c = _common()
-    from hetpipe.runtime.stage import StageModel
-    from hetpipe.runtime.trainer import Trainer
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
-                                torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10))
-    plan = c.one_vw_plan([3], nm=2, d=0)
-    with pytest.raises(ValueError, match="layer 1 has buffer 'running_mean'"):
-        Trainer(model, c.cross_entropy, c.sgd(), c.synthetic(), plan=plan).replay()
-    with pytest.raises(ValueError, match="layer 1 has buffer 'running_mean'"):
-        StageModel(list(model), 0, 3, nm=1, shard_layers={}, optimizer_factory=c.sgd(), device=torch.device("cpu"))
-
-
 def test_overriding_nm_or_d_clears_the_prediction_and_refuses_a_larger_nm_that_may_not_fit():
     import dataclasses
     from hetpipe.runtime.trainer import Trainer

@@ -60,10 +60,10 @@ def plan_of(vw_cuts: Sequence[Sequence[int]], nm: int, d: int) -> Plan:
 
 
 def run_replay(model: nn.Sequential, data: List[Batch], plan: Plan, lr: float, momentum: float,
-               epochs: int = 1) -> Dict[int, np.ndarray]:
+               epochs: int = 1, aggregate: str = "sum") -> Dict[int, np.ndarray]:
     trainer = Trainer(model, lambda out, y: nn.functional.cross_entropy(out, y),
                       lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum), data,
-                      plan=plan, epochs=epochs, progress=False, emulate=False)
+                      plan=plan, epochs=epochs, progress=False, emulate=False, aggregate=aggregate)
     return trainer.replay().weights
 
 
@@ -230,12 +230,13 @@ def test_two_in_flight_follows_the_schedules_weight_versions(momentum):
     assert max(float((a[0] - b[0]).abs().max()) for a, b in zip(want, sgd) if a) > 1e-4
 
 
-# --- c. two VWs, nm = 1, D = 0: W_{c+1} = W_c + sum of each VW's update from W_c ---------
+# --- c. two VWs, nm = 1, D = 0: W_{c+1} = W_c + sum (or mean) of each VW's update from W_c ---------
 
 def data_parallel_waves(model: nn.Sequential, data: Sequence[Batch], num_vws: int, epochs: int, lr: float,
-                        momentum: float):
+                        momentum: float, aggregate: str = "sum"):
     """Each epoch, minibatch ``i`` (of the first ``num_vws x (len // num_vws)``) belongs to VW
-    ``i % num_vws``; with nm = 1, wave ``c`` of VW ``v`` is its ``c``-th minibatch."""
+    ``i % num_vws``; with nm = 1, wave ``c`` of VW ``v`` is its ``c``-th minibatch. ``aggregate``
+    "mean" divides each VW's update by the number of VWs."""
     per_vw = len(data) // num_vws
     shards = [[data[i] for e in range(epochs) for i in range(per_vw * num_vws) if i % num_vws == v]
               for v in range(num_vws)]
@@ -248,7 +249,8 @@ def data_parallel_waves(model: nn.Sequential, data: Sequence[Batch], num_vws: in
             _, grads = loss_and_grads(model, w, shards[v][c])
             opts[v].step(w, grads)
             updates.append([[a - b for a, b in zip(ps, qs)] for ps, qs in zip(w, W)])
-        W = [[p + sum(u[i][j] for u in updates) for j, p in enumerate(ps)] for i, ps in enumerate(W)]
+        scale = num_vws if aggregate == "mean" else 1
+        W = [[p + sum(u[i][j] for u in updates) / scale for j, p in enumerate(ps)] for i, ps in enumerate(W)]
     return W
 
 
@@ -259,6 +261,12 @@ def test_two_vws_sum_their_wave_updates(momentum):
     want = data_parallel_waves(model, data, 2, epochs=2, lr=0.05, momentum=momentum)
     got = run_replay(model, data, plan_of([(), ()], nm=1, d=0), lr=0.05, momentum=momentum, epochs=2)
     check_weights(got, want, atol=1e-5)
+    mean = data_parallel_waves(model, data, 2, epochs=2, lr=0.05, momentum=momentum, aggregate="mean")
+    got_mean = run_replay(model, data, plan_of([(), ()], nm=1, d=0), lr=0.05, momentum=momentum, epochs=2,
+                          aggregate="mean")
+    check_weights(got_mean, mean, atol=1e-5)
+    # the two rules differ by far more than the tolerance: each check could only pass with its own rule
+    assert max(float((a[0] - b[0]).abs().max()) for a, b in zip(want, mean) if a) > 50 * 1e-5
     # the two VWs' updates differ from one VW running all minibatches in sequence, by far more than
     # the tolerance above, so the check could not pass with the sequential semantics
     seq = plain_sgd(mlp(), [b for e in range(2) for b in data[:6]], lr=0.05, momentum=momentum)

@@ -29,7 +29,7 @@ def format_plan(plan: Plan, cluster=None) -> str:
     nodes = {d.id: d.node for d in cluster.devices} if cluster is not None else {}
     meta = plan.meta or {}
     head = (f"plan: policy {plan.policy}, {len(plan.virtual_workers)} VWs, Nm={plan.nm}, D={plan.d}, "
-            f"{plan.num_layers} layers, minibatch {plan.minibatch_size}")
+            f"{plan.num_layers} layers, minibatch {plan.minibatch_size}, aggregate {plan.aggregate}")
     if meta.get("cluster"):
         head += f"; cluster {meta['cluster']}, profile {meta.get('profile', '?')}"
     lines: List[str] = [head]

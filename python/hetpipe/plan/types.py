@@ -58,6 +58,9 @@ class ShardPlan:
     param_bytes: int = 0
 
 
+AGGREGATES = ("mean", "sum")
+
+
 @dataclass(frozen=True)
 class Plan:
     """A complete HetPipe plan for one model on one cluster."""
@@ -72,6 +75,9 @@ class Plan:
     minibatch_size: int = 0
     layer_names: Tuple[str, ...] = ()
     meta: Dict[str, Any] = field(default_factory=dict, compare=True)
+    # How the PS combines the VWs' wave deltas: "mean" (each divided by the number of VWs: the step of
+    # one GPU, as with DDP) or "sum" (HetPipe's rule). Plans written before the field read as "mean".
+    aggregate: str = "mean"
 
     def __post_init__(self) -> None:
         self.check()
@@ -83,6 +89,8 @@ class Plan:
             raise ValueError(f"plan: nm must be >= 1, got {self.nm}")
         if self.d < 0:
             raise ValueError(f"plan: d must be >= 0, got {self.d}")
+        if self.aggregate not in AGGREGATES:
+            raise ValueError(f"plan: aggregate must be one of {list(AGGREGATES)}, got {self.aggregate!r}")
         if not self.virtual_workers:
             raise ValueError("plan: no virtual workers")
         for vw in self.virtual_workers:

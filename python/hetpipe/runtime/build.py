@@ -6,22 +6,26 @@ functions, so the replay executes the same code as the real run, only over a loo
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 import hetpipe_core
 from hetpipe.plan.types import Plan
 from hetpipe.runtime.data import select, vw_minibatches
 from hetpipe.runtime.device_copy import CopyStager
 from hetpipe.runtime.emulation import EmulatedClock
-from hetpipe.runtime.executor import Boundary, MinibatchFeed, StageContext, StageExecutor
+from hetpipe.runtime.executor import MinibatchFeed, StageContext, StageExecutor
+from hetpipe.runtime.layout import ModelLayout
 from hetpipe.runtime.ps import ShardLog, ShardServer, ShardState
-from hetpipe.runtime.stage import StageModel, layer_numels
+from hetpipe.runtime.stage import StageModel, TiedKey
+from hetpipe.runtime.tree import Boundary, boundary_of
 from hetpipe.runtime.transport import Backoff, Transport
 from hetpipe.schedule.ir import Schedule
 from hetpipe.schedule.trace import TraceEvent
@@ -40,7 +44,7 @@ class RunSpec:
     data: Iterable
     epochs: int
     schedules: List[Schedule]                   # per VW
-    boundaries: List[Optional[Boundary]]        # boundaries[i]: what enters layer i (i = L: the output)
+    boundaries: List[Union[Boundary, "LayerFailure", None]]   # what enters layer i (i = L: the output)
     sample_batch: int                           # batch size of the first minibatch (sizes the pool slots)
     emulation_scale: Optional[float] = None     # None: no padding
     devices: Dict[int, torch.device] = field(default_factory=dict)   # stage rank -> torch device
@@ -48,6 +52,12 @@ class RunSpec:
     # Stage-to-stage tensors through a copy stream (runtime.device_copy)? None: on CUDA devices only.
     copy_stream: Optional[bool] = None
     audit: bool = False                         # PS shards log float64 sums of the pushed deltas
+    seed: int = 0                               # of every stage's random draws (runtime.stage.minibatch_seed)
+    layout: Optional[ModelLayout] = None        # None: computed from ``layers``
+
+    def __post_init__(self) -> None:
+        if self.layout is None:
+            self.layout = ModelLayout(self.layers)
 
 
 def as_layers(model: Union[nn.Module, Sequence[nn.Module]]) -> List[nn.Module]:
@@ -59,50 +69,81 @@ def as_layers(model: Union[nn.Module, Sequence[nn.Module]]) -> List[nn.Module]:
     raise TypeError(f"hetpipe: the model must be an nn.Sequential or a list of modules, got {type(model).__name__}")
 
 
-def infer_boundaries(layers: Sequence[nn.Module], x: torch.Tensor) -> List[Optional[Boundary]]:
-    """Shape and dtype entering each layer (and leaving the last), batch dimension dropped.
+@dataclass(frozen=True)
+class LayerFailure:
+    """Layer ``layer`` raised during shape inference on this rank; the boundaries after it are unknown."""
 
-    Runs on the meta device (no real compute), falling back to a real no-grad pass for layers meta
-    cannot run. Boundaries after a layer that fails on this rank's copy of the model are None: only
-    a stage that needs one of them fails (see :func:`build_stage`)."""
-    out: List[Optional[Boundary]] = [Boundary(tuple(x.shape[1:]), x.dtype)]
-    cur = torch.empty(x.shape, dtype=x.dtype, device="meta")
-    real: Optional[torch.Tensor] = None
+    layer: int
+    error: str
+
+    def explain(self) -> str:
+        return f"layer {self.layer} failed on the first minibatch during shape inference: {self.error}"
+
+
+def side_inputs_of(layer: nn.Module, i: int, inputs: Any) -> Dict[str, Any]:
+    """The side inputs layer ``i`` declares (``hetpipe_side_inputs``), taken from the minibatch inputs."""
+    keys = tuple(getattr(layer, "hetpipe_side_inputs", ()))
+    if not keys:
+        return {}
+    if not isinstance(inputs, dict):
+        raise ValueError(f"hetpipe: layer {i} ({type(layer).__name__}) declares side inputs {list(keys)}, but the "
+                         f"minibatch inputs are a {type(inputs).__name__}, not a dict")
+    missing = [k for k in keys if k not in inputs]
+    if missing:
+        raise ValueError(f"hetpipe: layer {i} ({type(layer).__name__}) declares side inputs {missing} that the "
+                         f"minibatch inputs lack (their keys: {sorted(inputs)})")
+    return {k: inputs[k] for k in keys}
+
+
+def infer_boundaries(layers: Sequence[nn.Module], x: Any) -> List[Union[Boundary, LayerFailure, None]]:
+    """What enters each layer (and leaves the last), as :class:`Boundary` pytree specs.
+
+    ``x`` is the first minibatch's inputs (a tensor or a dict of tensors). Runs on the meta device (no
+    real compute), falling back to a real no-grad pass, on a copy of the layer and with the caller's
+    random state restored, for layers meta cannot run. A layer returning a non-tensor leaf is a
+    TypeError naming it. A layer that raises on this rank's copy of the model gives a
+    :class:`LayerFailure` for every later boundary: only a stage that needs one of them fails (see
+    :func:`build_stage`), with that layer's own error."""
+    out: List[Union[Boundary, LayerFailure, None]] = [boundary_of(x, "the data loader's inputs")]
+    to_meta = lambda t: torch.empty_like(t, device="meta")  # noqa: E731
+    cur = pytree.tree_map(to_meta, x)
+    meta_inputs = pytree.tree_map(to_meta, x)
+    real: Any = None
     for i, layer in enumerate(layers):
+        side = side_inputs_of(layer, i, x)
+        where = f"layer {i} ({type(layer).__name__})"
         try:
-            if real is None:
-                try:
-                    params = {k: torch.empty_like(v, device="meta") for k, v in layer.named_parameters()}
-                    cur = torch.func.functional_call(layer, params, (cur,))
-                    out.append(Boundary(tuple(cur.shape[1:]), cur.dtype))
-                    continue
-                except (NotImplementedError, RuntimeError):
-                    real = torch.zeros(cur.shape, dtype=cur.dtype)
-            with torch.no_grad():
-                real = layer(real)
-            out.append(Boundary(tuple(real.shape[1:]), real.dtype))
-        except Exception:  # noqa: BLE001 - this rank's copy cannot run layer i; later shapes are unknown
-            out.extend([None] * (len(layers) - i))
+            with torch.random.fork_rng(devices=[]):
+                if real is None:
+                    try:
+                        tensors = {k: to_meta(v) for k, v in (*layer.named_parameters(), *layer.named_buffers())}
+                        cur = torch.func.functional_call(layer, tensors, (cur,),
+                                                         side_inputs_of(layer, i, meta_inputs))
+                    except (NotImplementedError, RuntimeError):
+                        real = pytree.tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype), cur)
+                if real is not None:
+                    with torch.no_grad():
+                        real = copy.deepcopy(layer)(real, **side)
+        except Exception as e:  # noqa: BLE001 - this rank's copy cannot run layer i; later shapes are unknown
+            out.extend([LayerFailure(i, f"{type(e).__name__}: {e}")] * (len(layers) - i))
             break
+        out.append(boundary_of(cur if real is None else real, where))
     return out
+
+
+def boundary_bytes(b: Union[Boundary, LayerFailure, None], batch: int) -> int:
+    return b.nbytes(batch) if isinstance(b, Boundary) else 0
 
 
 def _round_slot(nbytes: int) -> int:
     return max(4096, -(-nbytes // 4096) * 4096)
 
 
-def boundary_bytes(b: Optional[Boundary], batch: int) -> int:
-    if b is None:
-        return 0
-    n = batch
-    for s in b.shape:
-        n *= s
-    return n * torch.empty(0, dtype=b.dtype).element_size()
-
-
 def stage_pool(spec: RunSpec, vw: int, stage: int):
     st = spec.plan.virtual_workers[vw].stages[stage]
-    param_bytes = 4 * sum(layer_numels(spec.layers[i]) for i in range(st.start, st.stop))
+    lay = spec.layout
+    param_bytes = 4 * (sum(lay.numel(l) + lay.buffer_numel(l) for l in range(st.start, st.stop))
+                       + sum(r.numel for r in lay.stage_replicas(st.start, st.stop)))
     act = max(boundary_bytes(spec.boundaries[st.start], spec.sample_batch),
               boundary_bytes(spec.boundaries[st.stop], spec.sample_batch))
     slots = 2 * spec.plan.nm + 2 * len(spec.plan.ps_shards) + 8
@@ -111,7 +152,9 @@ def stage_pool(spec: RunSpec, vw: int, stage: int):
 
 def shard_pool(spec: RunSpec, shard: int):
     owned = spec.plan.ps_shards[shard].layers
-    biggest = max((4 * sum(layer_numels(spec.layers[l]) for l in owned if st.start <= l < st.stop)
+    lay = spec.layout
+    biggest = max((4 * (sum(lay.numel(l) + lay.buffer_numel(l) for l in owned if st.start <= l < st.stop)
+                        + sum(r.numel for r in lay.stage_replicas(st.start, st.stop) if r.owner in owned))
                    for vw in spec.plan.virtual_workers for st in vw.stages), default=0)
     return hetpipe_core.PinnedBufferPool(2 * spec.plan.num_stage_ranks + 8, _round_slot(biggest))
 
@@ -127,19 +170,21 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
     num_stages = len(plan.virtual_workers[vw].stages)
     rank = plan.rank_of(vw, stage)
     for i in (st.start, st.stop):
-        if spec.boundaries[i] is None:
-            raise ValueError(f"hetpipe: VW {vw} stage {stage} (rank {rank}): this rank's copy of the model cannot "
-                             f"run the layers before layer {i} on the first minibatch")
+        b = spec.boundaries[i]
+        if isinstance(b, LayerFailure):
+            raise ValueError(f"hetpipe: VW {vw} stage {stage} (rank {rank}) needs what enters layer {i}, but "
+                             f"{b.explain()}")
     device = spec.devices.get(rank, torch.device("cpu"))
     model = StageModel(spec.layers, st.start, st.stop, nm=plan.nm, shard_layers=shard_layers(plan),
-                       optimizer_factory=spec.optimizer_factory, device=device, recompute=tuple(st.recompute))
+                       optimizer_factory=spec.optimizer_factory, device=device, recompute=tuple(st.recompute),
+                       layout=spec.layout, tied_stages=tied_stages(spec, vw), seed=spec.seed, vw=vw, stage=stage)
     owning = {sh.index: plan.ps_rank(sh.index) for sh in plan.ps_shards
               if any(st.start <= l < st.stop for l in sh.layers)}
     ctx = StageContext(vw, stage, num_stages, lambda s: plan.rank_of(vw, s), owning,
                        {sh.index: plan.ps_rank(sh.index) for sh in plan.ps_shards})
     inputs = labels = None
     layout = spec.schedules[vw]
-    if stage == 0:
+    if stage == 0 or model.needs_side_inputs:
         inputs = MinibatchFeed(select(vw_minibatches(spec.data, vw, len(plan.virtual_workers), spec.epochs), 0),
                                layout)
     if stage == num_stages - 1:
@@ -156,6 +201,18 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
                          layout=layout, stager=CopyStager(pool, device) if staged else None)
 
 
+def tied_stages(spec: RunSpec, vw: int) -> Dict[TiedKey, Tuple[int, ...]]:
+    """Per tied parameter, the stages of VW ``vw`` holding it (the parameter's owner first in layers)."""
+    stages = spec.plan.virtual_workers[vw].stages
+    stage_of = {l: k for k, st in enumerate(stages) for l in range(st.start, st.stop)}
+    out: Dict[TiedKey, Tuple[int, ...]] = {}
+    for reps in spec.layout.replicas:
+        for r in reps:
+            key = (r.owner, r.owner_name)
+            out[key] = tuple(sorted({stage_of[l] for l in spec.layout.holders(*key)}))
+    return out
+
+
 def flat_weights(layer: nn.Module) -> np.ndarray:
     """A private flat float32 copy of one layer's parameters (its ``named_parameters`` order)."""
     ps = [p.detach().to("cpu").reshape(-1) for p in layer.parameters()]
@@ -169,10 +226,16 @@ def initial_weights(layers: Sequence[nn.Module], first: int) -> Dict[int, np.nda
 
 def build_shard(spec: RunSpec, shard: int, transport: Transport, pool, *,
                 trace: Optional[List[TraceEvent]] = None, t0: float = 0.0) -> ShardServer:
-    plan = spec.plan
-    weights = {l: flat_weights(spec.layers[l]) for l in plan.ps_shards[shard].layers}
+    plan, lay = spec.plan, spec.layout
+    owned = plan.ps_shards[shard].layers
+    weights = {l: lay.flat(l) for l in owned}
+    buffers = {l: lay.flat_buffers(l) for l in owned}
     stage_layers = [[(s.start, s.stop) for s in vw.stages] for vw in plan.virtual_workers]
-    state = ShardState(shard, weights, stage_layers, plan.d, log_sums=spec.audit)
+    replicas = {(vw.index, k): [(r.owner, r.offset, r.numel) for r in lay.stage_replicas(st.start, st.stop)
+                                if r.owner in owned]
+                for vw in plan.virtual_workers for k, st in enumerate(vw.stages)}
+    state = ShardState(shard, weights, stage_layers, plan.d, log_sums=spec.audit, buffers=buffers,
+                       replicas=replicas, aggregate=plan.aggregate)
     return ShardServer(state, transport, pool, plan.num_stage_ranks, trace=trace, t0=t0)
 
 
@@ -196,9 +259,9 @@ def drive(part: Steppable, timeout: float, who: str, on_progress: Optional[Calla
         backoff.wait()
 
 
-def stage_layer_weights(ex: StageExecutor) -> Dict[int, np.ndarray]:
-    """The live weights of a stage's layers (flat float32 per layer)."""
-    return initial_weights(ex.model.layers, ex.model.start)
+def stage_layer_weights(ex: StageExecutor, layout: ModelLayout) -> Dict[int, Tuple[np.ndarray, np.ndarray]]:
+    """The live weights and synced buffers of a stage's layers (flat float32 per layer)."""
+    return ex.model.layer_weights(layout)
 
 
 @dataclass
@@ -209,9 +272,10 @@ class Outcome:
     weights: Dict[int, np.ndarray] = field(default_factory=dict)         # layer -> final global weights
     shard_logs: Dict[int, ShardLog] = field(default_factory=dict)
     samples: int = 0
+    buffers: Dict[int, np.ndarray] = field(default_factory=dict)         # layer -> final synced buffers
 
 
-def part_outcome(part: Steppable, plan: Plan) -> Dict[str, Any]:
+def part_outcome(part: Steppable, plan: Plan, layout: ModelLayout) -> Dict[str, Any]:
     """What one finished part contributes to the run's :class:`Outcome` (picklable)."""
     mine: Dict[str, Any] = {}
     if isinstance(part, StageExecutor):
@@ -221,9 +285,12 @@ def part_outcome(part: Steppable, plan: Plan) -> Dict[str, Any]:
             mine["samples"] = sum(part.batch_sizes.values())
         # Without PS shards the final weights are VW 0's live weights.
         if not plan.ps_shards and part.ctx.vw == 0:
-            mine["weights"] = stage_layer_weights(part)
+            live = stage_layer_weights(part, layout)
+            mine["weights"] = {l: w for l, (w, _) in live.items()}
+            mine["buffers"] = {l: b for l, (_, b) in live.items()}
     else:
         mine["weights"] = {l: w.copy() for l, w in part.weights.items()}
+        mine["buffers"] = {l: b.copy() for l, b in part.state.B.items()}
         mine["log"] = (part.state.index, part.state.log)
     return mine
 
@@ -236,18 +303,16 @@ def merge_outcomes(parts: Iterable[Dict[str, Any]]) -> Outcome:
             out.losses[m["losses"][0]] = m["losses"][1]
         out.samples += m.get("samples", 0)
         out.weights.update(m.get("weights", {}))
+        out.buffers.update(m.get("buffers", {}))
         if "log" in m:
             out.shard_logs[m["log"][0]] = m["log"][1]
     return out
 
 
-def load_layer_weights(layers: Sequence[nn.Module], weights: Dict[int, np.ndarray]) -> None:
-    """Write flat per-layer weights into the model's layers (in place)."""
-    with torch.no_grad():
-        for l, flat in weights.items():
-            off = 0
-            t = torch.from_numpy(np.asarray(flat, dtype=np.float32))
-            for p in layers[l].parameters():
-                n = p.numel()
-                p.copy_(t[off:off + n].view_as(p).to(p.device))
-                off += n
+def load_layer_weights(layers: Sequence[nn.Module], weights: Dict[int, np.ndarray],
+                       buffers: Optional[Dict[int, np.ndarray]] = None) -> None:
+    """Write flat per-layer weights (the parameters each layer owns, see ``runtime.layout``) and synced
+    buffers into the model's layers, in place; a tied parameter stays one tensor."""
+    layout = ModelLayout(layers)
+    for l, flat in weights.items():
+        layout.load(l, flat, (buffers or {}).get(l))

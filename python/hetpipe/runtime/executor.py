@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
 
+from torch.utils import _pytree as pytree
+
 from hetpipe.runtime.device_copy import CopyStager
 from hetpipe.runtime.emulation import EmulatedClock
 from hetpipe.runtime.stage import StageModel
-from hetpipe.runtime.transport import (ACT, DONE, GRAD, KIND_NAMES, PULL, PUSH, WEIGHTS, DTYPES, Header,
+from hetpipe.runtime.transport import (ACT, DONE, GRAD, KIND_NAMES, PULL, PUSH, TIED, WEIGHTS, DTYPES, Header,
                                       Transport, slot_bytes, slot_shortage, try_acquire)
+from hetpipe.runtime.tree import Boundary, batch_of, check_message, flatten, halves, pack, to_device, unpack
 from hetpipe.schedule.ir import (Apply, Bwd, Fwd, Instr, Pull, Push, Recompute, RecvAct, RecvGrad, Schedule,
                                  SendAct, SendGrad)
 from hetpipe.schedule.trace import TraceEvent
@@ -30,14 +33,6 @@ from hetpipe.schedule.trace import TraceEvent
 
 class StageError(RuntimeError):
     """A stage received something it cannot use (wrong shape, dtype or header)."""
-
-
-@dataclass
-class Boundary:
-    """What crosses a stage boundary per minibatch: trailing shape (batch dimension excluded) and dtype."""
-
-    shape: Tuple[int, ...]
-    dtype: torch.dtype
 
 
 @dataclass
@@ -62,16 +57,17 @@ class MinibatchFeed:
 
     ``layout`` (a :class:`Schedule`) maps micro-batches to minibatches; with split start-up, the two
     halves of minibatch p carry its first ``ceil(n / 2)`` and its remaining ``floor(n / 2)`` samples,
-    and ``share(j)`` is the fraction of p's samples micro-batch ``j`` carries (1 when unsplit)."""
+    and ``share(j)`` is the fraction of p's samples micro-batch ``j`` carries (1 when unsplit). A
+    minibatch may be any pytree of tensors (a dict of inputs): every leaf is halved on dim 0."""
 
-    def __init__(self, source: Iterator[torch.Tensor], layout: Optional[Schedule] = None) -> None:
+    def __init__(self, source: Iterator[Any], layout: Optional[Schedule] = None) -> None:
         self.source = source
         self.layout = layout
         self.next_index = 0
-        self._whole: Optional[torch.Tensor] = None      # the split minibatch whose second half is pending
+        self._second: Any = None                        # the pending second half of a split minibatch
         self._shares: Dict[int, float] = {}
 
-    def _next(self, p: int) -> torch.Tensor:
+    def _next(self, p: int) -> Any:
         if p != self.next_index:
             raise StageError(f"hetpipe: minibatch {p} requested out of order (expected {self.next_index})")
         self.next_index += 1
@@ -80,24 +76,22 @@ class MinibatchFeed:
         except StopIteration:
             raise StageError(f"hetpipe: the data ran out at minibatch {p}") from None
 
-    def get(self, mb: int) -> torch.Tensor:
+    def get(self, mb: int) -> Any:
         if self.layout is None or self.layout.fraction_of(mb) == 1.0:
             p = self.layout.minibatch_of(mb) if self.layout is not None else mb
             return self._next(p)
         p = self.layout.minibatch_of(mb)
-        first = mb == self.layout.micros_of(p)[0]
-        if first:
-            self._whole = self._next(p)
-            if self._whole.dim() == 0 or self._whole.shape[0] < 2:
+        if mb == self.layout.micros_of(p)[0]:
+            whole = self._next(p)
+            if batch_of(whole) < 2 or all(t.dim() == 0 for t in pytree.tree_leaves(whole)):
                 raise StageError(f"hetpipe: minibatch {p} has fewer than 2 samples and cannot be split in halves")
-        elif self._whole is None:
+            part, second = halves(whole)
+            self._second = (second, batch_of(second) / batch_of(whole))
+            self._shares[mb] = batch_of(part) / batch_of(whole)
+            return part
+        if self._second is None:
             raise StageError(f"hetpipe: the second half of minibatch {p} was requested before its first")
-        whole = self._whole
-        h = (whole.shape[0] + 1) // 2
-        part = whole[:h] if first else whole[h:]
-        if not first:
-            self._whole = None
-        self._shares[mb] = part.shape[0] / whole.shape[0]
+        (part, self._shares[mb]), self._second = self._second, None
         return part
 
     def share(self, mb: int) -> float:
@@ -144,6 +138,7 @@ class StageExecutor:
         self.transport, self.pool = transport, pool
         self.loss_fn, self.inputs, self.labels = loss_fn, inputs, labels
         self.expect_in, self.expect_out = expect_in, expect_out
+        self._grad_boundary = expect_out.grad_boundary() if expect_out is not None else None
         self.clock = clock if clock is not None else EmulatedClock(None)
         self.fwd_time, self.bwd_time = fwd_time, bwd_time
         self.trace, self.t0 = trace, t0
@@ -171,12 +166,18 @@ class StageExecutor:
         self._bwd_started: Dict[int, float] = {}
         self._done_sent = False
         self._push_sent: Set[int] = set()           # shards the Push in progress already sent to
+        # Tied parameters: per peer stage of this VW sharing some, their gradients of each minibatch,
+        # sent after its Bwd and summed at its Apply (see StageModel.apply).
+        self._tied_peers = sorted({s for k in model.tied_keys for s in model.tied_stages[k]} - {ctx.stage})
+        self._tied_out: List[Tuple[int, int, torch.Tensor]] = []      # (peer, mb, flat) not yet sent
+        self._tied_in: Dict[Tuple[int, int], torch.Tensor] = {}       # (peer, mb) -> flat received
 
     # --- driver interface ---------------------------------------------------------------------
     def step(self) -> bool:
         """Run instructions until blocked or finished; True if anything happened."""
         self.transport.progress()
         progressed = self._drain_copies()
+        progressed = self._send_tied() or progressed
         while self.pc < len(self.stream):
             instr = self.stream[self.pc]
             started = time.perf_counter()
@@ -190,6 +191,9 @@ class StageExecutor:
         if self.stager is not None and self.stager.pending():
             self.blocked_on = "its device copies"
             return self._drain_copies() or progressed
+        if self._tied_out:
+            self.blocked_on = f"{slot_shortage(self.pool)} to send tied gradients"
+            return progressed
         if not self._done_sent:
             for k, rank in sorted(self.ctx.all_shard_ranks.items()):
                 self.transport.send(rank, Header(DONE, self.ctx.vw, self.ctx.stage, aux=self.pushes_sent[k]))
@@ -239,23 +243,26 @@ class StageExecutor:
         elif isinstance(instr, Recompute):
             self._recompute(instr.mb)
         elif isinstance(instr, Apply):
-            p = self._minibatch(instr.mb)
-            self.model.apply(self.layout.micros_of(p) if self.layout is not None else (p,), p // self.model.nm)
+            return self._apply(instr.mb)
         elif isinstance(instr, SendAct):
-            if not self._send_tensor(ACT, instr.peer, instr.mb, self._outputs[instr.mb].detach()):
+            leaves, spec = flatten(self._outputs[instr.mb], f"layer {self.model.stop - 1}")
+            if self.expect_out is not None and spec != self.expect_out.spec:
+                raise StageError(f"hetpipe: {self.ctx.who()}: layer {self.model.stop - 1} returned {spec} for "
+                                 f"minibatch {instr.mb}, but {self.expect_out.spec} on the first minibatch")
+            if not self._send_value(ACT, instr.peer, instr.mb, leaves):
                 return False
             del self._outputs[instr.mb]
         elif isinstance(instr, SendGrad):
             g = self._in_grads.get(instr.mb)
             if g is None:
                 raise StageError(f"hetpipe: {self.ctx.who()} has no input gradient for minibatch {instr.mb}")
-            if not self._send_tensor(GRAD, instr.peer, instr.mb, g):
+            if not self._send_value(GRAD, instr.peer, instr.mb, g):
                 return False
             del self._in_grads[instr.mb]
         elif isinstance(instr, RecvAct):
             return self._recv(ACT, instr.peer, instr.mb, self._recv_act, self.expect_in, "activation")
         elif isinstance(instr, RecvGrad):
-            return self._recv(GRAD, instr.peer, instr.mb, self._recv_grad, self.expect_out, "gradient")
+            return self._recv(GRAD, instr.peer, instr.mb, self._recv_grad, self._grad_boundary, "gradient")
         elif isinstance(instr, Push):
             return self._push(instr.wave)
         elif isinstance(instr, Pull):
@@ -269,15 +276,14 @@ class StageExecutor:
 
     def _fwd(self, mb: int) -> None:
         started = time.perf_counter()
-        if self.is_first:
-            x = self.inputs.get(mb).to(self.model.device)
-        else:
-            x = self._recv_act.pop(mb)
+        data = to_device(self.inputs.get(mb), self.model.device) if self.inputs is not None else None
+        side = data if isinstance(data, dict) else {}
+        x = data if self.is_first else self._recv_act.pop(mb)
         p = self._minibatch(mb)
-        self.batch_sizes[p] = self.batch_sizes.get(p, 0) + (int(x.shape[0]) if x.dim() else 1)
-        out = self.model.forward(mb, x, needs_input_grad=not self.is_first)
+        self.batch_sizes[p] = self.batch_sizes.get(p, 0) + batch_of(x)
+        out = self.model.forward(mb, x, needs_input_grad=not self.is_first, side=side)
         if self.is_last:
-            self._labels[mb] = self.labels.get(mb).to(self.model.device)
+            self._labels[mb] = to_device(self.labels.get(mb), self.model.device)
             self._shares[mb] = self.labels.share(mb)
             loss = self._loss(mb, out)
             if not self.model.recomputes_output:
@@ -323,14 +329,52 @@ class StageExecutor:
             root = self.model.output_of(mb)
             grad = self._recv_grad.pop(mb)
             self._outputs.pop(mb, None)
-        self._in_grads[mb] = self.model.backward(mb, root, grad)
-        if self.is_first:
-            self._in_grads.pop(mb)
+        grads = self.model.backward(mb, root, grad)
+        if not self.is_first:
+            # An input without floating leaves (token ids) still gets its (empty) gradient message.
+            self._in_grads[mb] = grads if grads is not None else []
+        for peer in self._tied_peers:
+            self._tied_out.append((peer, mb, self.model.tied_grad(mb, self.model.keys_shared_with(peer))))
+        self._send_tied()
         self.clock.pad(started, self.bwd_time)
 
+    # --- tied parameters ----------------------------------------------------------------------
+    def _send_tied(self) -> bool:
+        """Send the queued tied gradients, in order, while pool slots are free; True if any was sent."""
+        sent = False
+        while self._tied_out:
+            peer, mb, flat = self._tied_out[0]
+            slot, dtype = tensor_to_slot(self.pool, flat)
+            if slot is None:
+                return sent
+            self.transport.send(self.ctx.rank_of_stage(peer), Header(TIED, self.ctx.vw, self.ctx.stage, mb, -1, dtype,
+                                                                     tuple(flat.shape), flat.numel() * 4), slot)
+            self._tied_out.pop(0)
+            sent = True
+        return sent
+
+    def _apply(self, mb: int) -> bool:
+        """Apply(mb) once every peer's tied gradients of the minibatch's micro-batches arrived. They
+        were sent after each peer's own Bwd, which no stage's Apply precedes: no wait cycle."""
+        p = self._minibatch(mb)
+        micros = tuple(self.layout.micros_of(p)) if self.layout is not None else (p,)
+        for peer in self._tied_peers:
+            while any((peer, m) not in self._tied_in for m in micros):
+                msg = self.transport.try_recv(self.ctx.rank_of_stage(peer), TIED)
+                if msg is None:
+                    self.blocked_on = f"the tied-parameter gradients of minibatch {p} from {self.ctx.who(peer)}"
+                    return False
+                h = msg.header
+                self._tied_in[(peer, h.mb)] = payload_tensor(msg.payload, "float32", h.shape, self.model.device)
+        peer_grads = {peer: [self._tied_in.pop((peer, m)) for m in micros] for peer in self._tied_peers}
+        self.model.apply(micros, p // self.model.nm, peer_grads)
+        return True
+
     # --- stage-to-stage traffic -------------------------------------------------------------------
-    def _send_tensor(self, kind: int, peer: int, mb: int, t: torch.Tensor) -> bool:
-        """Start sending ``t`` to stage ``peer``; False (nothing sent) while no pool slot is free."""
+    def _send_value(self, kind: int, peer: int, mb: int, leaves: Sequence[torch.Tensor]) -> bool:
+        """Start sending the tensor ``leaves`` of a value to stage ``peer`` as one message (see
+        ``runtime.tree``); False (nothing sent) while no pool slot is free."""
+        t = pack(leaves, self.model.device)
         nbytes = t.numel() * t.element_size()
         if nbytes > self.pool.slot_bytes:
             p = self._minibatch(mb)
@@ -338,7 +382,12 @@ class StageExecutor:
                              f"{self.ctx.vw} is {list(t.shape)} ({nbytes} bytes) but the stage's pinned slots hold "
                              f"{self.pool.slot_bytes} bytes, sized by the first minibatch: minibatches must not "
                              "exceed the first one's size")
-        header = Header(kind, self.ctx.vw, self.ctx.stage, mb, -1, _TORCH_DTYPE_NAME[t.dtype], tuple(t.shape), nbytes)
+        if len(leaves) == 1:
+            header = Header(kind, self.ctx.vw, self.ctx.stage, mb, -1, _TORCH_DTYPE_NAME[t.dtype], tuple(t.shape),
+                            nbytes)
+        else:
+            batch = int(leaves[0].shape[0]) if leaves else 0
+            header = Header(kind, self.ctx.vw, self.ctx.stage, mb, batch, "uint8", (nbytes,), nbytes)
         if self.stager is not None:
             sent = self.stager.copy_out(t, self.ctx.rank_of_stage(peer), header)
         else:
@@ -351,8 +400,7 @@ class StageExecutor:
                                f"to {self.ctx.who(peer)}")
         return sent
 
-    def _recv(self, kind: int, peer: int, mb: int, into: Dict[int, torch.Tensor], expect: Optional[Boundary],
-              what: str) -> bool:
+    def _recv(self, kind: int, peer: int, mb: int, into: Dict[int, Any], expect: Boundary, what: str) -> bool:
         msg = self.transport.try_recv(self.ctx.rank_of_stage(peer), kind, keep_slot=self.stager is not None)
         if msg is None:
             self.blocked_on = f"the {what} of minibatch {mb} from {self.ctx.who(peer)}"
@@ -363,33 +411,34 @@ class StageExecutor:
         if h.vw != self.ctx.vw or h.stage != peer or h.mb != mb:
             raise StageError(f"hetpipe: {self.ctx.who()} expected the {what} of minibatch {mb} from "
                              f"{self.ctx.who(peer)}, got one for minibatch {h.mb} from VW {h.vw} stage {h.stage}")
-        if expect is not None:
-            want = _TORCH_DTYPE_NAME.get(expect.dtype)
-            if tuple(h.shape[1:]) != tuple(expect.shape) or h.dtype != want:
-                raise StageError(
-                    f"hetpipe: shape mismatch between {self.ctx.who(peer)} and {self.ctx.who()}: the {what} of "
-                    f"minibatch {mb} is {h.dtype}{list(h.shape)}, {self.ctx.who()} expects "
-                    f"{want}[batch, {', '.join(map(str, expect.shape))}]")
+        problem = check_message(expect, h.dtype, h.shape, h.aux, h.nbytes)
+        if problem is not None:
+            raise StageError(f"hetpipe: shape mismatch between {self.ctx.who(peer)} and {self.ctx.who()}: the "
+                             f"{what} of minibatch {mb} {problem}")
         if self.stager is not None:
-            into[mb] = self.stager.copy_in(msg, getattr(torch, h.dtype))
+            buf = self.stager.copy_in(msg, getattr(torch, h.dtype))
         else:
-            into[mb] = payload_tensor(msg.payload, h.dtype, h.shape, self.model.device)
+            buf = payload_tensor(msg.payload, h.dtype, h.shape, self.model.device)
+        leaves = unpack(buf, expect, h.shape[0] if len(expect.leaves) == 1 else h.aux)
+        into[mb] = pytree.tree_unflatten(leaves, expect.spec) if kind == ACT else leaves
         return True
 
     # --- parameter servers ------------------------------------------------------------------------
     def _push(self, wave: int) -> bool:
-        """Send this stage's wave delta, shard by shard; the sends overlap the following instructions.
-        False while a shard's delta waits for a free pool slot (the shards already sent are not resent)."""
-        for k, rank in sorted(self.ctx.shard_ranks.items()):
-            if k not in self.model.shard_index or k in self._push_sent:
+        """Send this stage's wave delta (and synced buffers), shard by shard; the sends overlap the
+        following instructions. False while a shard's payload waits for a free pool slot (the shards
+        already sent are not resent)."""
+        for k in self.model.pushed_shards:
+            if k in self._push_sent:
                 continue
-            delta = self.model.wave_delta(wave, k)
-            slot, dtype = tensor_to_slot(self.pool, delta)
+            rank = self.ctx.all_shard_ranks[k]
+            payload = self.model.push_payload(wave, k)
+            slot, dtype = tensor_to_slot(self.pool, payload)
             if slot is None:
                 self.blocked_on = f"{slot_shortage(self.pool)} to push wave {wave} to PS shard {k} (rank {rank})"
                 return False
             self.transport.send(rank, Header(PUSH, self.ctx.vw, self.ctx.stage, -1, wave, dtype,
-                                             tuple(delta.shape), delta.numel() * delta.element_size()), slot)
+                                             tuple(payload.shape), payload.numel() * payload.element_size()), slot)
             self.pushes_sent[k] += 1
             self._push_sent.add(k)
         self._push_sent.clear()
@@ -397,7 +446,7 @@ class StageExecutor:
         return True
 
     def _pull_step(self, wave: int) -> bool:
-        shards = {k: r for k, r in self.ctx.shard_ranks.items() if k in self.model.shard_index}
+        shards = {k: self.ctx.all_shard_ranks[k] for k in self.model.pulled_shards}
         if not shards:
             return True
         if self._pull is None:
@@ -414,7 +463,7 @@ class StageExecutor:
             if h.mb != wave or h.vw != self.ctx.vw or h.stage != self.ctx.stage:
                 raise StageError(f"hetpipe: {self.ctx.who()} pulled wave {wave} from PS shard {k}, got a reply "
                                  f"for wave {h.mb} addressed to VW {h.vw} stage {h.stage}")
-            want = len(self.model.shard_index[k])
+            want = sum(self.model.pull_sizes(k))
             if h.shape != (want,) or h.dtype != "float32":
                 raise StageError(f"hetpipe: PS shard {k} sent {h.dtype}{list(h.shape)} weights, "
                                  f"{self.ctx.who()} holds float32[{want}] of its layers")

@@ -7,8 +7,16 @@ A shard owns some layers' weights ``W`` (float32, one flat array per layer). Pro
   has pushed wave ``c`` (waves complete in order). A duplicate push is an error.
 * Wave ``c``'s deltas are applied (``hetpipe_core.apply_delta``; VW 0 first, then 1, ...) exactly when
   the global clock (min over VWs) passes ``c``; hence ``W`` is always ``W_g``, ``g`` = global clock.
+  ``aggregate="sum"`` adds every VW's delta (HetPipe's rule); ``"mean"`` adds each divided by the
+  number of VWs (the step of one VW, as data-parallel SGD averages gradients).
+* Synced buffers (BatchNorm running statistics) ride at the end of each push as the stage's current
+  values ``P``; when wave ``c`` is applied, ``B`` becomes the VWs' average of their wave-``c`` values
+  (computed as ``B + mean(P - B)``, so a buffer no VW changed stays bitwise the same).
+* Replicas: a stage holding a tied parameter owned by a layer of this shard outside the stage pulls
+  the parameter's slice too (``replicas``), after its own layers' weights; it never pushes it.
 * Pull ``(vw, stage, w)``: queued until ``g >= w - D``, then answered with ``(g, W_g)`` restricted to
-  the stage's layers. With ``D = 0`` every pull gets ``g = w``: runs are reproducible.
+  the stage's layers, then its replica slices, then ``B_g`` of its layers. With ``D = 0`` every pull
+  gets ``g = w``: runs are reproducible.
 * DONE ``(vw, stage, n)``: the stage finished and sent ``n`` pushes here; the shard is finished once
   every stage said DONE and all announced pushes have arrived.
 
@@ -42,31 +50,41 @@ class ShardLog:
     pushes: List[Tuple[int, int, int]] = field(default_factory=list)      # (vw, stage, wave), arrival order
     clocks: List[Tuple[int, int, int]] = field(default_factory=list)      # (vw, clock_vw, global) after each change
     pulls: List[Tuple[int, int, int, int]] = field(default_factory=list)  # (vw, stage, wave, g) as answered
-    pushed_sum: Dict[int, np.ndarray] = field(default_factory=dict)       # layer -> float64 sum of all pushed deltas
+    pushed_sum: Dict[int, np.ndarray] = field(default_factory=dict)       # layer -> float64 sum of applied deltas
 
 
 class ShardState:
     """One shard's weights, clocks and pending wave deltas (no I/O)."""
 
     def __init__(self, index: int, weights: Dict[int, np.ndarray], stage_layers: Sequence[Sequence[Tuple[int, int]]],
-                 d: int, *, log_sums: bool = False) -> None:
+                 d: int, *, log_sums: bool = False, buffers: Optional[Dict[int, np.ndarray]] = None,
+                 replicas: Optional[Dict[Tuple[int, int], Sequence[Tuple[int, int, int]]]] = None,
+                 aggregate: str = "sum") -> None:
+        if aggregate not in ("sum", "mean"):
+            raise ValueError(f"PS shard {index}: aggregate must be 'sum' or 'mean', got {aggregate!r}")
         self.index = index
         self.d = d
+        self.aggregate = aggregate
         self.layers = sorted(weights)
         self.W = {l: np.ascontiguousarray(weights[l], dtype=np.float32).copy() for l in self.layers}
+        buffers = buffers or {}
+        self.B = {l: np.ascontiguousarray(buffers.get(l, np.zeros(0)), dtype=np.float32).copy() for l in self.layers}
         self.num_vws = len(stage_layers)
-        # Per VW, the stages holding (non-empty) layers of this shard, and which of our layers each holds.
+        # Per VW, the stages holding layers of this shard with weights or synced buffers, and which.
         self.stage_layers: List[Dict[int, List[int]]] = []
         for vw_stages in stage_layers:
             per = {}
             for s, (a, b) in enumerate(vw_stages):
-                mine = [l for l in self.layers if a <= l < b and self.W[l].size > 0]
+                mine = [l for l in self.layers if a <= l < b and (self.W[l].size > 0 or self.B[l].size > 0)]
                 if mine:
                     per[s] = mine
             self.stage_layers.append(per)
+        # (vw, stage) -> (layer, offset, numel) slices of W it pulls as replicas of tied parameters.
+        self.replicas = {k: list(v) for k, v in (replicas or {}).items() if v}
         self.clock = hetpipe_core.ClockTable(self.num_vws)
         self.applied = 0                                            # waves < applied are in W
         self.pending: Dict[int, Dict[int, Dict[int, np.ndarray]]] = collections.defaultdict(dict)  # wave->vw->layer
+        self.pending_buffers: Dict[int, Dict[int, Dict[int, np.ndarray]]] = collections.defaultdict(dict)
         self.arrived: Dict[Tuple[int, int], Set[int]] = collections.defaultdict(set)  # (vw, wave) -> stages
         self.seen: Set[Tuple[int, int, int]] = set()
         self.queued: List[Tuple[int, int, int, int]] = []           # (src, vw, stage, wave) waiting for the clock
@@ -82,8 +100,22 @@ class ShardState:
     def global_clock(self) -> int:
         return int(self.clock.global_clock())
 
+    @property
+    def _scale(self) -> int:
+        """What each VW's delta is divided by before it is applied."""
+        return self.num_vws if self.aggregate == "mean" else 1
+
     def stage_numel(self, vw: int, stage: int) -> int:
-        return sum(self.W[l].size for l in self.stage_layers[vw].get(stage, ()))
+        """Elements of a push from the stage: its layers' weights, then their synced buffers."""
+        mine = self.stage_layers[vw].get(stage, ())
+        return sum(self.W[l].size + self.B[l].size for l in mine)
+
+    def reply_numel(self, vw: int, stage: int) -> int:
+        """Elements of a pull reply to the stage: weights, replica slices, synced buffers."""
+        return self.stage_numel(vw, stage) + sum(n for _, _, n in self.replicas.get((vw, stage), ()))
+
+    def pulls_from(self, vw: int, stage: int) -> bool:
+        return stage in self.stage_layers[vw] or (vw, stage) in self.replicas
 
     # --- pushes ----------------------------------------------------------------------------------
     def push(self, vw: int, stage: int, wave: int, delta: np.ndarray) -> None:
@@ -107,8 +139,14 @@ class ShardState:
             parts[l] = self.spare[l].pop() if self.spare[l] else np.empty(n, dtype=np.float32)
             np.copyto(parts[l], delta[off:off + n])
             if self.log_sums:
-                self.log.pushed_sum[l] += parts[l]
+                self.log.pushed_sum[l] += parts[l] / self._scale
             off += n
+        values = self.pending_buffers[wave].setdefault(vw, {})
+        for l in self.stage_layers[vw][stage]:
+            n = self.B[l].size
+            if n:
+                values[l] = delta[off:off + n].copy()
+                off += n
         self.arrived[(vw, wave)].add(stage)
         self._advance(vw)
 
@@ -136,13 +174,30 @@ class ShardState:
             wave = self.pending.pop(c)
             for vw in range(self.num_vws):
                 for l, delta in sorted(wave[vw].items()):
+                    if self._scale > 1:
+                        np.divide(delta, np.float32(self._scale), out=delta)
                     hetpipe_core.apply_delta(self.W[l], delta)
                     self.spare[l].append(delta)
+            self._average_buffers(self.pending_buffers.pop(c, {}))
             self.applied += 1
+
+    def _average_buffers(self, values: Dict[int, Dict[int, np.ndarray]]) -> None:
+        """B <- the VWs' average of the buffer values they pushed for one wave (VW order)."""
+        for l in self.layers:
+            pushed = [values[vw][l] for vw in range(self.num_vws) if l in values.get(vw, {})]
+            if not pushed:
+                continue
+            if len(pushed) == 1:
+                np.copyto(self.B[l], pushed[0])
+                continue
+            change = np.zeros_like(self.B[l])
+            for p in pushed:
+                change += p - self.B[l]
+            self.B[l] += change / np.float32(len(pushed))
 
     # --- pulls -----------------------------------------------------------------------------------
     def pull(self, src: int, vw: int, stage: int, wave: int) -> None:
-        if stage not in self.stage_layers[vw]:
+        if not self.pulls_from(vw, stage):
             raise WSPViolation(f"PS shard {self.index}: VW {vw} stage {stage} holds none of its layers but pulled")
         self.queued.append((src, vw, stage, wave))
 
@@ -157,11 +212,20 @@ class ShardState:
         return ready
 
     def snapshot_into(self, vw: int, stage: int, out: np.ndarray) -> None:
-        """Copy ``W_g`` of the stage's layers (layer order) into ``out`` (float32)."""
+        """Copy ``W_g`` of the stage's layers (layer order), its replica slices, then ``B_g`` of its
+        layers into ``out`` (float32)."""
         off = 0
-        for l in self.stage_layers[vw][stage]:
+        mine = self.stage_layers[vw].get(stage, ())
+        for l in mine:
             n = self.W[l].size
             hetpipe_core.snapshot(self.W[l], out[off:off + n])
+            off += n
+        for l, a, n in self.replicas.get((vw, stage), ()):
+            out[off:off + n] = self.W[l][a:a + n]
+            off += n
+        for l in mine:
+            n = self.B[l].size
+            out[off:off + n] = self.B[l]
             off += n
 
 
@@ -223,7 +287,7 @@ class ShardServer:
         # Each reply takes a slot; pulls beyond the free slots stay queued until sends complete.
         for src, vw, stage, wave in self.state.ready_pulls(limit=self.pool.available()):
             started = time.perf_counter()
-            n = self.state.stage_numel(vw, stage)
+            n = self.state.reply_numel(vw, stage)
             slot = self.pool.acquire(max(4 * n, 1), timeout=0)
             self.state.snapshot_into(vw, stage, slot_bytes(slot, 4 * n).view(np.float32))
             t.send(src, Header(WEIGHTS, vw, stage, wave, g, "float32", (n,), 4 * n), slot)

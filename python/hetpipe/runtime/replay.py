@@ -7,7 +7,7 @@ instruction order is the schedule's, so with ``D = 0`` the numbers equal a real 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
 import numpy as np
@@ -28,6 +28,7 @@ class ReplayResult:
     losses: Dict[int, Dict[int, float]]                 # vw -> minibatch -> loss
     weights: Dict[int, np.ndarray]                      # layer -> final global weights (flat float32)
     shard_logs: Dict[int, ShardLog]
+    buffers: Dict[int, np.ndarray] = field(default_factory=dict)     # layer -> final synced buffers (float32)
 
 
 def replay_run(spec: RunSpec) -> ReplayResult:
@@ -52,5 +53,5 @@ def replay_run(spec: RunSpec) -> ReplayResult:
         if not progressed and not any(isinstance(p, StageExecutor) and p.wait_for_copies() for _, p in parts):
             stuck = "; ".join(f"{name} waits for {p.blocked_on}" for name, p in parts if not p.finished)
             raise ReplayDeadlock(f"replay: no progress possible: {stuck}")
-    outcome = merge_outcomes(part_outcome(part, plan) for _, part in parts)
-    return ReplayResult(outcome.losses, outcome.weights, outcome.shard_logs)
+    outcome = merge_outcomes(part_outcome(part, plan, spec.layout) for _, part in parts)
+    return ReplayResult(outcome.losses, outcome.weights, outcome.shard_logs, outcome.buffers)

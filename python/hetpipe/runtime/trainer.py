@@ -31,8 +31,8 @@ from hetpipe.runtime.data import first_minibatch, minibatches_per_epoch
 from hetpipe.runtime.executor import StageExecutor
 from hetpipe.runtime.ps import ShardLog
 from hetpipe.runtime.replay import ReplayResult, replay_run
-from hetpipe.runtime.stage import check_no_buffers
 from hetpipe.runtime.transport import MPITransport
+from hetpipe.runtime.tree import batch_of
 from hetpipe.schedule.trace import TraceEvent, write_chrome_trace
 
 
@@ -50,6 +50,7 @@ class TrainResult:
     samples: int                                    # samples trained, all VWs
     trace: List[TraceEvent] = field(default_factory=list)
     emulated: bool = False
+    buffers: Dict[int, np.ndarray] = field(default_factory=dict)   # layer -> final synced buffers (flat float32)
 
     @property
     def samples_per_s(self) -> float:
@@ -92,8 +93,10 @@ class Trainer:
     """Train ``model`` with HetPipe: pipelined virtual workers synchronised by WSP through PS shards.
 
     model: an ``nn.Sequential`` or a list of modules (the layers the plan partitions), built
-        identically (same seed) on every rank. Module buffers (e.g. BatchNorm running statistics) are
-        not synchronised yet: a layer holding one is rejected at start-up. loss_fn(output, labels) -> scalar tensor.
+        identically (same seed) on every rank, following the layer contract (docs/design.md): layers
+        pass any pytree of tensors; ``hetpipe_side_inputs`` names keys of the inputs dict a layer also
+        takes; a parameter shared by several layers stays one (tied) parameter; BatchNorm running
+        statistics are averaged across VWs at wave boundaries. loss_fn(output, labels) -> scalar tensor.
     optimizer: a factory ``params -> torch.optim.Optimizer``; each stage builds its own over its layers.
     data: re-iterable ``(inputs, labels)`` minibatches, the same on every rank (see runtime.data).
     plan: a :class:`Plan` or a plan JSON path; else rank 0 plans with ``policy`` on ``cluster``
@@ -109,9 +112,15 @@ class Trainer:
     copy_stream: move stage-to-stage tensors through a copy stream overlapping compute (None: on CUDA
         devices only; True also on CPU, where the inline copy is faster).
     metrics / trace: paths of the JSON-lines metrics file and of a Chrome trace of the run.
-    audit: PS shards also keep, per layer, the float64 sum of every delta pushed to them
+    audit: PS shards also keep, per layer, the float64 sum of every delta pushed to them, as applied
         (``TrainResult.shard_logs[k].pushed_sum``, to check that the final weights moved by exactly
         the pushes); off by default, since it adds a float64 pass over every push.
+    aggregate: how the PS combines the VWs' deltas, "mean" or "sum" (None: the plan's, by default
+        "mean"). With "mean" a wave moves the weights by the VWs' average change, so learning rates
+        tuned on one GPU carry over (as with DDP); "sum" is HetPipe's rule, which with N VWs takes
+        N times the step: scale the learning rate by 1/N to get the same.
+    seed: seeds every stage's random draws (dropout): micro-batch ``mb`` of stage ``s`` of VW ``v``
+        draws from its own generator state, derived from (seed, v, s, mb), in the run and the replay.
     """
 
     def __init__(self, model: Union[nn.Module, Sequence[nn.Module]], loss_fn: Callable,
@@ -121,7 +130,8 @@ class Trainer:
                  timeout: Optional[float] = None, emulate: Optional[bool] = None, emulation_scale: float = 1.0,
                  copy_stream: Optional[bool] = None, audit: bool = False,
                  metrics: Union[str, Path, None] = None, trace: Union[str, Path, None] = None,
-                 progress: bool = True, comm: Any = None, plan_callback: Optional[Callable[[Plan], None]] = None):
+                 progress: bool = True, comm: Any = None, plan_callback: Optional[Callable[[Plan], None]] = None,
+                 aggregate: Optional[str] = None, seed: int = 0):
         self.model = model
         self.layers = as_layers(model)
         self.loss_fn, self.optimizer, self.data = loss_fn, optimizer, data
@@ -137,10 +147,17 @@ class Trainer:
         self.progress = progress
         self.comm = comm
         self.plan_callback = plan_callback
+        self.aggregate, self.seed = aggregate, seed
         self._describe = "rank ?"
 
     # --- planning ----------------------------------------------------------------------------
     def _make_plan(self) -> Plan:
+        plan = self._plan()
+        if self.aggregate is not None and self.aggregate != plan.aggregate:
+            plan = dataclasses.replace(plan, aggregate=self.aggregate)
+        return plan
+
+    def _plan(self) -> Plan:
         if isinstance(self.plan_arg, Plan):
             plan = self.plan_arg
         elif self.plan_arg is not None:
@@ -154,9 +171,9 @@ class Trainer:
             if isinstance(cluster, str):
                 cluster = load_cluster(cluster)
             x, y = first_minibatch(self.data)
-            profile = profile_model(nn.Sequential(*self.layers), x, cluster, loss_fn=lambda out: self.loss_fn(out, y))
+            profile = profile_model(list(self.layers), x, cluster, loss_fn=lambda out: self.loss_fn(out, y))
             plan = make_plan(cluster, profile, policy=self.policy, nm=self.nm, d=self.d or 0,
-                             minibatch_size=int(x.shape[0]))
+                             minibatch_size=batch_of(x))
             return self._check_layers(plan)
         return self._check_layers(override(plan, self.nm, self.d))
 
@@ -173,7 +190,6 @@ class Trainer:
         if per_vw < 1:
             raise ValueError(f"hetpipe: one epoch has fewer minibatches than the {len(plan.virtual_workers)} VWs")
         total = per_vw * self.epochs
-        check_no_buffers(self.layers, 0)
         x, _ = first_minibatch(self.data)
         schedules = []
         for vw in plan.virtual_workers:
@@ -181,15 +197,15 @@ class Trainer:
             schedules.append(hetpipe_schedule(len(vw.stages), total, plan.nm, plan.d, recompute=recompute,
                                               split_startup=self.split_startup))
         return RunSpec(plan, self.layers, self.loss_fn, self.optimizer, self.data, self.epochs, schedules,
-                       infer_boundaries(self.layers, x), int(x.shape[0]) if x.dim() else 1,
-                       copy_stream=self.copy_stream, audit=self.audit)
+                       infer_boundaries(self.layers, x), batch_of(x), copy_stream=self.copy_stream, audit=self.audit,
+                       seed=self.seed)
 
     # --- single process ----------------------------------------------------------------------
     def replay(self) -> ReplayResult:
         """Run the whole plan in this process over a loopback transport (the reference; no padding)."""
         torch.set_num_threads(1)
         result = replay_run(self.spec(self._make_plan()))
-        load_layer_weights(self.layers, result.weights)
+        load_layer_weights(self.layers, result.weights, result.buffers)
         return result
 
     # --- multi-process -----------------------------------------------------------------------
@@ -203,9 +219,8 @@ class Trainer:
         try:
             return self._fit(comm, rank, size)
         except LaunchError as e:
-            # Every rank reaches the same verdict: each says it (no traceback), then the job ends.
-            failure.report(self._describe, e, with_traceback=False)
-            failure.abort(comm)
+            # Every rank reaches the same verdict: rank 0 says it once (no traceback), the job ends.
+            failure.verdict(comm, "job" if rank == 0 else self._describe, e)
         except BaseException as e:  # noqa: BLE001 - any failure must bring the job down, naming this rank
             failure.report(self._describe, e)
             failure.abort(comm)
@@ -268,13 +283,13 @@ class Trainer:
         drive(part, limit, f"hetpipe: {role.describe()}", reporter.update if reporter else None)
         elapsed = time.perf_counter() - t0
         transport.close()
-        mine = {**part_outcome(part, plan), "elapsed": elapsed, "trace": trace or []}
+        mine = {**part_outcome(part, plan, spec.layout), "elapsed": elapsed, "trace": trace or []}
         everyone = comm.allgather(mine)
         outcome = merge_outcomes(everyone)
         result = TrainResult(plan, role.rank, role.describe(), outcome.losses, outcome.weights, outcome.shard_logs,
                              max(m["elapsed"] for m in everyone), outcome.samples,
-                             [e for m in everyone for e in m["trace"]], emulated)
-        load_layer_weights(self.layers, result.weights)
+                             [e for m in everyone for e in m["trace"]], emulated, outcome.buffers)
+        load_layer_weights(self.layers, result.weights, result.buffers)
         if reporter is not None:
             reporter.finish(result, self.trace_path)
         return result

@@ -41,7 +41,9 @@ PULL = 4        # stage -> PS shard: request the global weights for wave aux (no
 WEIGHTS = 5     # PS shard -> stage: reply to PULL; mb = the pulled wave, aux = the shard's global clock g,
                 # payload = W_g
 DONE = 6        # stage -> PS shard: the stage finished its stream (no payload)
-KIND_NAMES = {ACT: "activation", GRAD: "gradient", PUSH: "push", PULL: "pull", WEIGHTS: "weights", DONE: "done"}
+TIED = 7        # stage -> stage of its VW: the gradients of the tied parameters both hold, for minibatch mb
+KIND_NAMES = {ACT: "activation", GRAD: "gradient", PUSH: "push", PULL: "pull", WEIGHTS: "weights", DONE: "done",
+              TIED: "tied gradient"}
 
 # Wire dtypes, by torch's names (``getattr(torch, name)``); a header carries the index + 1.
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
