@@ -68,7 +68,7 @@ def summary_table(rows: List[dict], budget: float) -> str:
         speed = (f"{ddp['ttt_mean'] / r['ttt_mean']:.2f}x" if ddp and ddp["ttt_mean"] and r["ttt_mean"] else "-")
         dloss = f"{100 * (r['loss_mean'] / ddp['loss_mean'] - 1):+.2f}%" if ddp else "-"
         note = f"ended before {budget:g} s (seeds {r['short']})" if r["short"] else ""
-        body.append([r["label"], f"{r['lr']:g}", f"{_fmt(r['ttt_mean'])} ± {_fmt(r['ttt_sd'])}", per_seed, speed,
+        body.append([r["label"], f"{r['lr']:.3g}", f"{_fmt(r['ttt_mean'])} ± {_fmt(r['ttt_sd'])}", per_seed, speed,
                      f"{r['loss_mean']:.3f} ± {r['loss_sd']:.3f}", dloss, f"{r['samples_per_s']:.0f}",
                      f"{100 * r['overrun']:.1f}%", note])
     return _table(["system", "lr", "time to target s (mean ± sd)", "per seed", "speed-up vs DDP",
@@ -113,7 +113,7 @@ def plot(runs: List[dict], target: float, budget: float, path, title: str) -> No
         rs = [r for r in runs if r["key"] == key]
         ys = np.array([on_grid(r["curve"], grid) for r in rs])
         style = "-" if key.startswith("hetpipe") else "--"
-        line, = ax.plot(grid, np.nanmean(ys, axis=0), style, label=f"{rs[0]['label']} (lr {rs[0]['lr']:g}, "
+        line, = ax.plot(grid, np.nanmean(ys, axis=0), style, label=f"{rs[0]['label']} (lr {rs[0]['lr']:.3g}, "
                                                                   f"{len(rs)} seeds)")
         ax.fill_between(grid, np.nanmin(ys, axis=0), np.nanmax(ys, axis=0), color=line.get_color(), alpha=0.15)
     ax.axhline(target, color="grey", lw=0.8, ls=":", label=f"target {target:.2f}")

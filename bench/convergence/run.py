@@ -5,10 +5,12 @@ Usage: python bench/convergence/run.py [--quick] [--out DIR] [--keep DIR]
 Every system trains the same byte-level GPT (task.py) on the same emulated heterogeneous cluster
 (bench/e2e's device model and launch machinery), for the same wall-clock budget. Each system's
 learning rate is the best of a sweep (seed 0, lowest validation loss at the budget); the best is then
-run on the other seeds. The sweep is one pass over the systems (one launch each, its learning rates
-back to back), the later seeds another, so load changes on the host fall on every system alike.
-Weights are recorded during training and validated after each run (snapshots.py). Prints the sweep, the summary (time to target, loss at the budget, spread over
-seeds), the goal lines; writes a PNG and the raw JSON to --out.
+run on the other seeds. Runs share launches (a launch's start-up costs tens of seconds of a loaded
+host): the sweep is one launch per launch group (DDP; pipelining; every hetpipe variant, which all
+run the same plan on the same ranks, alternating within the launch), each later seed another pass
+over the groups, so load changes on the host fall on every system alike. Weights are recorded during
+training and validated after each run (snapshots.py). Prints the sweep, the summary (time to target,
+loss at the budget, spread over seeds), the goal lines; writes a PNG and the raw JSON to --out.
 """
 
 from __future__ import annotations
@@ -74,17 +76,19 @@ def systems(args, plan) -> List[dict]:
     only = set(args.only.split(","))
     ndev = None
     if "ddp" in only:
-        out.append({"key": "ddp", "label": LABELS["ddp"], "script": "train_ddp.py", "ranks": ndev, "job": {}})
+        out.append({"key": "ddp", "label": LABELS["ddp"], "group": "ddp", "script": "train_ddp.py", "ranks": ndev,
+                    "job": {}})
     if "pipelining" in only:
-        out.append({"key": "pipelining", "label": LABELS["pipelining"], "script": "train_pipelining.py",
-                    "ranks": ndev, "job": {}})
+        out.append({"key": "pipelining", "label": LABELS["pipelining"], "group": "pipelining",
+                    "script": "train_pipelining.py", "ranks": ndev, "job": {}})
     if "hetpipe" in only:
         aggs = args.aggregate.split(",") if args.aggregate != "auto" else (
             ["sum", "mean"] if "aggregate" in inspect.signature(Trainer).parameters else ["sum"])
         for agg in aggs:
             for d in (int(x) for x in args.d.split(",")):
-                out.append({"key": f"hetpipe-d{d}-{agg}", "label": f"hetpipe D={d} ({agg})", "script": "train_hetpipe.py",
-                            "ranks": plan.num_ranks, "job": {"d": d, "aggregate": agg}})
+                # Every hetpipe variant runs the same plan on the same ranks: one launch serves them all.
+                out.append({"key": f"hetpipe-d{d}-{agg}", "label": f"hetpipe D={d} ({agg})", "group": "hetpipe",
+                            "script": "train_hetpipe.py", "ranks": plan.num_ranks, "job": {"d": d, "aggregate": agg}})
     return out
 
 
@@ -101,10 +105,11 @@ def hetpipe_size(plan, d: int, budget: float, margin: float, snapshot_every: flo
     return waves * per_wave, every, rate
 
 
-def best_lrs(runs: List[dict], syss: List[dict], budget: float) -> Dict[str, float]:
-    """Per system, the learning rate of its sweep run with the lowest validation loss at the budget."""
+def best_lrs(runs: List[dict], syss: List[dict], failed: Dict[str, str], budget: float) -> Dict[str, float]:
+    """Per system still running, the learning rate of its sweep run with the lowest validation loss at the budget."""
     return {s["key"]: min((r for r in runs if r["key"] == s["key"] and r["phase"] == "sweep"),
-                          key=lambda r: report.loss_at(r["curve"], budget))["lr"] for s in syss}
+                          key=lambda r: report.loss_at(r["curve"], budget))["lr"]
+            for s in syss if s["key"] not in failed}
 
 
 def extend(lrs: List[float], best: float) -> float:
@@ -175,25 +180,33 @@ def main(argv=None) -> int:
     runs: List[dict] = []
     failed: Dict[str, str] = {}
 
-    def run_batch(s: dict, pairs: List[Tuple[int, float]], phase: str) -> None:
-        """One launch of system ``s`` training each ``(seed, lr)`` of ``pairs`` in turn; validates each run."""
-        tag = f"{s['key']}-{phase}{len(runs)}"
+    def run_batch(batch: List[Tuple[dict, int, float]], phase: str) -> None:
+        """One launch training each ``(system, seed, lr)`` of ``batch`` in turn (systems of one launch group:
+        same script and ranks); validates each run."""
+        if not batch:
+            return
+        first = batch[0][0]
+        tag = f"{first['group']}-{phase}{len(runs)}"
         jobs = [Job(system=s["key"], task=task, seed=seed, lr=lr, budget_s=args.budget,
                     snapshot_every_s=args.snapshot_every, device_model=str(work / "devices.json"),
-                    snapshots=str(work / f"{tag}-s{seed}-lr{lr:.3g}.npz"), micro=ndev, **s["job"]) for seed, lr in pairs]
+                    snapshots=str(work / f"{tag}-{k}.npz"), micro=ndev, **s["job"])
+                for k, (s, seed, lr) in enumerate(batch)]
         save_jobs(work / f"{tag}.jobs.json", jobs)
         load = os.getloadavg()[0]
         try:
-            res = run_worker(HERE / s["script"], s["ranks"], work / f"{tag}.jobs.json", work / f"{tag}.result.json",
-                             timeout_s=len(jobs) * (3 * args.budget + 60) + 120)
+            res = run_worker(HERE / first["script"], first["ranks"], work / f"{tag}.jobs.json",
+                             work / f"{tag}.result.json", timeout_s=len(jobs) * (3 * args.budget + 60) + 120)
         except RuntimeError as e:
-            # One system failing must not cost the others their measurement: it is named and left out.
+            # One launch failing must not cost the other systems their measurement: its systems are named
+            # and left out.
             lines = str(e).strip().splitlines()
-            failed[s["key"]] = next((l for l in reversed(lines) if "rror" in l), lines[-1])[:200]
-            print(f"  {s['label']} FAILED: {failed[s['key']]}", flush=True)
+            why = next((l for l in reversed(lines) if "rror" in l), lines[-1])[:200]
+            for s, _, _ in batch:
+                failed[s["key"]] = why
+            print(f"  {', '.join(dict.fromkeys(s['label'] for s, _, _ in batch))} FAILED: {why}", flush=True)
             print(str(e)[-3000:], file=sys.stderr, flush=True)
             return
-        for job, r in zip(jobs, res["runs"]):
+        for (s, _, _), job, r in zip(batch, jobs, res["runs"]):
             curve = validation_curve(task, job.seed, Path(job.snapshots), xv, yv)
             end = curve[-1][0] if s["key"].startswith("hetpipe") else r["wall_s"]
             over = max(x["overrun_s"] for x in r["ranks"]) / r["wall_s"]
@@ -207,28 +220,26 @@ def main(argv=None) -> int:
         print(f"    (launch of {len(jobs)} run(s): {res['elapsed_s']:.0f} s, load average {load:.1f} at its start)",
               flush=True)
 
-    print(f"\nseed {seeds[0]}: learning-rate sweep {lrs}, one launch per system", flush=True)
-    for s in syss:
-        run_batch(s, [(seeds[0], lr) for lr in lrs], "sweep")
-    syss = [s for s in syss if s["key"] not in failed]
-    best = best_lrs(runs, syss, args.budget)
+    def groups() -> List[List[dict]]:
+        live = [s for s in syss if s["key"] not in failed]
+        return [[s for s in live if s["group"] == g] for g in dict.fromkeys(s["group"] for s in live)]
+
+    print(f"\nseed {seeds[0]}: learning-rate sweep {lrs}", flush=True)
+    for g in groups():
+        run_batch([(s, seeds[0], lr) for lr in lrs for s in g], "sweep")
+    best = best_lrs(runs, syss, failed, args.budget)
     # A best learning rate at the edge of the grid may not be the system's best: one more value past that
     # edge (the grid's ratio), for every system alike.
-    edge = {s["key"]: extend(lrs, best[s["key"]]) for s in syss}
+    edge = {k: extend(lrs, lr) for k, lr in best.items()}
     if any(edge.values()):
         print(f"\nseed {seeds[0]}: sweep extended past its edge where the best learning rate sits there", flush=True)
-        for s in syss:
-            if edge[s["key"]]:
-                run_batch(s, [(seeds[0], edge[s["key"]])], "sweep")
-        syss = [s for s in syss if s["key"] not in failed]
-        best = best_lrs(runs, syss, args.budget)
-    if seeds[1:]:
-        # The later seeds share one launch per system: a launch's start-up (imports of every rank) costs
-        # tens of seconds on a loaded 2-core host. The pass still alternates the systems.
-        print(f"\nseeds {seeds[1:]} at each system's best learning rate, one launch per system", flush=True)
-        for s in syss:
-            run_batch(s, [(seed, best[s["key"]]) for seed in seeds[1:]], "seed")
-        syss = [s for s in syss if s["key"] not in failed]
+        for g in groups():
+            run_batch([(s, seeds[0], edge[s["key"]]) for s in g if edge[s["key"]]], "sweep")
+        best = best_lrs(runs, syss, failed, args.budget)
+    for seed in seeds[1:]:
+        print(f"\nseed {seed} at each system's best learning rate", flush=True)
+        for g in groups():
+            run_batch([(s, seed, best[s["key"]]) for s in g], "seed")
 
     final = [r for r in runs if r["key"] in best and r["lr"] == best[r["key"]]]
     target = args.target if args.target is not None else report.choose_target(final, args.budget)
@@ -238,7 +249,8 @@ def main(argv=None) -> int:
     print("\n".join(header))
     print(f"\nlearning-rate sweep, seed {seeds[0]}: validation loss at {args.budget:g} s (* = best, used below)")
     print(report.sweep_table([r for r in runs if r["phase"] == "sweep"], best, args.budget))
-    still = [s["label"] for s in syss if extend(sorted({r["lr"] for r in runs if r["key"] == s["key"]}), best[s["key"]])]
+    still = [s["label"] for s in syss if s["key"] in best and
+             extend(sorted({r["lr"] for r in runs if r["key"] == s["key"]}), best[s["key"]])]
     if still:
         print(f"best learning rate still at the edge of the (extended) sweep: {', '.join(still)}")
     how = "given" if args.target is not None else "the lowest loss (rounded up to 0.01) that every run below reaches within the budget"

@@ -3,8 +3,9 @@
 No download: the corpus is the standard library's top-level ``.py`` files (``sysconfig``'s ``stdlib``
 path), sorted by name; every ``val_every``-th file is held out for validation, the others are
 training text. The model is an ``nn.Sequential`` of plain-tensor boundaries — token + position
-embedding, ``blocks`` pre-norm transformer blocks (causal mask inside each block), final norm and
-byte head — so hetpipe's planner, the pipelining baseline and DDP all cut or replicate the same list.
+embedding, ``blocks`` pre-norm transformer blocks (each as two layers, attention and MLP; the causal
+mask built inside each attention), final norm and byte head — so hetpipe's planner, the pipelining
+baseline and DDP all cut or replicate the same list.
 
 Every system reads one stream of minibatches: minibatch ``i`` of seed ``s`` is ``minibatch`` random
 windows of the training text drawn from a generator seeded by ``(s, i)``. DDP rank ``r`` of step
@@ -33,14 +34,14 @@ VOCAB = 256
 class TaskSpec:
     """Sizes of the corpus, model and minibatch (the unit every profiled time refers to)."""
 
-    context: int = 64            # tokens per training window
+    context: int = 32            # tokens per training window
     width: int = 48              # model width
     heads: int = 4
     blocks: int = 6
     minibatch: int = 4           # windows per minibatch
     train_bytes: int = 4 << 20   # at most this much training text
     val_every: int = 10          # every val_every-th stdlib file is validation text
-    val_windows: int = 128       # validation windows (non-overlapping, from the start of the held-out text)
+    val_windows: int = 256       # validation windows (non-overlapping, from the start of the held-out text)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -132,27 +133,37 @@ class Embed(nn.Module):
         return self.tok(idx) + self.pos[: idx.shape[1]]
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: causal multi-head self-attention, then a 4x MLP, both residual."""
+class Attention(nn.Module):
+    """Pre-norm causal multi-head self-attention with its residual: ``x + proj(attn(ln(x)))``."""
 
     def __init__(self, spec: TaskSpec) -> None:
         super().__init__()
         if spec.width % spec.heads:
             raise ValueError(f"convergence task: width {spec.width} is not a multiple of heads {spec.heads}")
         self.heads = spec.heads
-        self.ln1, self.ln2 = nn.LayerNorm(spec.width), nn.LayerNorm(spec.width)
+        self.ln = nn.LayerNorm(spec.width)
         self.qkv = nn.Linear(spec.width, 3 * spec.width)
         self.proj = nn.Linear(spec.width, spec.width)
-        self.mlp = nn.Sequential(nn.Linear(spec.width, 4 * spec.width), nn.GELU(), nn.Linear(4 * spec.width, spec.width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = self.qkv(self.ln(x)).split(c, dim=2)
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
         # The causal mask is built here, per call (no buffer: hetpipe's stages hold parameters only).
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, c))
-        return x + self.mlp(self.ln2(x))
+        return x + self.proj(a.transpose(1, 2).reshape(b, t, c))
+
+
+class MLP(nn.Module):
+    """Pre-norm 4x MLP with its residual: ``x + mlp(ln(x))``."""
+
+    def __init__(self, spec: TaskSpec) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(spec.width)
+        self.mlp = nn.Sequential(nn.Linear(spec.width, 4 * spec.width), nn.GELU(), nn.Linear(4 * spec.width, spec.width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.ln(x))
 
 
 class Head(nn.Module):
@@ -168,10 +179,13 @@ class Head(nn.Module):
 
 
 def build_layers(spec: TaskSpec, seed: int) -> List[nn.Module]:
-    """The model as its ordered layers, identical for a given ``seed`` (the global RNG is left untouched)."""
+    """The model as its ordered layers, identical for a given ``seed`` (the global RNG is left untouched).
+
+    Each transformer block is two layers, its attention and its MLP half (each with its residual), so
+    that a partitioner can cut inside a block."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return [Embed(spec), *[Block(spec) for _ in range(spec.blocks)], Head(spec)]
+        return [Embed(spec), *[part for _ in range(spec.blocks) for part in (Attention(spec), MLP(spec))], Head(spec)]
 
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
