@@ -50,8 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 8 s budget, 2 learning rates, 2 seeds, D in {0, 4} (figures not meaningful)")
-    ap.add_argument("--budget", type=float, default=20.0, help="seconds of training wall time per run")
-    ap.add_argument("--lrs", default="1e-3,3e-3,1e-2", help="learning rates of the sweep (every system)")
+    ap.add_argument("--budget", type=float, default=15.0, help="seconds of training wall time per run")
+    ap.add_argument("--lrs", default="3e-3,1e-2,3e-2", help="learning rates of the sweep (every system)")
     ap.add_argument("--seeds", default="0,1,2", help="seeds; the sweep runs on the first")
     ap.add_argument("--d", default="0,1,4", help="hetpipe staleness bounds")
     ap.add_argument("--aggregate", default="auto",
@@ -60,7 +60,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--nm", type=int, help="hetpipe minibatches in flight per VW (default: the planner's choice)")
     ap.add_argument("--policy", default="auto", help="hetpipe VW formation policy (NP, ED, HD, auto)")
     ap.add_argument("--target", type=float, help="target validation loss (default: chosen, see README)")
-    ap.add_argument("--snapshot-every", type=float, default=2.0, help="seconds between recorded weights")
+    ap.add_argument("--profile-trials", type=int, default=3,
+                    help="profile the model this many times, keeping each layer's fastest time (a shared host "
+                         "preempts some measurements)")
+    ap.add_argument("--snapshot-every", type=float, default=1.0, help="seconds between recorded weights")
     ap.add_argument("--margin", type=float, default=1.1,
                     help="hetpipe runs a fixed number of waves: the fewest whose simulated time is budget x margin")
     ap.add_argument("--out", type=Path, default=HERE / "results", help="where the PNG and the JSON go")
@@ -137,7 +140,8 @@ def main(argv=None) -> int:
     xv, yv = validation_set(val_text, task)
     x0, y0 = MinibatchStream(text, task, 0, 1)[0]
     dm, prof, cluster = profile_device_model(build_layers(task, 0), x0, lambda out: loss_fn(out, y0),
-                                             f"bytegpt{task.blocks}x{task.width}", optimizer_factor=2.0)
+                                             f"bytegpt{task.blocks}x{task.width}", optimizer_factor=2.0,
+                                             trials=args.profile_trials)
     dm.save(work / "devices.json")
     plan, planner = make_plan(dm, prof, cluster, nm=args.nm, policy=args.policy)
     plan.save(work / "plan.json")
@@ -158,6 +162,7 @@ def main(argv=None) -> int:
     vws = "; ".join(f"VW {v.index}: " + " | ".join(f"{st.device_type} L{st.start}-{st.stop - 1}" for st in v.stages)
                     for v in plan.virtual_workers)
     header = [
+        f"device model: {dm.source}",
         f"devices: EMULATED (real computation padded to each device type's profiled time; {torch.get_num_threads()} "
         f"torch thread per rank); cluster {CLUSTER}: {types}",
         f"task: byte-level GPT {task.blocks} blocks x {task.width} wide, {task.heads} heads, context {task.context}, "
@@ -243,7 +248,8 @@ def main(argv=None) -> int:
 
     final = [r for r in runs if r["key"] in best and r["lr"] == best[r["key"]]]
     target = args.target if args.target is not None else report.choose_target(final, args.budget)
-    rows = report.summarize(final, target, args.budget)
+    order = [s["key"] for s in systems(args, plan)]
+    rows = sorted(report.summarize(final, target, args.budget), key=lambda r: order.index(r["key"]))
     load1 = os.getloadavg()
     print()
     print("\n".join(header))
