@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 8 s budget, 2 learning rates, 2 seeds, D in {0, 4} (figures not meaningful)")
-    ap.add_argument("--budget", type=float, default=15.0, help="seconds of training wall time per run")
+    ap.add_argument("--budget", type=float, default=18.0, help="seconds of training wall time per run")
     ap.add_argument("--lrs", default="3e-3,1e-2,3e-2", help="learning rates of the sweep (every system)")
     ap.add_argument("--seeds", default="0,1,2", help="seeds; the sweep runs on the first")
     ap.add_argument("--d", default="0,1,4", help="hetpipe staleness bounds")
@@ -63,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile-trials", type=int, default=3,
                     help="profile the model this many times, keeping each layer's fastest time (a shared host "
                          "preempts some measurements)")
+    ap.add_argument("--slowdown", type=float, default=1.5,
+                    help="emulated devices this much slower than the preset (all systems alike), so that on a "
+                         "loaded host the real work of hetpipe's busy stages still fits in their emulated time")
     ap.add_argument("--snapshot-every", type=float, default=1.0, help="seconds between recorded weights")
     ap.add_argument("--margin", type=float, default=1.1,
                     help="hetpipe runs a fixed number of waves: the fewest whose simulated time is budget x margin")
@@ -108,6 +111,14 @@ def hetpipe_size(plan, d: int, budget: float, margin: float, snapshot_every: flo
     return waves * per_wave, every, rate
 
 
+def shown(path: Path) -> str:
+    """``path`` as printed and recorded: relative to the repository when inside it, else its name alone."""
+    try:
+        return str(Path(path).resolve().relative_to(HERE.parents[1]))
+    except ValueError:
+        return Path(path).name
+
+
 def best_lrs(runs: List[dict], syss: List[dict], failed: Dict[str, str], budget: float) -> Dict[str, float]:
     """Per system still running, the learning rate of its sweep run with the lowest validation loss at the budget."""
     return {s["key"]: min((r for r in runs if r["key"] == s["key"] and r["phase"] == "sweep"),
@@ -141,7 +152,7 @@ def main(argv=None) -> int:
     x0, y0 = MinibatchStream(text, task, 0, 1)[0]
     dm, prof, cluster = profile_device_model(build_layers(task, 0), x0, lambda out: loss_fn(out, y0),
                                              f"bytegpt{task.blocks}x{task.width}", optimizer_factor=2.0,
-                                             trials=args.profile_trials)
+                                             trials=args.profile_trials, slowdown=args.slowdown)
     dm.save(work / "devices.json")
     plan, planner = make_plan(dm, prof, cluster, nm=args.nm, policy=args.policy)
     plan.save(work / "plan.json")
@@ -273,13 +284,14 @@ def main(argv=None) -> int:
     report.plot(final, target, args.budget, png,
                 f"byte-level GPT on the {CLUSTER} cluster (EMULATED devices), best LR per system, mean and range over "
                 f"{len(seeds)} seeds")
-    raw = {"args": {k: str(v) for k, v in vars(args).items()}, "header": header, "corpus": about,
+    raw = {"args": {k: shown(v) if isinstance(v, Path) else str(v) for k, v in vars(args).items()},
+           "header": header, "corpus": about,
            "task": task.to_dict(), "device_model": dataclasses.asdict(dm), "plan": json.loads(plan.to_json()),
            "target": target, "best_lr": best, "summary": rows, "runs": runs, "failed": failed,
            "load_start": load0, "load_end": load1, "predicted_hetpipe_samples_per_s":
                {s["key"]: s.get("predicted") for s in syss}}
     (args.out / f"convergence-{stamp}.json").write_text(json.dumps(raw, indent=1))
-    print(f"figure: {png}\nraw results: {args.out / f'convergence-{stamp}.json'}")
+    print(f"figure: {shown(png)}\nraw results: {shown(args.out / f'convergence-{stamp}.json')}")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if failed else 0

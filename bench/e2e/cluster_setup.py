@@ -28,13 +28,16 @@ def make_device_model(spec: ModelSpec) -> Tuple[DeviceModel, ModelProfile, Any]:
 
 
 def profile_device_model(layers: Sequence[Any], x: Any, loss: Callable[[Any], Any], name: str,
-                         optimizer_factor: float = 1.0, trials: int = 1) -> Tuple[DeviceModel, ModelProfile, Any]:
+                         optimizer_factor: float = 1.0, trials: int = 1,
+                         slowdown: float = 1.0) -> Tuple[DeviceModel, ModelProfile, Any]:
     """Profile ``layers`` on one minibatch ``x`` (``loss(output)`` drives the backward) on this host, one
     thread, on the ``CLUSTER`` preset: (device model, the hetpipe profile it came from, the cluster spec).
 
     ``trials`` > 1 profiles that many times and keeps each layer's fastest forward and backward: on a
     host shared with other work, a layer whose time was inflated by preemption in one profile is not
-    emulated at that inflated time."""
+    emulated at that inflated time. ``slowdown`` multiplies every time (profile and device model alike):
+    emulated devices that much slower than the preset's speeds, leaving the host room for the real
+    work of every rank when other work loads it."""
     import torch
     from torch import nn
 
@@ -43,17 +46,19 @@ def profile_device_model(layers: Sequence[Any], x: Any, loss: Callable[[Any], An
     profs = [profile_model(nn.Sequential(*layers), x, cluster, loss_fn=loss, optimizer_factor=optimizer_factor,
                            name=name) for _ in range(trials)]
     prof = dataclasses.replace(profs[0], layers=tuple(
-        dataclasses.replace(l, fwd_time={t: min(p.layers[i].fwd_time[t] for p in profs) for t in l.fwd_time},
-                            bwd_time={t: min(p.layers[i].bwd_time[t] for p in profs) for t in l.bwd_time})
+        dataclasses.replace(l, fwd_time={t: slowdown * min(p.layers[i].fwd_time[t] for p in profs) for t in l.fwd_time},
+                            bwd_time={t: slowdown * min(p.layers[i].bwd_time[t] for p in profs) for t in l.bwd_time})
         for i, l in enumerate(profs[0].layers)))
     types = sorted(cluster.device_types)
     ref = types[0]
     speed = cluster.device_types[ref].speed
     how = f"fastest of {trials} profiles per layer, " if trials > 1 else ""
+    how += f"times x {slowdown:g}, " if slowdown != 1 else ""
     dm = DeviceModel(devices=[(d.id, d.type) for d in cluster.devices], minibatch=prof.minibatch_size,
                      fwd={t: prof.fwd(t) for t in types}, bwd={t: prof.bwd(t) for t in types},
                      source=f"hetpipe.profile.profile_model on this host, {how}cluster preset {CLUSTER}",
-                     host_fwd=[v * speed for v in prof.fwd(ref)], host_bwd=[v * speed for v in prof.bwd(ref)])
+                     host_fwd=[v * speed / slowdown for v in prof.fwd(ref)],
+                     host_bwd=[v * speed / slowdown for v in prof.bwd(ref)])
     return dm, prof, cluster
 
 
