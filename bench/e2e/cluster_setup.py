@@ -1,14 +1,15 @@
 """The cluster, device model and plan of a run, from hetpipe's own cluster preset, profiler and planner.
 
-``make_device_model`` profiles the benchmark model on this host with ``hetpipe.profile.profile_model``
-on the ``cpu-emulated-6`` preset (types derived by speed ratio) and turns it into the
-``DeviceModel`` every system pads to. ``make_plan`` calls ``hetpipe.plan.make_plan`` on that same
+``make_device_model`` (the MLP) and ``profile_device_model`` (any list of layers) profile a model on
+this host with ``hetpipe.profile.profile_model`` on the ``cpu-emulated-6`` preset (types derived by
+speed ratio) and turn it into the ``DeviceModel`` every system pads to. ``make_plan`` calls ``hetpipe.plan.make_plan`` on that same
 profile. Labels name each source.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+import dataclasses
+from typing import Any, Callable, Dict, Sequence, Tuple
 
 from devices import DeviceModel
 from hetpipe.cluster import load_cluster
@@ -21,22 +22,43 @@ CLUSTER = "cpu-emulated-6"
 
 
 def make_device_model(spec: ModelSpec) -> Tuple[DeviceModel, ModelProfile, Any]:
-    """(device model, the hetpipe profile it came from, the cluster spec)."""
+    """(device model, the hetpipe profile it came from, the cluster spec) of the benchmark MLP."""
+    x, y = synthetic_batches(spec, 1, spec.minibatch)[0]
+    return profile_device_model(build_layers(spec), x, lambda out: loss_fn(out, y), f"mlp{spec.depth}x{spec.width}")
+
+
+def profile_device_model(layers: Sequence[Any], x: Any, loss: Callable[[Any], Any], name: str,
+                         optimizer_factor: float = 1.0, trials: int = 1,
+                         slowdown: float = 1.0) -> Tuple[DeviceModel, ModelProfile, Any]:
+    """Profile ``layers`` on one minibatch ``x`` (``loss(output)`` drives the backward) on this host, one
+    thread, on the ``CLUSTER`` preset: (device model, the hetpipe profile it came from, the cluster spec).
+
+    ``trials`` > 1 profiles that many times and keeps each layer's fastest forward and backward: on a
+    host shared with other work, a layer whose time was inflated by preemption in one profile is not
+    emulated at that inflated time. ``slowdown`` multiplies every time (profile and device model alike):
+    emulated devices that much slower than the preset's speeds, leaving the host room for the real
+    work of every rank when other work loads it."""
     import torch
     from torch import nn
 
     torch.set_num_threads(1)
     cluster = load_cluster(CLUSTER)
-    x, y = synthetic_batches(spec, 1, spec.minibatch)[0]
-    prof = profile_model(nn.Sequential(*build_layers(spec)), x, cluster, loss_fn=lambda out: loss_fn(out, y),
-                         name=f"mlp{spec.depth}x{spec.width}")
+    profs = [profile_model(nn.Sequential(*layers), x, cluster, loss_fn=loss, optimizer_factor=optimizer_factor,
+                           name=name) for _ in range(trials)]
+    prof = dataclasses.replace(profs[0], layers=tuple(
+        dataclasses.replace(l, fwd_time={t: slowdown * min(p.layers[i].fwd_time[t] for p in profs) for t in l.fwd_time},
+                            bwd_time={t: slowdown * min(p.layers[i].bwd_time[t] for p in profs) for t in l.bwd_time})
+        for i, l in enumerate(profs[0].layers)))
     types = sorted(cluster.device_types)
     ref = types[0]
     speed = cluster.device_types[ref].speed
+    how = f"fastest of {trials} profiles per layer, " if trials > 1 else ""
+    how += f"times x {slowdown:g}, " if slowdown != 1 else ""
     dm = DeviceModel(devices=[(d.id, d.type) for d in cluster.devices], minibatch=prof.minibatch_size,
                      fwd={t: prof.fwd(t) for t in types}, bwd={t: prof.bwd(t) for t in types},
-                     source=f"hetpipe.profile.profile_model on this host, cluster preset {CLUSTER}",
-                     host_fwd=[v * speed for v in prof.fwd(ref)], host_bwd=[v * speed for v in prof.bwd(ref)])
+                     source=f"hetpipe.profile.profile_model on this host, {how}cluster preset {CLUSTER}",
+                     host_fwd=[v * speed / slowdown for v in prof.fwd(ref)],
+                     host_bwd=[v * speed / slowdown for v in prof.bwd(ref)])
     return dm, prof, cluster
 
 

@@ -7,6 +7,9 @@ Contract: the forward of the wrapped module takes at least ``fwd_s`` seconds of 
 backward (from the moment the gradient of its output arrives to the moment the gradient of its
 input leaves) at least ``bwd_s``. Parameter gradients are produced inside that window, before the
 backward padding, so gradient hooks (DDP's all-reduce buckets) fire while the device "still computes".
+A module whose input is not floating point (token ids into an embedding) has no input gradient: its
+backward window ends when the gradients of all its parameters are computed, and is padded there,
+before they are accumulated (and before DDP's hooks see them).
 Time is set per call: ``set_times`` lets a trainer change the target when the batch share changes.
 """
 
@@ -65,6 +68,7 @@ class Emulated(nn.Module):
         self.set_times(fwd_s, bwd_s)
         self._anchor = torch.zeros((), requires_grad=True)   # not a Parameter: DDP never sees it
         self._bwd_started = 0.0
+        self._param_hook = None      # integer inputs: the hook padding the backward (registered once)
 
     def set_times(self, fwd_s: float, bwd_s: float) -> None:
         if fwd_s < 0 or bwd_s < 0:
@@ -74,7 +78,15 @@ class Emulated(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         if torch.is_grad_enabled():
-            x = _BackwardEnd.apply(x, self._anchor, self)
+            if x.is_floating_point():
+                x = _BackwardEnd.apply(x, self._anchor, self)
+            elif self._param_hook is None:
+                params = [p for p in self.inner.parameters() if p.requires_grad]
+                if not params:
+                    raise ValueError("Emulated: a module with integer inputs and no trainable parameters has no "
+                                     "backward to pad")
+                self._param_hook = torch.autograd.graph.register_multi_grad_hook(
+                    params, lambda grads: self.clock.pad(self._bwd_started, self.bwd_s), mode="all")
         y = self.inner(x)
         if torch.is_grad_enabled():
             y = _BackwardStart.apply(y, self)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Union
 
 HERE = Path(__file__).resolve().parent
 
@@ -19,17 +19,20 @@ def mpiexec_path() -> str:
     return str(local) if local.exists() else "mpiexec"
 
 
-def run_worker(script: str, ranks: Optional[int], cfg: Path, out: Path, timeout_s: float,
+def run_worker(script: Union[str, Path], ranks: Optional[int], cfg: Path, out: Path, timeout_s: float,
                args: List[str] = ()) -> dict:
-    """Run ``script`` (a file in this folder) on ``ranks`` MPI ranks (None: one plain process).
+    """Run ``script`` (a file name in this folder, or a path) on ``ranks`` MPI ranks (None: one plain process).
 
-    Returns the result dict rank 0 wrote, with ``elapsed_s`` (the whole launch) added. Raises
-    RuntimeError with the worker's output tail if it fails or times out.
+    The worker imports from this folder and from its own. Returns the result dict rank 0 wrote, with
+    ``elapsed_s`` (the whole launch) added. Raises RuntimeError with the worker's output tail if it
+    fails or times out.
     """
-    cmd = [sys.executable, str(HERE / script), str(cfg), str(out), *args]
+    path = Path(script) if Path(script).is_absolute() else HERE / script
+    cmd = [sys.executable, str(path), str(cfg), str(out), *args]
     if ranks is not None:
         cmd = [mpiexec_path(), "-n", str(ranks), *cmd]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    paths = dict.fromkeys([str(path.parent), str(HERE), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(paths))
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)

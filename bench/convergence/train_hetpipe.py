@@ -1,0 +1,112 @@
+"""hetpipe: the planned Plan under WSP (staleness D, the job's aggregation rule), emulated devices.
+
+Started as ``mpiexec -n <plan ranks> python train_hetpipe.py job.json result.json``. The model of a
+HetPipe run is the parameter servers' global weights ``W_g``; each PS shard records its layers of
+``W_g`` right after it applies a wave ``g`` that is a multiple of ``job.snapshot_waves`` (and the
+last wave), with the time, through a ``ShardServer`` subclass installed in this process only (the
+runtime's behaviour is unchanged; the copy is a few hundred microseconds on the shard rank, which
+idles between pushes). Rank 0 joins the shards' snapshots by wave. The run is a fixed number of
+minibatches (``job.minibatches``), sized by the entry to outlast the time budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+from mpi4py import MPI
+
+import hetpipe.runtime.build as runtime_build
+import hetpipe_worker as e2e
+import snapshots
+from config import write_result
+from hetpipe.launch.roles import role_of
+from hetpipe.plan.types import Plan
+from hetpipe.runtime.ps import ShardServer
+from hetpipe.runtime.trainer import Trainer
+from job import Job, load_jobs
+from task import MinibatchStream, build_layers, corpus, loss_fn, optimizer
+
+
+class RecordingServer(ShardServer):
+    """The runtime's ShardServer, recording ``W_g`` of its layers at the waves the job asks for."""
+
+    instances: List["RecordingServer"] = []
+    every = 1
+    last_wave = 0
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.snaps: Dict[int, snapshots.Snapshot] = {0: (0.0, self._copy())}
+        RecordingServer.instances.append(self)
+
+    def _copy(self) -> Dict[int, "object"]:
+        return {l: w.copy() for l, w in self.state.W.items()}
+
+    def step(self) -> bool:
+        progressed = super().step()
+        g = self.state.applied
+        if g not in self.snaps and (g % self.every == 0 or g == self.last_wave):
+            self.snaps[g] = (time.perf_counter() - self.t0, self._copy())
+        return progressed
+
+
+def train(job: Job, comm, rank: int) -> Optional[dict]:
+    """One run; returns its result on rank 0 (None elsewhere) after writing its snapshots."""
+    e2e.RecordingClock.instances.clear()
+    RecordingServer.instances.clear()
+    plan = dataclasses.replace(Plan.load(job.plan), d=job.d)
+    nvw = len(plan.virtual_workers)
+    RecordingServer.every = job.snapshot_waves
+    RecordingServer.last_wave = math.ceil(job.minibatches // nvw / plan.nm)
+    text, _, _ = corpus(job.task)
+    data = MinibatchStream(text, job.task, job.seed, count=job.minibatches)
+    extra = {}
+    if "aggregate" in inspect.signature(Trainer).parameters:
+        extra["aggregate"] = job.aggregate
+    elif job.aggregate != "sum":
+        raise SystemExit(f"hetpipe: this Trainer has no aggregate option (asked for {job.aggregate!r})")
+    result = Trainer(build_layers(job.task, job.seed), loss_fn, lambda p: optimizer(p, job.lr), data, plan=plan,
+                     emulate=True, progress=False, timeout=job.timeout_s, **extra).fit()
+    clocks = e2e.RecordingClock.instances
+    role = role_of(plan, rank)
+    mine = {"rank": rank, "role": result.role, "elapsed_s": result.elapsed_s,
+            "pad_frac": sum(c.padded_s for c in clocks) / result.elapsed_s,
+            "overrun_s": sum(c.overrun_s for c in clocks),
+            "snapshots": RecordingServer.instances[-1].snaps if role.kind == "ps" else None}
+    if role.kind == "stage":
+        st = plan.virtual_workers[role.vw].stages[role.stage]
+        mine.update(device=st.device, type=st.device_type, layers=[st.start, st.stop])
+    else:
+        mine.update(device=f"ps{role.shard}", type="host (PS)")
+    ranks = comm.gather(mine, root=0)
+    if rank != 0:
+        return None
+    snapshots.save(job.snapshots, snapshots.merge(r.pop("snapshots") for r in ranks if r["snapshots"] is not None))
+    for r in ranks:
+        r.pop("snapshots", None)
+    return {"system": f"hetpipe D={plan.d} {job.aggregate}", "samples": result.samples,
+            "wall_s": result.elapsed_s, "ranks": ranks, "emulated": result.emulated,
+            "train_loss_last": result.final_loss(),
+            "note": f"{nvw} VWs x {[len(v.stages) for v in plan.virtual_workers]} stages, "
+                    f"Nm={plan.nm}, {len(plan.ps_shards)} PS, aggregate {job.aggregate}"}
+
+
+def main(jobs_path: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    runtime_build.EmulatedClock = e2e.RecordingClock
+    runtime_build.ShardServer = RecordingServer
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    runs = [train(job, comm, rank) for job in load_jobs(jobs_path)]
+    if rank == 0:
+        write_result(out_path, {"runs": runs})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

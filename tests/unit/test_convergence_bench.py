@@ -1,0 +1,110 @@
+"""bench/convergence's task and bookkeeping: corpus split, minibatch stream, causal model, snapshots, curves."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path[:0] = [str(BENCH / "convergence"), str(BENCH / "e2e")]
+
+import snapshots  # noqa: E402
+from curves import loss_at, time_to_target  # noqa: E402
+from emulate import Emulated  # noqa: E402
+from hetpipe.runtime.emulation import EmulatedClock  # noqa: E402
+from task import (Embed, MinibatchStream, TaskSpec, build_layers, corpus, evaluate, loss_fn, stdlib_files,  # noqa: E402
+                  validation_set)
+
+SMALL = TaskSpec(context=16, width=16, heads=2, blocks=2, minibatch=4, train_bytes=1 << 18, val_windows=8)
+
+
+def test_corpus_holds_out_whole_files_and_is_deterministic():
+    tr, va, about = corpus(SMALL)
+    files = stdlib_files()
+    held = [f.read_bytes() for k, f in enumerate(files) if k % SMALL.val_every == SMALL.val_every - 1]
+    assert va.tobytes() == b"".join(held)
+    # No held-out file's text is in the training text (checked on a long slice of each).
+    train = tr.tobytes()
+    for text in held:
+        if len(text) > 400:
+            assert text[100:400] not in train
+    tr2, va2, _ = corpus(SMALL)
+    assert np.array_equal(tr, tr2) and np.array_equal(va, va2)
+    assert about["train_bytes"] == len(tr) == SMALL.train_bytes
+
+
+def test_minibatches_are_next_byte_windows_of_the_text_fixed_by_seed_and_index():
+    tr, va, _ = corpus(SMALL)
+    s = MinibatchStream(tr, SMALL, seed=3, count=5)
+    x, y = s[2]
+    assert x.shape == y.shape == (SMALL.minibatch, SMALL.context) and x.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    text = tr.tobytes()
+    for row_x, row_y in zip(x, y):
+        window = bytes(row_x.tolist()) + bytes(row_y[-1:].tolist())
+        assert window in text
+    assert torch.equal(s[2][0], MinibatchStream(tr, SMALL, seed=3, count=9)[2][0])
+    assert not torch.equal(s[2][0], MinibatchStream(tr, SMALL, seed=4, count=5)[2][0])
+    cx, cy = s.concat(1, 3)
+    assert torch.equal(cx, torch.cat([s[1][0], s[2][0], s[3][0]])) and torch.equal(cy[4:8], s[2][1])
+    assert len(list(s)) == 5
+    vx, vy = validation_set(va, SMALL)
+    assert bytes(vx[1].tolist()) == va[SMALL.context:2 * SMALL.context].tobytes()
+
+
+def test_model_is_causal_and_identical_per_seed():
+    layers = build_layers(SMALL, seed=7)
+    model = torch.nn.Sequential(*layers)
+    x = torch.randint(0, 256, (2, SMALL.context))
+    x2 = x.clone()
+    x2[:, 9] = (x2[:, 9] + 1) % 256
+    with torch.no_grad():
+        a, b = model(x), model(x2)
+    assert torch.equal(a[:, :9], b[:, :9])
+    assert not torch.allclose(a[:, 9:], b[:, 9:])
+    again = build_layers(SMALL, seed=7)
+    assert all(torch.equal(p, q) for l, m in zip(layers, again) for p, q in zip(l.parameters(), m.parameters()))
+    assert not torch.equal(layers[1].qkv.weight, build_layers(SMALL, seed=8)[1].qkv.weight)
+    # evaluate() is the mean cross-entropy over every position, as loss_fn computes it on the whole set.
+    y = torch.randint(0, 256, x.shape)
+    with torch.no_grad():
+        assert evaluate(layers, x, y, chunk=1) == pytest.approx(float(loss_fn(model(x), y)), rel=1e-5)
+
+
+def test_emulated_pads_the_backward_of_a_module_fed_token_ids():
+    clock = EmulatedClock(1.0)
+    emb = Emulated(Embed(SMALL), 0.0, 0.15, clock)
+    x = torch.randint(0, 256, (2, SMALL.context))
+    for _ in range(2):      # the hook is registered once and pads every backward
+        out = emb(x).sum()
+        t0 = time.perf_counter()
+        out.backward()
+        assert time.perf_counter() - t0 >= 0.15
+    assert emb.inner.tok.weight.grad is not None
+
+
+def test_snapshots_round_trip_and_join_parts_at_the_latest_time(tmp_path):
+    a = {0: (0.0, {0: np.arange(3, dtype=np.float32)}), 1: (1.5, {0: np.ones(3, np.float32)}),
+         2: (3.0, {0: np.zeros(3, np.float32)})}
+    b = {0: (0.0, {1: np.full(2, 7, np.float32)}), 1: (1.75, {1: np.full(2, 8, np.float32)})}
+    joined = snapshots.merge([a, b])
+    assert [t for t, _ in joined] == [0.0, 1.75]          # index 2 is missing from b: dropped
+    snapshots.save(tmp_path / "s.npz", joined)
+    back = snapshots.load(tmp_path / "s.npz")
+    assert [t for t, _ in back] == [0.0, 1.75]
+    assert np.array_equal(back[1][1][0], np.ones(3)) and np.array_equal(back[1][1][1], np.full(2, 8))
+
+
+def test_time_to_target_and_loss_at_budget_interpolate_linearly():
+    curve = [(0.0, 5.0), (2.0, 3.0), (4.0, 2.0), (6.0, 2.5)]
+    assert time_to_target(curve, 4.0) == pytest.approx(1.0)
+    assert time_to_target(curve, 2.5) == pytest.approx(3.0)
+    assert time_to_target(curve, 5.5) == 0.0
+    assert time_to_target(curve, 1.9) is None
+    assert loss_at(curve, 5.0) == pytest.approx(2.25)
+    assert loss_at(curve, 9.0) == 2.5                     # ended before the budget: its last value
