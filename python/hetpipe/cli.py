@@ -1,6 +1,7 @@
-"""Command line: `hetpipe plan | simulate | demo | launch`."""
+"""Command line: `hetpipe plan | simulate | reproduce | demo | launch`."""
 
 import argparse
+import math
 import sys
 
 
@@ -10,6 +11,7 @@ def main(argv=None) -> int:
     sub.add_parser("info", help="what the compiled core contains")
     _add_plan_command(sub)
     _add_simulate_command(sub)
+    _add_reproduce_command(sub)
     _add_demo_command(sub)
     _add_launch_command(sub)
     args = parser.parse_args(argv)
@@ -17,6 +19,8 @@ def main(argv=None) -> int:
         return _run_plan(args)
     if args.command == "simulate":
         return _run_simulate(args)
+    if args.command == "reproduce":
+        return _run_reproduce(args)
     if args.command == "demo":
         return _run_demo(args)
     if args.command == "launch":
@@ -42,8 +46,15 @@ def _add_plan_command(sub) -> None:
 
 def _run_plan(args) -> int:
     from hetpipe.cluster import load_cluster
+    from hetpipe.outputs import OutputError, check_file, write_file
     from hetpipe.plan import format_plan, make_plan
 
+    try:
+        if args.output:
+            check_file("-o", args.output)
+    except OutputError as e:
+        print(f"hetpipe plan: {e}", file=sys.stderr)
+        return 2
     try:
         cluster = load_cluster(args.cluster)
         plan = make_plan(cluster, args.profile, policy=args.policy, nm=args.nm, d=args.d,
@@ -53,7 +64,11 @@ def _run_plan(args) -> int:
         return 2
     print(format_plan(plan, cluster))
     if args.output:
-        plan.save(args.output)
+        try:
+            write_file("-o", args.output, plan.save)
+        except OutputError as e:
+            print(f"hetpipe plan: {e}", file=sys.stderr)
+            return 2
         print(f"plan: {args.output}")
     return 0
 
@@ -61,37 +76,122 @@ def _run_plan(args) -> int:
 def _add_simulate_command(sub) -> None:
     p = sub.add_parser("simulate", help="simulate a plan's schedules under WSP; print per-stage utilisation")
     p.add_argument("--plan", required=True, help="plan JSON file (hetpipe plan writes one)")
-    p.add_argument("--waves", type=int, default=10, help="waves per virtual worker (default 10)")
-    p.add_argument("--push", type=float, default=0.0, help="seconds per stage to push one wave to the PS")
-    p.add_argument("--pull", type=float, default=0.0, help="seconds per stage to pull the global weights")
+    p.add_argument("--waves", default="10", help="waves per virtual worker (default 10)")
+    p.add_argument("--cluster", help="cluster preset or JSON file of the plan, for the PS model "
+                                     "(default: the plan's cluster, if it is a preset)")
+    p.add_argument("--profile", help="model profile preset or JSON file of the plan, for the PS model "
+                                     "(default: the plan's profile, if it is a preset)")
+    p.add_argument("--ps-apply-rate", default=None,
+                   help="bytes/s a PS shard applies pushed deltas at (default 4e9; bench/core_apply.py measures it)")
+    p.add_argument("--push", default="0", help="extra fixed seconds per stage and wave to push to the PS")
+    p.add_argument("--pull", default="0", help="extra fixed seconds per stage and wave to pull the global weights")
     p.add_argument("--trace", help="write the timeline as Chrome trace JSON to this file")
     p.add_argument("--png", help="write a Gantt chart PNG to this file (needs matplotlib)")
 
 
+def _number(flag: str, text: str, *, integer: bool = False, positive: bool = False) -> float:
+    """``text`` as a finite number >= 0 (> 0 with ``positive``; a whole number with ``integer``,
+    ``1e3`` included), else ValueError naming ``flag``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{flag} must be a number, got {text!r}") from None
+    kind = "a whole number" if integer else "a finite number"
+    if not math.isfinite(value) or value < 0 or (positive and value == 0) or (integer and value != int(value)):
+        raise ValueError(f"{flag} must be {kind} {'> 0' if positive else '>= 0'}, got {text!r}")
+    return int(value) if integer else value
+
+
+def _ps_model(args, plan):
+    """``(cluster, param_bytes)`` for the PS model, from the flags or the plan's presets; None if neither."""
+    from hetpipe.cluster import load_cluster, presets
+    from hetpipe.profile import load_profile
+
+    cluster_name = args.cluster or plan.meta.get("cluster")
+    profile_name = args.profile or plan.meta.get("profile")
+    if args.cluster is None and cluster_name not in presets():
+        return None
+    if not profile_name:
+        return None
+    try:
+        profile = load_profile(profile_name)
+    except ValueError:
+        if args.profile:
+            raise
+        return None
+    return load_cluster(cluster_name), [float(layer.param_bytes) for layer in profile.layers]
+
+
 def _run_simulate(args) -> int:
+    from hetpipe.outputs import OutputError, check_file, write_file
     from hetpipe.plan.types import Plan
     from hetpipe.schedule import save_gantt, simulate_plan
+    from hetpipe.schedule.ps import DEFAULT_APPLY_RATE
+    from hetpipe.schedule.simulate import check_waves
     from hetpipe.schedule.trace import write_chrome_trace
 
     try:
+        for flag, path in (("--trace", args.trace), ("--png", args.png)):
+            if path:
+                check_file(flag, path)
+        waves = _number("--waves", args.waves, integer=True, positive=True)
+        push, pull = _number("--push", args.push), _number("--pull", args.pull)
+        rate = DEFAULT_APPLY_RATE if args.ps_apply_rate is None else _number(
+            "--ps-apply-rate", args.ps_apply_rate, positive=True)
         plan = Plan.load(args.plan)
-        result = simulate_plan(plan, waves=args.waves, push=args.push, pull=args.pull)
-    except ValueError as e:
+        check_waves(plan, waves, "--waves")
+        ps = _ps_model(args, plan)
+        result = simulate_plan(plan, waves=waves, push=push, pull=pull, apply_rate=rate,
+                               cluster=None if ps is None else ps[0], param_bytes=None if ps is None else ps[1])
+    except (ValueError, OutputError) as e:
         print(f"hetpipe simulate: {e}", file=sys.stderr)
         return 2
     print(result.table())
+    if ps is None:
+        print("PS shards: not modelled (they serve at once); pass --cluster and --profile to model them")
+    else:
+        print(f"PS shards: modelled as resources (apply {rate:g} B/s)")
     if plan.throughput:
         print(f"planner cost model: {plan.throughput:.3f} minibatches/s")
-    if args.trace:
-        write_chrome_trace(result.timeline, args.trace)
-        print(f"trace: {args.trace}")
-    if args.png:
-        try:
-            save_gantt(result, args.png)
-        except RuntimeError as e:
-            print(f"hetpipe simulate: {e}", file=sys.stderr)
-            return 2
-        print(f"gantt: {args.png}")
+    try:
+        if args.trace:
+            write_file("--trace", args.trace, lambda p: write_chrome_trace(result.timeline, p))
+            print(f"trace: {args.trace}")
+        if args.png:
+            write_file("--png", args.png, lambda p: save_gantt(result, p))
+            print(f"gantt: {args.png}")
+    except (RuntimeError, OutputError) as e:
+        print(f"hetpipe simulate: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_reproduce_command(sub) -> None:
+    p = sub.add_parser("reproduce", help="HetPipe's NP/ED/HD and staleness findings on hetpipe-testbed, as the "
+                                         "simulator predicts them with the PS modelled")
+    p.add_argument("--models", default="resnet152,vgg19", help="profile presets (default resnet152,vgg19)")
+    p.add_argument("--nm", default="2,4,8", help="Nm values (default 2,4,8)")
+    p.add_argument("--d", default="0,1,2,4,32", help="D values (default 0,1,2,4,32)")
+    p.add_argument("--waves", default="40", help="waves per VW per simulation (default 40)")
+    p.add_argument("--ps-apply-rate", default=None, help="bytes/s a PS shard applies pushed deltas at (default 4e9)")
+
+
+def _run_reproduce(args) -> int:
+    from hetpipe import reproduce
+    from hetpipe.schedule.ps import DEFAULT_APPLY_RATE
+
+    try:
+        models = [m for m in args.models.split(",") if m]
+        nms = [_number("--nm", x, integer=True, positive=True) for x in args.nm.split(",")]
+        ds = [_number("--d", x, integer=True) for x in args.d.split(",")]
+        waves = _number("--waves", args.waves, integer=True, positive=True)
+        rate = DEFAULT_APPLY_RATE if args.ps_apply_rate is None else _number(
+            "--ps-apply-rate", args.ps_apply_rate, positive=True)
+        points = reproduce.run(models, nms, ds, waves, rate)
+    except ValueError as e:
+        print(f"hetpipe reproduce: {e}", file=sys.stderr)
+        return 2
+    print(reproduce.report(points, ds, waves, rate))
     return 0
 
 
@@ -136,17 +236,24 @@ def _add_demo_command(sub) -> None:
 
 
 def _run_demo(args) -> int:
-    from pathlib import Path
+    from hetpipe.outputs import OutputError, check_dir, write_file
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out = check_dir("--out", args.out)
+    except OutputError as e:
+        print(f"hetpipe demo: {e}", file=sys.stderr)
+        return 2
     plan_path = out / "plan.json"
     try:
         plan = _demo_plan(args)
     except (ImportError, ValueError) as e:
         print(f"hetpipe demo: planning failed: {e}", file=sys.stderr)
         return 2
-    plan.save(plan_path)
+    try:
+        write_file("--out", plan_path, plan.save)
+    except OutputError as e:
+        print(f"hetpipe demo: {e}", file=sys.stderr)
+        return 2
     from hetpipe.launch.mpi import MPIUnavailable, launch
 
     print(f"launching {plan.num_ranks} ranks ({plan.num_stage_ranks} stages, {len(plan.ps_shards)} PS shard(s))")

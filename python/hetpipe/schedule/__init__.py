@@ -15,6 +15,7 @@ from hetpipe.schedule.replay import Replay, replay  # noqa: F401
 from hetpipe.schedule.grid import format_grid, format_replay  # noqa: F401
 from hetpipe.schedule.validate import ScheduleError, validate  # noqa: F401
 from hetpipe.schedule.buffers import buffer_counts  # noqa: F401
+from hetpipe.schedule.ps import DEFAULT_APPLY_RATE, ShardStats, ShardTraffic, plan_traffic  # noqa: F401
 from hetpipe.schedule.simulate import (  # noqa: F401
     SimResult, StageStats, VWCosts, simulate, simulate_plan, vw_costs,
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
-from hetpipe.schedule.trace import TraceEvent
+from hetpipe.schedule.trace import PS_VW, TraceEvent
 
 
 def _pyplot():
@@ -30,7 +30,7 @@ def save_gantt(result_or_events: Union["object", Iterable[TraceEvent]], path: Un
     Raises RuntimeError if matplotlib is missing."""
     plt = _pyplot()
     events = getattr(result_or_events, "timeline", result_or_events)
-    rows = sorted({(e.vw, e.stage) for e in events})[:max_rows]
+    rows = sorted({(e.vw, e.stage) for e in events}, key=lambda r: (r[0] == PS_VW, r))[:max_rows]
     row_of = {r: i for i, r in enumerate(rows)}
     cmap = plt.get_cmap("tab20")
     fig, ax = plt.subplots(figsize=(14, 0.35 * len(rows) + 1.5))
@@ -40,7 +40,7 @@ def save_gantt(result_or_events: Union["object", Iterable[TraceEvent]], path: Un
             continue
         if e.kind == "WAIT":
             ax.barh(y, e.dur_s, left=e.start_s, height=0.8, color="red", alpha=0.6)
-        elif e.kind == "PULL":
+        elif e.kind == "PULL" or e.vw == PS_VW:
             ax.barh(y, e.dur_s, left=e.start_s, height=0.8, color="black")
         else:
             colour = cmap(e.mb % 20)
@@ -48,10 +48,12 @@ def save_gantt(result_or_events: Union["object", Iterable[TraceEvent]], path: Un
             ax.barh(y, e.dur_s, left=e.start_s, height=height, color=colour, edgecolor="black", linewidth=0.3,
                     hatch="//" if e.kind in ("B", "R") else None)
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([f"VW {v} stage {s}" for v, s in rows])
+    ax.set_yticklabels([f"PS shard {s}" if v == PS_VW else f"VW {v} stage {s}" for v, s in rows])
     ax.invert_yaxis()
     ax.set_xlabel("time (s)")
-    ax.set_title(title or "schedule timeline (solid: forward, hatched: backward, red: WSP wait, black: pull)")
+    ax.set_title(title or "schedule timeline (solid: forward, hatched: backward, red: WSP wait, black: pull, PS busy)")
     fig.tight_layout()
-    fig.savefig(str(path), dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(str(path), dpi=100)
+    finally:
+        plt.close(fig)

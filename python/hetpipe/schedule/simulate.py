@@ -8,11 +8,14 @@ Time model, per VW (each stage runs its stream in order, one instruction at a ti
   ``s -> s+1`` for the boundary's transfer time, starting when both the message and the link are
   free (one transfer at a time per direction), and arrives ``latency_s`` after the end of that.
   ``SendGrad`` likewise on ``s -> s-1``. ``RecvAct``/``RecvGrad`` wait for the arrival.
-- ``Push(c)`` does not block the stage: the transfer to the PS takes the stage's push time on the
-  stage's own PS link (one push at a time). The global clock reaches ``c + 1`` when every VW that
-  has a wave ``c`` has finished pushing it from all its stages.
-- ``Pull(w)`` waits until the global clock is ``>= w - d`` (the WSP wait), then takes the stage's
-  pull time.
+- ``Push(c)`` does not block the stage: the transfer to the PS takes the stage's fixed push time
+  (if any) on the stage's own PS link (one push at a time), then the stage's traffic with each
+  parameter-server shard it talks to (``VWCosts.ps``) queues at that shard: the shard receives, then
+  applies it, one push at a time each (:mod:`hetpipe.schedule.ps`). The global clock reaches
+  ``c + 1`` when every VW that has a wave ``c`` has finished pushing it from all its stages.
+- ``Pull(w)`` waits until the global clock is ``>= w - d`` and every shard the stage talks to has
+  applied wave ``w - d - 1`` from every VW (the WSP wait), then takes the stage's fixed pull time
+  plus its pull from each shard, queued at the shard's link back.
 
 Everything is deterministic. The engine plays instructions in the replay order of
 :mod:`hetpipe.schedule.replay` (a topological order of each schedule's dependencies), vectorised over
@@ -21,6 +24,7 @@ the VWs that share a schedule, and merges VWs with different schedules at Pull b
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -31,8 +35,9 @@ from hetpipe.schedule.generators import hetpipe_schedule
 from hetpipe.schedule.ir import (
     Apply, Bwd, Fwd, Pull, Push, Recompute, RecvAct, RecvGrad, Schedule, SendAct, SendGrad,
 )
+from hetpipe.schedule.ps import DEFAULT_APPLY_RATE, Shards, ShardStats, ShardTraffic, StageTraffic, plan_traffic
 from hetpipe.schedule.replay import replay
-from hetpipe.schedule.trace import TraceEvent
+from hetpipe.schedule.trace import PS_VW, TraceEvent
 from hetpipe.schedule.validate import ScheduleError, validate
 
 PerStage = Union[float, Sequence[float]]
@@ -45,6 +50,7 @@ class VWCosts:
     ``fwd``/``bwd``/``recompute``/``apply``/``push``/``pull`` have one entry per stage (per minibatch
     or per wave). ``act_s[b]``/``grad_s[b]`` are how long one activation / gradient occupies the link
     across boundary ``b`` (between stages ``b`` and ``b + 1``) and ``latency_s[b]`` the link's latency.
+    ``ps[s]`` is stage ``s``'s traffic with the PS shards per wave (empty: the PS serves at once).
     Build one with :func:`vw_costs`.
     """
 
@@ -57,39 +63,54 @@ class VWCosts:
     latency_s: Tuple[float, ...]
     push: Tuple[float, ...]
     pull: Tuple[float, ...]
+    ps: Tuple[StageTraffic, ...] = ()
 
     @property
     def num_stages(self) -> int:
         return len(self.fwd)
 
 
-def _per(name: str, value: PerStage, n: int) -> Tuple[float, ...]:
+def _per(name: str, value: PerStage, n: int, *, allow_inf: bool = False) -> Tuple[float, ...]:
+    """``value`` per stage or boundary: a scalar for all ``n``, or ``n`` numbers; each >= 0 and not
+    NaN (nor infinite unless ``allow_inf``)."""
     if isinstance(value, (int, float)):
-        return (float(value),) * n
-    out = tuple(float(v) for v in value)
-    if len(out) != n:
-        raise ValueError(f"vw_costs: {name} has {len(out)} entries, expected {n}")
-    if any(v < 0 or math.isnan(v) for v in out):
-        raise ValueError(f"vw_costs: {name} has a negative or NaN entry: {out}")
+        out = (float(value),) * n
+        shown = repr(value)
+    else:
+        out = tuple(float(v) for v in value)
+        shown = repr(out)
+        if len(out) != n:
+            raise ValueError(f"vw_costs: {name} has {len(out)} entries, expected {n}")
+    if any(not (v >= 0) or (v == math.inf and not allow_inf) for v in out):
+        raise ValueError(f"vw_costs: {name} must be {'' if allow_inf else 'finite, '}>= 0 and not NaN, got {shown}")
     return out
 
 
 def vw_costs(fwd: Sequence[float], bwd: Sequence[float], *, recompute: PerStage = 0.0, apply: PerStage = 0.0,
              act_bytes: PerStage = 0.0, bandwidth: PerStage = math.inf, latency_s: PerStage = 0.0,
-             transfer_s: Optional[PerStage] = None, push: PerStage = 0.0, pull: PerStage = 0.0) -> VWCosts:
+             transfer_s: Optional[PerStage] = None, push: PerStage = 0.0, pull: PerStage = 0.0,
+             ps: Optional[Sequence[Sequence[ShardTraffic]]] = None) -> VWCosts:
     """Costs of one VW: per-stage forward/backward seconds, and per boundary either ``transfer_s``
     (seconds per message) or ``act_bytes / bandwidth`` (bytes, bytes per second); gradients have the
-    size of the activation they belong to. Scalars apply to every stage or boundary."""
+    size of the activation they belong to. Scalars apply to every stage or boundary. ``push``/``pull``
+    are fixed seconds per stage and wave on the stage's PS link; ``ps[s]`` lists stage ``s``'s
+    :class:`ShardTraffic` (the shards as resources, see :mod:`hetpipe.schedule.ps`)."""
     k = len(fwd)
     nb = max(k - 1, 0)
+    if ps is None:
+        traffic: Tuple[StageTraffic, ...] = ((),) * k
+    else:
+        traffic = tuple(tuple(st) for st in ps)
+        if len(traffic) != k:
+            raise ValueError(f"vw_costs: ps has {len(traffic)} stages' traffic, expected {k}")
     if transfer_s is None:
-        sizes, bws = _per("act_bytes", act_bytes, nb), _per("bandwidth", bandwidth, nb)
+        sizes, bws = _per("act_bytes", act_bytes, nb), _per("bandwidth", bandwidth, nb, allow_inf=True)
         tx = tuple(0.0 if b == 0 else b / w for b, w in zip(sizes, bws))
     else:
         tx = _per("transfer_s", transfer_s, nb)
     return VWCosts(_per("fwd", fwd, k), _per("bwd", bwd, k), _per("recompute", recompute, k),
                    _per("apply", apply, k), tx, tx, _per("latency_s", latency_s, nb),
-                   _per("push", push, k), _per("pull", pull, k))
+                   _per("push", push, k), _per("pull", pull, k), traffic)
 
 
 @dataclass(frozen=True)
@@ -138,6 +159,8 @@ class SimResult:
     minibatches: List[int]
     stages: List[List[StageStats]]
     wave_done_s: List[List[float]]
+    shards: List[ShardStats] = field(default_factory=list)
+    _shard_events: List[Tuple[str, int, int, float, float]] = field(repr=False, default_factory=list)
     _groups: List[_Group] = field(repr=False, default_factory=list)
     _timeline: Optional[List[TraceEvent]] = field(repr=False, default=None)
 
@@ -183,7 +206,8 @@ class SimResult:
     @property
     def timeline(self) -> List[TraceEvent]:
         """Every compute instruction, Pull and WSP wait (``kind="WAIT"``) as a :class:`TraceEvent`,
-        ordered by VW, then stage, then start time; built on first use."""
+        ordered by VW, then stage, then start time, then the PS shards' ``PUSH`` (receive), ``APPLY``
+        and ``PULL`` (send) intervals by shard and time; built on first use."""
         if self._timeline is None:
             events: List[TraceEvent] = []
             for g in self._groups:
@@ -201,6 +225,9 @@ class SimResult:
                         events.extend(TraceEvent(vw, s, kinds[r], st_i[r], du_i[r], mbs[r], waves[r]) for r in rows
                                       if du_i[r] > 0 or kinds[r] not in ("WAIT", "PULL"))
             events.sort(key=lambda e: e.vw)
+            events.extend(TraceEvent(PS_VW, shard, kind, start, dur, wave=wave)
+                          for kind, shard, wave, start, dur in sorted(self._shard_events, key=lambda e: (e[1], e[3]))
+                          if dur > 0)
             self._timeline = events
         return self._timeline
 
@@ -211,9 +238,39 @@ class SimResult:
             for s, st in enumerate(stages):
                 lines.append(f"{v:>3} {s:>5} {st.busy_s:>10.4f} {st.idle_s:>10.4f} {st.comm_wait_s:>10.4f} "
                              f"{st.wsp_wait_s:>10.4f} {st.utilisation:>6.1%}")
+        if any(sh.recv_s or sh.apply_s or sh.send_s for sh in self.shards):
+            lines.append(f"{'shard':>5} {'recv s':>10} {'apply s':>10} {'send s':>10} {'busiest':>8}")
+            for i, sh in enumerate(self.shards):
+                top = max(sh.recv_s, sh.apply_s, sh.send_s) / self.makespan_s if self.makespan_s > 0 else 0.0
+                lines.append(f"{i:>5} {sh.recv_s:>10.4f} {sh.apply_s:>10.4f} {sh.send_s:>10.4f} {top:>8.1%}")
         lines.append(f"makespan {self.makespan_s:.4f} s, throughput {self.throughput:.3f} minibatches/s, "
                      f"bubble {self.bubble_fraction:.1%}, WSP wait {self.wsp_wait_s:.4f} s")
         return "\n".join(lines)
+
+
+# Compiled ops of the schedules simulated last, by id (the entry keeps its schedule alive, so the id
+# stays its own; schedules are immutable): sweeps that simulate one schedule under many costs replay
+# and validate it once.
+_COMPILED: Dict[int, Tuple[Schedule, bool, List[Tuple[int, int, int, int]]]] = {}
+_CACHE_SIZE = 4
+
+
+def _compiled(schedule: Schedule, check: bool) -> List[Tuple[int, int, int, int]]:
+    hit = _COMPILED.get(id(schedule))
+    if hit is not None and hit[0] is schedule and (hit[1] or not check):
+        return hit[2]
+    if check:
+        validate(schedule)
+    ops = _compile(schedule)
+    if len(_COMPILED) >= _CACHE_SIZE:
+        _COMPILED.pop(next(iter(_COMPILED)))
+    _COMPILED[id(schedule)] = (schedule, check, ops)
+    return ops
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _wsp_schedule(k: int, minibatches: int, nm: int, d: int, split: int) -> Schedule:
+    return hetpipe_schedule(k, minibatches, nm, d, split_startup=split)
 
 
 def _compile(schedule: Schedule) -> List[Tuple[int, int, int, int]]:
@@ -233,7 +290,8 @@ def simulate(schedules: Sequence[Schedule], costs: Sequence[VWCosts], *, check: 
     """Play one schedule per VW with that VW's costs under WSP (model in the module docstring).
 
     All schedules must share ``d`` (the cluster's staleness bound). ``check`` validates each distinct
-    schedule first. Returns a :class:`SimResult`.
+    schedule first. The PS shards are those named by the costs' ``ps`` traffic. Returns a
+    :class:`SimResult`.
     """
     if len(schedules) != len(costs) or not schedules:
         raise ValueError(f"simulate: {len(schedules)} schedules and {len(costs)} cost sets; need one per VW")
@@ -246,9 +304,7 @@ def simulate(schedules: Sequence[Schedule], costs: Sequence[VWCosts], *, check: 
             raise ValueError(f"simulate: VW {v} has {sch.num_stages} stages but costs for {c.num_stages}")
         g = next((g for g in groups if g.schedule is sch or g.schedule == sch), None)
         if g is None:
-            if check:
-                validate(sch)
-            groups.append(_Group(sch, [v], _compile(sch)))
+            groups.append(_Group(sch, [v], _compiled(sch, check)))
         else:
             g.vws.append(v)
 
@@ -256,6 +312,7 @@ def simulate(schedules: Sequence[Schedule], costs: Sequence[VWCosts], *, check: 
     need = [sum(g.schedule.num_stages for g in groups if g.schedule.num_waves > c) for c in range(num_waves)]
     pushed = [0] * num_waves
     gate = [0.0] * num_waves
+    shards = Shards(1 + max((tr.shard for c in costs for st in c.ps for tr in st), default=-1))
     states = [_State(g, [costs[v] for v in g.vws], num_waves) for g in groups]
 
     progress = True
@@ -263,7 +320,7 @@ def simulate(schedules: Sequence[Schedule], costs: Sequence[VWCosts], *, check: 
         progress = False
         for g, state in zip(groups, states):
             before = g.pos
-            state.run(d, pushed, need, gate)
+            state.run(d, pushed, need, gate, shards)
             progress |= g.pos > before
     stuck = [g for g in groups if g.pos < len(g.ops)]
     if stuck:
@@ -282,7 +339,7 @@ def simulate(schedules: Sequence[Schedule], costs: Sequence[VWCosts], *, check: 
                          for s in range(g.schedule.num_stages)]
             wave_done[v] = [float(state.wave_done[c][i]) for c in range(g.schedule.num_waves)]
     return SimResult(max(finish), finish, [schedules[v].num_minibatches for v in range(nv)], stages, wave_done,
-                     groups)
+                     shards.stats(), shards.events, groups)
 
 
 class _State:
@@ -302,6 +359,8 @@ class _State:
         self.cost.update({(_A, s): col("apply", s) for s in range(k)})
         self.push = [col("push", s) for s in range(k)]
         self.pull = [col("pull", s) for s in range(k)]
+        self.traffic = [[c.ps[s] if c.ps else () for c in costs] for s in range(k)]
+        self.has_ps = [any(self.traffic[s]) for s in range(k)]
         self.tx = {(_SA, b): col("act_s", b) for b in range(k - 1)}
         self.tx.update({(_SG, b): col("grad_s", b) for b in range(k - 1)})
         self.lat = [col("latency_s", b) for b in range(k - 1)]
@@ -316,7 +375,7 @@ class _State:
         self.wave_done = [zero] * num_waves
         self.msgs: Dict[Tuple[int, int, int], np.ndarray] = {}
 
-    def run(self, d: int, pushed: List[int], need: List[int], gate: List[float]) -> None:
+    def run(self, d: int, pushed: List[int], need: List[int], gate: List[float], shards: Shards) -> None:
         g, t, rec = self.g, self.t, self.g.records
         sch = g.schedule
         ops = g.ops
@@ -345,6 +404,9 @@ class _State:
             elif op == _PUSH:
                 st = np.maximum(t[s], self.ps_link[s])
                 done = st + self.push[s]
+                if self.has_ps[s]:
+                    for i in np.argsort(done, kind="stable").tolist():      # FIFO at the shards
+                        done[i] = shards.push(float(done[i]), num, self.traffic[s][i])
                 self.ps_link[s] = done
                 self.wave_done[num] = np.maximum(self.wave_done[num], t[s])
                 pushed[num] += 1
@@ -355,37 +417,70 @@ class _State:
                     return
                 if c >= 0:
                     new = np.maximum(t[s], gate[c])
+                    if self.has_ps[s]:
+                        new = np.maximum(new, [shards.applied(c, tr) for tr in self.traffic[s]])
                     wait = new - t[s]
                     rec.append(("WAIT", s, -1, num, t[s], wait))
                     self.wsp[s] += wait
                     t[s] = new
                 start = t[s]
-                t[s] = start + self.pull[s]
-                self.pulls[s] += self.pull[s]
-                rec.append(("PULL", s, -1, num, start, self.pull[s]))
+                end = start + self.pull[s]
+                if self.has_ps[s]:
+                    for i in np.argsort(end, kind="stable").tolist():       # FIFO at the shards
+                        end[i] = shards.pull(float(end[i]), num, self.traffic[s][i])
+                t[s] = end
+                self.pulls[s] += end - start
+                rec.append(("PULL", s, -1, num, start, end - start))
             g.pos += 1
+
+
+# The most minibatch-stages (waves x Nm x stages, summed over the distinct VW shapes) simulate_plan
+# plays: about a minute on one core. Beyond it a run would look hung; ask for fewer waves.
+MAX_MINIBATCH_STAGES = 400_000
+
+
+def check_waves(plan, waves: int, name: str = "waves") -> None:
+    """Raise ValueError (naming ``name``) unless simulating ``waves`` waves of ``plan`` stays within
+    :data:`MAX_MINIBATCH_STAGES`."""
+    if isinstance(waves, bool) or not isinstance(waves, int) or waves < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {waves!r}")
+    shapes = {len(vw.stages) for vw in plan.virtual_workers}
+    work = waves * plan.nm * sum(shapes)
+    if work > MAX_MINIBATCH_STAGES:
+        most = max(1, MAX_MINIBATCH_STAGES // (plan.nm * sum(shapes)))
+        raise ValueError(f"{name} {waves} x Nm {plan.nm} x {sorted(shapes)} stages is {work} minibatch-stages, more "
+                         f"than the {MAX_MINIBATCH_STAGES} this simulator plays in about a minute; "
+                         f"use at most {most} waves")
 
 
 def simulate_plan(plan, waves: int = 10, *, apply: PerStage = 0.0, latency_s: PerStage = 0.0,
                   push: PerStage = 0.0, pull: PerStage = 0.0, transfer_s: Optional[PerStage] = None,
-                  split_startup: int = 0) -> SimResult:
+                  split_startup: int = 0, cluster=None, param_bytes: Optional[Sequence[float]] = None,
+                  apply_rate: float = DEFAULT_APPLY_RATE) -> SimResult:
     """Simulate ``waves`` waves of every VW of a :class:`hetpipe.plan.types.Plan` under its Nm and D.
 
     Forward/backward times come from each stage's ``fwd_time``/``bwd_time`` (recomputation is part
     of ``bwd_time``, so the schedule has no separate Recompute), transfers from
     ``send_time`` (the same for the gradient back); the keyword arguments override or add costs
-    that a plan does not carry (apply, link latency, PS push/pull seconds per stage and wave).
+    that a plan does not carry (apply, link latency, fixed PS push/pull seconds per stage and wave).
+    With ``cluster`` (a ClusterSpec) and ``param_bytes`` (per layer) the plan's PS shards are
+    modelled as resources (:mod:`hetpipe.schedule.ps`) applying ``apply_rate`` bytes per second;
+    without them the shards serve at once.
     """
-    if waves < 1:
-        raise ValueError(f"simulate_plan: waves must be >= 1, got {waves}")
+    check_waves(plan, waves, "simulate_plan: waves")
+    if (cluster is None) != (param_bytes is None):
+        raise ValueError("simulate_plan: the PS model needs both cluster and param_bytes")
+    check_waves(plan, waves)
+    traffic = None if cluster is None else plan_traffic(plan, cluster, param_bytes, apply_rate)
     schedules, costs = [], []
     cache: Dict[int, Schedule] = {}
-    for vw in plan.virtual_workers:
+    for v, vw in enumerate(plan.virtual_workers):
         k = len(vw.stages)
         if k not in cache:
-            cache[k] = hetpipe_schedule(k, waves * plan.nm, plan.nm, plan.d, split_startup=split_startup)
+            cache[k] = _wsp_schedule(k, waves * plan.nm, plan.nm, plan.d, split_startup)
         schedules.append(cache[k])
         tx = [st.send_time for st in vw.stages[:-1]] if transfer_s is None else transfer_s
         costs.append(vw_costs([st.fwd_time for st in vw.stages], [st.bwd_time for st in vw.stages],
-                              apply=apply, latency_s=latency_s, transfer_s=tx, push=push, pull=pull))
+                              apply=apply, latency_s=latency_s, transfer_s=tx, push=push, pull=pull,
+                              ps=None if traffic is None else traffic[v]))
     return simulate(schedules, costs)
