@@ -249,10 +249,10 @@ def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional
 
     ``sample_input`` is one minibatch; ``loss_fn(output) -> scalar`` drives the last layer's
     backward (default: the sum of the output). ``optimizer_bytes = optimizer_factor x param_bytes``
-    (1.0: SGD with momentum; 2.0: Adam).
+    (1.0: SGD with momentum; 2.0: Adam). Layers may pass any pytree of tensors (every leaf counts
+    towards ``activation_bytes``) and take side inputs from a dict ``sample_input``; a parameter
+    shared by several layers counts once, on the first.
     """
-    import time
-
     import torch
 
     from hetpipe.cluster import load_cluster
@@ -273,77 +273,44 @@ def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional
     layers = list(model)
     if not layers:
         raise ValueError("profile_model: the model has no layers")
+    from torch.utils import _pytree as pytree
+
+    from hetpipe.runtime.layout import ModelLayout
+    from hetpipe.runtime.tree import flatten
 
     def nbytes(t: Any) -> int:
-        if isinstance(t, torch.Tensor):
-            return t.numel() * t.element_size()
-        if isinstance(t, (tuple, list)):
-            return sum(nbytes(x) for x in t)
-        return 0
+        return sum(x.numel() * x.element_size() for x in pytree.tree_leaves(t) if isinstance(x, torch.Tensor))
 
     def detach(t: Any) -> Any:
-        if isinstance(t, torch.Tensor):
-            d = t.detach()
-            return d.requires_grad_(True) if d.is_floating_point() else d
-        if isinstance(t, (tuple, list)):
-            return type(t)(detach(x) for x in t)
-        return t
+        return pytree.tree_map(lambda d: d.detach().requires_grad_(d.is_floating_point()), t)
 
-    def tensors(t: Any) -> List[Any]:
-        if isinstance(t, torch.Tensor):
-            return [t]
-        if isinstance(t, (tuple, list)):
-            return [x for v in t for x in tensors(v)]
-        return []
+    def side_of(layer: Any) -> Dict[str, Any]:
+        keys = getattr(layer, "hetpipe_side_inputs", ())
+        return {k: sample_input[k] for k in keys} if keys else {}
 
+    # The layers run for real below: their buffers (BatchNorm statistics) and the random state are
+    # restored afterwards, so profiling leaves the model as it found it.
+    saved_buffers = [b.detach().clone() for layer in layers for b in layer.buffers()]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        fwd_s: List[List[float]] = [[] for _ in layers]
-        bwd_s: List[List[float]] = [[] for _ in layers]
-        out_bytes, stash_bytes = [0] * len(layers), [0] * len(layers)
-        for r in range(repeats + 1):
-            x = sample_input
-            for i, layer in enumerate(layers):
-                xin = detach(x)
-                params = {p.data_ptr() for p in layer.parameters()}
-                saved: List[int] = []
-
-                def pack(t, saved=saved, params=params):
-                    if t.data_ptr() not in params:
-                        saved.append(t.numel() * t.element_size())
-                    return t
-
-                t0 = time.perf_counter()
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    y = layer(xin)
-                t1 = time.perf_counter()
-                outs = [t for t in tensors(y) if t.requires_grad]
-                if outs:
-                    if i == len(layers) - 1:
-                        loss = loss_fn(y) if loss_fn is not None else sum(t.float().sum() for t in outs)
-                        t1 = time.perf_counter()
-                        loss.backward()
-                    else:
-                        grads = [torch.ones_like(t) for t in outs]
-                        t1 = time.perf_counter()
-                        torch.autograd.backward(outs, grads)
-                t2 = time.perf_counter()
-                if r > 0:
-                    fwd_s[i].append(t1 - t0)
-                    bwd_s[i].append(t2 - t1)
-                out_bytes[i], stash_bytes[i] = nbytes(y), sum(saved)
-                x = y.detach() if isinstance(y, torch.Tensor) else y
+        with torch.random.fork_rng(devices=[]):
+            fwd_s, bwd_s, out_bytes, stash_bytes = _measure(layers, sample_input, loss_fn, repeats, nbytes, detach,
+                                                            side_of, flatten)
     finally:
         torch.set_num_threads(threads)
+        with torch.no_grad():
+            for b, v in zip((b for layer in layers for b in layer.buffers()), saved_buffers):
+                b.copy_(v)
 
     def median(v: Sequence[float]) -> float:
         s = sorted(v)
         return s[len(s) // 2]
 
     out = []
+    layout = ModelLayout(layers)
     for i, layer in enumerate(layers):
-        pb = sum(p.numel() * p.element_size() for p in layer.parameters())
+        pb = sum(p.numel() * p.element_size() for _, p in layout.owned[i])      # a tied parameter counts once
         fm, bm = median(fwd_s[i]), median(bwd_s[i])
         f = {t: fm * ref_speed / dt.speed for t, dt in cluster.device_types.items()}
         b = {t: bm * ref_speed / dt.speed for t, dt in cluster.device_types.items()}
@@ -352,7 +319,8 @@ def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional
                                 activation_bytes=out_bytes[i], param_bytes=pb,
                                 optimizer_bytes=int(optimizer_factor * pb), workspace_bytes=0,
                                 derived=derived, stash_bytes=stash_bytes[i]))
-    batch = int(sample_input.shape[0]) if hasattr(sample_input, "shape") and len(sample_input.shape) else 1
+    from hetpipe.runtime.tree import batch_of
+    batch = batch_of(sample_input)
     src = "measured on this host, " + ("emulated types derived by speed" if cluster.emulated
                                        else f"as {reference_type}, other types derived by speed")
     return ModelProfile(name=name, minibatch_size=batch, layers=tuple(out), input_bytes=nbytes(sample_input),
@@ -370,6 +338,58 @@ class LayerShape:
     params: int
     out_elems: int
     stash_elems: int
+
+
+def _measure(layers: List[Any], sample_input: Any, loss_fn: Optional[Callable], repeats: int, nbytes: Callable,
+             detach: Callable, side_of: Callable, flatten: Callable):
+    """Per layer: forward and backward times of each repeat, output bytes (every leaf of a pytree
+    output) and bytes saved for backward. A layer that raises is named in the error."""
+    import time
+
+    import torch
+    from torch.utils import _pytree as pytree
+
+    fwd_s: List[List[float]] = [[] for _ in layers]
+    bwd_s: List[List[float]] = [[] for _ in layers]
+    out_bytes, stash_bytes = [0] * len(layers), [0] * len(layers)
+    for r in range(repeats + 1):
+        x = sample_input
+        for i, layer in enumerate(layers):
+            xin = detach(x)
+            params = {p.data_ptr() for p in layer.parameters()}
+            saved: List[int] = []
+
+            def pack(t, saved=saved, params=params):
+                if t.data_ptr() not in params:
+                    saved.append(t.numel() * t.element_size())
+                return t
+
+            t0 = time.perf_counter()
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    y = layer(xin, **side_of(layer))
+            except Exception as e:
+                raise ValueError(f"profile_model: layer {i} ({type(layer).__name__}) failed: "
+                                 f"{type(e).__name__}: {e}") from e
+            t1 = time.perf_counter()
+            leaves, _ = flatten(y, f"layer {i} ({type(layer).__name__})")
+            outs = [t for t in leaves if t.requires_grad]
+            if outs:
+                if i == len(layers) - 1:
+                    loss = loss_fn(y) if loss_fn is not None else sum(t.float().sum() for t in outs)
+                    t1 = time.perf_counter()
+                    loss.backward()
+                else:
+                    grads = [torch.ones_like(t) for t in outs]
+                    t1 = time.perf_counter()
+                    torch.autograd.backward(outs, grads)
+            t2 = time.perf_counter()
+            if r > 0:
+                fwd_s[i].append(t1 - t0)
+                bwd_s[i].append(t2 - t1)
+            out_bytes[i], stash_bytes[i] = nbytes(y), sum(saved)
+            x = pytree.tree_map(lambda t: t.detach(), y)
+    return fwd_s, bwd_s, out_bytes, stash_bytes
 
 
 def resnet152_shapes(image: int = 224, classes: int = 1000) -> List[LayerShape]:

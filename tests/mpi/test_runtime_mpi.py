@@ -161,6 +161,7 @@ def test_wrong_rank_count_fails_on_every_rank():
     proc, _ = _failed("none", 0, n=2)
     assert proc.returncode != 0
     assert "the plan needs 3 ranks" in proc.stderr and "but 2 were started" in proc.stderr
+    assert proc.stderr.count("the plan needs 3 ranks") == 1, proc.stderr       # once per job, not per rank
 
 
 def test_missing_device_is_a_clear_error():
@@ -173,3 +174,16 @@ def test_healthy_run_finishes():
     proc, _ = _failed("none", 0)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("FINISHED") == 3
+
+
+REAL_MODELS = [{"model": "dropout", "cuts": [3], "nm": 2}, {"model": "tied", "cuts": [2], "nm": 2, "vws": 2},
+               {"model": "resnet", "cuts": [1, 3], "nm": 2}, {"model": "pytree", "cuts": [1, 2], "nm": 1}]
+
+
+def test_real_models_equal_the_replay_bitwise():
+    """Dropout (per-minibatch seeds), tied weights across stages (their gradient exchange), BatchNorm
+    (buffers through the PS) and pytree boundaries with side inputs: mpiexec == replay at D = 0."""
+    proc = run_mpi(4, "real_models_mpi.py", json.dumps(REAL_MODELS), timeout=600)
+    got = {r["model"]: r for r in results(proc)}
+    assert sorted(got) == sorted(c["model"] for c in REAL_MODELS), f"{proc.stdout}\n{proc.stderr}"
+    assert all(r["equal"] for r in got.values()), got

@@ -107,3 +107,32 @@ def test_profile_model_on_emulated_cluster():
         profile_model(model, torch.randn(8, 16), "hetpipe-testbed")
     q = profile_model(model, torch.randn(8, 16), "hetpipe-testbed", reference_type="titan_v", repeats=1)
     assert not q.layers[0].derived["titan_v"] and q.layers[0].derived["rtx2060"]
+
+
+def test_profile_counts_every_leaf_of_a_pytree_output_and_a_tied_parameter_once():
+    import sys
+    from pathlib import Path
+
+    import torch
+    from torch import nn
+    sys.path.insert(0, str(Path(__file__).parents[1] / "mpi" / "scripts"))
+    import real_models as rm
+
+    from hetpipe.profile import profile_model
+
+    model = rm.pytree_model()
+    x, _ = next(iter(rm.DictBatches()))
+    prof = profile_model(model, x, "cpu-emulated", repeats=1)
+    tuple_bytes = 8 * 24 * 4 + 8 * 8                       # (float32[8, 24], int64[8])
+    dict_bytes = 2 * 8 * 24 * 4 + 8 * 8                    # {"h", "skip": float32[8, 24], "count": int64[8]}
+    assert [l.activation_bytes for l in prof.layers[:2]] == [tuple_bytes, dict_bytes]
+    assert all(t > 0 for l in prof.layers for t in l.bwd_time.values())
+    tied = rm.tied_mlp()
+    tp = profile_model(tied, torch.randn(4, 64), "cpu-emulated", repeats=1)
+    assert tp.layers[0].param_bytes == 4 * (32 * 64 + 32) and tp.layers[4].param_bytes == 0
+    resnet = rm.resnet()
+    before = resnet[0][1].running_mean.clone()
+    profile_model(resnet, torch.randn(4, 1, 8, 8), "cpu-emulated", repeats=1)
+    assert torch.equal(resnet[0][1].running_mean, before)     # profiling leaves BatchNorm statistics alone
+    with pytest.raises(ValueError, match=r"profile_model: layer 1 \(Linear\) failed: RuntimeError"):
+        profile_model(nn.Sequential(nn.Linear(4, 4), nn.Linear(5, 2)), torch.randn(2, 4), "cpu-emulated")

@@ -2,8 +2,9 @@
 
 Contract: a rank that raises prints ``hetpipe: rank R (vw V stage S) failed: <error>`` to stderr and
 calls ``MPI.COMM_WORLD.Abort(1)``; mpiexec then tears the whole job down (as it does when a rank is
-killed). Ranks blocked on a peer that vanished without Abort time out (``HETPIPE_TIMEOUT`` seconds or
-the trainer's ``timeout``) with a message naming the peer, and take the same path.
+killed). An error every rank reaches together (``verdict``) is printed once, by rank 0. Ranks blocked
+on a peer that vanished without Abort time out (``HETPIPE_TIMEOUT`` seconds or the trainer's
+``timeout``) with a message naming the peer, and take the same path.
 """
 
 from __future__ import annotations
@@ -43,6 +44,18 @@ def abort(comm, code: int = 1) -> None:
     if comm is not None:
         time.sleep(ABORT_GRACE_S)
         comm.Abort(code)
+    os._exit(code)
+
+
+def verdict(comm, describe: str, exc: BaseException, code: int = 1) -> None:
+    """End the job on an error every rank reached together (a planning error, a bad rank count): rank 0
+    of ``comm`` reports it, once for the job, and aborts; the other ranks stay quiet and are torn down
+    by that Abort (or exit with the same code should it not come)."""
+    if comm is None or comm.Get_rank() == 0:
+        report(describe, exc, with_traceback=False)
+        abort(comm, code)
+    mark_aborted()
+    time.sleep(ABORT_GRACE_S + 10.0)
     os._exit(code)
 
 

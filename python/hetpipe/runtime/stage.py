@@ -234,7 +234,8 @@ class StageModel:
             try:
                 x = torch.func.functional_call(self.layers[i], tensors, (x,), kwargs)
             except Exception as e:
-                raise type(e)(f"hetpipe: layer {self.start + i} ({type(self.layers[i]).__name__}) failed: {e}") from e
+                e.add_note(f"hetpipe: raised by layer {self.start + i} ({type(self.layers[i]).__name__})")
+                raise
         return x
 
     def _rng_state(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -219,9 +219,8 @@ class Trainer:
         try:
             return self._fit(comm, rank, size)
         except LaunchError as e:
-            # Every rank reaches the same verdict: each says it (no traceback), then the job ends.
-            failure.report(self._describe, e, with_traceback=False)
-            failure.abort(comm)
+            # Every rank reaches the same verdict: rank 0 says it once (no traceback), the job ends.
+            failure.verdict(comm, "job" if rank == 0 else self._describe, e)
         except BaseException as e:  # noqa: BLE001 - any failure must bring the job down, naming this rank
             failure.report(self._describe, e)
             failure.abort(comm)

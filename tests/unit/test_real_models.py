@@ -1,0 +1,211 @@
+"""Models as users write them — pytree boundaries, side inputs, tied weights, BatchNorm, dropout —
+trained by the replay against plain PyTorch in one process (or against the replay itself for
+random state)."""
+
+import copy
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "mpi" / "scripts"))
+
+import real_models as rm  # noqa: E402
+from common import cross_entropy, one_vw_plan, sgd, synthetic, two_vw_plan, with_recompute  # noqa: E402
+
+from hetpipe.plan.types import Plan  # noqa: E402
+from hetpipe.runtime.trainer import Trainer  # noqa: E402
+
+
+def _max_param_diff(a: nn.Module, b: nn.Module) -> float:
+    return max(float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _replay_vs_plain(make, data, cuts, loss=cross_entropy, epochs=1, **kw):
+    model, ref = make(), make()
+    plain = rm.plain_training(ref, loss, sgd(), data, epochs)
+    n = len(list(model))
+    result = Trainer(model, loss, sgd(), data, plan=one_vw_plan(cuts, nm=1, d=0, num_layers=n), epochs=epochs,
+                     progress=False, **kw).replay()
+    got = [v for _, v in sorted(result.losses[0].items())]
+    return model, ref, max(abs(a - b) for a, b in zip(got, plain)), plain
+
+
+# --- 1. pytree boundaries and side inputs ---------------------------------------------------------
+
+@pytest.mark.parametrize("cuts", [[], [1, 2, 3], [2]])
+def test_pytree_boundaries_and_side_inputs_equal_plain_pytorch(cuts):
+    model, ref, loss_diff, plain = _replay_vs_plain(rm.pytree_model, rm.DictBatches(), cuts, epochs=2)
+    assert loss_diff <= 1e-6 and _max_param_diff(model, ref) <= 1e-6
+    assert plain[0] != plain[-1]
+
+
+def test_split_startup_halves_every_input_leaf_and_side_input():
+    data = rm.DictBatches()
+    ref = Trainer(rm.pytree_model(), cross_entropy, sgd(), data, plan=one_vw_plan([1, 3], 2, 0, num_layers=4),
+                  progress=False).replay()
+    got = Trainer(rm.pytree_model(), cross_entropy, sgd(), data, plan=one_vw_plan([1, 3], 2, 0, num_layers=4),
+                  progress=False, split_startup=3).replay()
+    assert max(abs(got.losses[0][p] - ref.losses[0][p]) for p in ref.losses[0]) <= 1e-6
+    assert max(float(np.abs(got.weights[l] - ref.weights[l]).max(initial=0)) for l in ref.weights) <= 1e-6
+
+
+def test_boundary_specs_hold_the_pytree_and_integer_leaves_carry_no_gradient():
+    spec = Trainer(rm.pytree_model(), cross_entropy, sgd(), rm.DictBatches(),
+                   plan=one_vw_plan([1, 2, 3], 1, 0, num_layers=4)).spec(one_vw_plan([1, 2, 3], 1, 0, num_layers=4))
+    tup, dct = spec.boundaries[1], spec.boundaries[2]
+    assert [l.dtype for l in tup.leaves] == [torch.float32, torch.int64] and tup.grad_leaves == (0,)
+    assert len(dct.leaves) == 3 and dct.grad_leaves == (0, 1)       # dict leaves in insertion order: h, skip, count
+    assert tup.nbytes(8) == 8 * 24 * 4 + 8 * 8
+
+
+class _ReturnsString(nn.Module):
+    def forward(self, x):
+        return x, "not a tensor"
+
+
+class _Broken(nn.Module):
+    def forward(self, x):
+        raise KeyError("the broken layer's own problem")
+
+
+def test_a_non_tensor_leaf_is_one_error_naming_the_layer_and_the_type():
+    model = nn.Sequential(nn.Linear(64, 10), _ReturnsString(), nn.Identity())
+    plan = one_vw_plan([1], 1, 0, num_layers=3)
+    with pytest.raises(TypeError, match=r"layer 1 \(_ReturnsString\) returned a str leaf at \[1\]"):
+        Trainer(model, cross_entropy, sgd(), synthetic(), plan=plan).replay()
+
+
+def test_a_layer_failing_at_shape_inference_names_itself_and_its_error():
+    model = nn.Sequential(nn.Linear(64, 10), _Broken(), nn.Identity())
+    plan = one_vw_plan([2], 1, 0, num_layers=3)
+    with pytest.raises(ValueError, match=r"layer 1 failed on the first minibatch during shape inference: "
+                                         r"KeyError: .*the broken layer's own problem"):
+        Trainer(model, cross_entropy, sgd(), synthetic(), plan=plan).replay()
+
+
+def test_a_missing_side_input_names_the_layer_and_the_key():
+    class NeedsTokens(nn.Identity):
+        hetpipe_side_inputs = ("tokens",)
+
+        def forward(self, x, tokens):
+            return x
+
+    model = nn.Sequential(nn.Linear(64, 10), NeedsTokens())
+    with pytest.raises(ValueError, match=r"layer 1 \(NeedsTokens\) declares side inputs \['tokens'\], but the "
+                                         "minibatch inputs are a Tensor"):
+        Trainer(model, cross_entropy, sgd(), synthetic(), plan=one_vw_plan([1], 1, 0, num_layers=2)).replay()
+
+
+# --- 2. tied weights ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cuts", [[], [2], [1, 3]])
+def test_tied_weights_equal_plain_pytorch_and_stay_one_tensor(cuts):
+    model, ref, loss_diff, _ = _replay_vs_plain(rm.tied_mlp, synthetic(), cuts, loss=rm.tied_loss, epochs=2)
+    assert model[0].weight is model[4].weight
+    assert loss_diff <= 1e-6 and _max_param_diff(model, ref) <= 1e-6
+    assert float((ref[0].weight - rm.tied_mlp()[0].weight).detach().abs().max()) > 1e-3      # it trained
+
+
+def test_tied_weights_need_the_exchange():
+    """With the owner's gradient alone (the head's contribution dropped), the result is far off."""
+    model, ref, _, _ = _replay_vs_plain(rm.tied_mlp, synthetic(), [2], loss=rm.tied_loss)
+    untied = rm.tied_mlp()
+    untied[4].weight = nn.Parameter(untied[0].weight.detach().clone())
+    rm.plain_training(untied, rm.tied_loss, sgd(), synthetic())
+    assert _max_param_diff(model, ref) <= 1e-6 < float((untied[0].weight - ref[0].weight).detach().abs().max()) / 100
+
+
+@pytest.mark.parametrize("nm,d,split", [(2, 0, 0), (2, 1, 0), (3, 1, 2)])
+def test_tied_weights_across_stages_run_any_schedule_and_replicas_agree(nm, d, split):
+    model = rm.tied_mlp()
+    plan = two_vw_plan(([2], [1, 3]), (0.0, 0.0), nm=nm, d=d, num_layers=5)
+    result = Trainer(model, rm.tied_loss, sgd(), synthetic(), plan=plan, epochs=2, split_startup=split).replay()
+    assert sorted(result.weights) == [0, 1, 2, 3, 4] and result.weights[4].size == 0    # one copy, on layer 0
+    assert all(np.isfinite(v) for per in result.losses.values() for v in per.values())
+
+
+# --- 3. BatchNorm ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cuts,recompute", [([], None), ([2], None), ([1, 3], [(0,), (1, 2), ()])])
+def test_batchnorm_equals_plain_pytorch_in_train_and_eval(cuts, recompute):
+    data = rm.images()
+    model, ref = rm.resnet(), rm.resnet()
+    rm.plain_training(ref, cross_entropy, sgd(), data, epochs=2)
+    plan = one_vw_plan(cuts, nm=1, d=0, num_layers=4)
+    if recompute:
+        plan = with_recompute(plan, recompute)
+    Trainer(model, cross_entropy, sgd(), data, plan=plan, epochs=2).replay()
+    x = rm.images(n=16, seed=9).x
+    for mode in ("eval", "train"):
+        getattr(model, mode)()
+        getattr(ref, mode)()
+        with torch.no_grad():
+            assert float((model(x) - ref(x)).detach().abs().max()) <= 1e-5, mode
+    assert float((ref[0][1].running_mean - rm.resnet()[0][1].running_mean).detach().abs().max()) > 1e-3
+
+
+def test_recomputing_batchnorm_layers_is_exact():
+    data = rm.images()
+    plan = one_vw_plan([2], nm=2, d=0, num_layers=4)
+    ref = Trainer(rm.resnet(), cross_entropy, sgd(), data, plan=plan, epochs=2).replay()
+    got = Trainer(rm.resnet(), cross_entropy, sgd(), data, plan=with_recompute(plan, [(0, 1), (3,)]),
+                  epochs=2).replay()
+    assert got.losses == ref.losses
+    assert all(np.array_equal(got.weights[l], ref.weights[l]) and np.array_equal(got.buffers[l], ref.buffers[l])
+               for l in ref.weights)
+
+
+@pytest.mark.parametrize("aggregate", ["mean", "sum"])
+def test_two_vws_average_batchnorm_statistics_and_aggregate_weights(aggregate):
+    """2 one-stage VWs, nm = 1, D = 0 against :func:`real_models.vw_waves` (plain PyTorch)."""
+    data = rm.images()
+    batches = list(data)
+    ref = rm.vw_waves(rm.resnet(), cross_entropy, sgd(), batches, 2, aggregate)
+    model = rm.resnet()
+    plan = two_vw_plan(([], []), (0.0, 0.0), nm=1, d=0, num_layers=4)
+    Trainer(model, cross_entropy, sgd(), data, plan=plan, aggregate=aggregate).replay()
+    assert _max_param_diff(model, ref) <= 1e-5
+    for (n, a), (_, b) in zip(model.named_buffers(), ref.named_buffers()):
+        if a.is_floating_point():
+            assert float((a - b).detach().abs().max()) <= 1e-5, n
+
+
+# --- 4. random state ------------------------------------------------------------------------------
+
+def test_dropout_recompute_replays_the_random_state_bitwise():
+    plan = one_vw_plan([3], nm=2, d=0)
+    ref = Trainer(rm.dropout_mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=2).replay()
+    got = Trainer(rm.dropout_mlp(), cross_entropy, sgd(), synthetic(), plan=with_recompute(plan, [(1, 2), (4,)]),
+                  epochs=2).replay()
+    assert got.losses == ref.losses and all(np.array_equal(got.weights[l], ref.weights[l]) for l in ref.weights)
+    other = Trainer(rm.dropout_mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=2, seed=1).replay()
+    assert other.losses != ref.losses                                # dropout is live and follows the seed
+
+
+def test_the_stage_seeding_leaves_the_callers_random_state_alone():
+    model, data = rm.dropout_mlp(), synthetic()
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    Trainer(model, cross_entropy, sgd(), data, plan=one_vw_plan([3], 1, 0)).replay()
+    assert torch.equal(torch.rand(3), expected)
+
+
+# --- 5. aggregate in the plan ---------------------------------------------------------------------
+
+def test_aggregate_round_trips_and_old_plans_read_as_mean():
+    import dataclasses
+    plan = dataclasses.replace(one_vw_plan([3], 1, 0), aggregate="sum")
+    assert Plan.from_json(plan.to_json()).aggregate == "sum"
+    old = plan.to_dict()
+    del old["aggregate"]
+    assert Plan.from_dict(old).aggregate == "mean"
+    with pytest.raises(ValueError, match="plan: aggregate must be one of \\['mean', 'sum'\\], got 'max'"):
+        dataclasses.replace(plan, aggregate="max")
+    got = Trainer(copy.deepcopy(rm.dropout_mlp()), cross_entropy, sgd(), synthetic(), plan=plan,
+                  aggregate="mean")._make_plan()
+    assert got.aggregate == "mean"
