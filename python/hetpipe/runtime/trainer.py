@@ -24,12 +24,14 @@ from hetpipe.launch import failure
 from hetpipe.launch.deaths import register_rank
 from hetpipe.launch.mpi import gather_hosts, world
 from hetpipe.launch.roles import LaunchError, Role, check_world, resolve_device, role_of
+from hetpipe.outputs import check_file
 from hetpipe.plan.types import Plan
 from hetpipe.runtime.build import (RunSpec, as_layers, build_shard, build_stage, drive, infer_boundaries,
                                    load_layer_weights, merge_outcomes, part_outcome, shard_pool, stage_pool)
 from hetpipe.runtime.data import first_minibatch, minibatches_per_epoch
 from hetpipe.runtime.executor import StageExecutor
 from hetpipe.runtime.ps import ShardLog
+from hetpipe.runtime.record import RunRecord
 from hetpipe.runtime.replay import ReplayResult, replay_run
 from hetpipe.runtime.transport import MPITransport
 from hetpipe.runtime.tree import batch_of
@@ -121,6 +123,10 @@ class Trainer:
         N times the step: scale the learning rate by 1/N to get the same.
     seed: seeds every stage's random draws (dropout): micro-batch ``mb`` of stage ``s`` of VW ``v``
         draws from its own generator state, derived from (seed, v, s, mb), in the run and the replay.
+    record: path of the run's record (JSON, written by rank 0 at the end): per PS shard, the order it
+        applied pushes and the global-weights version every pull got, the only things timing decides;
+        ``Trainer(...).replay(record=path)`` then reproduces the run bitwise for any D (see
+        :mod:`hetpipe.runtime.record`).
     """
 
     def __init__(self, model: Union[nn.Module, Sequence[nn.Module]], loss_fn: Callable,
@@ -131,7 +137,7 @@ class Trainer:
                  copy_stream: Optional[bool] = None, audit: bool = False,
                  metrics: Union[str, Path, None] = None, trace: Union[str, Path, None] = None,
                  progress: bool = True, comm: Any = None, plan_callback: Optional[Callable[[Plan], None]] = None,
-                 aggregate: Optional[str] = None, seed: int = 0):
+                 aggregate: Optional[str] = None, seed: int = 0, record: Union[str, Path, None] = None):
         self.model = model
         self.layers = as_layers(model)
         self.loss_fn, self.optimizer, self.data = loss_fn, optimizer, data
@@ -148,6 +154,7 @@ class Trainer:
         self.comm = comm
         self.plan_callback = plan_callback
         self.aggregate, self.seed = aggregate, seed
+        self.record_path = Path(record) if record else None
         self._describe = "rank ?"
 
     # --- planning ----------------------------------------------------------------------------
@@ -201,10 +208,16 @@ class Trainer:
                        seed=self.seed)
 
     # --- single process ----------------------------------------------------------------------
-    def replay(self) -> ReplayResult:
-        """Run the whole plan in this process over a loopback transport (the reference; no padding)."""
+    def replay(self, record: Union[str, Path, RunRecord, None] = None) -> ReplayResult:
+        """Run the whole plan in this process over a loopback transport (the reference; no padding).
+
+        Equal to a run bitwise at D = 0; at D >= 1 only given that run's ``record`` (a
+        :class:`RunRecord` or its file), whose versions and apply order the PS shards then follow
+        (``ReplayResult.reproduced`` says whether the outcome is bitwise the recorded one)."""
         torch.set_num_threads(1)
-        result = replay_run(self.spec(self._make_plan()))
+        if record is not None and not isinstance(record, RunRecord):
+            record = RunRecord.load(record)
+        result = replay_run(self.spec(self._make_plan()), record)
         load_layer_weights(self.layers, result.weights, result.buffers)
         return result
 
@@ -231,6 +244,9 @@ class Trainer:
         plan_text, error = None, None
         if rank == 0:
             try:
+                if self.record_path is not None:
+                    self.record_path.parent.mkdir(parents=True, exist_ok=True)
+                    check_file("record", self.record_path)
                 plan_text = self._make_plan().to_json()
             except Exception as e:  # noqa: BLE001 - relayed to every rank below
                 error = f"planning on rank 0 failed: {type(e).__name__}: {e}"
@@ -289,6 +305,8 @@ class Trainer:
         result = TrainResult(plan, role.rank, role.describe(), outcome.losses, outcome.weights, outcome.shard_logs,
                              max(m["elapsed"] for m in everyone), outcome.samples,
                              [e for m in everyone for e in m["trace"]], emulated, outcome.buffers)
+        if self.record_path is not None and role.rank == 0:
+            RunRecord.from_logs(spec, outcome.shard_logs, outcome.losses, outcome.weights).save(self.record_path)
         load_layer_weights(self.layers, result.weights, result.buffers)
         if reporter is not None:
             reporter.finish(result, self.trace_path)
