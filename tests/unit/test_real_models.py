@@ -62,6 +62,24 @@ def test_boundary_specs_hold_the_pytree_and_integer_leaves_carry_no_gradient():
     assert tup.nbytes(8) == 8 * 24 * 4 + 8 * 8
 
 
+class _MeanEmbedding(nn.Embedding):
+    def forward(self, ids):
+        return super().forward(ids).mean(dim=1)
+
+
+def test_a_boundary_of_integer_tensors_only_sends_an_empty_gradient():
+    ids = torch.randint(0, 50, (64, 6), generator=torch.Generator().manual_seed(2))
+    from hetpipe.runtime.data import Batches
+    data = Batches(ids, ids[:, 0] % 10, 8, shuffle=False)
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Identity(), _MeanEmbedding(50, 16), nn.Linear(16, 10))
+
+    model, ref, loss_diff, _ = _replay_vs_plain(make, data, [1])
+    assert loss_diff <= 1e-6 and _max_param_diff(model, ref) <= 1e-6
+
+
 class _ReturnsString(nn.Module):
     def forward(self, x):
         return x, "not a tensor"
@@ -209,3 +227,81 @@ def test_aggregate_round_trips_and_old_plans_read_as_mean():
     got = Trainer(copy.deepcopy(rm.dropout_mlp()), cross_entropy, sgd(), synthetic(), plan=plan,
                   aggregate="mean")._make_plan()
     assert got.aggregate == "mean"
+
+
+# --- a tiny Hugging Face GPT-2 (built from its config, no download) ---------------------------------
+
+def _gpt2(dropout: float):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=50, bos_token_id=0, eos_token_id=0,
+                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(cfg)
+
+
+class _GPT2Embed(nn.Module):
+    def __init__(self, t) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = t.wte, t.wpe, t.drop
+
+    def forward(self, inputs):
+        ids = inputs["input_ids"]
+        return self.drop(self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device)))
+
+
+class _GPT2Head(nn.Module):
+    def __init__(self, t, head) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = t.ln_f, head
+
+    def forward(self, h):
+        return self.lm_head(self.ln_f(h))
+
+
+def _gpt2_layers(m):
+    return [_GPT2Embed(m.transformer), *m.transformer.h, _GPT2Head(m.transformer, m.lm_head)]
+
+
+def _lm_loss(logits, labels):
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+
+class _Tokens:
+    def __init__(self, n: int = 32, batch: int = 4, seq: int = 12) -> None:
+        self.ids = torch.randint(0, 50, (n, seq), generator=torch.Generator().manual_seed(7))
+        self.batch = batch
+
+    def __len__(self) -> int:
+        return len(self.ids) // self.batch
+
+    def __iter__(self):
+        for i in range(0, len(self) * self.batch, self.batch):
+            yield {"input_ids": self.ids[i:i + self.batch]}, self.ids[i:i + self.batch]
+
+
+@pytest.mark.slow
+def test_tiny_gpt2_with_its_tied_head_split_across_stages_equals_plain_pytorch():
+    pytest.importorskip("transformers")
+    data = _Tokens()
+    ref = _gpt2(0.0)
+    opt = sgd(lr=0.1)(ref.parameters())
+    plain = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = ref(x["input_ids"], labels=y).loss               # Hugging Face's own causal-LM loss
+        loss.backward()
+        opt.step()
+        plain.append(float(loss.detach()))
+    m = _gpt2(0.0)
+    layers = _gpt2_layers(m)
+    result = Trainer(layers, _lm_loss, sgd(lr=0.1), data, plan=one_vw_plan([1, 3], 1, 0, num_layers=4),
+                     progress=False).replay()
+    got = [v for _, v in sorted(result.losses[0].items())]
+    assert max(abs(a - b) for a, b in zip(got, plain)) <= 1e-5
+    assert m.lm_head.weight is m.transformer.wte.weight
+    assert max(float((p - q).detach().abs().max()) for p, q in zip(m.parameters(), ref.parameters())) <= 1e-5
+    # GPT-2's default dropout trains too, with the head still tied
+    drop = _gpt2(0.1)
+    Trainer(_gpt2_layers(drop), _lm_loss, sgd(lr=0.1), data, plan=one_vw_plan([1, 3], 2, 0, num_layers=4),
+            progress=False).replay()
+    assert drop.lm_head.weight is drop.transformer.wte.weight

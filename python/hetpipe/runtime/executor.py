@@ -17,7 +17,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 
 import numpy as np
 import torch
-
 from torch.utils import _pytree as pytree
 
 from hetpipe.runtime.device_copy import CopyStager
@@ -329,9 +328,10 @@ class StageExecutor:
             root = self.model.output_of(mb)
             grad = self._recv_grad.pop(mb)
             self._outputs.pop(mb, None)
-        self._in_grads[mb] = self.model.backward(mb, root, grad)
-        if self.is_first:
-            self._in_grads.pop(mb)
+        grads = self.model.backward(mb, root, grad)
+        if not self.is_first:
+            # An input without floating leaves (token ids) still gets its (empty) gradient message.
+            self._in_grads[mb] = grads if grads is not None else []
         for peer in self._tied_peers:
             self._tied_out.append((peer, mb, self.model.tied_grad(mb, self.model.keys_shared_with(peer))))
         self._send_tied()

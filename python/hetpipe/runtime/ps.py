@@ -16,10 +16,11 @@ A shard owns some layers' weights ``W`` (float32, one flat array per layer). Pro
 * Replicas: a stage holding a tied parameter owned by a layer of this shard outside the stage pulls
   the parameter's slice too (``replicas``), after its own layers' weights; it never pushes it.
 * Pull ``(vw, stage, w)``: queued until ``g >= w - D``, then answered with ``(g, W_g)`` restricted to
-  the stage's layers, then its replica slices, then ``B_g`` of its layers. With ``D = 0`` every pull gets ``g = w``: runs are reproducible.
-  With ``D >= 1`` the ``g`` a pull gets depends on timing; it is logged, and a replay following a run's
-  record (:mod:`hetpipe.runtime.record`, ``ShardState.script``) gives every pull the recorded ``g`` by
-  holding back the application of wave ``g`` until the pulls recorded at ``g`` are answered.
+  the stage's layers, then its replica slices, then ``B_g`` of its layers. With ``D = 0`` every pull
+  gets ``g = w``: runs are reproducible. With ``D >= 1`` the ``g`` a pull gets depends on timing; it is
+  logged, and a replay following a run's record (:mod:`hetpipe.runtime.record`, ``ShardState.script``)
+  gives every pull the recorded ``g`` by holding back the application of wave ``g`` until the pulls
+  recorded at ``g`` are answered.
 * DONE ``(vw, stage, n)``: the stage finished and sent ``n`` pushes here; the shard is finished once
   every stage said DONE and all announced pushes have arrived.
 
@@ -58,7 +59,7 @@ class ShardLog:
     pulls: List[Tuple[int, int, int, int]] = field(default_factory=list)  # (vw, stage, wave, g) as answered
     pull_clocks: List[int] = field(default_factory=list)                 # clock_vw of the puller, per pull
     applied: List[Tuple[int, int, int]] = field(default_factory=list)     # (vw, stage, wave), as applied
-    pushed_sum: Dict[int, np.ndarray] = field(default_factory=dict)       # layer -> float64 sum of the deltas as applied
+    pushed_sum: Dict[int, np.ndarray] = field(default_factory=dict)       # layer -> float64 sum of applied deltas
 
 
 class ShardState:

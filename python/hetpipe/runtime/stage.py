@@ -52,10 +52,6 @@ from hetpipe.runtime.layout import ModelLayout
 TiedKey = Tuple[int, str]          # (owner layer, the owner's parameter name)
 
 
-def layer_numels(layer: nn.Module) -> int:
-    return sum(p.numel() for p in layer.parameters())
-
-
 def check_float32(layers: Sequence[nn.Module], first: int) -> None:
     for i, layer in enumerate(layers):
         for name, p in layer.named_parameters():
@@ -439,11 +435,6 @@ class StageModel:
         if shard not in self.buffer_index:
             return delta
         return torch.cat([delta, self._bflat.index_select(0, self.buffer_index[shard])])
-
-    def wave_delta(self, wave: int, shard: int) -> torch.Tensor:
-        if wave not in self.deltas:
-            return torch.zeros(len(self.shard_index[shard]), dtype=torch.float32, device=self.device)
-        return self.shard_slice(self.deltas[wave], shard)
 
     def pull_sizes(self, shard: int) -> Tuple[int, int, int]:
         """Elements of a Pull reply from ``shard``: weights, replicas, buffers (in that order)."""
