@@ -11,7 +11,8 @@ the clock changes and digests of the initial weights and of the outcome.
 Replaying (:class:`ShardScript`, set as ``ShardState.script``): a shard answers a pull when its
 weights are at the recorded version, holds back wave ``c`` while a pull recorded at version ``c`` is
 unanswered, and applies each wave in the recorded order (BatchNorm buffers averaged in that VW
-order too). The shard's own staleness gate and apply order are then not consulted.
+order too). The shard's own staleness gate and apply order are then not consulted. Why this suffices
+and cannot deadlock: docs/design.md, "Run records and the replay".
 
 File format (JSON, written once by rank 0 from the shard logs every rank gathers at the end)::
 
