@@ -5,9 +5,10 @@ identity and owned by the first layer holding it: it is part of that layer's fla
 so it is one parameter on one PS shard. Every later layer holding it keeps a *replica*
 (see docs/design.md, "Tied weights").
 
-A layer's synchronised buffers are its persistent floating-point buffers (BatchNorm running mean and
-variance), flattened like the weights as float32; they are averaged across VWs at the PS. Other
-buffers (integer counters, non-persistent constants such as causal masks) stay local to each stage.
+A layer's synchronised buffers are its persistent float32 buffers (BatchNorm running mean and
+variance), flattened like the weights; they are averaged across VWs at the PS. Other buffers
+(integer counters, non-persistent constants such as causal masks, other float dtypes) stay local to
+each stage.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from torch import nn
 
 
 def synced_buffers(layer: nn.Module) -> List[Tuple[str, torch.Tensor]]:
-    """The layer's persistent floating-point buffers, in ``named_buffers`` order."""
+    """The layer's persistent float32 buffers, in ``named_buffers`` order (the PS holds float32)."""
     persistent = set(layer.state_dict(keep_vars=True))
-    return [(n, b) for n, b in layer.named_buffers() if n in persistent and b.is_floating_point()]
+    return [(n, b) for n, b in layer.named_buffers() if n in persistent and b.dtype == torch.float32]
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """One pipeline stage's model state: live weights, per-minibatch weight stashes, and WSP wave deltas.
 
-The stage owns layers ``[start, stop)``. Its parameters, flattened layer by layer (each layer's
-``named_parameters()`` order), form the stage's flat vector; the slice owned by PS shard ``k`` is the
+The stage owns layers ``[start, stop)``. The parameters each layer owns (``runtime.layout``),
+flattened layer by layer, form the stage's flat vector; the slice owned by PS shard ``k`` is the
 concatenation of the layers shard ``k`` owns, in layer order — the byte layout of every Push and Pull.
 
 Weight versions (our WSP specification):
@@ -19,6 +19,7 @@ without recomputation bitwise (on CPU).
   to the delta of its wave ``w``; it raises once ``w`` was pushed (``mark_pushed``).
 * ``merge_pull(k, g, W_g)`` sets the shard-``k`` slice of the live weights to
   ``W_g + sum(delta_c for c >= g)`` (increasing c) and forgets the shard-``k`` deltas of waves < g.
+
 Pytree values: a segment's input and output are any pytree of tensors (``runtime.tree``); its
 floating leaves carry gradients. Side inputs (``hetpipe_side_inputs``) are keyword arguments of the
 layers that declare them, given per minibatch to ``forward``.
@@ -27,8 +28,8 @@ Tied parameters (``runtime.layout``): a parameter the stage holds for a layer ou
 replica at the end of the flat vector, never pushed; its gradient is summed with the other holding
 stages' before each Apply (``apply(..., peer_grads)``) and it is pulled from its owner's shard.
 
-Buffers: persistent float buffers (BatchNorm running statistics) live in a second flat vector that is
-pushed and pulled with the weights (``buffers_for``, ``merge_buffers``); the forward updates them
+Buffers: persistent float32 buffers (BatchNorm running statistics) live in a second flat vector,
+pushed and pulled with the weights (``push_payload``, ``merge_pull``); the forward updates them
 once, a recomputed segment reruns on a copy of the buffers its forward saw.
 
 Random state: ``forward(mb)`` runs with the CPU (and device) generator seeded from ``seed``, the
