@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 import numpy as np
 
 from hetpipe.outputs import write_file
+from hetpipe.runtime.build import Outcome, RunSpec
 from hetpipe.runtime.ps import ShardLog, ShardState
 
 FORMAT = "hetpipe-wsp-record"
@@ -50,7 +51,7 @@ class RecordMismatch(ValueError):
     """A record that does not belong to this run, or that the replay cannot follow; names the field."""
 
 
-def run_identity(spec: Any) -> Dict[str, Any]:
+def run_identity(spec: RunSpec) -> Dict[str, Any]:
     """What a record must agree on with the run replaying it (plan, schedules, seed, initial weights)."""
     plan = spec.plan
     return {
@@ -120,12 +121,13 @@ class RunRecord:
     where: str = "record"                                    # the file it came from, for messages
 
     @classmethod
-    def from_logs(cls, spec: Any, shard_logs: Mapping[int, ShardLog], losses: Mapping[int, Mapping[int, float]],
-                  weights: Mapping[int, np.ndarray]) -> "RunRecord":
-        """The record of a finished run, from its shards' logs and its outcome."""
-        shards = {k: ShardRecord.from_log(k, log) for k, log in sorted(shard_logs.items())}
+    def of_run(cls, spec: RunSpec, outcome: Outcome) -> "RunRecord":
+        """The record of a finished run, from its merged outcome (the shards' logs, losses, final
+        weights); call it before the final weights are loaded into the model (its initial weights are
+        part of the run's identity)."""
+        shards = {k: ShardRecord.from_log(k, log) for k, log in sorted(outcome.shard_logs.items())}
         return cls(run_identity(spec), shards,
-                   {"weights_crc32": weights_crc32(weights), "losses_crc32": losses_crc32(losses)})
+                   {"weights_crc32": weights_crc32(outcome.weights), "losses_crc32": losses_crc32(outcome.losses)})
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, "version": VERSION, "run": self.run,
@@ -153,7 +155,7 @@ class RunRecord:
         shards = [ShardRecord.from_dict(s, where) for s in d.get("shards", [])]
         return cls(dict(d.get("run", {})), {s.shard: s for s in shards}, dict(d.get("outcome", {})), where)
 
-    def check(self, spec: Any) -> None:
+    def check(self, spec: RunSpec) -> None:
         """Raise :class:`RecordMismatch` naming the first field where this record and ``spec`` differ."""
         mine = run_identity(spec)
         for key, want in mine.items():

@@ -301,12 +301,12 @@ class Trainer:
         transport.close()
         mine = {**part_outcome(part, plan, spec.layout), "elapsed": elapsed, "trace": trace or []}
         everyone = comm.allgather(mine)
+        if self.record_path is not None and role.rank == 0:
+            RunRecord.of_run(spec, merge_outcomes(everyone)).save(self.record_path)
         outcome = merge_outcomes(everyone)
         result = TrainResult(plan, role.rank, role.describe(), outcome.losses, outcome.weights, outcome.shard_logs,
                              max(m["elapsed"] for m in everyone), outcome.samples,
                              [e for m in everyone for e in m["trace"]], emulated, outcome.buffers)
-        if self.record_path is not None and role.rank == 0:
-            RunRecord.from_logs(spec, outcome.shard_logs, outcome.losses, outcome.weights).save(self.record_path)
         load_layer_weights(self.layers, result.weights, result.buffers)
         if reporter is not None:
             reporter.finish(result, self.trace_path)
