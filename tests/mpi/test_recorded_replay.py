@@ -7,6 +7,8 @@ import pytest
 
 from mpirun import results, run_mpi
 
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+
 # "slow": per VW, the largest sleep (s) before each of the model's two sleeping layers; a VW far slower
 # than the others lets them run ahead to the staleness bound.
 CONFIGS = [
@@ -21,7 +23,6 @@ def recorded(tmp_path_factory):
     return proc, {r["d"]: r for r in results(proc)}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("d", [1, 3])
 def test_recorded_run_replays_bitwise(recorded, d):
     proc, got = recorded
@@ -39,7 +40,6 @@ def test_recorded_run_replays_bitwise(recorded, d):
     assert proc.returncode == 0, proc.stderr
 
 
-@pytest.mark.slow
 def test_d3_reaches_its_staleness_bound(recorded):
     proc, got = recorded
     r = got.get(3)

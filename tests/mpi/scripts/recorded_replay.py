@@ -12,6 +12,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ class Jittered(nn.Module):
         self.inner = inner
         self.rng = np.random.default_rng(1234 + MPI.COMM_WORLD.Get_rank())
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         wait = self.scale.get(MPI.COMM_WORLD.Get_rank(), 0.0) if Jittered.on else 0.0
         if wait and x.device.type != "meta":
             time.sleep(float(self.rng.uniform(0.0, wait)))
@@ -52,7 +53,7 @@ def model() -> nn.Sequential:
                          Jittered(nn.Tanh()), nn.Linear(32, 32), nn.Linear(32, 10))
 
 
-def plan_of(cfg) -> Plan:
+def plan_of(cfg: dict) -> Plan:
     vws = []
     for v, cuts in enumerate(cfg["cuts"]):
         bounds = [0, *cuts, NUM_LAYERS]
@@ -63,18 +64,20 @@ def plan_of(cfg) -> Plan:
     return Plan(NUM_LAYERS, cfg.get("nm", 2), cfg["d"], "manual", tuple(vws), shards)
 
 
-def equal(a, b) -> bool:
+def equal(a: Any, b: Any) -> bool:
+    """Bitwise equal losses, final weights and synced buffers."""
     return (a.losses == b.losses and sorted(a.weights) == sorted(b.weights)
             and all(np.array_equal(a.weights[l], b.weights[l]) for l in a.weights)
             and all(np.array_equal(a.buffers[l], b.buffers[l]) for l in a.buffers))
 
 
-def max_diff(a, b) -> float:
+def max_diff(a: Any, b: Any) -> float:
     diff = max(abs(a.losses[v][p] - b.losses[v][p]) for v in a.losses for p in a.losses[v])
     return max(diff, *(float(np.abs(a.weights[l] - b.weights[l]).max(initial=0.0)) for l in a.weights))
 
 
-def check(cfg, run, record: RunRecord, replayed, plain) -> dict:
+def check(cfg: dict, run: Any, record: RunRecord, replayed: Any, plain: Any) -> dict:
+    """What the test asserts, from the run, its record, and the replays with and without it."""
     d = cfg["d"]
     pulls = [p for s in record.shards.values() for p in s.pulls]
     clocks = [c for s in record.shards.values() for c in s.clocks]
