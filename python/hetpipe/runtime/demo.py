@@ -3,7 +3,8 @@
 Run on every rank: ``mpiexec -n N python -m hetpipe.runtime.demo --plan plan.json --out DIR``
 (``hetpipe demo`` plans, then starts this). Rank 0 prints the test accuracy and the measured
 throughput beside two predictions for the same plan (the planner's cost model and
-``hetpipe.schedule.simulate_plan``), and writes ``DIR/result.json``; the last stage of VW 0 shows
+``hetpipe.schedule.simulate_plan``), and writes ``DIR/result.json`` and the run's WSP record
+``DIR/record.json`` (for ``Trainer.replay(record=...)``); the last stage of VW 0 shows
 progress and writes ``DIR/metrics.jsonl`` and ``DIR/trace.json``. Exits non-zero if training fails
 or the accuracy is below ``--min-accuracy``.
 
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
     model = digits_model()
     trainer = Trainer(model, loss_fn, optimizer, Batches(x_tr, y_tr, args.batch, seed=0), plan=args.plan,
                       epochs=args.epochs, emulation_scale=args.emulation_scale, metrics=out / "metrics.jsonl",
-                      trace=out / "trace.json", progress=not args.no_progress)
+                      trace=out / "trace.json", progress=not args.no_progress, record=out / "record.json")
     result = trainer.fit()
     acc = accuracy(model, x_te, y_te)
     if MPI.COMM_WORLD.Get_rank() == 0:

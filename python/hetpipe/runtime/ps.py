@@ -5,8 +5,9 @@ A shard owns some layers' weights ``W`` (float32, one flat array per layer). Pro
 * Push ``(vw, stage, wave, delta)``: the stage's wave delta for the shard's layers inside the stage.
   A VW's clock at the shard becomes ``c + 1`` once every stage of that VW holding layers of this shard
   has pushed wave ``c`` (waves complete in order). A duplicate push is an error.
-* Wave ``c``'s deltas are applied (``hetpipe_core.apply_delta``; VW 0 first, then 1, ...) exactly when
-  the global clock (min over VWs) passes ``c``; hence ``W`` is always ``W_g``, ``g`` = global clock.
+* Wave ``c``'s deltas are applied (``hetpipe_core.apply_delta``; VW 0 first, then 1, ..., each VW's
+  stages in order) exactly when the global clock (min over VWs) passes ``c``; hence ``W`` is always
+  ``W_g``, ``g`` = global clock (the version: every wave ``< g`` applied). The order is logged.
   ``aggregate="sum"`` adds every VW's delta (HetPipe's rule); ``"mean"`` adds each divided by the
   number of VWs (the step of one VW, as data-parallel SGD averages gradients).
 * Synced buffers (BatchNorm running statistics) ride at the end of each push as the stage's current
@@ -16,7 +17,10 @@ A shard owns some layers' weights ``W`` (float32, one flat array per layer). Pro
   the parameter's slice too (``replicas``), after its own layers' weights; it never pushes it.
 * Pull ``(vw, stage, w)``: queued until ``g >= w - D``, then answered with ``(g, W_g)`` restricted to
   the stage's layers, then its replica slices, then ``B_g`` of its layers. With ``D = 0`` every pull
-  gets ``g = w``: runs are reproducible.
+  gets ``g = w``: runs are reproducible. With ``D >= 1`` the ``g`` a pull gets depends on timing; it is
+  logged, and a replay following a run's record (:mod:`hetpipe.runtime.record`, ``ShardState.script``)
+  gives every pull the recorded ``g`` by holding back the application of wave ``g`` until the pulls
+  recorded at ``g`` are answered.
 * DONE ``(vw, stage, n)``: the stage finished and sent ``n`` pushes here; the shard is finished once
   every stage said DONE and all announced pushes have arrived.
 
@@ -30,13 +34,16 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
 import hetpipe_core
 from hetpipe.runtime.transport import ANY, DONE, PULL, PUSH, WEIGHTS, Header, Transport, slot_bytes, slot_shortage
 from hetpipe.schedule.trace import PS_VW, TraceEvent
+
+if TYPE_CHECKING:
+    from hetpipe.runtime.record import ShardScript
 
 
 class WSPViolation(RuntimeError):
@@ -50,6 +57,8 @@ class ShardLog:
     pushes: List[Tuple[int, int, int]] = field(default_factory=list)      # (vw, stage, wave), arrival order
     clocks: List[Tuple[int, int, int]] = field(default_factory=list)      # (vw, clock_vw, global) after each change
     pulls: List[Tuple[int, int, int, int]] = field(default_factory=list)  # (vw, stage, wave, g) as answered
+    pull_clocks: List[int] = field(default_factory=list)                 # clock_vw of the puller, per pull
+    applied: List[Tuple[int, int, int]] = field(default_factory=list)     # (vw, stage, wave), as applied
     pushed_sum: Dict[int, np.ndarray] = field(default_factory=dict)       # layer -> float64 sum of applied deltas
 
 
@@ -95,6 +104,9 @@ class ShardState:
         # cost as much to fault in as the copy itself).
         self.spare: Dict[int, List[np.ndarray]] = collections.defaultdict(list)
         self.log_sums = log_sums
+        # A replay following a run's record (runtime.record.ShardScript): the version each pull gets and
+        # the order each wave is applied in. None: this shard's own rules (a run, or a plain replay).
+        self.script: Optional["ShardScript"] = None
         if log_sums:
             self.log.pushed_sum = {l: np.zeros(self.W[l].size, dtype=np.float64) for l in self.layers}
 
@@ -169,26 +181,36 @@ class ShardState:
             self._apply_ready()
 
     def _apply_ready(self) -> None:
-        """Apply every wave the global clock has passed, VW by VW in index order (deterministic)."""
+        """Apply every wave the global clock has passed, in VW then stage order (deterministic), or in a
+        script's order; a script holds wave ``c`` back while a pull it gives version ``c`` is unanswered."""
         g = self.global_clock
         while self.applied < g:
             c = self.applied
+            if self.script is not None and self.script.holds(c):
+                return
+            order = self.script.order(c) if self.script is not None else self.apply_order()
             wave = self.pending.pop(c)
-            for vw in range(self.num_vws):
-                for l, delta in sorted(wave[vw].items()):
+            for vw, stage in order:
+                for l in self.stage_layers[vw][stage]:
+                    delta = wave[vw][l]
                     if self._scale > 1:
                         np.divide(delta, np.float32(self._scale), out=delta)
                     hetpipe_core.apply_delta(self.W[l], delta)
                     self.spare[l].append(delta)
-            self._average_buffers(self.pending_buffers.pop(c, {}))
+                self.log.applied.append((vw, stage, c))
+            self._average_buffers(self.pending_buffers.pop(c, {}), list(dict.fromkeys(vw for vw, _ in order)))
             self.applied += 1
             if self.on_applied is not None:
                 self.on_applied(self.applied)
 
-    def _average_buffers(self, values: Dict[int, Dict[int, np.ndarray]]) -> None:
-        """B <- the VWs' average of the buffer values they pushed for one wave (VW order)."""
+    def apply_order(self) -> List[Tuple[int, int]]:
+        """The (vw, stage) pushes of one wave, in the order this shard applies them on its own."""
+        return [(vw, s) for vw in range(self.num_vws) for s in sorted(self.stage_layers[vw])]
+
+    def _average_buffers(self, values: Dict[int, Dict[int, np.ndarray]], vws: Sequence[int]) -> None:
+        """B <- the VWs' average of the buffer values they pushed for one wave (summed in ``vws`` order)."""
         for l in self.layers:
-            pushed = [values[vw][l] for vw in range(self.num_vws) if l in values.get(vw, {})]
+            pushed = [values[vw][l] for vw in vws if l in values.get(vw, {})]
             if not pushed:
                 continue
             if len(pushed) == 1:
@@ -206,14 +228,26 @@ class ShardState:
         self.queued.append((src, vw, stage, wave))
 
     def ready_pulls(self, limit: Optional[int] = None) -> List[Tuple[int, int, int, int]]:
-        """Remove and return the queued pulls the staleness bound now allows, in arrival order (at most
-        ``limit`` of them; the others stay queued)."""
-        g = self.global_clock
-        ready = [q for q in self.queued if q[3] - self.d <= g][:limit]
+        """Remove and return the queued pulls the staleness bound now allows (under a script: those whose
+        recorded version ``W`` now is), in arrival order (at most ``limit`` of them; the others stay
+        queued). Each is answered with ``W_applied``; call :meth:`answered` once their replies are taken."""
+        if self.script is None:
+            ok = lambda q: q[3] - self.d <= self.global_clock  # noqa: E731
+        else:
+            ok = lambda q: self.script.due(q[1], q[2], q[3], self.applied)  # noqa: E731
+        ready = [q for q in self.queued if ok(q)][:limit]
         self.queued = [q for q in self.queued if q not in ready]
         for (_, vw, stage, wave) in ready:
-            self.log.pulls.append((vw, stage, wave, g))
+            self.log.pulls.append((vw, stage, wave, self.applied))
+            self.log.pull_clocks.append(int(self.clock.clock(vw)))
         return ready
+
+    def answered(self, pulls: Sequence[Tuple[int, int, int, int]]) -> None:
+        """The replies of ``pulls`` (from :meth:`ready_pulls`) were taken: a script may release waves."""
+        if self.script is not None and pulls:
+            for (_, vw, stage, wave) in pulls:
+                self.script.served(vw, stage, wave)
+            self._apply_ready()
 
     def snapshot_into(self, vw: int, stage: int, out: np.ndarray) -> None:
         """Copy ``W_g`` of the stage's layers (layer order), its replica slices, then ``B_g`` of its
@@ -287,17 +321,19 @@ class ShardServer:
                 break
             self.done[(msg.header.vw, msg.header.stage)] = msg.header.aux
             progressed = True
-        g = self.state.global_clock
+        g, version = self.state.global_clock, self.state.applied
         # Each reply takes a slot; pulls beyond the free slots stay queued until sends complete.
-        for src, vw, stage, wave in self.state.ready_pulls(limit=self.pool.available()):
+        ready = self.state.ready_pulls(limit=self.pool.available())
+        for src, vw, stage, wave in ready:
             started = time.perf_counter()
             n = self.state.reply_numel(vw, stage)
             slot = self.pool.acquire(max(4 * n, 1), timeout=0)
             self.state.snapshot_into(vw, stage, slot_bytes(slot, 4 * n).view(np.float32))
-            t.send(src, Header(WEIGHTS, vw, stage, wave, g, "float32", (n,), 4 * n), slot)
+            t.send(src, Header(WEIGHTS, vw, stage, wave, version, "float32", (n,), 4 * n), slot)
             if self.trace is not None:
-                self._record("PULL", started, wave, f"pull w{wave} VW {vw}.{stage} (g={g})")
+                self._record("PULL", started, wave, f"pull w{wave} VW {vw}.{stage} (g={version})")
             progressed = True
+        self.state.answered(ready)
         t.progress()
         if (len(self.done) == self.num_stage_ranks and not self.state.queued and t.pending_sends() == 0
                 and all(self.received[k] == n for k, n in self.done.items())):
@@ -312,6 +348,8 @@ class ShardServer:
                 self.blocked_on += f", blocked on {slot_shortage(self.pool)} for pull replies"
             if t.slot_wait:
                 self.blocked_on += f", blocked on {t.slot_wait}"
+            if self.state.script is not None:
+                self.blocked_on += f", {self.state.script.waiting(self.state.applied)}"
         return progressed
 
     def _record(self, kind: str, started: float, wave: int, label: str) -> None:

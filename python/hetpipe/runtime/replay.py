@@ -2,20 +2,25 @@
 
 The reference for the multi-process runtime: the same executor and PS code, connected by a loopback
 transport and stepped round-robin in rank order (each part runs until it blocks). Per-stage
-instruction order is the schedule's, so with ``D = 0`` the numbers equal a real run's bitwise.
+instruction order is the schedule's, so with ``D = 0`` the numbers equal a real run's bitwise. With
+``D >= 1`` the version of the global weights each pull gets depends on timing: given the run's
+record (:mod:`hetpipe.runtime.record`) every shard gives each pull the recorded version and applies
+pushes in the recorded order, so the numbers equal that run's bitwise; without it, they are those of
+one timing (this loop's), not of any particular run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from hetpipe.runtime.build import (RunSpec, Steppable, build_shard, build_stage, merge_outcomes, part_outcome,
                                    shard_pool, stage_pool)
 from hetpipe.runtime.executor import StageExecutor
-from hetpipe.runtime.ps import ShardLog
+from hetpipe.runtime.ps import ShardLog, ShardState
+from hetpipe.runtime.record import RunRecord, ShardScript
 from hetpipe.runtime.transport import LoopbackHub
 
 
@@ -29,12 +34,17 @@ class ReplayResult:
     weights: Dict[int, np.ndarray]                      # layer -> final global weights (flat float32)
     shard_logs: Dict[int, ShardLog]
     buffers: Dict[int, np.ndarray] = field(default_factory=dict)     # layer -> final synced buffers (float32)
+    # Replaying a record: whether the losses and final weights are bitwise the recorded run's.
+    reproduced: Optional[bool] = None
 
 
-def replay_run(spec: RunSpec) -> ReplayResult:
-    """Run ``spec`` to the end in this process (no padding, no MPI)."""
+def replay_run(spec: RunSpec, record: Optional[RunRecord] = None) -> ReplayResult:
+    """Run ``spec`` to the end in this process (no padding, no MPI), following ``record`` if given."""
+    if record is not None:
+        record.check(spec)
     hub = LoopbackHub()
     plan = spec.plan
+    scripted: List[ShardState] = []
     parts: List[Tuple[str, Steppable]] = []
     for vw in plan.virtual_workers:
         for s in range(len(vw.stages)):
@@ -44,7 +54,11 @@ def replay_run(spec: RunSpec) -> ReplayResult:
     for sh in plan.ps_shards:
         pool = shard_pool(spec, sh.index)
         endpoint = hub.endpoint(plan.ps_rank(sh.index), pool)
-        parts.append((f"PS shard {sh.index}", build_shard(spec, sh.index, endpoint, pool)))
+        server = build_shard(spec, sh.index, endpoint, pool)
+        if record is not None:
+            server.state.script = ShardScript(record.shards[sh.index], server.state, record.where)
+            scripted.append(server.state)
+        parts.append((f"PS shard {sh.index}", server))
     while not all(p.finished for _, p in parts):
         progressed = False
         for _, part in parts:
@@ -53,5 +67,8 @@ def replay_run(spec: RunSpec) -> ReplayResult:
         if not progressed and not any(isinstance(p, StageExecutor) and p.wait_for_copies() for _, p in parts):
             stuck = "; ".join(f"{name} waits for {p.blocked_on}" for name, p in parts if not p.finished)
             raise ReplayDeadlock(f"replay: no progress possible: {stuck}")
+    for state in scripted:
+        state.script.check_done(state)
     outcome = merge_outcomes(part_outcome(part, plan, spec.layout) for _, part in parts)
-    return ReplayResult(outcome.losses, outcome.weights, outcome.shard_logs, outcome.buffers)
+    reproduced = record.matches(outcome.losses, outcome.weights) if record is not None else None
+    return ReplayResult(outcome.losses, outcome.weights, outcome.shard_logs, outcome.buffers, reproduced)

@@ -28,6 +28,7 @@ from hetpipe.launch import failure
 from hetpipe.launch.deaths import RUN_DIR_ENV, register_rank
 from hetpipe.launch.mpi import gather_hosts, world
 from hetpipe.launch.roles import LaunchError, Role, check_world, resolve_device, role_of
+from hetpipe.outputs import check_file
 from hetpipe.plan.types import Plan
 from hetpipe.precision import check_precision
 from hetpipe.runtime.build import (RunSpec, as_layers, build_shard, build_stage, drive, infer_boundaries,
@@ -37,6 +38,7 @@ from hetpipe.runtime.data import first_minibatch, minibatches_per_epoch
 from hetpipe.runtime.executor import StageExecutor
 from hetpipe.runtime.layout import ModelLayout
 from hetpipe.runtime.ps import ShardLog
+from hetpipe.runtime.record import RunRecord
 from hetpipe.runtime.replay import ReplayResult, replay_run
 from hetpipe.runtime.transport import MPITransport
 from hetpipe.runtime.tree import batch_of
@@ -161,6 +163,10 @@ class Trainer:
         only at due clocks, and SIGTERM only lets the checkpoint in flight finish.
     seed: seeds every stage's random draws (dropout): micro-batch ``mb`` of stage ``s`` of VW ``v``
         draws from its own generator state, derived from (seed, v, s, mb), in the run and the replay.
+    record: path of the run's record (JSON, written by rank 0 at the end): per PS shard, the order it
+        applied pushes and the global-weights version every pull got, the only things timing decides;
+        ``Trainer(...).replay(record=path)`` then reproduces the run bitwise for any D (see
+        :mod:`hetpipe.runtime.record`).
     """
 
     def __init__(self, model: Union[nn.Module, Sequence[nn.Module]], loss_fn: Callable,
@@ -173,7 +179,8 @@ class Trainer:
                  resume: Union[str, Path, None] = None, checkpoint_on_sigterm: bool = True,
                  metrics: Union[str, Path, None] = None, trace: Union[str, Path, None] = None,
                  progress: bool = True, comm: Any = None, plan_callback: Optional[Callable[[Plan], None]] = None,
-                 aggregate: Optional[str] = None, seed: int = 0, precision: Optional[str] = None):
+                 aggregate: Optional[str] = None, seed: int = 0, precision: Optional[str] = None,
+                 record: Union[str, Path, None] = None):
         self.model = model
         self.layers = as_layers(model)
         self.loss_fn, self.optimizer, self.data = loss_fn, optimizer, data
@@ -200,6 +207,7 @@ class Trainer:
         self.plan_callback = plan_callback
         self.aggregate, self.seed = aggregate, seed
         self.precision = check_precision(precision, "Trainer") if precision is not None else None
+        self.record_path = Path(record) if record else None
         self._describe = "rank ?"
 
     # --- planning ----------------------------------------------------------------------------
@@ -358,12 +366,18 @@ class Trainer:
         return tensors, {"role": "ps", "shard": role.shard, "clocks": clocks, "applied": clock0 + state.applied}
 
     # --- single process ----------------------------------------------------------------------
-    def replay(self) -> ReplayResult:
-        """Run the whole plan in this process over a loopback transport (the reference; no padding)."""
+    def replay(self, record: Union[str, Path, RunRecord, None] = None) -> ReplayResult:
+        """Run the whole plan in this process over a loopback transport (the reference; no padding).
+
+        Equal to a run bitwise at D = 0; at D >= 1 only given that run's ``record`` (a
+        :class:`RunRecord` or its file), whose versions and apply order the PS shards then follow
+        (``ReplayResult.reproduced`` says whether the outcome is bitwise the recorded one)."""
         torch.set_num_threads(1)
+        if record is not None and not isinstance(record, RunRecord):
+            record = RunRecord.load(record)
         plan = self._make_plan()
         spec = self.spec(plan, self._resume(plan))
-        result = replay_run(spec)
+        result = replay_run(spec, record)
         if spec.resume is not None:
             result.losses = resumed_losses(result.losses, spec.resume)
         load_layer_weights(self.layers, result.weights, result.buffers)
@@ -392,6 +406,9 @@ class Trainer:
         plan_text, error = None, None
         if rank == 0:
             try:
+                if self.record_path is not None:
+                    self.record_path.parent.mkdir(parents=True, exist_ok=True)
+                    check_file("record", self.record_path)
                 plan_text = self._make_plan().to_json()
             except Exception as e:  # noqa: BLE001 - relayed to every rank below
                 error = f"planning on rank 0 failed: {type(e).__name__}: {e}"
@@ -462,6 +479,8 @@ class Trainer:
         transport.close()
         mine = {**part_outcome(part, plan, spec.layout), "elapsed": elapsed, "trace": trace or []}
         everyone = comm.allgather(mine)
+        if self.record_path is not None and role.rank == 0:
+            RunRecord.of_run(spec, merge_outcomes(everyone)).save(self.record_path)
         outcome = merge_outcomes(everyone)
         losses, resumed = outcome.losses, {}
         if spec.resume is not None:
