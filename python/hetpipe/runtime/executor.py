@@ -7,31 +7,29 @@ driver polls ``step()`` with a back-off and a deadline; the single-process repla
 
 Thread role: one thread per executor. Lifetime: built once per run, ``finished`` after its stream,
 its pushes' completion and its DONE messages to the PS shards.
+
+The wire codec lives in ``runtime.wire``, the parameter-server client side in ``runtime.ps_client``.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
 from hetpipe.runtime.device_copy import CopyStager
 from hetpipe.runtime.emulation import EmulatedClock
+from hetpipe.runtime.ps_client import PSClient
 from hetpipe.runtime.stage import StageModel
-from hetpipe.runtime.transport import (ACT, DONE, GRAD, KIND_NAMES, PULL, PUSH, TIED, WEIGHTS, DTYPES, Header,
-                                      Transport, slot_bytes, slot_shortage, try_acquire)
+from hetpipe.runtime.transport import ACT, GRAD, KIND_NAMES, TIED, Header, Transport, slot_shortage
 from hetpipe.runtime.tree import Boundary, batch_of, check_message, flatten, halves, pack, to_device, unpack
+from hetpipe.runtime.wire import StageError, payload_tensor, tensor_to_slot, to_wire, value_header
 from hetpipe.schedule.ir import (Apply, Bwd, Fwd, Instr, Pull, Push, Recompute, RecvAct, RecvGrad, Schedule,
                                  SendAct, SendGrad)
 from hetpipe.schedule.trace import TraceEvent
-
-
-class StageError(RuntimeError):
-    """A stage received something it cannot use (wrong shape, dtype or header)."""
 
 
 @dataclass
@@ -98,34 +96,6 @@ class MinibatchFeed:
         return self._shares.pop(mb, 1.0)
 
 
-# The wire name of each torch dtype the transport carries (transport.DTYPES are torch's names).
-_TORCH_DTYPE_NAME = {getattr(torch, name): name for name in DTYPES}
-
-
-def tensor_to_slot(pool, t: torch.Tensor):
-    """Copy ``t`` into a fresh pool slot (device→host when ``t`` is on a GPU); returns (slot, dtype name),
-    or (None, dtype name) when every slot is in use (see :func:`try_acquire`)."""
-    t = t.detach().contiguous()
-    nbytes = t.numel() * t.element_size()
-    slot = try_acquire(pool, nbytes)
-    if slot is not None and nbytes:
-        dst = torch.from_numpy(slot_bytes(slot, nbytes))
-        dst.copy_(t.reshape(-1).view(torch.uint8))
-    return slot, _TORCH_DTYPE_NAME[t.dtype]
-
-
-def _to_wire(leaves: Sequence[torch.Tensor], boundary: Boundary) -> List[torch.Tensor]:
-    """The float32 leaves that ``boundary`` (a wire boundary, see ``tree.on_wire``) carries as
-    bfloat16, rounded to it; every other leaf as it is (a mismatch is still the receiver's error)."""
-    return [t.to(torch.bfloat16) if t.dtype == torch.float32 and leaf.dtype == torch.bfloat16 else t
-            for t, leaf in zip(leaves, boundary.leaves)]
-
-
-def payload_tensor(payload: np.ndarray, dtype: str, shape: Sequence[int], device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(payload).view(getattr(torch, dtype)).reshape(tuple(shape))
-    return t.to(device) if device.type != "cpu" else t
-
-
 class StageExecutor:
     """Executes one stage's stream. See the module docstring for the stepping contract."""
 
@@ -158,8 +128,7 @@ class StageExecutor:
         self.batch_sizes: Dict[int, int] = {}       # minibatch -> samples (set on every stage)
         self._partial_loss: Dict[int, float] = {}   # split minibatch -> weighted loss of its first half
         self._shares: Dict[int, float] = {}         # last stage: micro-batch -> its share of its minibatch
-        self.global_clock = 0                       # g of the latest Pull (min over shards)
-        self.pushes_sent: Dict[int, int] = {k: 0 for k in ctx.all_shard_ranks}
+        self.ps = PSClient(ctx, model, transport, pool, d)
         self.finished = False
         self.blocked_on = ""
         self._recv_act: Dict[int, torch.Tensor] = {}
@@ -167,16 +136,24 @@ class StageExecutor:
         self._outputs: Dict[int, torch.Tensor] = {}
         self._losses_t: Dict[int, torch.Tensor] = {}
         self._in_grads: Dict[int, Optional[torch.Tensor]] = {}
-        self._pull: Optional[Dict[int, Tuple[int, torch.Tensor]]] = None
         self._labels: Dict[int, torch.Tensor] = {}
         self._bwd_started: Dict[int, float] = {}
         self._done_sent = False
-        self._push_sent: Set[int] = set()           # shards the Push in progress already sent to
         # Tied parameters: per peer stage of this VW sharing some, their gradients of each minibatch,
         # sent after its Bwd and summed at its Apply (see StageModel.apply).
         self._tied_peers = sorted({s for k in model.tied_keys for s in model.tied_stages[k]} - {ctx.stage})
         self._tied_out: List[Tuple[int, int, torch.Tensor]] = []      # (peer, mb, flat) not yet sent
         self._tied_in: Dict[Tuple[int, int], torch.Tensor] = {}       # (peer, mb) -> flat received
+
+    @property
+    def global_clock(self) -> int:
+        """g of the latest Pull (the minimum over the shards pulled from)."""
+        return self.ps.global_clock
+
+    @property
+    def pushes_sent(self) -> Dict[int, int]:
+        """PS shard -> the pushes this stage sent to it."""
+        return self.ps.pushes_sent
 
     # --- driver interface ---------------------------------------------------------------------
     def step(self) -> bool:
@@ -201,8 +178,7 @@ class StageExecutor:
             self.blocked_on = f"{slot_shortage(self.pool)} to send tied gradients"
             return progressed
         if not self._done_sent:
-            for k, rank in sorted(self.ctx.all_shard_ranks.items()):
-                self.transport.send(rank, Header(DONE, self.ctx.vw, self.ctx.stage, aux=self.pushes_sent[k]))
+            self.ps.send_done()
             self._done_sent = True
             progressed = True
         self.transport.progress()
@@ -256,7 +232,7 @@ class StageExecutor:
                 raise StageError(f"hetpipe: {self.ctx.who()}: layer {self.model.stop - 1} returned {spec} for "
                                  f"minibatch {instr.mb}, but {self.expect_out.spec} on the first minibatch")
             if self.model.precision == "bf16" and self.expect_out is not None:
-                leaves = _to_wire(leaves, self.expect_out)
+                leaves = to_wire(leaves, self.expect_out)
             if not self._send_value(ACT, instr.peer, instr.mb, leaves):
                 return False
             del self._outputs[instr.mb]
@@ -272,9 +248,9 @@ class StageExecutor:
         elif isinstance(instr, RecvGrad):
             return self._recv(GRAD, instr.peer, instr.mb, self._recv_grad, self._grad_boundary, "gradient")
         elif isinstance(instr, Push):
-            return self._push(instr.wave)
+            return self._ps_step(self.ps.push(instr.wave))
         elif isinstance(instr, Pull):
-            return self._pull_step(instr.wave)
+            return self._ps_step(self.ps.pull(instr.wave))
         else:
             raise StageError(f"hetpipe: {self.ctx.who()} cannot execute {instr!r}")
         return True
@@ -385,19 +361,13 @@ class StageExecutor:
         """Start sending the tensor ``leaves`` of a value to stage ``peer`` as one message (see
         ``runtime.tree``); False (nothing sent) while no pool slot is free."""
         t = pack(leaves, self.model.device)
-        nbytes = t.numel() * t.element_size()
+        header, nbytes = value_header(kind, self.ctx.vw, self.ctx.stage, mb, leaves, t)
         if nbytes > self.pool.slot_bytes:
             p = self._minibatch(mb)
             raise StageError(f"hetpipe: {self.ctx.who()}: the {KIND_NAMES[kind]} of minibatch {p} of VW "
                              f"{self.ctx.vw} is {list(t.shape)} ({nbytes} bytes) but the stage's pinned slots hold "
                              f"{self.pool.slot_bytes} bytes, sized by the first minibatch: minibatches must not "
                              "exceed the first one's size")
-        if len(leaves) == 1:
-            header = Header(kind, self.ctx.vw, self.ctx.stage, mb, -1, _TORCH_DTYPE_NAME[t.dtype], tuple(t.shape),
-                            nbytes)
-        else:
-            batch = int(leaves[0].shape[0]) if leaves else 0
-            header = Header(kind, self.ctx.vw, self.ctx.stage, mb, batch, "uint8", (nbytes,), nbytes)
         if self.stager is not None:
             sent = self.stager.copy_out(t, self.ctx.rank_of_stage(peer), header)
         else:
@@ -434,61 +404,8 @@ class StageExecutor:
         return True
 
     # --- parameter servers ------------------------------------------------------------------------
-    def _push(self, wave: int) -> bool:
-        """Send this stage's wave delta (and synced buffers), shard by shard; the sends overlap the
-        following instructions. False while a shard's payload waits for a free pool slot (the shards
-        already sent are not resent)."""
-        for k in self.model.pushed_shards:
-            if k in self._push_sent:
-                continue
-            rank = self.ctx.all_shard_ranks[k]
-            payload = self.model.push_payload(wave, k)
-            slot, dtype = tensor_to_slot(self.pool, payload)
-            if slot is None:
-                self.blocked_on = f"{slot_shortage(self.pool)} to push wave {wave} to PS shard {k} (rank {rank})"
-                return False
-            self.transport.send(rank, Header(PUSH, self.ctx.vw, self.ctx.stage, -1, wave, dtype,
-                                             tuple(payload.shape), payload.numel() * payload.element_size()), slot)
-            self.pushes_sent[k] += 1
-            self._push_sent.add(k)
-        self._push_sent.clear()
-        self.model.mark_pushed(wave)
-        return True
-
-    def _pull_step(self, wave: int) -> bool:
-        shards = {k: self.ctx.all_shard_ranks[k] for k in self.model.pulled_shards}
-        if not shards:
-            return True
-        if self._pull is None:
-            for k, rank in sorted(shards.items()):
-                self.transport.send(rank, Header(PULL, self.ctx.vw, self.ctx.stage, -1, wave))
-            self._pull = {}
-        for k, rank in sorted(shards.items()):
-            if k in self._pull:
-                continue
-            msg = self.transport.try_recv(rank, WEIGHTS)
-            if msg is None:
-                continue
-            h = msg.header
-            if h.mb != wave or h.vw != self.ctx.vw or h.stage != self.ctx.stage:
-                raise StageError(f"hetpipe: {self.ctx.who()} pulled wave {wave} from PS shard {k}, got a reply "
-                                 f"for wave {h.mb} addressed to VW {h.vw} stage {h.stage}")
-            want = sum(self.model.pull_sizes(k))
-            if h.shape != (want,) or h.dtype != "float32":
-                raise StageError(f"hetpipe: PS shard {k} sent {h.dtype}{list(h.shape)} weights, "
-                                 f"{self.ctx.who()} holds float32[{want}] of its layers")
-            self._pull[k] = (h.aux, payload_tensor(msg.payload, "float32", h.shape, self.model.device))
-        missing = sorted(set(shards) - set(self._pull))
-        if missing:
-            self.blocked_on = (f"the weights of wave {wave} from PS shard(s) {missing} "
-                               f"(rank(s) {[shards[k] for k in missing]})")
-            if self.transport.slot_wait:
-                self.blocked_on += f", blocked on {self.transport.slot_wait}"
-            return False
-        if any(wave - self.d > g for g, _ in self._pull.values()):
-            raise StageError(f"hetpipe: {self.ctx.who()} pulled wave {wave} with D = {self.d} but got "
-                             f"global clocks {[g for g, _ in self._pull.values()]}")
-        self.model.merge_pull(self._pull)
-        self.global_clock = min(g for g, _ in self._pull.values())
-        self._pull = None
-        return True
+    def _ps_step(self, done: bool) -> bool:
+        """A Push or Pull's outcome (see :class:`PSClient`): when it cannot proceed yet, why."""
+        if not done:
+            self.blocked_on = self.ps.blocked_on
+        return done
