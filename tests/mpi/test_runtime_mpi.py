@@ -112,6 +112,8 @@ def test_digits_converges_with_two_vws(tmp_path):
     assert result["test_accuracy"] >= 0.95, result
     lines = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert {l["event"] for l in lines} == {"wave", "epoch", "summary"}
+    summary = next(l for l in lines if l["event"] == "summary")
+    assert summary["transport"] == "mpi-host" and summary["transport_reason"].startswith("mpi-host: "), summary
     trace = json.loads((tmp_path / "out" / "trace.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1, 2}     # 2 VWs, then the PS
     ps = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 2]

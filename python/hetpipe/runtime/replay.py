@@ -21,7 +21,9 @@ from hetpipe.runtime.build import (RunSpec, Steppable, build_shard, build_stage,
 from hetpipe.runtime.executor import StageExecutor
 from hetpipe.runtime.ps import ShardLog, ShardState
 from hetpipe.runtime.record import RunRecord, ShardScript
+from hetpipe.runtime import transports
 from hetpipe.runtime.transport import LoopbackHub
+from hetpipe.runtime.transports import LoopbackPort
 
 
 class ReplayDeadlock(RuntimeError):
@@ -38,6 +40,13 @@ class ReplayResult:
     reproduced: Optional[bool] = None
 
 
+def _endpoint(hub: LoopbackHub, rank: int, pool):
+    """``rank``'s endpoint on ``hub``, opened through the transport registry (the loopback backend)."""
+    port = LoopbackPort(hub, rank)
+    backend, _ = transports.choose([], port)
+    return backend.open(port, pool)
+
+
 def replay_run(spec: RunSpec, record: Optional[RunRecord] = None) -> ReplayResult:
     """Run ``spec`` to the end in this process (no padding, no MPI), following ``record`` if given."""
     if record is not None:
@@ -49,11 +58,11 @@ def replay_run(spec: RunSpec, record: Optional[RunRecord] = None) -> ReplayResul
     for vw in plan.virtual_workers:
         for s in range(len(vw.stages)):
             pool = stage_pool(spec, vw.index, s)
-            endpoint = hub.endpoint(plan.rank_of(vw.index, s), pool)
+            endpoint = _endpoint(hub, plan.rank_of(vw.index, s), pool)
             parts.append((f"VW {vw.index} stage {s}", build_stage(spec, vw.index, s, endpoint, pool)))
     for sh in plan.ps_shards:
         pool = shard_pool(spec, sh.index)
-        endpoint = hub.endpoint(plan.ps_rank(sh.index), pool)
+        endpoint = _endpoint(hub, plan.ps_rank(sh.index), pool)
         server = build_shard(spec, sh.index, endpoint, pool)
         if record is not None:
             server.state.script = ShardScript(record.shards[sh.index], server.state, record.where)

@@ -40,7 +40,7 @@ from hetpipe.runtime.layout import ModelLayout
 from hetpipe.runtime.ps import ShardLog
 from hetpipe.runtime.record import RunRecord
 from hetpipe.runtime.replay import ReplayResult, replay_run
-from hetpipe.runtime.transport import MPITransport
+from hetpipe.runtime import transports
 from hetpipe.runtime.tree import batch_of
 from hetpipe.schedule.trace import TraceEvent, write_chrome_trace
 
@@ -63,6 +63,7 @@ class TrainResult:
     # A resumed run: the checkpoint's path, clock, whether the plan changed, and the losses before the
     # cut (vw -> minibatch -> loss; already merged into ``losses`` when the plan is the same).
     resumed: Dict[str, Any] = field(default_factory=dict)
+    transport: str = ""                             # the transport backend(s) the ranks chose, "+"-joined
 
     @property
     def samples_per_s(self) -> float:
@@ -452,7 +453,8 @@ class Trainer:
             pool = stage_pool(spec, role.vw, role.stage)
         else:
             pool = shard_pool(spec, role.shard)
-        transport = MPITransport(comm, pool)
+        backend, reason = transports.choose([device] if role.kind == "stage" else [], comm)
+        transport = backend.open(comm, pool)
         comm.Barrier()
         t0 = time.perf_counter()
         reporter = None
@@ -477,7 +479,8 @@ class Trainer:
             writer.close()
         elapsed = time.perf_counter() - t0
         transport.close()
-        mine = {**part_outcome(part, plan, spec.layout), "elapsed": elapsed, "trace": trace or []}
+        mine = {**part_outcome(part, plan, spec.layout), "elapsed": elapsed, "trace": trace or [],
+                "transport": backend.name}
         everyone = comm.allgather(mine)
         if self.record_path is not None and role.rank == 0:
             RunRecord.of_run(spec, merge_outcomes(everyone)).save(self.record_path)
@@ -489,10 +492,11 @@ class Trainer:
                        "same_plan": spec.resume.same_plan, "losses": spec.resume.checkpoint.losses()}
         result = TrainResult(plan, role.rank, role.describe(), losses, outcome.weights, outcome.shard_logs,
                              max(m["elapsed"] for m in everyone), outcome.samples,
-                             [e for m in everyone for e in m["trace"]], emulated, outcome.buffers, resumed)
+                             [e for m in everyone for e in m["trace"]], emulated, outcome.buffers, resumed,
+                             "+".join(sorted({m["transport"] for m in everyone})))
         load_layer_weights(self.layers, result.weights, result.buffers)
         if reporter is not None:
-            reporter.finish(result, self.trace_path)
+            reporter.finish(result, self.trace_path, reason)
         return result
 
 
@@ -574,7 +578,7 @@ class _Reporter:
                                      refresh=False)
             self.wave += 1
 
-    def finish(self, result: TrainResult, trace_path: Optional[Path]) -> None:
+    def finish(self, result: TrainResult, trace_path: Optional[Path], transport_reason: str) -> None:
         if self.bar is not None:
             self.bar.close()
         if self.file is not None:
@@ -591,7 +595,9 @@ class _Reporter:
                       for k, log in result.shard_logs.items()}
             self.file.write(json.dumps({"event": "summary", "samples": result.samples, "elapsed_s": result.elapsed_s,
                                         "samples_per_s": result.samples_per_s, "emulated_devices": result.emulated,
-                                        "nm": self.plan.nm, "d": self.plan.d, "final_clocks": clocks}) + "\n")
+                                        "nm": self.plan.nm, "d": self.plan.d, "final_clocks": clocks,
+                                        "transport": result.transport, "transport_reason": transport_reason})
+                            + "\n")
             self.file.close()
         if trace_path is not None:
             trace_path.parent.mkdir(parents=True, exist_ok=True)
