@@ -479,15 +479,16 @@ class StageModel:
         for k, (g, reply) in sorted(pulled.items()):
             nw, nr, nb = self.pull_sizes(k)
             if nw:
-                merged = reply[:nw].clone()
-                for c in sorted(self.deltas):
-                    if c >= g:
-                        merged += self.shard_slice(self.deltas[c], k)
+                span = self.shard_span.get(k)
                 with torch.no_grad():
-                    span = self.shard_span.get(k)
-                    if span is not None:
-                        self._flat[span[0]:span[1]].copy_(merged)
-                    else:
+                    # A contiguous slice is merged in place (same additions, same order: no scratch copy
+                    # of the shard's weights per pull); a scattered one through a merged copy.
+                    merged = self._flat[span[0]:span[1]] if span is not None else torch.empty_like(reply[:nw])
+                    merged.copy_(reply[:nw])
+                    for c in sorted(self.deltas):
+                        if c >= g:
+                            merged += self.shard_slice(self.deltas[c], k)
+                    if span is None:
                         self._flat.index_copy_(0, self.shard_index[k], merged)
             if nr:
                 idx = self.replica_index[k]
