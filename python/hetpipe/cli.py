@@ -213,6 +213,8 @@ def _add_launch_command(sub) -> None:
                         "its device, from the latest checkpoint (attempt k runs in RUN_DIR/attempt-k)")
     p.add_argument("--exclude-device", action="append", default=[], metavar="ID",
                    help="mark a device of the plan failed: resume (--resume) without the VW holding it")
+    p.add_argument("--transport", help="the stage ranks' transport backend, e.g. torch-p2p or mpi-host (sets "
+                                       "HETPIPE_TRANSPORT; default: chosen per pair of stages, reported in the metrics)")
     p.add_argument("script", help="the Python script every rank runs")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
 
@@ -225,6 +227,14 @@ def _run_launch(args) -> int:
 
     if args.timeout is not None:
         os.environ["HETPIPE_TIMEOUT"] = str(args.timeout)
+    if args.transport is not None:
+        from hetpipe.runtime.transports import TRANSPORT_ENV, names
+
+        if args.transport not in names():
+            print(f"hetpipe launch: --transport must be one of {', '.join(names())}, got {args.transport!r}",
+                  file=sys.stderr)
+            return 2
+        os.environ[TRANSPORT_ENV] = args.transport
     try:
         if args.max_restarts or args.resume or args.checkpoint_dir or args.exclude_device or \
                 args.checkpoint_every is not None:

@@ -1,4 +1,5 @@
-"""The transport registry: which backend serves which rank, and that the replay's endpoints carry messages."""
+"""The transport registry: which backend serves which rank (automatic and forced), and that the replay's
+endpoints carry messages."""
 
 import numpy as np
 import pytest
@@ -7,21 +8,52 @@ import torch
 import hetpipe_core
 from hetpipe.runtime import transports
 from hetpipe.runtime.transport import ACT, Header, LoopbackHub, MPITransport, slot_bytes, try_acquire
-from hetpipe.runtime.transports import LoopbackPort
+from hetpipe.runtime.transports import LoopbackPort, TransportChoiceError
 
 
-def test_both_backends_are_registered_and_the_loopback_is_tried_first():
-    assert transports.names()[:2] == ("loopback", "mpi-host")
+def test_the_backends_are_tried_loopback_then_device_to_device_then_pinned_host():
+    assert transports.names()[:3] == ("loopback", "torch-p2p", "mpi-host")
 
 
-def test_an_mpi_communicator_gets_the_pinned_host_backend_with_its_reason():
+def test_an_mpi_communicator_on_cpu_gets_the_pinned_host_backend_with_its_reason():
     from mpi4py import MPI
 
     backend, reason = transports.choose([torch.device("cpu")], MPI.COMM_SELF)
-    assert backend.name == "mpi-host" and backend.open is MPITransport
+    assert backend.name == "mpi-host"
+    assert isinstance(backend.open(MPI.COMM_SELF, hetpipe_core.PinnedBufferPool(1, 64), None), MPITransport)
     assert reason.startswith("mpi-host: ") and "cpu" in reason
     _, shard_reason = transports.choose([], MPI.COMM_SELF)
     assert "PS shard" in shard_reason
+
+
+def test_gloo_serves_a_cpu_stage_only_when_forced():
+    from mpi4py import MPI
+
+    backend, reason = transports.choose([torch.device("cpu")], MPI.COMM_SELF, forced="torch-p2p")
+    assert backend.name == "torch-p2p" and "gloo" in reason and reason.endswith("(forced)")
+
+
+def test_a_cuda_stage_without_nccl_falls_back_automatically_and_a_forced_torch_p2p_says_why():
+    from mpi4py import MPI
+    import torch.distributed as dist
+
+    if dist.is_nccl_available():
+        pytest.skip("this torch build has NCCL")
+    backend, _ = transports.choose([torch.device("cuda", 1)], MPI.COMM_SELF)
+    assert backend.name == "mpi-host"
+    with pytest.raises(TransportChoiceError, match=r"'torch-p2p' cannot serve it: .*cuda:1 needs NCCL"):
+        transports.choose([torch.device("cuda", 1)], MPI.COMM_SELF, forced="torch-p2p")
+
+
+def test_forcing_a_backend_that_cannot_serve_or_does_not_exist_is_refused():
+    from mpi4py import MPI
+
+    with pytest.raises(TransportChoiceError, match="'loopback' cannot serve it: .*single-process replay"):
+        transports.choose([torch.device("cpu")], MPI.COMM_SELF, forced="loopback")
+    with pytest.raises(TransportChoiceError, match="'torch-p2p' cannot serve it: .*PS shard rank has no device"):
+        transports.choose([], MPI.COMM_SELF, forced="torch-p2p")
+    with pytest.raises(TransportChoiceError, match=r"no transport backend named 'ib' \(registered: loopback, "):
+        transports.choose([torch.device("cpu")], MPI.COMM_SELF, forced="ib")
 
 
 def test_a_loopback_port_gets_an_endpoint_that_delivers_to_its_peer():
@@ -31,7 +63,7 @@ def test_a_loopback_port_gets_an_endpoint_that_delivers_to_its_peer():
     for rank, pool in enumerate(pools):
         backend, reason = transports.choose([], LoopbackPort(hub, rank))
         assert backend.name == "loopback" and reason.startswith("loopback: ")
-        ends.append(backend.open(LoopbackPort(hub, rank), pool))
+        ends.append(backend.open(LoopbackPort(hub, rank), pool, None))
     slot = try_acquire(pools[0], 8)
     slot_bytes(slot, 8)[:] = np.arange(8, dtype=np.uint8)
     ends[0].send(1, Header(ACT, 0, 0, 3, -1, "uint8", (8,), 8), slot)
@@ -42,4 +74,4 @@ def test_a_loopback_port_gets_an_endpoint_that_delivers_to_its_peer():
 
 def test_a_duplicate_name_is_refused():
     with pytest.raises(ValueError, match="'mpi-host' is already registered"):
-        transports.register("mpi-host", MPITransport, lambda devices, comm: None)
+        transports.register("mpi-host", MPITransport, lambda devices, comm: transports.Fit(True, ""))

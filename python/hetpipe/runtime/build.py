@@ -20,6 +20,7 @@ import hetpipe_core
 from hetpipe.plan.types import Plan
 from hetpipe.runtime.data import select, vw_minibatches
 from hetpipe.runtime.device_copy import CopyStager
+from hetpipe.runtime.link import StageLink
 from hetpipe.runtime.emulation import EmulatedClock
 from hetpipe.runtime.executor import MinibatchFeed, StageContext, StageExecutor
 from hetpipe.runtime.layout import ModelLayout
@@ -211,13 +212,14 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
     staged = spec.copy_stream if spec.copy_stream is not None else device.type == "cuda"
     emulated = spec.emulated.get(rank, False) and spec.emulation_scale is not None
     clock = EmulatedClock(spec.emulation_scale if emulated else None)
-    return StageExecutor(ctx, layout.streams[stage], model, transport, pool, loss_fn=spec.loss_fn,
+    link = StageLink(transport, pool, device, CopyStager(pool, device) if staged else None)
+    return StageExecutor(ctx, layout.streams[stage], model, link, loss_fn=spec.loss_fn,
                          inputs=inputs, labels=labels,
                          expect_in=on_wire(spec.boundaries[st.start], plan.precision) if stage > 0 else None,
                          expect_out=on_wire(spec.boundaries[st.stop], plan.precision) if stage < num_stages - 1
                          else None,
                          clock=clock, fwd_time=st.fwd_time, bwd_time=st.bwd_time, trace=trace, t0=t0, d=plan.d,
-                         layout=layout, stager=CopyStager(pool, device) if staged else None)
+                         layout=layout)
 
 
 def tied_stages(spec: RunSpec, vw: int) -> Dict[TiedKey, Tuple[int, ...]]:
@@ -230,6 +232,17 @@ def tied_stages(spec: RunSpec, vw: int) -> Dict[TiedKey, Tuple[int, ...]]:
             key = (r.owner, r.owner_name)
             out[key] = tuple(sorted({stage_of[l] for l in spec.layout.holders(*key)}))
     return out
+
+
+def stage_pairs(spec: RunSpec) -> List[Tuple[int, int]]:
+    """The ranks of the stages that exchange messages: neighbours in a VW, and stages sharing tied parameters."""
+    pairs = set()
+    for vw in spec.plan.virtual_workers:
+        rank = [spec.plan.rank_of(vw.index, k) for k in range(len(vw.stages))]
+        pairs.update(zip(rank, rank[1:]))
+        for holders in tied_stages(spec, vw.index).values():
+            pairs.update((rank[a], rank[b]) for a in holders for b in holders if a < b)
+    return sorted(pairs)
 
 
 def flat_weights(layer: nn.Module) -> np.ndarray:

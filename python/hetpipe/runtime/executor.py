@@ -8,7 +8,9 @@ driver polls ``step()`` with a back-off and a deadline; the single-process repla
 Thread role: one thread per executor. Lifetime: built once per run, ``finished`` after its stream,
 its pushes' completion and its DONE messages to the PS shards.
 
-The wire codec lives in ``runtime.wire``, the parameter-server client side in ``runtime.ps_client``.
+Every message goes through the stage's :class:`StageLink` (``runtime.link``), which moves tensors
+device to device or through pinned slots as the rank's transport backend allows. The wire codec
+lives in ``runtime.wire``, the parameter-server client side in ``runtime.ps_client``.
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch.utils import _pytree as pytree
 
-from hetpipe.runtime.device_copy import CopyStager
 from hetpipe.runtime.emulation import EmulatedClock
+from hetpipe.runtime.link import StageLink
 from hetpipe.runtime.ps_client import PSClient
 from hetpipe.runtime.stage import StageModel
-from hetpipe.runtime.transport import ACT, GRAD, KIND_NAMES, TIED, Header, Transport, slot_shortage
+from hetpipe.runtime.transport import ACT, GRAD, KIND_NAMES, TIED, Header
 from hetpipe.runtime.tree import Boundary, batch_of, check_message, flatten, halves, pack, to_device, unpack
-from hetpipe.runtime.wire import StageError, payload_tensor, tensor_to_slot, to_wire, value_header
+from hetpipe.runtime.wire import StageError, to_wire, value_header
 from hetpipe.schedule.ir import (Apply, Bwd, Fwd, Instr, Pull, Push, Recompute, RecvAct, RecvGrad, Schedule,
                                  SendAct, SendGrad)
 from hetpipe.schedule.trace import TraceEvent
@@ -99,19 +101,16 @@ class MinibatchFeed:
 class StageExecutor:
     """Executes one stage's stream. See the module docstring for the stepping contract."""
 
-    def __init__(self, ctx: StageContext, stream: Sequence[Instr], model: StageModel, transport: Transport, pool, *,
+    def __init__(self, ctx: StageContext, stream: Sequence[Instr], model: StageModel, link: StageLink, *,
                  loss_fn: Optional[Callable] = None, inputs: Optional[MinibatchFeed] = None,
                  labels: Optional[MinibatchFeed] = None, expect_in: Optional[Boundary] = None,
                  expect_out: Optional[Boundary] = None, clock: Optional[EmulatedClock] = None,
                  fwd_time: float = 0.0, bwd_time: float = 0.0, trace: Optional[List[TraceEvent]] = None,
-                 t0: float = 0.0, d: int = 0, layout: Optional[Schedule] = None,
-                 stager: Optional[CopyStager] = None) -> None:
+                 t0: float = 0.0, d: int = 0, layout: Optional[Schedule] = None) -> None:
         self.ctx, self.stream, self.model = ctx, list(stream), model
         # Micro-batch arithmetic of the stream (split start-up); None: micro-batch j is minibatch j.
         self.layout = layout
-        # Activations and gradients cross the host boundary on this copy stream (None: inline copies).
-        self.stager = stager
-        self.transport, self.pool = transport, pool
+        self.link = link
         self.loss_fn, self.inputs, self.labels = loss_fn, inputs, labels
         self.expect_in, self.expect_out = expect_in, expect_out
         self._grad_boundary = expect_out.grad_boundary() if expect_out is not None else None
@@ -128,7 +127,7 @@ class StageExecutor:
         self.batch_sizes: Dict[int, int] = {}       # minibatch -> samples (set on every stage)
         self._partial_loss: Dict[int, float] = {}   # split minibatch -> weighted loss of its first half
         self._shares: Dict[int, float] = {}         # last stage: micro-batch -> its share of its minibatch
-        self.ps = PSClient(ctx, model, transport, pool, d)
+        self.ps = PSClient(ctx, model, link, d)
         self.finished = False
         self.blocked_on = ""
         self._recv_act: Dict[int, torch.Tensor] = {}
@@ -158,31 +157,30 @@ class StageExecutor:
     # --- driver interface ---------------------------------------------------------------------
     def step(self) -> bool:
         """Run instructions until blocked or finished; True if anything happened."""
-        self.transport.progress()
-        progressed = self._drain_copies()
+        progressed = self.link.progress()
         progressed = self._send_tied() or progressed
         while self.pc < len(self.stream):
             instr = self.stream[self.pc]
             started = time.perf_counter()
             if not self._execute(instr):
-                return self._drain_copies() or progressed
+                return self.link.progress() or progressed
             if self.trace is not None:
                 self._record(instr, started)
             self.pc += 1
             progressed = True
-            self._drain_copies()
-        if self.stager is not None and self.stager.pending():
+            self.link.progress()
+        if self.link.copies_pending():
             self.blocked_on = "its device copies"
-            return self._drain_copies() or progressed
+            return self.link.progress() or progressed
         if self._tied_out:
-            self.blocked_on = f"{slot_shortage(self.pool)} to send tied gradients"
+            self.blocked_on = f"{self.link.waiting_for} to send tied gradients"
             return progressed
         if not self._done_sent:
             self.ps.send_done()
             self._done_sent = True
             progressed = True
-        self.transport.progress()
-        if self.transport.pending_sends():
+        self.link.progress()
+        if self.link.pending_sends():
             self.blocked_on = "completion of its outgoing messages"
             return progressed
         if not self.finished:
@@ -192,21 +190,7 @@ class StageExecutor:
 
     def wait_for_copies(self) -> bool:
         """Block (without spinning) until this stage's enqueued copies completed; False if there were none."""
-        if self.stager is None or not self.stager.pending():
-            return False
-        self.stager.stream.synchronize()
-        return True
-
-    def _drain_copies(self) -> bool:
-        """Send the outgoing copies that completed, release finished incoming ones; True if any was sent."""
-        if self.stager is None:
-            return False
-        sent = False
-        for dest, header, slot in self.stager.ready_sends():
-            self.transport.send(dest, header, slot)
-            sent = True
-        self.stager.poll()
-        return sent
+        return self.link.wait_for_copies()
 
     def _record(self, instr: Instr, started: float) -> None:
         mb = getattr(instr, "mb", -1)
@@ -330,11 +314,9 @@ class StageExecutor:
         sent = False
         while self._tied_out:
             peer, mb, flat = self._tied_out[0]
-            slot, dtype = tensor_to_slot(self.pool, flat)
-            if slot is None:
+            header = Header(TIED, self.ctx.vw, self.ctx.stage, mb, -1, "float32", tuple(flat.shape), flat.numel() * 4)
+            if not self.link.send(self.ctx.rank_of_stage(peer), header, flat):
                 return sent
-            self.transport.send(self.ctx.rank_of_stage(peer), Header(TIED, self.ctx.vw, self.ctx.stage, mb, -1, dtype,
-                                                                     tuple(flat.shape), flat.numel() * 4), slot)
             self._tied_out.pop(0)
             sent = True
         return sent
@@ -346,12 +328,12 @@ class StageExecutor:
         micros = tuple(self.layout.micros_of(p)) if self.layout is not None else (p,)
         for peer in self._tied_peers:
             while any((peer, m) not in self._tied_in for m in micros):
-                msg = self.transport.try_recv(self.ctx.rank_of_stage(peer), TIED)
-                if msg is None:
+                got = self.link.try_recv(self.ctx.rank_of_stage(peer), TIED)
+                if got is None:
                     self.blocked_on = f"the tied-parameter gradients of minibatch {p} from {self.ctx.who(peer)}"
                     return False
-                h = msg.header
-                self._tied_in[(peer, h.mb)] = payload_tensor(msg.payload, "float32", h.shape, self.model.device)
+                h, flat = got
+                self._tied_in[(peer, h.mb)] = flat
         peer_grads = {peer: [self._tied_in.pop((peer, m)) for m in micros] for peer in self._tied_peers}
         self.model.apply(micros, p // self.model.nm, peer_grads)
         return True
@@ -362,32 +344,28 @@ class StageExecutor:
         ``runtime.tree``); False (nothing sent) while no pool slot is free."""
         t = pack(leaves, self.model.device)
         header, nbytes = value_header(kind, self.ctx.vw, self.ctx.stage, mb, leaves, t)
-        if nbytes > self.pool.slot_bytes:
+        dest = self.ctx.rank_of_stage(peer)
+        limit = self.link.slot_limit(dest)
+        if limit is not None and nbytes > limit:
             p = self._minibatch(mb)
             raise StageError(f"hetpipe: {self.ctx.who()}: the {KIND_NAMES[kind]} of minibatch {p} of VW "
                              f"{self.ctx.vw} is {list(t.shape)} ({nbytes} bytes) but the stage's pinned slots hold "
-                             f"{self.pool.slot_bytes} bytes, sized by the first minibatch: minibatches must not "
+                             f"{limit} bytes, sized by the first minibatch: minibatches must not "
                              "exceed the first one's size")
-        if self.stager is not None:
-            sent = self.stager.copy_out(t, self.ctx.rank_of_stage(peer), header)
-        else:
-            slot, _ = tensor_to_slot(self.pool, t)
-            sent = slot is not None
-            if sent:
-                self.transport.send(self.ctx.rank_of_stage(peer), header, slot)
+        sent = self.link.send(dest, header, t)
         if not sent:
-            self.blocked_on = (f"{slot_shortage(self.pool)} to send the {KIND_NAMES[kind]} of minibatch {mb} "
+            self.blocked_on = (f"{self.link.waiting_for} to send the {KIND_NAMES[kind]} of minibatch {mb} "
                                f"to {self.ctx.who(peer)}")
         return sent
 
     def _recv(self, kind: int, peer: int, mb: int, into: Dict[int, Any], expect: Boundary, what: str) -> bool:
-        msg = self.transport.try_recv(self.ctx.rank_of_stage(peer), kind, keep_slot=self.stager is not None)
-        if msg is None:
+        got = self.link.try_recv(self.ctx.rank_of_stage(peer), kind)
+        if got is None:
             self.blocked_on = f"the {what} of minibatch {mb} from {self.ctx.who(peer)}"
-            if self.transport.slot_wait:
-                self.blocked_on += f", blocked on {self.transport.slot_wait}"
+            if self.link.waiting_for:
+                self.blocked_on += f", blocked on {self.link.waiting_for}"
             return False
-        h = msg.header
+        h, buf = got
         if h.vw != self.ctx.vw or h.stage != peer or h.mb != mb:
             raise StageError(f"hetpipe: {self.ctx.who()} expected the {what} of minibatch {mb} from "
                              f"{self.ctx.who(peer)}, got one for minibatch {h.mb} from VW {h.vw} stage {h.stage}")
@@ -395,10 +373,6 @@ class StageExecutor:
         if problem is not None:
             raise StageError(f"hetpipe: shape mismatch between {self.ctx.who(peer)} and {self.ctx.who()}: the "
                              f"{what} of minibatch {mb} {problem}")
-        if self.stager is not None:
-            buf = self.stager.copy_in(msg, getattr(torch, h.dtype))
-        else:
-            buf = payload_tensor(msg.payload, h.dtype, h.shape, self.model.device)
         leaves = unpack(buf, expect, h.shape[0] if len(expect.leaves) == 1 else h.aux)
         into[mb] = pytree.tree_unflatten(leaves, expect.spec) if kind == ACT else leaves
         return True

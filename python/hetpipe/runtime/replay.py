@@ -44,7 +44,7 @@ def _endpoint(hub: LoopbackHub, rank: int, pool):
     """``rank``'s endpoint on ``hub``, opened through the transport registry (the loopback backend)."""
     port = LoopbackPort(hub, rank)
     backend, _ = transports.choose([], port)
-    return backend.open(port, pool)
+    return backend.open(port, pool, None)
 
 
 def replay_run(spec: RunSpec, record: Optional[RunRecord] = None) -> ReplayResult:

@@ -32,7 +32,8 @@ from hetpipe.outputs import check_file
 from hetpipe.plan.types import Plan
 from hetpipe.precision import check_precision
 from hetpipe.runtime.build import (RunSpec, as_layers, build_shard, build_stage, drive, infer_boundaries,
-                                   load_layer_weights, merge_outcomes, part_outcome, shard_pool, stage_pool)
+                                   load_layer_weights, merge_outcomes, part_outcome, shard_pool, stage_pairs,
+                                   stage_pool)
 from hetpipe.runtime import checkpoint as ckpt
 from hetpipe.runtime.data import first_minibatch, minibatches_per_epoch
 from hetpipe.runtime.executor import StageExecutor
@@ -168,6 +169,11 @@ class Trainer:
         applied pushes and the global-weights version every pull got, the only things timing decides;
         ``Trainer(...).replay(record=path)`` then reproduces the run bitwise for any D (see
         :mod:`hetpipe.runtime.record`).
+    transport: the transport backend of the stage ranks ("torch-p2p", "mpi-host"; default
+        HETPIPE_TRANSPORT, set by ``hetpipe launch --transport``); None: chosen per pair of stages
+        (torch-p2p between GPUs with NCCL, else mpi-host; PS shards always use mpi-host). A forced
+        backend that cannot serve a stage rank fails the job naming the rank, its device and why.
+        ``TrainResult.transport`` and the metrics summary report the choice.
     """
 
     def __init__(self, model: Union[nn.Module, Sequence[nn.Module]], loss_fn: Callable,
@@ -181,7 +187,7 @@ class Trainer:
                  metrics: Union[str, Path, None] = None, trace: Union[str, Path, None] = None,
                  progress: bool = True, comm: Any = None, plan_callback: Optional[Callable[[Plan], None]] = None,
                  aggregate: Optional[str] = None, seed: int = 0, precision: Optional[str] = None,
-                 record: Union[str, Path, None] = None):
+                 record: Union[str, Path, None] = None, transport: Optional[str] = None):
         self.model = model
         self.layers = as_layers(model)
         self.loss_fn, self.optimizer, self.data = loss_fn, optimizer, data
@@ -209,6 +215,7 @@ class Trainer:
         self.aggregate, self.seed = aggregate, seed
         self.precision = check_precision(precision, "Trainer") if precision is not None else None
         self.record_path = Path(record) if record else None
+        self.transport = transport or os.environ.get(transports.TRANSPORT_ENV) or None
         self._describe = "rank ?"
 
     # --- planning ----------------------------------------------------------------------------
@@ -453,8 +460,12 @@ class Trainer:
             pool = stage_pool(spec, role.vw, role.stage)
         else:
             pool = shard_pool(spec, role.shard)
-        backend, reason = transports.choose([device] if role.kind == "stage" else [], comm)
-        transport = backend.open(comm, pool)
+        try:
+            opened = transports.open_rank(comm, pool, device if role.kind == "stage" else None, stage_pairs(spec),
+                                          forced=self.transport, timeout_s=self.timeout, who=role.describe())
+        except transports.TransportChoiceError as e:
+            raise LaunchError(str(e)) from None
+        transport, reason = opened.transport, opened.reason
         comm.Barrier()
         t0 = time.perf_counter()
         reporter = None
@@ -480,7 +491,7 @@ class Trainer:
         elapsed = time.perf_counter() - t0
         transport.close()
         mine = {**part_outcome(part, plan, spec.layout), "elapsed": elapsed, "trace": trace or [],
-                "transport": backend.name}
+                "transport": opened.name}
         everyone = comm.allgather(mine)
         if self.record_path is not None and role.rank == 0:
             RunRecord.of_run(spec, merge_outcomes(everyone)).save(self.record_path)

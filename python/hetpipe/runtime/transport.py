@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Deque, Dict, FrozenSet, List, Optional, Tuple
 
 import numpy as np
 
@@ -118,10 +118,14 @@ def slot_bytes(slot, nbytes: int) -> np.ndarray:
 
 
 class Transport:
-    """Interface of a rank's endpoint. ``pool`` stages payloads; ``rank`` is this endpoint's address."""
+    """Interface of a rank's endpoint. ``pool`` stages payloads; ``rank`` is this endpoint's address.
+
+    ``device_peers``: the ranks this endpoint sends and receives tensors to and from directly
+    (``send_tensor`` / ``try_recv_tensor``, no pool slot); empty for a transport of pinned slots only."""
 
     rank: int
     slot_wait: str = ""
+    device_peers: FrozenSet[int] = frozenset()
 
     def send(self, dest: int, header: Header, slot=None) -> None:
         """Start sending ``header`` (and the first ``header.nbytes`` of ``slot``) to ``dest``; never blocks.
@@ -144,6 +148,14 @@ class Transport:
 
     def close(self) -> None:
         """Give back everything still held. Call after ``pending_sends() == 0``."""
+
+    def send_tensor(self, dest: int, header: Header, t) -> None:
+        """Start sending tensor ``t`` to ``dest``, one of ``device_peers``; never blocks."""
+        raise TransportError(f"transport: rank {self.rank} has no tensor channel to rank {dest}")
+
+    def try_recv_tensor(self, src: int, kind: int):
+        """The next ``kind`` message from ``src`` (one of ``device_peers``) as ``(header, tensor)``, or None."""
+        raise TransportError(f"transport: rank {self.rank} has no tensor channel from rank {src}")
 
 
 class MPITransport(Transport):
