@@ -1,0 +1,67 @@
+"""The torch-p2p backend (gloo between CPU stages) against mpi-host and the single-process replay.
+
+Per configuration: the same plan trained twice under mpiexec, once per forced backend, and replayed
+in one process; prints one ``RESULT {json}`` line per configuration (from the plan's rank 0) with
+whether the losses, final weights and synced buffers are bitwise equal, each run's reported
+transport, and the torch-p2p run's metrics summary.
+
+Usage: mpiexec -n N python transport_equal.py RUNDIR '[{"model": "mlp", "cuts": [3], "nm": 2}, ...]'
+Optional keys: ``vws: 2`` (two VWs cut alike), ``copy_stream`` (pushes, pulls and mpi-host payloads
+through the copy stream: the core's CPU stream here).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+import real_models as rm
+from common import cross_entropy, mlp, one_vw_plan, sgd, split_world, synthetic, two_vw_plan
+from hetpipe.runtime.trainer import Trainer
+
+MODELS = {"mlp": (mlp, synthetic, cross_entropy), "tied": (rm.tied_mlp, synthetic, rm.tied_loss),
+          "pytree": (rm.pytree_model, rm.DictBatches, cross_entropy)}
+
+
+def _equal(a, b) -> bool:
+    return a.losses == b.losses and sorted(a.weights) == sorted(b.weights) and all(
+        np.array_equal(a.weights[l], b.weights[l]) and np.array_equal(a.buffers[l], b.buffers[l]) for l in b.weights)
+
+
+def main() -> int:
+    ok = True
+    run_dir = Path(sys.argv[1])
+    for i, cfg in enumerate(json.loads(sys.argv[2])):
+        make, data, loss = MODELS[cfg["model"]]
+        n = len(make())
+        if cfg.get("vws", 1) == 2:
+            plan = two_vw_plan((cfg["cuts"], cfg["cuts"]), (0.0, 0.0), nm=cfg["nm"], d=0, num_layers=n)
+        else:
+            plan = one_vw_plan(cfg["cuts"], cfg["nm"], 0, num_layers=n)
+        sub = split_world(plan.num_ranks)
+        if sub is None:
+            MPI.COMM_WORLD.Barrier()
+            continue
+        metrics = run_dir / f"metrics-{i}.jsonl"
+        runs = {name: Trainer(make(), loss, sgd(), data(), plan=plan, epochs=2, progress=False, comm=sub,
+                              copy_stream=cfg.get("copy_stream"), transport=name,
+                              metrics=metrics if name == "torch-p2p" else None).fit()
+                for name in ("torch-p2p", "mpi-host")}
+        if sub.Get_rank() == 0:
+            ref = Trainer(make(), loss, sgd(), data(), plan=plan, epochs=2).replay()
+            res = {**cfg, "p2p_equals_replay": _equal(runs["torch-p2p"], ref),
+                   "p2p_equals_mpi_host": _equal(runs["torch-p2p"], runs["mpi-host"]),
+                   "transports": {name: r.transport for name, r in runs.items()},
+                   "summary": json.loads(metrics.read_text().splitlines()[-1]),
+                   "minibatches": len(ref.losses[0])}
+            ok = ok and res["p2p_equals_replay"] and res["p2p_equals_mpi_host"]
+            print("RESULT " + json.dumps(res), flush=True)
+        sub.Free()
+        MPI.COMM_WORLD.Barrier()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
