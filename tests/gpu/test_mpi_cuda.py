@@ -1,10 +1,12 @@
-"""The multi-process runtime with its stages on a real CUDA device, under mpiexec: activations and
-gradients cross ranks through pinned slots and the copy stream, and the run trains like the CPU
-replay of the same plan (to float tolerance: cuBLAS and the CPU sum in different orders)."""
+"""The multi-process runtime with its stages on real CUDA devices, under mpiexec: activations and
+gradients cross ranks through pinned slots and the copy stream (stages sharing one GPU) or GPU to GPU
+over NCCL (torch-p2p, one GPU per stage), and the run trains like the CPU replay of the same plan
+(to float tolerance: cuBLAS and the CPU sum in different orders)."""
 
 import json
 
 import pytest
+import torch
 
 from mpirun import mpiexec, results, run_mpi
 
@@ -26,4 +28,21 @@ def test_cuda_stages_train_like_cpu_replay(cfg):
     r = got[0]
     assert r["cuda"] and r["trained"], r
     assert r["minibatches"] == r["expected"], r
+    assert r["loss_diff"] < 1e-4 and r["weight_diff"] < 1e-4, r
+    assert r["transport"] == "mpi-host", r     # NCCL cannot join two ranks of one GPU: the edge stays on MPI
+
+
+@pytest.mark.parametrize("transport", [None, "torch-p2p"])
+def test_stages_on_two_gpus_go_gpu_to_gpu_over_nccl(transport):
+    if mpiexec() is None:
+        pytest.fail("no mpiexec beside this Python nor on PATH")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    cfg = {"cuts": [3], "nm": 2, "d": 0, "gpu_per_stage": True, "transport": transport}
+    proc = run_mpi(3, "on_cuda.py", json.dumps(cfg), timeout=300)
+    got = results(proc)
+    assert proc.returncode == 0 and len(got) == 1, f"{proc.stdout}\n{proc.stderr}"
+    r = got[0]
+    assert r["transport"] == "mpi-host+torch-p2p", r     # chosen automatically between two GPUs
+    assert r["minibatches"] == r["expected"] and r["trained"], r
     assert r["loss_diff"] < 1e-4 and r["weight_diff"] < 1e-4, r

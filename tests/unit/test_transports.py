@@ -75,3 +75,18 @@ def test_a_loopback_port_gets_an_endpoint_that_delivers_to_its_peer():
 def test_a_duplicate_name_is_refused():
     with pytest.raises(ValueError, match="'mpi-host' is already registered"):
         transports.register("mpi-host", MPITransport, lambda devices, comm: transports.Fit(True, ""))
+
+
+def test_a_channel_uses_torch_p2p_only_between_ranks_of_one_kind_on_different_gpus():
+    from hetpipe.runtime.transports import RankChoice, unjoinable
+
+    def rank(device: str, host: str = "n0", backend: str = "torch-p2p"):
+        flavour = None if backend != "torch-p2p" else ("nccl" if device.startswith("cuda") else "gloo")
+        return RankChoice(None, backend, flavour, device, host)
+
+    assert unjoinable(rank("cuda:0"), rank("cuda:1")) == ""
+    assert unjoinable(rank("cuda:0"), rank("cuda:0", host="n1")) == ""
+    assert unjoinable(rank("cpu"), rank("cpu")) == ""
+    assert "one GPU (cuda:0 of n0)" in unjoinable(rank("cuda:0"), rank("cuda:0"))
+    assert "not nccl with gloo" in unjoinable(rank("cuda:0"), rank("cpu"))
+    assert unjoinable(rank("cuda:0"), rank("cpu", backend="mpi-host")) == "one uses mpi-host"

@@ -10,18 +10,19 @@ GPUs, automatic; gloo between CPU stages, when forced) and ``mpi-host`` (pinned-
 
 :func:`open_rank` is the collective every rank of a job calls: the ranks' choices are gathered, a
 channel between two stage ranks uses torch-p2p when both chose it with the same torch.distributed
-backend (else that edge stays on mpi-host), and PS shard ranks always use mpi-host (they have no
-device). See docs/design.md, "Transports".
+backend and, for NCCL, are not ranks of one GPU (else that edge stays on mpi-host); PS shard ranks
+always use mpi-host (they have no device). See docs/design.md, "Transports".
 """
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from hetpipe.runtime.torch_groups import Channels, flavour_for, job_channels, open_channels
+from hetpipe.runtime.torch_groups import NCCL, Channels, flavour_for, job_channels, open_channels
 from hetpipe.runtime.torch_p2p import TorchP2PTransport
 from hetpipe.runtime.transport import LoopbackHub, MPITransport, Transport
 
@@ -114,42 +115,65 @@ def open_rank(comm, pool, device: Optional[torch.device], pairs: Sequence[Tuple[
     shard ranks stay on mpi-host); who: this rank in error messages. Raises
     :class:`TransportChoiceError` on every rank, listing each rank a forced backend cannot serve."""
     devices = [device] if device is not None else []
-    problem, name, flavour = None, MPI_HOST, None
+    problem, name, flavour, reason = None, MPI_HOST, None, ""
     try:
         backend, reason = choose(devices, comm, forced if device is not None else None)
         name = backend.name
         if name == TORCH_P2P:
             flavour = flavour_for(device)[0]
     except TransportChoiceError as e:
-        problem, reason = f"{who or f'rank {comm.Get_rank()}'} on {device or 'no device'}: {e}", ""
-    everyone = comm.allgather((problem, name, flavour, str(device)))
-    problems = [p for p, _, _, _ in everyone if p]
-    if forced == TORCH_P2P:
-        problems += [f"ranks {a} ({everyone[a][3]}) and {b} ({everyone[b][3]}) exchange tensors but use "
-                     f"{everyone[a][2]} and {everyone[b][2]}: torch-p2p joins stages of one kind of device"
-                     for a, b in sorted({tuple(sorted(p)) for p in pairs})
-                     if everyone[a][2] != everyone[b][2]]
+        problem = f"{who or f'rank {comm.Get_rank()}'} on {device or 'no device'}: {e}"
+    everyone = [RankChoice(*c) for c in comm.allgather((problem, name, flavour, str(device), socket.gethostname()))]
+    problems = [c.problem for c in everyone if c.problem]
+    if forced == TORCH_P2P and not problems:
+        problems = [f"ranks {a} ({everyone[a].device}) and {b} ({everyone[b].device}) exchange tensors but "
+                    f"{why}" for a, b in sorted({tuple(sorted(p)) for p in pairs})
+                    for why in [unjoinable(everyone[a], everyone[b])] if why]
     if problems:
         raise TransportChoiceError("hetpipe: transport: " + "; ".join(problems))
     rank = comm.Get_rank()
-    channels: List[Channels] = []
-    for fl in sorted({f for _, n, f, _ in everyone if n == TORCH_P2P}):
-        edges = [c for c in job_channels(pairs) if all(everyone[r][1] == TORCH_P2P and everyone[r][2] == fl for r in c)]
-        opened = open_channels(comm, edges, fl, device if flavour == fl else torch.device("cpu"), timeout_s)
+    edges = [c for c in job_channels(pairs) if not unjoinable(everyone[c[0]], everyone[c[1]])]
+    channels: Optional[Channels] = None
+    for fl in sorted({c.flavour for c in everyone if c.flavour}):
+        # Collective, one flavour after the other in one order on every rank.
+        opened = open_channels(comm, [c for c in edges if everyone[c[0]].flavour == fl], fl,
+                               device if flavour == fl else torch.device("cpu"), timeout_s)
         if opened.groups:
-            channels.append(opened)
-    if channels:
-        mine = channels[0]
-        peers = mine.peers()
-        staying = sorted({b for a, b in job_channels(pairs) if a == rank} - set(peers))
-        reason += f"; to rank(s) {peers}" + (f", pinned-host MPI to stage rank(s) {staying}" if staying else "") + \
-            "; PS traffic over pinned-host MPI"
-        return Opened(_BACKENDS[TORCH_P2P].open(comm, pool, mine), TORCH_P2P, reason)
+            channels = opened
+    stage_peers = sorted({b for a, b in job_channels(pairs) if a == rank})
+    if channels is not None:
+        peers = channels.peers()
+        staying = sorted(set(stage_peers) - set(peers))
+        reason += f"; to stage rank(s) {peers}" + (f", pinned-host MPI to stage rank(s) {staying}" if staying else "") \
+            + "; PS traffic over pinned-host MPI"
+        return Opened(_BACKENDS[TORCH_P2P].open(comm, pool, channels), TORCH_P2P, reason)
     if name == TORCH_P2P:
-        reason = (f"mpi-host: pinned-host slots over MPI; torch-p2p would serve {device} but no peer stage "
-                  "uses the same torch.distributed backend")
+        why = "; ".join(f"rank {p}: {unjoinable(everyone[rank], everyone[p])}" for p in stage_peers) or "no peer stage"
+        reason = f"mpi-host: pinned-host slots over MPI; torch-p2p would serve {device} but not its peers ({why})"
         name = MPI_HOST
     return Opened(_BACKENDS[name].open(comm, pool, None), name, reason)
+
+
+@dataclass(frozen=True)
+class RankChoice:
+    """What a rank chose, as gathered by :func:`open_rank`."""
+
+    problem: Optional[str]
+    backend: str
+    flavour: Optional[str]
+    device: str
+    host: str
+
+
+def unjoinable(a: RankChoice, b: RankChoice) -> str:
+    """Why a channel between two ranks cannot use torch-p2p ("" when it can)."""
+    if a.backend != TORCH_P2P or b.backend != TORCH_P2P:
+        return f"one uses {a.backend if a.backend != TORCH_P2P else b.backend}"
+    if a.flavour != b.flavour:
+        return f"torch-p2p joins stages of one kind of device, not {a.flavour} with {b.flavour}"
+    if a.flavour == NCCL and a.host == b.host and a.device == b.device:
+        return f"NCCL cannot join two ranks on one GPU ({a.device} of {a.host})"
+    return ""
 
 
 def _loopback_fits(devices: Sequence[torch.device], comm) -> Fit:
@@ -167,7 +191,7 @@ def _torch_p2p_fits(devices: Sequence[torch.device], comm) -> Fit:
     if flavour is None:
         return Fit(False, f"torch-p2p: {why}")
     # Between CPU stages gloo moves the same bytes through host memory as mpi-host: only when forced.
-    return Fit(True, f"torch-p2p: {why}", automatic=flavour != "gloo")
+    return Fit(True, f"torch-p2p: {why}", automatic=flavour == NCCL)
 
 
 def _mpi_host_fits(devices: Sequence[torch.device], comm) -> Fit:

@@ -1,9 +1,12 @@
-"""A one-VW multi-process run whose stages live on ``cuda:0`` (every rank shares the one device),
-against the single-process replay of the same plan on the CPU. Prints one ``RESULT {json}`` line.
+"""A one-VW multi-process run whose stages live on ``cuda:0`` (every rank shares the one device), or
+stage k on ``cuda:k`` with ``"gpu_per_stage": true``, against the single-process replay of the same plan
+on the CPU. Prints one ``RESULT {json}`` line (with the transport the run reported).
 
 Usage: mpiexec -n N python on_cuda.py '{"cuts": [3], "nm": 2, "d": 0, "copy_stream": true}'
+(optional ``transport``: force a backend)
 """
 
+import dataclasses
 import json
 import sys
 
@@ -17,8 +20,12 @@ from hetpipe.runtime.trainer import Trainer
 def main() -> int:
     cfg = json.loads(sys.argv[1])
     plan = one_vw_plan(cfg["cuts"], cfg["nm"], cfg["d"], shards=cfg.get("shards", 1), device="cuda:0")
+    if cfg.get("gpu_per_stage"):
+        vw = plan.virtual_workers[0]
+        stages = tuple(dataclasses.replace(st, device=f"cuda:{k}") for k, st in enumerate(vw.stages))
+        plan = dataclasses.replace(plan, virtual_workers=(dataclasses.replace(vw, stages=stages),))
     run = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=2,
-                  copy_stream=cfg.get("copy_stream"), progress=False).fit()
+                  copy_stream=cfg.get("copy_stream"), progress=False, transport=cfg.get("transport")).fit()
     if run.rank != 0:
         return 0
     cpu = one_vw_plan(cfg["cuts"], cfg["nm"], cfg["d"], shards=cfg.get("shards", 1))
@@ -28,7 +35,7 @@ def main() -> int:
     res = {**cfg, "minibatches": len(run.losses[0]), "expected": len(ref.losses[0]),
            "loss_diff": loss_diff, "weight_diff": weight_diff,
            "trained": ref.losses[0][0] != ref.losses[0][max(ref.losses[0])],
-           "cuda": torch.cuda.is_available()}
+           "cuda": torch.cuda.is_available(), "transport": run.transport}
     print("RESULT " + json.dumps(res), flush=True)
     return 0
 
