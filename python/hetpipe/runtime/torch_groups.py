@@ -110,17 +110,19 @@ def open_channels(comm, channels: Iterable[Channel], flavour: str, device: torch
     if out.store is None:
         out.store = dist.TCPStore(address[0], address[1], is_master=False, timeout=timeout)
     for src, dst in mine:
-        store = dist.PrefixStore(f"hetpipe/channel/{src}/{dst}", out.store)
-        out.groups[(src, dst)] = _group(flavour, store, 0 if rank == src else 1, device, timeout)
+        name = f"hetpipe/channel/{src}/{dst}"
+        out.groups[(src, dst)] = _group(flavour, dist.PrefixStore(name, out.store), name, 0 if rank == src else 1,
+                                        timeout)
         _connect(out.groups[(src, dst)], rank == src, device)
     return out
 
 
-def _group(flavour: str, store, group_rank: int, device: torch.device, timeout: datetime.timedelta):
+def _group(flavour: str, store, name: str, group_rank: int, timeout: datetime.timedelta):
     if flavour == GLOO:
         return dist.ProcessGroupGloo(store, group_rank, 2, timeout)
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
+    options.group_name = name
     return dist.ProcessGroupNCCL(store, group_rank, 2, options)
 
 
