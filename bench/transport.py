@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from hetpipe.launch.mpi import mpiexec_path
+from hetpipe.runtime.transport import Backoff
 
 BACKENDS = ("mpi-host", "torch-p2p")
 WARMUP = 10
@@ -51,11 +52,21 @@ def _link(comm, backend: str, nbytes: int):
 
 
 def _recv(link, src: int, kind: int):
+    """Poll for the message as the runtime's driver does: with its back-off, not spinning."""
+    backoff = Backoff()
     while True:
         link.progress()
         got = link.try_recv(src, kind)
         if got is not None:
             return got
+        backoff.wait()
+
+
+def _flush(link) -> None:
+    backoff = Backoff()
+    while link.pending_sends():
+        backoff.wait()
+        link.progress()
 
 
 def pingpong_worker(args) -> None:
@@ -84,8 +95,7 @@ def pingpong_worker(args) -> None:
                     _, got = _recv(link, peer, ACT)
                     while not link.send(peer, header, got):
                         link.progress()
-                while link.pending_sends():
-                    link.progress()
+                _flush(link)
                 if i >= WARMUP:
                     times.append(time.perf_counter() - start)
             comm.Barrier()

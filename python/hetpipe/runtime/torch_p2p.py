@@ -14,9 +14,10 @@ until the matching receive is posted; each channel has its own group (own commun
 and the receiver posts its receives on every ``progress``, never waiting for an instruction that
 wants the payload: a send is never stuck behind a receive that waits for it.
 
-Completion: NCCL work is polled (``Work.is_completed`` queries its CUDA event); gloo's send and
-receive work only completes in ``Work.wait``, so each gloo channel direction has a waiter thread
-whose futures are polled instead.
+Completion: NCCL work is polled (``Work.is_completed`` queries its CUDA event). Gloo's work only
+completes inside ``Work.wait``: a gloo receive is waited for once its header arrived (its payload was
+posted before the header, so the wait lasts the transfer, and needs nothing from the sender's
+thread); gloo sends are waited for by one waiter thread per peer, whose futures are polled.
 Thread role: one thread (the rank's) calls every method; the waiter threads only call ``wait``.
 """
 
@@ -41,6 +42,17 @@ class _Done:
     """Completion of a transfer that moved nothing (a zero-byte payload)."""
 
     def done(self) -> bool:
+        return True
+
+
+class _Waited:
+    """Completion of a gloo receive whose payload is under way: waited for when asked."""
+
+    def __init__(self, work) -> None:
+        self.work = work
+
+    def done(self) -> bool:
+        self.work.wait()
         return True
 
 
@@ -72,7 +84,7 @@ class TorchP2PTransport(MPITransport):
         self.channels = channels
         self.device = channels.device
         self.device_peers = frozenset(channels.peers())
-        self._waiters: Dict[Tuple[str, int], ThreadPoolExecutor] = {}
+        self._waiters: Dict[int, ThreadPoolExecutor] = {}
         self._out: List[_Transfer] = []
         self._arrived: Dict[Tuple[int, int], Deque[_Transfer]] = collections.defaultdict(collections.deque)
         self._headers: Dict[int, Tuple[np.ndarray, object]] = {}
@@ -83,10 +95,11 @@ class TorchP2PTransport(MPITransport):
     def _completion(self, direction: str, peer: int, work):
         if self.channels.flavour != GLOO:
             return _Polled(work)
-        key = (direction, peer)
-        if key not in self._waiters:
-            self._waiters[key] = ThreadPoolExecutor(1, thread_name_prefix=f"hetpipe-{direction}-{peer}")
-        return self._waiters[key].submit(work.wait)
+        if direction == "recv":
+            return _Waited(work)
+        if peer not in self._waiters:
+            self._waiters[peer] = ThreadPoolExecutor(1, thread_name_prefix=f"hetpipe-send-{peer}")
+        return self._waiters[peer].submit(work.wait)
 
     # --- sending ----------------------------------------------------------------------------------
     def send_tensor(self, dest: int, header: Header, t: torch.Tensor) -> None:
@@ -157,7 +170,9 @@ class TorchP2PTransport(MPITransport):
                 lost.append(f"a header from rank {peer}")
         if self.channels.flavour == GLOO:
             for waiter in self._waiters.values():
-                waiter.shutdown(wait=True)      # each waits for its direction's transfers in flight
+                waiter.shutdown(wait=True)      # each waits for its sends in flight
+            for x in (x for q in self._arrived.values() for x in q):
+                x.completion.done()
         else:
             for x in [*self._out, *(x for q in self._arrived.values() for x in q)]:
                 if x.work is not None:
