@@ -409,7 +409,7 @@ class Resume:
     minibatches: int = 0             # minibatches each VW trained before the cut (same plan; else 0)
 
     def restore_stage(self, model, layout, vw: int, stage: int) -> None:
-        """Give a freshly built :class:`~hetpipe.runtime.stage.StageModel` its saved optimizer state and
+        """Give a freshly built :class:`~hetpipe.runtime.stage_model.StageModel` its saved optimizer state and
         local buffers: its own part's when the plan is the same, else per parameter from the stages of
         VW ``vw % num_old_vws`` of the checkpoint."""
         keys = param_keys(model, layout)

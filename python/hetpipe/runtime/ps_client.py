@@ -14,7 +14,7 @@ from typing import Dict, Optional, Set, Tuple
 import torch
 
 from hetpipe.runtime.link import StageLink
-from hetpipe.runtime.stage import StageModel
+from hetpipe.runtime.stage_model import StageModel
 from hetpipe.runtime.transport import DONE, PULL, PUSH, WEIGHTS, Header
 from hetpipe.runtime.wire import TORCH_DTYPE_NAME, StageError
 
