@@ -44,7 +44,7 @@ def _link(comm, backend: str, nbytes: int):
 
     pool = hetpipe_core.PinnedBufferPool(8, nbytes, -1)
     if backend == "torch-p2p":
-        channels = open_channels(comm, [(0, 1), (1, 0)], GLOO, torch.device("cpu"), 60.0)
+        channels = open_channels(comm, [(0, 1), (1, 0)], GLOO, torch.device("cpu"), 60.0, one_host=True)
         transport = TorchP2PTransport(comm, pool, channels)
     else:
         transport = MPITransport(comm, pool)

@@ -1,4 +1,8 @@
-"""Overlapped device↔pinned-host copies of a stage's activations and gradients on a copy stream.
+"""Overlapped device↔pinned-host copies of a stage's payloads on a copy stream.
+
+Every payload a stage sends or receives through pinned slots goes through here when the stage has
+a copy stream (``runtime.link``): activations, gradients and tied gradients to and from peers
+without a device channel, wave pushes to the PS shards and their pull replies.
 
 Outgoing: ``copy_out`` enqueues the copy of a tensor into a pinned pool slot on the stage's
 :class:`hetpipe_core.Stream`, ordered after the compute that produced the tensor, and records a

@@ -87,9 +87,10 @@ def flavour_for(device: torch.device) -> Tuple[Optional[str], str]:
 
 
 def open_channels(comm, channels: Iterable[Channel], flavour: str, device: torch.device,
-                  timeout_s: float) -> Channels:
+                  timeout_s: float, one_host: bool = False) -> Channels:
     """Build and connect the groups of ``channels`` this rank is a member of (see the module
-    docstring). Collective over ``comm``: every rank calls it with the same ``channels``."""
+    docstring). Collective over ``comm``: every rank calls it with the same ``channels``.
+    ``one_host``: all members run on this host, which then serves the store on its loopback address."""
     rank = comm.Get_rank()
     ordered = sorted(set(channels))
     mine = [c for c in ordered if rank in c]
@@ -101,7 +102,7 @@ def open_channels(comm, channels: Iterable[Channel], flavour: str, device: torch
     root = members[0]
     address = None
     if rank == root:
-        host = os.environ.get(STORE_HOST_ENV) or socket.gethostname()
+        host = os.environ.get(STORE_HOST_ENV) or ("127.0.0.1" if one_host else socket.gethostname())
         out.store = dist.TCPStore(host, 0, is_master=True, timeout=timeout, wait_for_workers=False)
         address = (host, out.store.port)
     address = comm.bcast(address, root=root)

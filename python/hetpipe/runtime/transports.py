@@ -136,8 +136,9 @@ def open_rank(comm, pool, device: Optional[torch.device], pairs: Sequence[Tuple[
     channels: Optional[Channels] = None
     for fl in sorted({c.flavour for c in everyone if c.flavour}):
         # Collective, one flavour after the other in one order on every rank.
-        opened = open_channels(comm, [c for c in edges if everyone[c[0]].flavour == fl], fl,
-                               device if flavour == fl else torch.device("cpu"), timeout_s)
+        mine = [c for c in edges if everyone[c[0]].flavour == fl]
+        opened = open_channels(comm, mine, fl, device if flavour == fl else torch.device("cpu"), timeout_s,
+                               one_host=len({everyone[r].host for c in mine for r in c}) <= 1)
         if opened.groups:
             channels = opened
     stage_peers = sorted({b for a, b in job_channels(pairs) if a == rank})
