@@ -2,7 +2,9 @@
 
 CMake options are passed through the environment variable CMAKE_ARGS, e.g.
     CMAKE_ARGS="-DHETPIPE_WITH_CUDA=OFF" pip install --no-build-isolation -e .
-The defaults are HETPIPE_WITH_CUDA=AUTO (CUDA when nvcc is found) and a Release build.
+The defaults are HETPIPE_WITH_CUDA=AUTO (CUDA when nvcc is found), HETPIPE_WITH_MPI=AUTO (the MPI
+extension `hetpipe_core._mpi` when an MPI library is found: the environment's own MPICH first) and a
+Release build.
 """
 
 import os
@@ -33,12 +35,15 @@ class CMakeBuild(build_ext):
             f"-DCMAKE_BUILD_TYPE={cfg}",
             "-G", "Ninja",
         ]
+        # The MPI that mpi4py loads in this environment (MPICH from PyPI installs its headers and
+        # libmpi into the environment's prefix): hetpipe_core._mpi must link that very library.
+        if (Path(sys.prefix) / "include" / "mpi.h").exists():
+            cmake_args.append(f"-DMPI_HOME={sys.prefix}")
         cmake_args += shlex.split(os.environ.get("CMAKE_ARGS", ""))
         build_temp = Path(self.build_temp) / ext.name
         build_temp.mkdir(parents=True, exist_ok=True)
         subprocess.run(["cmake", ext.sourcedir, *cmake_args], cwd=build_temp, check=True)
-        subprocess.run(["cmake", "--build", ".", "--target", "_C", "-j", str(os.cpu_count() or 2)],
-                       cwd=build_temp, check=True)
+        subprocess.run(["cmake", "--build", ".", "-j", str(os.cpu_count() or 2)], cwd=build_temp, check=True)
 
 
 setup(

@@ -44,8 +44,10 @@ PYBIND11_MODULE(_C, m) {
     d["cuda_built"] = info.cuda_built;
     d["cuda_available"] = info.cuda_available;
     d["cuda_device_count"] = info.cuda_device_count;
+    d["mpi_built"] = info.mpi_built;
     return d;
-  }, "What was compiled in (version, cuda_built) and what is usable now (cuda_available, cuda_device_count).");
+  }, "What was compiled in (version, cuda_built, mpi_built: the extension hetpipe_core._mpi) and what is\n"
+     "usable now (cuda_available, cuda_device_count).");
   m.def("cuda_context_active", &hetpipe::cuda_context_active, py::arg("device"),
         "Whether this process holds an active primary CUDA context on `device` (False without CUDA or\n"
         "that device). Creates none: the check that a rank without a GPU role opened no context.");

@@ -162,8 +162,11 @@ def stage_pool(spec: RunSpec, vw: int, stage: int):
     return hetpipe_core.PinnedBufferPool(slots, _round_slot(max(act, param_bytes)), device)
 
 
-def shard_pool(spec: RunSpec, shard: int):
-    """A PS shard's slots: ordinary host memory (device -1), so a PS rank opens no CUDA context."""
+def shard_pool(spec: RunSpec, shard: int, plane: str = "python"):
+    """A PS shard's slots: ordinary host memory (device -1), so a PS rank opens no CUDA context. The
+    core plane receives and sends in place, so its Python side (DONE messages only) needs one small slot."""
+    if plane == "core":
+        return hetpipe_core.PinnedBufferPool(1, 4096, -1)
     owned = spec.plan.ps_shards[shard].layers
     lay = spec.layout
     biggest = max((4 * (sum(lay.numel(l) + lay.buffer_numel(l) for l in owned if st.start <= l < st.stop)
@@ -244,7 +247,9 @@ def initial_weights(layers: Sequence[nn.Module], first: int) -> Dict[int, np.nda
 
 
 def build_shard(spec: RunSpec, shard: int, transport: Transport, pool, *,
-                trace: Optional[List[TraceEvent]] = None, t0: float = 0.0) -> ShardServer:
+                trace: Optional[List[TraceEvent]] = None, t0: float = 0.0, comm: Any = None) -> ShardServer:
+    """The shard's server: the compiled core's data plane served over ``comm`` (an mpi4py communicator)
+    when given (see :mod:`hetpipe.runtime.ps_core`), else the Python shard over ``transport``."""
     plan, lay = spec.plan, spec.layout
     owned = plan.ps_shards[shard].layers
     weights = {l: lay.flat(l) for l in owned}
@@ -253,6 +258,12 @@ def build_shard(spec: RunSpec, shard: int, transport: Transport, pool, *,
     replicas = {(vw.index, k): [(r.owner, r.offset, r.numel) for r in lay.stage_replicas(st.start, st.stop)
                                 if r.owner in owned]
                 for vw in plan.virtual_workers for k, st in enumerate(vw.stages)}
+    if comm is not None:
+        from hetpipe.runtime.ps_core import CoreShardServer, CoreShardState
+
+        core = CoreShardState(shard, weights, stage_layers, plan.d, log_sums=spec.audit, buffers=buffers,
+                              replicas=replicas, aggregate=plan.aggregate)
+        return CoreShardServer(core, transport, pool, plan.num_stage_ranks, comm, trace=trace, t0=t0)
     state = ShardState(shard, weights, stage_layers, plan.d, log_sums=spec.audit, buffers=buffers,
                        replicas=replicas, aggregate=plan.aggregate)
     return ShardServer(state, transport, pool, plan.num_stage_ranks, trace=trace, t0=t0)

@@ -38,6 +38,7 @@ from hetpipe.runtime.data import first_minibatch, minibatches_per_epoch
 from hetpipe.runtime.executor import StageExecutor
 from hetpipe.runtime.layout import ModelLayout
 from hetpipe.runtime.ps import ShardLog
+from hetpipe.runtime.ps_core import choose_plane
 from hetpipe.runtime.record import RunRecord
 from hetpipe.runtime.replay import ReplayResult, replay_run
 from hetpipe.runtime import transports
@@ -64,6 +65,9 @@ class TrainResult:
     # cut (vw -> minibatch -> loss; already merged into ``losses`` when the plan is the same).
     resumed: Dict[str, Any] = field(default_factory=dict)
     transport: str = ""                             # the transport backend(s) the ranks chose, "+"-joined
+    # The PS shards' data plane(s), "+"-joined ("core", "python"; "" without shards), and why.
+    ps_plane: str = ""
+    ps_plane_reason: str = ""
 
     @property
     def samples_per_s(self) -> float:
@@ -451,8 +455,10 @@ class Trainer:
             if device.type == "cuda":
                 torch.cuda.set_device(device)    # before this rank's first CUDA call: nothing lands on GPU 0
             pool = stage_pool(spec, role.vw, role.stage)
+            plane, plane_reason = "", ""
         else:
-            pool = shard_pool(spec, role.shard)
+            plane, plane_reason = choose_plane(comm)
+            pool = shard_pool(spec, role.shard, plane)
         backend, reason = transports.choose([device] if role.kind == "stage" else [], comm)
         transport = backend.open(comm, pool)
         comm.Barrier()
@@ -464,7 +470,8 @@ class Trainer:
                 reporter = _Reporter(part, plan, self.metrics, self.progress, t0, spec.schedules[0].num_minibatches,
                                      self.epochs)
         else:
-            part = build_shard(spec, role.shard, transport, pool, trace=trace, t0=t0)
+            part = build_shard(spec, role.shard, transport, pool, trace=trace, t0=t0,
+                               comm=comm if plane == "core" else None)
         writer = self._checkpointer(plan, spec, role, part)
         previous = self._on_sigterm(writer)
         # A shard idles legitimately while stages compute; it waits twice as long, so that a stuck
@@ -480,7 +487,7 @@ class Trainer:
         elapsed = time.perf_counter() - t0
         transport.close()
         mine = {**part_outcome(part, plan, spec.layout), "elapsed": elapsed, "trace": trace or [],
-                "transport": backend.name}
+                "transport": backend.name, "ps_plane": (plane, plane_reason)}
         everyone = comm.allgather(mine)
         if self.record_path is not None and role.rank == 0:
             RunRecord.of_run(spec, merge_outcomes(everyone)).save(self.record_path)
@@ -493,7 +500,9 @@ class Trainer:
         result = TrainResult(plan, role.rank, role.describe(), losses, outcome.weights, outcome.shard_logs,
                              max(m["elapsed"] for m in everyone), outcome.samples,
                              [e for m in everyone for e in m["trace"]], emulated, outcome.buffers, resumed,
-                             "+".join(sorted({m["transport"] for m in everyone})))
+                             "+".join(sorted({m["transport"] for m in everyone})),
+                             "+".join(sorted({m["ps_plane"][0] for m in everyone} - {""})),
+                             "; ".join(sorted({m["ps_plane"][1] for m in everyone} - {""})))
         load_layer_weights(self.layers, result.weights, result.buffers)
         if reporter is not None:
             reporter.finish(result, self.trace_path, reason)
@@ -596,7 +605,8 @@ class _Reporter:
             self.file.write(json.dumps({"event": "summary", "samples": result.samples, "elapsed_s": result.elapsed_s,
                                         "samples_per_s": result.samples_per_s, "emulated_devices": result.emulated,
                                         "nm": self.plan.nm, "d": self.plan.d, "final_clocks": clocks,
-                                        "transport": result.transport, "transport_reason": transport_reason})
+                                        "transport": result.transport, "transport_reason": transport_reason,
+                                        "ps_plane": result.ps_plane, "ps_plane_reason": result.ps_plane_reason})
                             + "\n")
             self.file.close()
         if trace_path is not None:
