@@ -257,6 +257,7 @@ void ShardService::on_push_header(const std::array<std::int64_t, 16>& w, int src
                     &p.request),
         "MPI_Irecv (push payload)");
   pushes_.push_back(p);
+  events_.fetch_add(1, std::memory_order_acq_rel);
 }
 
 bool ShardService::test_pushes() {
@@ -314,8 +315,12 @@ void ShardService::cancel_receives() {
   cancel(push_header_, "a push header");
   cancel(pull_header_, "a pull header");
   for (PendingPush& p : pushes_) {
-    cancel(p.request, "the payload of the push of wave " + std::to_string(p.wave) + " from VW " + std::to_string(p.vw) +
-                          " stage " + std::to_string(p.stage));
+    // Its header was consumed: the push is lost whether or not its payload had started arriving.
+    MPI_Status status;
+    check(MPI_Cancel(&p.request), "MPI_Cancel");
+    check(MPI_Wait(&p.request, &status), "MPI_Wait (cancelled receive)");
+    lost.push_back("the push of wave " + std::to_string(p.wave) + " from VW " + std::to_string(p.vw) + " stage " +
+                   std::to_string(p.stage) + " (its payload never completed)");
   }
   pushes_.clear();
   std::lock_guard<std::mutex> lock(info_mutex_);

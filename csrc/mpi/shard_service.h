@@ -77,7 +77,7 @@ class ShardService {
   std::int64_t pushes_received(int vw, int stage) const;
   // Pulls received whose reply is not yet completely sent.
   std::int64_t pulls_outstanding() const noexcept { return outstanding_.load(std::memory_order_acquire); }
-  // Messages handled so far (pushes ended, pulls received, replies started): progress for the caller.
+  // Messages handled so far (push headers, pushes ended, pulls received, replies started): progress.
   std::int64_t events() const noexcept { return events_.load(std::memory_order_acquire); }
   std::vector<ShardServiceEvent> trace() const;
   std::vector<std::string> lost() const;
