@@ -146,6 +146,7 @@ def mpi_worker(shard_mib: int, waves: int) -> None:
             for w in range(waves):
                 transport.send(0, Header(PULL, vw, s, -1, w))
                 while transport.try_recv(0, WEIGHTS) is None:
+                    transport.progress()        # releases the slots of completed pushes
                     time.sleep(20e-6)
                 slot = pool.acquire(4 * n, timeout=60)
                 np.copyto(slot_bytes(slot, 4 * n).view(np.float32), delta)

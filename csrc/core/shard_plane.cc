@@ -81,8 +81,13 @@ ShardPlane::ShardPlane(std::vector<std::size_t> layer_numels, std::vector<std::v
     }
     stages_holding_.push_back(holding);
   }
+  std::size_t total = 0;
+  for (std::size_t n : layer_numels) total += n;
+  weight_store_.assign(total, 0.0f);
+  std::size_t off = 0;
   for (std::size_t l = 0; l < layer_numels.size(); ++l) {
-    weights_.emplace_back(layer_numels[l], 0.0f);
+    weights_.push_back({weight_store_.data() + off, layer_numels[l]});
+    off += layer_numels[l];
     buffers_.emplace_back(bufs[l], 0.0f);
   }
   spare_.resize(slots_.size());
@@ -152,11 +157,17 @@ std::size_t ShardPlane::reply_numel(int vw, int stage) const {
 std::vector<std::pair<const float*, std::size_t>> ShardPlane::reply_pieces(int vw, int stage) const {
   const StageSlot& s = slot(vw, stage, true);
   std::vector<std::pair<const float*, std::size_t>> pieces;
-  for (int l : s.layers) pieces.emplace_back(weights_[static_cast<std::size_t>(l)].data(), weights_[l].size());
-  for (const ReplicaSlice& r : s.replicas) {
-    pieces.emplace_back(weights_[static_cast<std::size_t>(r.layer)].data() + r.offset, r.numel);
-  }
-  for (int l : s.layers) pieces.emplace_back(buffers_[static_cast<std::size_t>(l)].data(), buffers_[l].size());
+  auto add = [&](const float* ptr, std::size_t n) {
+    if (n == 0) return;
+    if (!pieces.empty() && pieces.back().first + pieces.back().second == ptr) {
+      pieces.back().second += n;
+    } else {
+      pieces.emplace_back(ptr, n);
+    }
+  };
+  for (int l : s.layers) add(weights_[static_cast<std::size_t>(l)].data(), weights_[static_cast<std::size_t>(l)].size());
+  for (const ReplicaSlice& r : s.replicas) add(weights_[static_cast<std::size_t>(r.layer)].data() + r.offset, r.numel);
+  for (int l : s.layers) add(buffers_[static_cast<std::size_t>(l)].data(), buffers_[static_cast<std::size_t>(l)].size());
   return pieces;
 }
 
@@ -299,7 +310,7 @@ void ShardPlane::apply_wave(std::int64_t wave, std::vector<Buffer>& buffers) {
       }
       std::size_t off = 0;
       for (int l : s.layers) {
-        std::vector<float>& w = weights_[static_cast<std::size_t>(l)];
+        const LayerView& w = weights_[static_cast<std::size_t>(l)];
         if (mean_ && num_vws() > 1) {
           apply_delta_divided(w.data(), delta + off, w.size(), vws, num_threads_);
         } else {
@@ -339,7 +350,7 @@ void ShardPlane::apply_wave(std::int64_t wave, std::vector<Buffer>& buffers) {
 void ShardPlane::copy_reply(const StageSlot& s, float* out) const {
   std::size_t off = 0;
   for (int l : s.layers) {
-    const std::vector<float>& w = weights_[static_cast<std::size_t>(l)];
+    const LayerView& w = weights_[static_cast<std::size_t>(l)];
     snapshot(w.data(), out + off, w.size() * sizeof(float), num_threads_);
     off += w.size();
   }

@@ -11,9 +11,10 @@
 //   queues pulls for the worker.
 // - the worker owns every send and is the plane's only applier: it applies the waves the global clock
 //   passed (apply_ready: apply_delta's threads), then answers the queued pulls the staleness bound
-//   allows, in arrival order, with a WEIGHTS header and the reply sent in place from the weights (an
-//   MPI datatype over the reply's pieces: no snapshot copy). While a reply is in flight the worker
-//   applies nothing, so what it sends is exactly the version it announced.
+//   allows, in arrival order, with a WEIGHTS header and the reply sent in place from the weights when
+//   it is one contiguous piece (a stage's layers lie back to back in the plane: no snapshot copy),
+//   else packed into the stage's reply buffer. While a reply is in flight the worker applies nothing,
+//   so what it sends is exactly the version it announced.
 // Neither thread blocks in MPI: requests are polled (MPI_Test) with a back-off sleep (20 us doubling
 // to 1 ms) while nothing moves, so stop() ends both within about a millisecond plus one wave's apply.
 // The clocks are the plane's ClockTables (lock-free reads); the queue of pulls is under queue_mutex_.
@@ -98,7 +99,6 @@ class ShardService {
   struct Reply {
     std::array<MPI_Request, 2> requests;
     std::unique_ptr<std::array<std::int64_t, 16>> words;  // the header must outlive its send
-    MPI_Datatype type;
     int vw, stage;
   };
 
@@ -136,6 +136,7 @@ class ShardService {
   std::vector<PendingPush> pushes_;
   // Worker thread only.
   std::vector<Reply> replies_;
+  std::vector<std::vector<float>> packed_;  // per (vw, stage) slot: a reply of several pieces, packed
 
   std::mutex queue_mutex_;  // guards queue_; wake_ wakes the worker (a pull queued, a wave due, stop)
   std::condition_variable wake_;

@@ -100,8 +100,9 @@ class ShardPlane {
   std::size_t reply_numel(int vw, int stage) const;
   bool pushes_from(int vw, int stage) const noexcept;
   bool pulls_from(int vw, int stage) const noexcept;
-  // The pieces of a pull reply, in order, as (pointer, floats): for a sender that sends them in place.
-  // Valid while no wave is applied (the caller keeps the applier out, see ShardService).
+  // The pieces of a pull reply, in order, as (pointer, floats), adjacent pieces merged (a stage
+  // without replicas or buffers gets one piece: its layers' weights lie back to back). For a sender
+  // that sends them in place; valid while no wave is applied (the caller keeps the applier out).
   std::vector<std::pair<const float*, std::size_t>> reply_pieces(int vw, int stage) const;
   // The layer's weights / synced buffers, for setting the initial values before the first push and
   // reading them after the last (or while held); not to be touched while pushes are applied.
@@ -158,7 +159,16 @@ class ShardPlane {
   void apply_wave(std::int64_t wave, std::vector<std::unique_ptr<float[]>>& buffers);
   void copy_reply(const StageSlot& s, float* out) const;
 
-  std::vector<std::vector<float>> weights_;
+  // A layer's weights: a view of weight_store_, where the layers lie back to back in order, so the
+  // weights of a stage's layers (a contiguous run of them) are one contiguous range.
+  struct LayerView {
+    float* ptr;
+    std::size_t n;
+    float* data() const noexcept { return ptr; }
+    std::size_t size() const noexcept { return n; }
+  };
+  std::vector<float> weight_store_;
+  std::vector<LayerView> weights_;
   std::vector<std::vector<float>> buffers_;  // synced buffers, per layer
   std::vector<StageSlot> slots_;             // by slot_id
   std::vector<int> slot_base_;               // per VW: slot_id of its stage 0
