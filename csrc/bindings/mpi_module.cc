@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <cstdint>
 
+#include "bindings/translate.h"
 #include "hetpipe/shard_plane.h"
 #include "mpi/shard_service.h"
 
@@ -36,24 +37,7 @@ Comm comm_of(std::uint64_t handle) {
 
 PYBIND11_MODULE(_mpi, m) {
   m.doc() = "hetpipe_core._mpi: the PS shard's receive/serve path over MPI on the core's own threads";
-  // Module-local, for the reason given in module.cc.
-  py::register_local_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const std::invalid_argument& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
-    } catch (const std::out_of_range& e) {
-      PyErr_SetString(PyExc_IndexError, e.what());
-    } catch (const std::bad_alloc&) {
-      PyErr_SetString(PyExc_MemoryError, "hetpipe_core._mpi: out of host memory");
-    } catch (const py::builtin_exception& e) {
-      e.set_error();
-    } catch (py::error_already_set& e) {
-      e.restore();
-    } catch (const std::exception& e) {
-      PyErr_SetString(PyExc_RuntimeError, e.what());
-    }
-  });
+  hetpipe::bindings::register_translator();
   m.def("library_version", [] {
     char text[MPI_MAX_LIBRARY_VERSION_STRING];
     int len = 0;
