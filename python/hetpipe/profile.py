@@ -14,7 +14,7 @@ a stage sends to the next); ``stash_bytes`` what the layer keeps for its backwar
 flight (defaults to ``activation_bytes``; the layer's own parameters are not part of it, since the
 planner counts the runtime's per-minibatch weight stashes separately); ``param_bytes`` its weights
 (the planner adds the gradient, weight stashes and wave deltas of that size, see
-:mod:`hetpipe.plan.stage`); ``optimizer_bytes`` its optimizer state; ``workspace_bytes`` transient
+:mod:`hetpipe.plan.stage_cost`); ``optimizer_bytes`` its optimizer state; ``workspace_bytes`` transient
 scratch while it runs. ``derived[t]`` says that the times for type ``t`` were not measured on ``t``.
 
 Where numbers come from:

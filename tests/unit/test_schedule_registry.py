@@ -39,7 +39,7 @@ def test_every_registered_schedule_validates_over_small_shapes(name):
         s = generate(name, o)
         assert (s.name, s.num_stages, s.num_minibatches) == (name, o.stages, o.minibatches)
         validate(s)
-        validate(s, slots=buffer_counts(s))
+        validate(s, buffers=buffer_counts(s))
         count += 1
     assert count >= 16
     assert set(schedule_names()) >= {"hetpipe", "gpipe", "1f1b"}

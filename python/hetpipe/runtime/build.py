@@ -20,11 +20,11 @@ import hetpipe_core
 from hetpipe.plan.types import Plan
 from hetpipe.runtime.data import select, vw_minibatches
 from hetpipe.runtime.device_copy import CopyStager
-from hetpipe.runtime.emulation import EmulatedClock
+from hetpipe.runtime.emulation import Pacer
 from hetpipe.runtime.executor import MinibatchFeed, StageContext, StageExecutor
 from hetpipe.runtime.layout import ModelLayout
 from hetpipe.runtime.ps import ShardLog, ShardServer, ShardState
-from hetpipe.runtime.stage import StageModel, TiedKey
+from hetpipe.runtime.stage_model import StageModel, TiedKey
 from hetpipe.runtime.tree import Boundary, boundary_of, on_wire
 from hetpipe.runtime.transport import Backoff, Transport
 from hetpipe.schedule.ir import Schedule
@@ -52,7 +52,7 @@ class RunSpec:
     # Stage-to-stage tensors through a copy stream (runtime.device_copy)? None: on CUDA devices only.
     copy_stream: Optional[bool] = None
     audit: bool = False                         # PS shards log float64 sums of the pushed deltas
-    seed: int = 0                               # of every stage's random draws (runtime.stage.minibatch_seed)
+    seed: int = 0                               # of every stage's random draws (runtime.stage_model.minibatch_seed)
     layout: Optional[ModelLayout] = None        # None: computed from ``layers``
     # A resumed run (runtime.checkpoint.Resume): where its data starts, the seeds' micro-batch offset,
     # and the optimizer states each stage restores once built. None: a run from the start.
@@ -210,13 +210,13 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
                                       1), layout)
     staged = spec.copy_stream if spec.copy_stream is not None else device.type == "cuda"
     emulated = spec.emulated.get(rank, False) and spec.emulation_scale is not None
-    clock = EmulatedClock(spec.emulation_scale if emulated else None)
+    pacer = Pacer(spec.emulation_scale if emulated else None)
     return StageExecutor(ctx, layout.streams[stage], model, transport, pool, loss_fn=spec.loss_fn,
                          inputs=inputs, labels=labels,
                          expect_in=on_wire(spec.boundaries[st.start], plan.precision) if stage > 0 else None,
                          expect_out=on_wire(spec.boundaries[st.stop], plan.precision) if stage < num_stages - 1
                          else None,
-                         clock=clock, fwd_time=st.fwd_time, bwd_time=st.bwd_time, trace=trace, t0=t0, d=plan.d,
+                         pacer=pacer, fwd_time=st.fwd_time, bwd_time=st.bwd_time, trace=trace, t0=t0, d=plan.d,
                          layout=layout, stager=CopyStager(pool, device) if staged else None)
 
 

@@ -246,15 +246,23 @@ class Checkpointer:
         self._raise()
         self._collect()
 
-    def on_signal(self) -> None:
-        """Write every kept snapshot not yet on disk (after the one in flight), in this thread."""
-        deadline = time.monotonic() + 60.0
+    def on_signal(self, wait_s: float) -> None:
+        """Write every kept snapshot not yet on disk (after the one in flight), in this thread; then wait
+        (at most ``wait_s`` in all) until one of the clocks this rank holds is complete on disk.
+
+        Why wait: mpiexec ends every rank once one exits, so a rank that wrote its part quickly would
+        otherwise get its slower peers killed halfway through theirs; the ranks leave together instead."""
+        deadline = time.monotonic() + wait_s
         with self._cv:
             while self._job is not None and time.monotonic() < deadline:
                 self._cv.wait(timeout=0.1)
         for clock, snapshot in list(self.ring) if self.keep else ():
             if clock not in self.written:
                 self._write(clock, snapshot)
+        held = [clock for clock, _ in self.ring] if self.keep else self.written[-1:]
+        while held and not any(is_complete(clock_dir(self.directory, c)) for c in held) \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
         self._collect()
 
     def _raise(self) -> None:
@@ -409,7 +417,7 @@ class Resume:
     minibatches: int = 0             # minibatches each VW trained before the cut (same plan; else 0)
 
     def restore_stage(self, model, layout, vw: int, stage: int) -> None:
-        """Give a freshly built :class:`~hetpipe.runtime.stage.StageModel` its saved optimizer state and
+        """Give a freshly built :class:`~hetpipe.runtime.stage_model.StageModel` its saved optimizer state and
         local buffers: its own part's when the plan is the same, else per parameter from the stages of
         VW ``vw % num_old_vws`` of the checkpoint."""
         keys = param_keys(model, layout)

@@ -504,13 +504,14 @@ class Trainer:
 
 
     def _on_sigterm(self, writer: Optional[ckpt.Checkpointer]):
-        """On SIGTERM, write the kept wave-boundary snapshots not yet on disk, then exit 128 + 15;
+        """On SIGTERM, write the kept wave-boundary snapshots not yet on disk, wait until a clock this
+        rank holds is complete (every rank's part; at most ``HETPIPE_TERM_GRACE``), then exit 128 + 15;
         returns the previous handler (None: nothing installed)."""
         if writer is None or threading.current_thread() is not threading.main_thread():
             return None
 
         def handler(sig, _frame) -> None:
-            writer.on_signal()
+            writer.on_signal(failure.signal_grace_s())
             sys.stderr.write(f"hetpipe: {self._describe}: SIGTERM; checkpoint(s) at clock(s) {writer.written} in "
                              f"{self.checkpoint_dir}\n")
             sys.stderr.flush()
