@@ -36,11 +36,9 @@ class ScheduleOptions:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            v = getattr(self, f.name)
-            ok = isinstance(v, bool) if f.name == "recompute" else isinstance(v, int) and not isinstance(v, bool)
-            if not ok:
-                raise ValueError(f"schedule options: {f.name} must be {'a bool' if f.name == 'recompute' else 'an int'}, "
-                                 f"got {v!r}")
+            v, flag = getattr(self, f.name), f.name == "recompute"
+            if not (isinstance(v, bool) if flag else isinstance(v, int) and not isinstance(v, bool)):
+                raise ValueError(f"schedule options: {f.name} must be {'a bool' if flag else 'an int'}, got {v!r}")
         for name, lo in (("stages", 1), ("minibatches", 1), ("nm", 1), ("d", 0), ("split_startup", 0)):
             if getattr(self, name) < lo:
                 raise ValueError(f"schedule options: {name} must be >= {lo}, got {getattr(self, name)}")
