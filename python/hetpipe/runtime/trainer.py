@@ -239,7 +239,7 @@ class Trainer:
             if isinstance(cluster, str):
                 cluster = load_cluster(cluster)
             x, y = first_minibatch(self.data)
-            profile = profile_model(list(self.layers), x, cluster, loss_fn=lambda out: self.loss_fn(out, y))
+            profile = profile_model(self.model, x, cluster, loss_fn=lambda out: self.loss_fn(out, y))
             plan = make_plan(cluster, profile, policy=self.policy, nm=self.nm, d=self.d or 0,
                              minibatch_size=batch_of(x), precision=self.precision or "fp32")
             return self._check_layers(plan)
