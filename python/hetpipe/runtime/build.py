@@ -22,7 +22,7 @@ from hetpipe.runtime.data import select, vw_minibatches
 from hetpipe.runtime.device_copy import CopyStager
 from hetpipe.runtime.emulation import Pacer
 from hetpipe.runtime.executor import MinibatchFeed, StageContext, StageExecutor
-from hetpipe.runtime.layout import ModelLayout
+from hetpipe.runtime.layout import ModelLayout, local_buffers
 from hetpipe.runtime.ps import ShardLog, ShardServer, ShardState
 from hetpipe.runtime.stage_model import StageModel, TiedKey
 from hetpipe.runtime.tree import Boundary, boundary_of, on_wire
@@ -303,6 +303,7 @@ class Outcome:
     shard_logs: Dict[int, ShardLog] = field(default_factory=dict)
     samples: int = 0
     buffers: Dict[int, np.ndarray] = field(default_factory=dict)         # layer -> final synced buffers
+    local_buffers: Dict[str, torch.Tensor] = field(default_factory=dict)  # "layer.name" -> VW 0's value
 
 
 def part_outcome(part: Steppable, plan: Plan, layout: ModelLayout) -> Dict[str, Any]:
@@ -313,6 +314,11 @@ def part_outcome(part: Steppable, plan: Plan, layout: ModelLayout) -> Dict[str, 
             mine["losses"] = (part.ctx.vw, dict(part.losses))
         if part.is_first:
             mine["samples"] = sum(part.batch_sizes.values())
+        if part.ctx.vw == 0:
+            # Buffers the PS does not synchronise (num_batches_tracked, ...): VW 0's, as its weights
+            # would be without PS shards; a data-parallel user gets one replica's counters too.
+            mine["local_buffers"] = {n: b.detach().to("cpu", copy=True)
+                                     for n, b in local_buffers(part.model, layout).items()}
         # Without PS shards the final weights are VW 0's live weights.
         if not plan.ps_shards and part.ctx.vw == 0:
             live = stage_layer_weights(part, layout)
@@ -334,15 +340,22 @@ def merge_outcomes(parts: Iterable[Dict[str, Any]]) -> Outcome:
         out.samples += m.get("samples", 0)
         out.weights.update(m.get("weights", {}))
         out.buffers.update(m.get("buffers", {}))
+        out.local_buffers.update(m.get("local_buffers", {}))
         if "log" in m:
             out.shard_logs[m["log"][0]] = m["log"][1]
     return out
 
 
 def load_layer_weights(layers: Sequence[nn.Module], weights: Dict[int, np.ndarray],
-                       buffers: Optional[Dict[int, np.ndarray]] = None) -> None:
-    """Write flat per-layer weights (the parameters each layer owns, see ``runtime.layout``) and synced
-    buffers into the model's layers, in place; a tied parameter stays one tensor."""
+                       buffers: Optional[Dict[int, np.ndarray]] = None,
+                       local: Optional[Dict[str, torch.Tensor]] = None) -> None:
+    """Write flat per-layer weights (the parameters each layer owns, see ``runtime.layout``), synced
+    buffers and the unsynchronised buffers ``local`` (by ``"layer.name"``) into the model's layers, in
+    place; a tied parameter stays one tensor."""
     layout = ModelLayout(layers)
     for l, flat in weights.items():
         layout.load(l, flat, (buffers or {}).get(l))
+    with torch.no_grad():
+        for key, value in (local or {}).items():
+            l, name = key.split(".", 1)
+            layers[int(l)].get_buffer(name).copy_(value)

@@ -36,6 +36,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from hetpipe.runtime.layout import local_buffers
+
 FORMAT = 1
 MANIFEST = "manifest.json"
 RESUME_ENV = "HETPIPE_RESUME"                   # a checkpoint directory to resume from
@@ -442,16 +444,3 @@ def param_keys(model, layout) -> List[str]:
     """``layer.name`` of each parameter of a stage, in its flat order (a replica by its owner's key)."""
     owned = [f"{l}.{n}" for l in range(model.start, model.stop) for n, _ in layout.owned[l]]
     return owned + [f"{o}.{n}" for o, n in model.replica_keys]
-
-
-def local_buffers(model, layout) -> Dict[str, torch.Tensor]:
-    """The stage's buffers the PS does not synchronise (integer counters, ...), by ``layer.name``."""
-    out = {}
-    for l in range(model.start, model.stop):
-        layer = model.layers[l - model.start]
-        synced = {n for n, _ in layout.buffers[l]}
-        persistent = set(layer.state_dict(keep_vars=True))
-        for n, b in layer.named_buffers():
-            if n in persistent and n not in synced:
-                out[f"{l}.{n}"] = b
-    return out
