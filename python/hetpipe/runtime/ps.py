@@ -78,6 +78,12 @@ def held_layers(weights: Dict[int, np.ndarray], buffers: Dict[int, np.ndarray],
     return out
 
 
+def check_aggregate(index: int, aggregate: str) -> None:
+    """ValueError naming the shard unless ``aggregate`` is "sum" or "mean"."""
+    if aggregate not in ("sum", "mean"):
+        raise ValueError(f"PS shard {index}: aggregate must be 'sum' or 'mean', got {aggregate!r}")
+
+
 class ShardState:
     """One shard's weights, clocks and pending wave deltas (no I/O)."""
 
@@ -85,8 +91,7 @@ class ShardState:
                  d: int, *, log_sums: bool = False, buffers: Optional[Dict[int, np.ndarray]] = None,
                  replicas: Optional[Dict[Tuple[int, int], Sequence[Tuple[int, int, int]]]] = None,
                  aggregate: str = "sum") -> None:
-        if aggregate not in ("sum", "mean"):
-            raise ValueError(f"PS shard {index}: aggregate must be 'sum' or 'mean', got {aggregate!r}")
+        check_aggregate(index, aggregate)
         self.index = index
         self.d = d
         self.aggregate = aggregate

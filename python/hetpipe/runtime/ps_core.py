@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 import hetpipe_core
-from hetpipe.runtime.ps import ShardLog, ShardServer, WSPViolation, held_layers
+from hetpipe.runtime.ps import ShardLog, ShardServer, WSPViolation, check_aggregate, held_layers
 from hetpipe.runtime.transport import Transport, TransportError
 from hetpipe.schedule.trace import PS_VW, TraceEvent
 
@@ -82,8 +82,7 @@ class CoreShardState:
                  d: int, *, log_sums: bool = False, buffers: Optional[Dict[int, np.ndarray]] = None,
                  replicas: Optional[Dict[Tuple[int, int], Sequence[Tuple[int, int, int]]]] = None,
                  aggregate: str = "sum") -> None:
-        if aggregate not in ("sum", "mean"):
-            raise ValueError(f"PS shard {index}: aggregate must be 'sum' or 'mean', got {aggregate!r}")
+        check_aggregate(index, aggregate)
         self.index, self.d, self.aggregate = index, d, aggregate
         self.layers = sorted(weights)
         buffers = buffers or {}
