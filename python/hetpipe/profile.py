@@ -262,7 +262,7 @@ def load_profile(spec: Union[str, Path, Mapping, ModelProfile]) -> ModelProfile:
 
 def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional[Callable] = None,
                   reference_type: Optional[str] = None, repeats: int = 5, optimizer_factor: float = 1.0,
-                  name: str = "model") -> ModelProfile:
+                  name: str = "model", precision: str = "fp32") -> ModelProfile:
     """Measure each layer of ``model`` (an ``nn.Sequential`` or a list of modules) on this host and
     derive its times on every device type of ``cluster`` (see the module docstring).
 
@@ -271,8 +271,19 @@ def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional
     (1.0: SGD with momentum; 2.0: Adam). Layers may pass any pytree of tensors (every leaf counts
     towards ``activation_bytes``) and take side inputs from a dict ``sample_input``; a parameter
     shared by several layers counts once, on the first.
+
+    The layers run where their parameters are. On a CUDA device the times are synchronised and
+    ``workspace_bytes`` is measured: the allocator's peak while the layer's forward and backward (and
+    the loss, for the last layer) run, above what it held before plus the layer's output and stash
+    (transients such as a language-model head's logits and their gradient); elsewhere it is 0.
+    ``precision="bf16"`` runs each forward and the loss under ``torch.autocast`` to bfloat16, as a
+    bf16 run does (:mod:`hetpipe.precision`), so the stash holds what such a run keeps.
     """
     import torch
+
+    from hetpipe.precision import check_precision
+
+    check_precision(precision, "profile_model")
 
     from hetpipe.cluster import load_cluster
 
@@ -314,8 +325,8 @@ def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional
     torch.set_num_threads(1)
     try:
         with torch.random.fork_rng(devices=[]):
-            fwd_s, bwd_s, out_bytes, stash_bytes = _measure(layers, sample_input, loss_fn, repeats, nbytes, detach,
-                                                            side_of, flatten)
+            fwd_s, bwd_s, out_bytes, stash_bytes, work_bytes = _measure(layers, sample_input, loss_fn, repeats,
+                                                                        nbytes, detach, side_of, flatten, precision)
     finally:
         torch.set_num_threads(threads)
         with torch.no_grad():
@@ -336,7 +347,7 @@ def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional
         derived = {t: cluster.emulated or t != reference_type for t in cluster.device_types}
         out.append(LayerProfile(name=f"{i}:{type(layer).__name__}", fwd_time=f, bwd_time=b,
                                 activation_bytes=out_bytes[i], param_bytes=pb,
-                                optimizer_bytes=int(optimizer_factor * pb), workspace_bytes=0,
+                                optimizer_bytes=int(optimizer_factor * pb), workspace_bytes=work_bytes[i],
                                 derived=derived, stash_bytes=stash_bytes[i]))
     from hetpipe.runtime.tree import batch_of
     batch = batch_of(sample_input)
@@ -360,9 +371,11 @@ class LayerShape:
 
 
 def _measure(layers: List[Any], sample_input: Any, loss_fn: Optional[Callable], repeats: int, nbytes: Callable,
-             detach: Callable, side_of: Callable, flatten: Callable):
+             detach: Callable, side_of: Callable, flatten: Callable, precision: str = "fp32"):
     """Per layer: forward and backward times of each repeat, output bytes (every leaf of a pytree
-    output) and bytes saved for backward. A layer that raises is named in the error."""
+    output), bytes saved for backward, and (on CUDA) transient bytes above those. A layer that
+    raises is named in the error."""
+    import contextlib
     import time
 
     import torch
@@ -370,12 +383,16 @@ def _measure(layers: List[Any], sample_input: Any, loss_fn: Optional[Callable], 
 
     fwd_s: List[List[float]] = [[] for _ in layers]
     bwd_s: List[List[float]] = [[] for _ in layers]
-    out_bytes, stash_bytes = [0] * len(layers), [0] * len(layers)
+    out_bytes, stash_bytes, work_bytes = [0] * len(layers), [0] * len(layers), [0] * len(layers)
     for r in range(repeats + 1):
         x = sample_input
         for i, layer in enumerate(layers):
             xin = detach(x)
             params = {p.data_ptr() for p in layer.parameters()}
+            device = _device_of(layer, xin)
+            cuda = device.type == "cuda"
+            compute = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
+                       else contextlib.nullcontext())
             saved: List[int] = []
 
             def pack(t, saved=saved, params=params):
@@ -383,32 +400,63 @@ def _measure(layers: List[Any], sample_input: Any, loss_fn: Optional[Callable], 
                     saved.append(t.numel() * t.element_size())
                 return t
 
-            t0 = time.perf_counter()
+            def now() -> float:
+                if cuda:
+                    torch.cuda.synchronize(device)
+                return time.perf_counter()
+
+            if cuda:
+                held = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = now()
             try:
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), compute:
                     y = layer(xin, **side_of(layer))
             except Exception as e:
                 raise ValueError(f"profile_model: layer {i} ({type(layer).__name__}) failed: "
                                  f"{type(e).__name__}: {e}") from e
-            t1 = time.perf_counter()
+            t1 = now()
             leaves, _ = flatten(y, f"layer {i} ({type(layer).__name__})")
             outs = [t for t in leaves if t.requires_grad]
             if outs:
                 if i == len(layers) - 1:
-                    loss = loss_fn(y) if loss_fn is not None else sum(t.float().sum() for t in outs)
-                    t1 = time.perf_counter()
+                    with compute:
+                        loss = loss_fn(y) if loss_fn is not None else sum(t.float().sum() for t in outs)
+                    t1 = now()
                     loss.backward()
+                    del loss
                 else:
                     grads = [torch.ones_like(t) for t in outs]
-                    t1 = time.perf_counter()
+                    t1 = now()
                     torch.autograd.backward(outs, grads)
-            t2 = time.perf_counter()
+                    del grads
+            t2 = now()
             if r > 0:
                 fwd_s[i].append(t1 - t0)
                 bwd_s[i].append(t2 - t1)
             out_bytes[i], stash_bytes[i] = nbytes(y), sum(saved)
+            if cuda and r > 0:
+                # From the second run on, the parameters' gradients exist (they accumulate in place),
+                # so the peak holds the transients alone beyond the output and the stash.
+                peak = torch.cuda.max_memory_allocated(device) - held - out_bytes[i] - stash_bytes[i]
+                work_bytes[i] = max(work_bytes[i], peak, 0)
             x = pytree.tree_map(lambda t: t.detach(), y)
-    return fwd_s, bwd_s, out_bytes, stash_bytes
+    return fwd_s, bwd_s, out_bytes, stash_bytes, work_bytes
+
+
+def _device_of(layer: Any, inputs: Any) -> Any:
+    """Where ``layer`` runs: its first parameter's or buffer's device, else its first input tensor's."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    for t in layer.parameters():
+        return t.device
+    for t in layer.buffers():
+        return t.device
+    for t in pytree.tree_leaves(inputs):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
 
 
 def resnet152_shapes(image: int = 224, classes: int = 1000) -> List[LayerShape]:
