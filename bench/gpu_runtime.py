@@ -15,7 +15,7 @@ Throughput is taken in steady state: the first ``--warmup-waves`` waves (``nm`` 
 left out of both (hetpipe's wave times come from its metrics file); the whole-run figure, start-up
 included, is printed beside it. The ideal ratio is 1.0: the GPU does the same arithmetic either way.
 
-The second table sets the planner's memory model (``hetpipe.plan.stage``: weights, gradients,
+The second table sets the planner's memory model (``hetpipe.plan.stage_cost``: weights, gradients,
 optimizer state, weight stashes, wave deltas, activations and workspace of each stage) against the
 peak each stage rank really allocated (``torch.cuda.max_memory_allocated``), for a profile of the same
 layers measured on the device under autocast (``profile_model(..., precision="bf16")``).
@@ -211,13 +211,13 @@ def steady_rate(metrics: Path, args) -> Tuple[float, float]:
 
 def planned_memory(profile_dict: Dict[str, Any], args, d: int) -> List[int]:
     """The planner's memory (bytes) of each stage of :func:`plan_for` at staleness bound ``d``."""
-    from hetpipe.plan.stage import LayerTable, Slot
+    from hetpipe.plan.stage_cost import LayerTable, StageDevice
     from hetpipe.profile import ModelProfile
 
     profile = ModelProfile.from_dict(profile_dict)
     kind = profile.device_types[0]
     table = LayerTable(profile, [kind], d)
-    slot = Slot(args.device, kind, "n0", 1 << 62)
+    slot = StageDevice(args.device, kind, "n0", 1 << 62)
     c = cuts(profile.num_layers, args.stages)
     return [table.stage(slot, k, args.stages, args.nm, a, b, None, None, False)[1]
             for k, (a, b) in enumerate(zip(c, c[1:]))]

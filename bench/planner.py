@@ -29,7 +29,7 @@ from typing import List, Sequence
 import numpy as np
 
 from hetpipe.cluster import cluster_from_dict, load_cluster
-from hetpipe.plan import LayerTable, Slot, make_plan, partition
+from hetpipe.plan import LayerTable, StageDevice, make_plan, partition
 from hetpipe.plan.partition import evaluate, links_of, partition_order
 from hetpipe.profile import LayerProfile, ModelProfile, load_profile
 
@@ -112,19 +112,19 @@ def uniform_cuts(n: int, k: int) -> List[int]:
     return [round(i * n / k) for i in range(k + 1)]
 
 
-def quality_rows(label: str, cluster, prof: ModelProfile, vws: List[List[Slot]], nm: int) -> list:
+def quality_rows(label: str, cluster, prof: ModelProfile, vws: List[List[StageDevice]], nm: int) -> list:
     types = sorted({s.device_type for vw in vws for s in vw})
     tab = LayerTable(prof, types)
     ratios = {"uniform": [], "params": [], "time-homog": []}
     oom = {k: 0 for k in ratios}
     ours_oom = 0
-    for slots in vws:
+    for stage_devs in vws:
         try:
-            ours = partition(tab, slots, cluster, nm)
+            ours = partition(tab, stage_devs, cluster, nm)
         except ValueError:
             ours_oom += 1
             continue
-        order = list(ours.slots)
+        order = list(ours.stage_devs)
         links = links_of(order, cluster)
         K = len(order)
         ref_t = [f + b for f, b in zip(prof.fwd(order[0].device_type), prof.bwd(order[0].device_type))]
@@ -148,8 +148,8 @@ def quality_rows(label: str, cluster, prof: ModelProfile, vws: List[List[Slot]],
     return [label, str(len(vws) - ours_oom)] + cells
 
 
-def slots_for(cluster, ids) -> List[Slot]:
-    return [Slot(d.id, d.type, d.node, cluster.device_types[d.type].memory_bytes)
+def slots_for(cluster, ids) -> List[StageDevice]:
+    return [StageDevice(d.id, d.type, d.node, cluster.device_types[d.type].memory_bytes)
             for d in (cluster.device(i) for i in ids)]
 
 
@@ -186,21 +186,21 @@ def quality(quick: bool) -> str:
                   "(c) time, homogeneous (torchgpipe)"], rows)
 
 
-def distinct_orders(slots: Sequence[Slot]):
-    """Every order of ``slots`` up to interchangeable devices (same type, memory and node)."""
+def distinct_orders(stage_devs: Sequence[StageDevice]):
+    """Every order of ``stage_devs`` up to interchangeable devices (same type, memory and node)."""
     seen = set()
-    for perm in itertools.permutations(slots):
+    for perm in itertools.permutations(stage_devs):
         sig = tuple((s.device_type, s.memory_bytes, s.node) for s in perm)
         if sig not in seen:
             seen.add(sig)
             yield list(perm)
 
 
-def brute_orders(tab: LayerTable, slots: Sequence[Slot], cluster, nm: int) -> float:
+def brute_orders(tab: LayerTable, stage_devs: Sequence[StageDevice], cluster, nm: int) -> float:
     """The reference: every distinct order, each solved by the exact fixed-order DP at layer
     granularity (no coarsening, no order search); +inf when nothing fits."""
     best = math.inf
-    for order in distinct_orders(slots):
+    for order in distinct_orders(stage_devs):
         p = partition_order(tab, order, links_of(order, cluster), nm, coarse_above=10**9)
         if p is not None:
             best = min(best, p.bottleneck)
@@ -212,7 +212,7 @@ def tight_cluster(rng: random.Random, n_types: int, gb=(2, 3, 4, 6)) -> dict:
     return scaled_cluster(32, types, per_node=4)
 
 
-def vw_of(cluster, rng: random.Random, k: int, kinds: int) -> List[Slot]:
+def vw_of(cluster, rng: random.Random, k: int, kinds: int) -> List[StageDevice]:
     """``k`` devices of at most ``kinds`` types (repeats allowed) from a few nodes."""
     types = rng.sample(sorted(cluster.device_types), kinds)
     pool = [d for d in cluster.devices if d.type in types]
@@ -246,17 +246,17 @@ def order_search(quick: bool) -> str:
             cluster = cluster_from_dict(spec)
             types = {t: (v["memory_bytes"] // 2**30, v["peak_flops"]) for t, v in spec["device_types"].items()}
             prof = synthetic_profile(layers, types, seed=rng.randrange(1000))
-            slots = vw_of(cluster, rng, k, kinds)
-            tab = LayerTable(prof, {s.device_type for s in slots})
+            stage_devs = vw_of(cluster, rng, k, kinds)
+            tab = LayerTable(prof, {s.device_type for s in stage_devs})
             nm = rng.randint(1, 4)
-            ours, t = timed(lambda: partition(tab, slots, cluster, nm))
+            ours, t = timed(lambda: partition(tab, stage_devs, cluster, nm))
             ours_t.append(t)
-            base, t = timed(lambda: _search_candidates(tab, slots, cluster, nm, "none", 5, 256, 128, False))
+            base, t = timed(lambda: _search_candidates(tab, stage_devs, cluster, nm, "none", 5, 256, 128, False))
             base_t.append(t)
-            n_orders = sum(1 for _ in distinct_orders(slots))
+            n_orders = sum(1 for _ in distinct_orders(stage_devs))
             if n_orders > (3000 if quick else 50000):
                 continue
-            ref, t = timed(lambda: brute_orders(tab, slots, cluster, nm))
+            ref, t = timed(lambda: brute_orders(tab, stage_devs, cluster, nm))
             brute_t.append(t)
             brute_ok += 1
             if ref == math.inf:
@@ -291,11 +291,11 @@ def deep(quick: bool) -> str:
             cluster = cluster_from_dict(spec)
             types = {t: (v["memory_bytes"] // 2**30, v["peak_flops"]) for t, v in spec["device_types"].items()}
             prof = synthetic_profile(layers, types, seed=rng.randrange(1000))
-            slots = vw_of(cluster, rng, k, k)
-            tab = LayerTable(prof, {s.device_type for s in slots})
-            ours, t = timed(lambda: partition(tab, slots, cluster, 2))
+            stage_devs = vw_of(cluster, rng, k, k)
+            tab = LayerTable(prof, {s.device_type for s in stage_devs})
+            ours, t = timed(lambda: partition(tab, stage_devs, cluster, 2))
             ours_t.append(t)
-            ref, t = timed(lambda: brute_orders(tab, slots, cluster, 2))
+            ref, t = timed(lambda: brute_orders(tab, stage_devs, cluster, 2))
             brute_t.append(t)
             if ref < math.inf:
                 if ours is None:

@@ -19,9 +19,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gloo_runs
 import snapshots
 from devices import DeviceModel
-from emulate import Emulated, clock_report
+from emulate import Emulated, pacer_report
 from hetpipe.runtime.build import initial_weights
-from hetpipe.runtime.emulation import EmulatedClock
+from hetpipe.runtime.emulation import Pacer
 from job import Job
 from mpi_env import gather_results
 from task import MinibatchStream, build_layers, corpus, loss_fn, optimizer
@@ -32,9 +32,9 @@ def train(job: Job, rank: int, world: int, dm: DeviceModel) -> Optional[dict]:
     text, _, _ = corpus(job.task)
     stream = MinibatchStream(text, job.task, job.seed, count=0)
     dtype = dm.devices[rank][1]
-    clock = EmulatedClock(1.0)
+    pacer = Pacer(1.0)
     layers = build_layers(job.task, job.seed)
-    model = DDP(nn.Sequential(*[Emulated(layer, *dm.scaled_times(dtype, [i], job.task.minibatch), clock)
+    model = DDP(nn.Sequential(*[Emulated(layer, *dm.scaled_times(dtype, [i], job.task.minibatch), pacer)
                                 for i, layer in enumerate(layers)]))
     opt = optimizer(model.parameters(), job.lr)
     snaps = {0: (0.0, initial_weights(layers, 0))}
@@ -54,7 +54,7 @@ def train(job: Job, rank: int, world: int, dm: DeviceModel) -> Optional[dict]:
         if stop:
             break
     wall = time.perf_counter() - timer.t0
-    pad, over = clock_report(clock, wall)
+    pad, over = pacer_report(pacer, wall)
     ranks = gather_results({"rank": rank, "device": dm.devices[rank][0], "type": dtype, "wall_s": wall,
                             "pad_frac": pad, "overrun_s": over, "loss": float(loss)})
     if rank != 0:

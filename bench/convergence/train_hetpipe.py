@@ -58,7 +58,7 @@ class RecordingServer(ShardServer):
 
 def train(job: Job, comm, rank: int) -> Optional[dict]:
     """One run; returns its result on rank 0 (None elsewhere) after writing its snapshots."""
-    e2e.RecordingClock.instances.clear()
+    e2e.RecordingPacer.instances.clear()
     RecordingServer.instances.clear()
     plan = dataclasses.replace(Plan.load(job.plan), d=job.d)
     nvw = len(plan.virtual_workers)
@@ -73,11 +73,11 @@ def train(job: Job, comm, rank: int) -> Optional[dict]:
         raise SystemExit(f"hetpipe: this Trainer has no aggregate option (asked for {job.aggregate!r})")
     result = Trainer(build_layers(job.task, job.seed), loss_fn, lambda p: optimizer(p, job.lr), data, plan=plan,
                      emulate=True, progress=False, timeout=job.timeout_s, **extra).fit()
-    clocks = e2e.RecordingClock.instances
+    pacers = e2e.RecordingPacer.instances
     role = role_of(plan, rank)
     mine = {"rank": rank, "role": result.role, "elapsed_s": result.elapsed_s,
-            "pad_frac": sum(c.padded_s for c in clocks) / result.elapsed_s,
-            "overrun_s": sum(c.overrun_s for c in clocks),
+            "pad_frac": sum(c.padded_s for c in pacers) / result.elapsed_s,
+            "overrun_s": sum(c.overrun_s for c in pacers),
             "snapshots": RecordingServer.instances[-1].snaps if role.kind == "ps" else None}
     if role.kind == "stage":
         st = plan.virtual_workers[role.vw].stages[role.stage]
@@ -99,7 +99,7 @@ def train(job: Job, comm, rank: int) -> Optional[dict]:
 
 def main(jobs_path: str, out_path: str) -> None:
     torch.set_num_threads(1)
-    runtime_build.EmulatedClock = e2e.RecordingClock
+    runtime_build.Pacer = e2e.RecordingPacer
     runtime_build.ShardServer = RecordingServer
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()

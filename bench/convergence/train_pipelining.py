@@ -21,9 +21,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 import gloo_runs
 import snapshots
 from devices import DeviceModel
-from emulate import Emulated, clock_report
+from emulate import Emulated, pacer_report
 from hetpipe.runtime.build import initial_weights
-from hetpipe.runtime.emulation import EmulatedClock
+from hetpipe.runtime.emulation import Pacer
 from job import Job
 from mpi_env import gather_results
 from split import uniform_split
@@ -37,9 +37,9 @@ def train(job: Job, rank: int, world: int, dm: DeviceModel) -> Optional[dict]:
     layers_all = build_layers(job.task, job.seed)
     start, stop = uniform_split(len(layers_all), world)[rank]
     dtype = dm.devices[rank][1]
-    clock = EmulatedClock(1.0)
+    pacer = Pacer(1.0)
     mine = layers_all[start:stop]
-    module = Emulated(nn.Sequential(*mine), *dm.scaled_times(dtype, range(start, stop), job.task.minibatch), clock)
+    module = Emulated(nn.Sequential(*mine), *dm.scaled_times(dtype, range(start, stop), job.task.minibatch), pacer)
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     schedule = Schedule1F1B(stage, job.micro, loss_fn=loss_fn)
     opt = optimizer(module.parameters(), job.lr)
@@ -66,7 +66,7 @@ def train(job: Job, rank: int, world: int, dm: DeviceModel) -> Optional[dict]:
         if stop:
             break
     wall = time.perf_counter() - timer.t0
-    pad, over = clock_report(clock, wall)
+    pad, over = pacer_report(pacer, wall)
     loss = float(torch.stack(losses).mean()) if losses else None
     ranks = gather_results({"rank": rank, "device": dm.devices[rank][0], "type": dtype, "wall_s": wall,
                             "layers": [start, stop], "pad_frac": pad, "overrun_s": over, "loss": loss,

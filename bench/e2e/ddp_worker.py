@@ -18,8 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import RunConfig, write_result
 from devices import DeviceModel
-from emulate import Emulated, clock_report
-from hetpipe.runtime.emulation import EmulatedClock
+from emulate import Emulated, pacer_report
+from hetpipe.runtime.emulation import Pacer
 from model import build_layers, loss_fn, synthetic_batches
 from mpi_env import gather_results, init_gloo
 
@@ -34,8 +34,8 @@ def main(cfg_path: str, out_path: str) -> None:
         raise SystemExit(f"ddp: global batch {cfg.global_batch} does not split evenly over {world} ranks")
     share = cfg.global_batch // world
     dtype = dm.devices[rank][1]
-    clock = EmulatedClock(1.0)
-    layers = [Emulated(layer, *dm.scaled_times(dtype, [i], share), clock)
+    pacer = Pacer(1.0)
+    layers = [Emulated(layer, *dm.scaled_times(dtype, [i], share), pacer)
               for i, layer in enumerate(build_layers(cfg.spec))]
     model = DDP(nn.Sequential(*layers))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -52,13 +52,13 @@ def main(cfg_path: str, out_path: str) -> None:
     for k in range(cfg.warmup):
         step(k)
     dist.barrier()
-    clock.padded_s = clock.overrun_s = 0.0
+    pacer.padded_s = pacer.overrun_s = 0.0
     t0 = time.perf_counter()
     for k in range(cfg.steps):
         loss = step(cfg.warmup + k)
     dist.barrier()
     wall = time.perf_counter() - t0
-    pad, over = clock_report(clock, wall)
+    pad, over = pacer_report(pacer, wall)
     ranks = gather_results({"rank": rank, "device": dm.devices[rank][0], "type": dtype, "wall_s": wall,
                             "pad_frac": pad, "overrun_s": over, "loss": loss})
     if rank == 0:

@@ -1,6 +1,6 @@
 """``Emulated(module, fwd_s, bwd_s)``: run a module for real, then pad forward and backward to a device's time.
 
-The padding is hetpipe's own ``EmulatedClock`` (the one the hetpipe runtime pads its Fwd/Bwd
+The padding is hetpipe's own ``Pacer`` (the one the hetpipe runtime pads its Fwd/Bwd
 instructions with), so the baselines and hetpipe share one device model and one padding code path.
 
 Contract: the forward of the wrapped module takes at least ``fwd_s`` seconds of wall time and its
@@ -21,7 +21,7 @@ from typing import Tuple
 import torch
 from torch import nn
 
-from hetpipe.runtime.emulation import EmulatedClock
+from hetpipe.runtime.emulation import Pacer
 
 
 class _BackwardStart(torch.autograd.Function):
@@ -54,17 +54,17 @@ class _BackwardEnd(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         box = ctx.box
-        box.clock.pad(box._bwd_started, box.bwd_s)
+        box.pacer.pad(box._bwd_started, box.bwd_s)
         return (grad if ctx.x_needs_grad else None), None, None
 
 
 class Emulated(nn.Module):
     """A module whose forward and backward take the emulated device's time (see module docstring)."""
 
-    def __init__(self, module: nn.Module, fwd_s: float, bwd_s: float, clock: EmulatedClock) -> None:
+    def __init__(self, module: nn.Module, fwd_s: float, bwd_s: float, pacer: Pacer) -> None:
         super().__init__()
         self.inner = module
-        self.clock = clock
+        self.pacer = pacer
         self.set_times(fwd_s, bwd_s)
         self._anchor = torch.zeros((), requires_grad=True)   # not a Parameter: DDP never sees it
         self._bwd_started = 0.0
@@ -86,14 +86,14 @@ class Emulated(nn.Module):
                     raise ValueError("Emulated: a module with integer inputs and no trainable parameters has no "
                                      "backward to pad")
                 self._param_hook = torch.autograd.graph.register_multi_grad_hook(
-                    params, lambda grads: self.clock.pad(self._bwd_started, self.bwd_s), mode="all")
+                    params, lambda grads: self.pacer.pad(self._bwd_started, self.bwd_s), mode="all")
         y = self.inner(x)
         if torch.is_grad_enabled():
             y = _BackwardStart.apply(y, self)
-        self.clock.pad(t0, self.fwd_s)
+        self.pacer.pad(t0, self.fwd_s)
         return y
 
 
-def clock_report(clock: EmulatedClock, wall_s: float) -> Tuple[float, float]:
-    """(padding fraction of ``wall_s``, overrun seconds) of one rank's clock over the measured window."""
-    return (clock.padded_s / wall_s if wall_s > 0 else 0.0, clock.overrun_s)
+def pacer_report(pacer: Pacer, wall_s: float) -> Tuple[float, float]:
+    """(padding fraction of ``wall_s``, overrun seconds) of one rank's pacer over the measured window."""
+    return (pacer.padded_s / wall_s if wall_s > 0 else 0.0, pacer.overrun_s)

@@ -5,7 +5,7 @@ and D come from ``cfg.extra`` ("plan", "d", "waves", "skip_waves"). Steady-state
 from the run's own trace: the window starts when every VW has finished its first ``skip_waves``
 waves (stage 0's backward of the wave's last minibatch) and ends when the first VW finishes its last
 minibatch; every VW's minibatches completing inside the window count.
-Each stage's padding and overrun come from the runtime's own EmulatedClock objects (recorded by a
+Each stage's padding and overrun come from the runtime's own Pacer objects (recorded by a
 subclass installed in this process only; the runtime's behaviour is unchanged).
 """
 
@@ -25,19 +25,19 @@ from config import RunConfig, write_result
 from hetpipe.launch.roles import role_of
 from hetpipe.plan.types import Plan
 from hetpipe.runtime.data import Batches
-from hetpipe.runtime.emulation import EmulatedClock
+from hetpipe.runtime.emulation import Pacer
 from hetpipe.runtime.trainer import Trainer
 from model import build_layers, loss_fn, synthetic_batches
 
 
-class RecordingClock(EmulatedClock):
-    """The runtime's EmulatedClock, remembering every instance built in this process."""
+class RecordingPacer(Pacer):
+    """The runtime's Pacer, remembering every instance built in this process."""
 
-    instances: List["RecordingClock"] = []
+    instances: List["RecordingPacer"] = []
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        RecordingClock.instances.append(self)
+        RecordingPacer.instances.append(self)
 
 
 def steady_rate(trace, plan: Plan, skip_waves: int) -> Dict[str, float]:
@@ -61,7 +61,7 @@ def steady_rate(trace, plan: Plan, skip_waves: int) -> Dict[str, float]:
 def main(cfg_path: str, out_path: str) -> None:
     cfg = RunConfig.load(cfg_path)
     torch.set_num_threads(1)
-    runtime_build.EmulatedClock = RecordingClock
+    runtime_build.Pacer = RecordingPacer
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     plan = Plan.load(cfg.extra["plan"])
@@ -74,7 +74,7 @@ def main(cfg_path: str, out_path: str) -> None:
     trace_file = Path(tempfile.mkdtemp()) / "trace.json"
     result = Trainer(build_layers(cfg.spec), loss_fn, lambda p: torch.optim.SGD(p, lr=0.01), data, plan=plan,
                      emulate=True, trace=trace_file, progress=False).fit()
-    clocks = RecordingClock.instances
+    pacers = RecordingPacer.instances
     role = role_of(plan, rank)
     if role.kind == "stage":
         st = plan.virtual_workers[role.vw].stages[role.stage]
@@ -82,8 +82,8 @@ def main(cfg_path: str, out_path: str) -> None:
     else:
         where = {"device": f"ps{role.shard}", "type": "host (PS)"}
     mine = {"rank": rank, "role": result.role, **where, "elapsed_s": result.elapsed_s,
-            "pad_frac": sum(c.padded_s for c in clocks) / result.elapsed_s,
-            "overrun_s": sum(c.overrun_s for c in clocks), "padded": any(c.enabled for c in clocks)}
+            "pad_frac": sum(c.padded_s for c in pacers) / result.elapsed_s,
+            "overrun_s": sum(c.overrun_s for c in pacers), "padded": any(c.enabled for c in pacers)}
     ranks = comm.gather(mine, root=0)
     if rank == 0:
         steady = steady_rate(result.trace, plan, int(cfg.extra["skip_waves"]))

@@ -18,8 +18,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from config import RunConfig, write_result
 from devices import DeviceModel
-from emulate import Emulated, clock_report
-from hetpipe.runtime.emulation import EmulatedClock
+from emulate import Emulated, pacer_report
+from hetpipe.runtime.emulation import Pacer
 from model import build_layers, loss_fn, synthetic_batches
 from mpi_env import gather_results, init_gloo
 from split import uniform_split
@@ -36,9 +36,9 @@ def main(cfg_path: str, out_path: str) -> None:
     mb = cfg.spec.minibatch
     start, stop = uniform_split(cfg.spec.depth, world)[rank]
     dtype = dm.devices[rank][1]
-    clock = EmulatedClock(1.0)
+    pacer = Pacer(1.0)
     layers = build_layers(cfg.spec)[start:stop]
-    module = Emulated(nn.Sequential(*layers), *dm.scaled_times(dtype, range(start, stop), mb), clock)
+    module = Emulated(nn.Sequential(*layers), *dm.scaled_times(dtype, range(start, stop), mb), pacer)
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     schedule = SCHEDULES[cfg.pp_schedule](stage, cfg.microbatches, loss_fn=loss_fn)
     opt = torch.optim.SGD(module.parameters(), lr=0.01)
@@ -58,13 +58,13 @@ def main(cfg_path: str, out_path: str) -> None:
     for k in range(cfg.warmup):
         step(k)
     dist.barrier()
-    clock.padded_s = clock.overrun_s = 0.0
+    pacer.padded_s = pacer.overrun_s = 0.0
     t0 = time.perf_counter()
     for k in range(cfg.steps):
         step(cfg.warmup + k)
     dist.barrier()
     wall = time.perf_counter() - t0
-    pad, over = clock_report(clock, wall)
+    pad, over = pacer_report(pacer, wall)
     ranks = gather_results({"rank": rank, "device": dm.devices[rank][0], "type": dtype, "wall_s": wall,
                             "layers": [start, stop], "pad_frac": pad, "overrun_s": over})
     if rank == 0:

@@ -15,15 +15,15 @@ from torch import nn
 
 from config import RunConfig, write_result
 from devices import DeviceModel
-from emulate import Emulated, clock_report
-from hetpipe.runtime.emulation import EmulatedClock
+from emulate import Emulated, pacer_report
+from hetpipe.runtime.emulation import Pacer
 from model import build_layers, loss_fn, synthetic_batches
 
 
 def measure_type(cfg: RunConfig, dm: DeviceModel, dtype: str) -> dict:
     mb = cfg.spec.minibatch
-    clock = EmulatedClock(1.0)
-    model = nn.Sequential(*[Emulated(layer, *dm.scaled_times(dtype, [i], mb), clock)
+    pacer = Pacer(1.0)
+    model = nn.Sequential(*[Emulated(layer, *dm.scaled_times(dtype, [i], mb), pacer)
                             for i, layer in enumerate(build_layers(cfg.spec))])
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     data = synthetic_batches(cfg.spec, 2, mb)
@@ -36,12 +36,12 @@ def measure_type(cfg: RunConfig, dm: DeviceModel, dtype: str) -> dict:
 
     for k in range(cfg.warmup):
         step(k)
-    clock.padded_s = clock.overrun_s = 0.0
+    pacer.padded_s = pacer.overrun_s = 0.0
     t0 = time.perf_counter()
     for k in range(cfg.steps):
         step(k)
     wall = time.perf_counter() - t0
-    pad, over = clock_report(clock, wall)
+    pad, over = pacer_report(pacer, wall)
     return {"type": dtype, "samples_per_s": cfg.steps * mb / wall, "model_samples_per_s": dm.standalone_throughput(dtype),
             "wall_s": wall, "pad_frac": pad, "overrun_s": over}
 

@@ -202,6 +202,9 @@ def _add_launch_command(sub) -> None:
     p.add_argument("-n", "--np", dest="n", type=int, required=True, help="number of ranks")
     p.add_argument("--timeout", type=float, help="seconds a rank may wait for a peer (sets HETPIPE_TIMEOUT); "
                                                  "a rank stopped for half of it is declared unresponsive")
+    p.add_argument("--term-grace", type=float, metavar="SECONDS",
+                   help="when the launcher is interrupted (SIGINT/SIGTERM/SIGHUP), how long the ranks get to write "
+                        "their SIGTERM checkpoint and exit before SIGKILL (sets HETPIPE_TERM_GRACE; default 60)")
     p.add_argument("--run-dir", help="directory for the ranks' pids and the run's outcome.json (default: a "
                                      "temporary one, kept only if the run fails)")
     p.add_argument("--checkpoint-dir", help="checkpoint every --checkpoint-every waves into this directory (for a "
@@ -225,6 +228,8 @@ def _run_launch(args) -> int:
 
     if args.timeout is not None:
         os.environ["HETPIPE_TIMEOUT"] = str(args.timeout)
+    if args.term_grace is not None:
+        os.environ["HETPIPE_TERM_GRACE"] = str(args.term_grace)
     try:
         if args.max_restarts or args.resume or args.checkpoint_dir or args.exclude_device or \
                 args.checkpoint_every is not None:

@@ -14,7 +14,7 @@ a stage sends to the next); ``stash_bytes`` what the layer keeps for its backwar
 flight (defaults to ``activation_bytes``; the layer's own parameters are not part of it, since the
 planner counts the runtime's per-minibatch weight stashes separately); ``param_bytes`` its weights
 (the planner adds the gradient, weight stashes and wave deltas of that size, see
-:mod:`hetpipe.plan.stage`); ``optimizer_bytes`` its optimizer state; ``workspace_bytes`` transient
+:mod:`hetpipe.plan.stage_cost`); ``optimizer_bytes`` its optimizer state; ``workspace_bytes`` transient
 scratch while it runs. ``derived[t]`` says that the times for type ``t`` were not measured on ``t``.
 
 Where numbers come from:
@@ -260,6 +260,28 @@ def load_profile(spec: Union[str, Path, Mapping, ModelProfile]) -> ModelProfile:
 
 # --- measuring -------------------------------------------------------------------------------
 
+LAYER_NAMES_ATTR = "hetpipe_layer_names"
+
+
+def layer_names(model: Any) -> Optional[List[str]]:
+    """The names of ``model``'s layers for plans and reports: ``model.hetpipe_layer_names`` (what
+    :func:`hetpipe.adapters.adapt` sets on its layer list, e.g. ``h.3``), else an ``nn.Sequential``'s own
+    child names when they are not just positions; None when there are none."""
+    import torch.nn as nn
+
+    names = getattr(model, LAYER_NAMES_ATTR, None)
+    if names is not None:
+        names = [str(n) for n in names]
+        if len(names) != len(model):
+            raise ValueError(f"hetpipe: {LAYER_NAMES_ATTR} names {len(names)} layers, the model has {len(model)}")
+        return names
+    if isinstance(model, (nn.Sequential, nn.ModuleList)):
+        keys = [k for k, _ in model.named_children()]
+        if any(not k.isdigit() for k in keys):
+            return keys
+    return None
+
+
 def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional[Callable] = None,
                   reference_type: Optional[str] = None, repeats: int = 5, optimizer_factor: float = 1.0,
                   name: str = "model", precision: str = "fp32") -> ModelProfile:
@@ -270,7 +292,7 @@ def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional
     backward (default: the sum of the output). ``optimizer_bytes = optimizer_factor x param_bytes``
     (1.0: SGD with momentum; 2.0: Adam). Layers may pass any pytree of tensors (every leaf counts
     towards ``activation_bytes``) and take side inputs from a dict ``sample_input``; a parameter
-    shared by several layers counts once, on the first.
+    shared by several layers counts once, on the first. Layers are named by :func:`layer_names`.
 
     The layers run where their parameters are. On a CUDA device the times are synchronised and
     ``workspace_bytes`` is measured: the allocator's peak while the layer's forward and backward (and
@@ -300,6 +322,7 @@ def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional
                          f"(cluster types: {sorted(cluster.device_types)})")
     else:
         ref_speed = cluster.device_types[reference_type].speed
+    names = layer_names(model)
     layers = list(model)
     if not layers:
         raise ValueError("profile_model: the model has no layers")
@@ -345,7 +368,7 @@ def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional
         f = {t: fm * ref_speed / dt.speed for t, dt in cluster.device_types.items()}
         b = {t: bm * ref_speed / dt.speed for t, dt in cluster.device_types.items()}
         derived = {t: cluster.emulated or t != reference_type for t in cluster.device_types}
-        out.append(LayerProfile(name=f"{i}:{type(layer).__name__}", fwd_time=f, bwd_time=b,
+        out.append(LayerProfile(name=names[i] if names else f"{i}:{type(layer).__name__}", fwd_time=f, bwd_time=b,
                                 activation_bytes=out_bytes[i], param_bytes=pb,
                                 optimizer_bytes=int(optimizer_factor * pb), workspace_bytes=work_bytes[i],
                                 derived=derived, stash_bytes=stash_bytes[i]))

@@ -16,7 +16,7 @@ sys.path[:0] = [str(BENCH / "convergence"), str(BENCH / "e2e")]
 import snapshots  # noqa: E402
 from curves import loss_at, time_to_target  # noqa: E402
 from emulate import Emulated  # noqa: E402
-from hetpipe.runtime.emulation import EmulatedClock  # noqa: E402
+from hetpipe.runtime.emulation import Pacer  # noqa: E402
 from task import (Embed, MinibatchStream, TaskSpec, build_layers, corpus, evaluate, loss_fn, stdlib_files,  # noqa: E402
                   validation_set)
 
@@ -77,7 +77,7 @@ def test_model_is_causal_and_identical_per_seed():
 
 
 def test_emulated_pads_the_backward_of_a_module_fed_token_ids():
-    clock = EmulatedClock(1.0)
+    clock = Pacer(1.0)
     emb = Emulated(Embed(SMALL), 0.0, 0.15, clock)
     x = torch.randint(0, 256, (2, SMALL.context))
     for _ in range(2):      # the hook is registered once and pads every backward

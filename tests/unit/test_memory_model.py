@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from hetpipe.plan.stage import LayerTable, LinkCost, Slot
+from hetpipe.plan.stage_cost import LayerTable, LinkCost, StageDevice
 from hetpipe.profile import LayerProfile, ModelProfile
-from hetpipe.runtime import stage as stage_module
+from hetpipe.runtime import stage_model as stage_module
 from hetpipe.runtime.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "mpi" / "scripts"))
@@ -58,13 +58,13 @@ def test_planner_weight_copies_cover_what_the_runtime_holds(monkeypatch, nm, d):
     profile = ModelProfile("mlp", 16, [LayerProfile(f"l{i}", {"t": 1.0}, {"t": 1.0}, param_bytes=b)
                                        for i, b in enumerate(param_bytes)])
     table = LayerTable(profile, ["t"], d)
-    slot, link = Slot("d", "t", "n", 10**12), LinkCost(1e9, 0.0)
+    stage_dev, link = StageDevice("d", "t", "n", 10**12), LinkCost(1e9, 0.0)
     for vw in plan.virtual_workers:
         K = len(vw.stages)
         for k, st in enumerate(vw.stages):
             snapshots, stash_grads, deltas = peaks[(st.start, st.stop)]
             size = sum(param_bytes[st.start:st.stop])
-            _, planned = table.stage(slot, k, K, nm, st.start, st.stop, link if k else None,
+            _, planned = table.stage(stage_dev, k, K, nm, st.start, st.stop, link if k else None,
                                      link if k < K - 1 else None, False)
             assert planned % size == 0
             copies = planned // size

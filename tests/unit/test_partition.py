@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hetpipe.cluster import cluster_from_dict
-from hetpipe.plan import LayerTable, Slot, partition
+from hetpipe.plan import LayerTable, StageDevice, partition
 from hetpipe.plan.partition import links_of
 from hetpipe.profile import LayerProfile, ModelProfile
 
@@ -32,15 +32,15 @@ def make_profile(times, speeds, act, stash, param, opt, ws, input_bytes=0):
 
 def slots_of(cluster, ids=None):
     devs = cluster.devices if ids is None else [cluster.device(i) for i in ids]
-    return [Slot(d.id, d.type, d.node, cluster.device_types[d.type].memory_bytes) for d in devs]
+    return [StageDevice(d.id, d.type, d.node, cluster.device_types[d.type].memory_bytes) for d in devs]
 
 
-def brute_force(profile, cluster, slots, nm, d):
+def brute_force(profile, cluster, stage_devs, nm, d):
     """Best bottleneck over every device order and every cut; the stage model written out directly."""
-    L, K = profile.num_layers, len(slots)
+    L, K = profile.num_layers, len(stage_devs)
     layers = profile.layers
     best = float("inf")
-    for order in itertools.permutations(slots):
+    for order in itertools.permutations(stage_devs):
         for cuts in itertools.combinations(range(1, L), K - 1):
             b = (0,) + cuts + (L,)
             worst = 0.0
@@ -94,18 +94,18 @@ def instances(draw, memory_limits):
 
 
 def check_against_brute_force(profile, cluster, nm, d):
-    slots = slots_of(cluster)
-    want = brute_force(profile, cluster, slots, nm, d)
+    stage_devs = slots_of(cluster)
+    want = brute_force(profile, cluster, stage_devs, nm, d)
     table = LayerTable(profile, cluster.device_types, d)
     if want == float("inf"):
         with pytest.raises(ValueError, match=r"fits memory.*needing \d+ bytes of its \d+ bytes"):
-            partition(table, slots, cluster, nm)
+            partition(table, stage_devs, cluster, nm)
         return
-    got = partition(table, slots, cluster, nm)
+    got = partition(table, stage_devs, cluster, nm)
     assert got.bottleneck == pytest.approx(want, rel=1e-9)
-    for st_, sl in zip(got.stages, got.slots):
+    for st_, sl in zip(got.stages, got.stage_devs):
         assert st_.memory <= sl.memory_bytes
-    assert sorted(s.device for s in got.slots) == sorted(s.device for s in slots)
+    assert sorted(s.device for s in got.stage_devs) == sorted(s.device for s in stage_devs)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -124,7 +124,7 @@ def test_fast_device_gets_more_layers():
     cluster = make_cluster({"fast": (10**9, 4.0), "slow": (10**9, 1.0)}, [["fast", "slow"]])
     profile = make_profile([1.0] * 10, {"fast": 4.0, "slow": 1.0}, *[[0] * 10] * 5)
     part = partition(LayerTable(profile, cluster.device_types), slots_of(cluster), cluster, 1)
-    n = {sl.device_type: st_.stop - st_.start for st_, sl in zip(part.stages, part.slots)}
+    n = {sl.device_type: st_.stop - st_.start for st_, sl in zip(part.stages, part.stage_devs)}
     assert n == {"fast": 8, "slow": 2}
     assert part.bottleneck == pytest.approx(2 * 3 / 1.0)
 
@@ -136,9 +136,9 @@ def test_memory_moves_layers_off_a_small_device():
     z = [0] * 10
     profile = make_profile([1.0] * 10, {"fast": 4.0, "slow": 1.0}, z, z, [50] * 10, z, z)
     part = partition(LayerTable(profile, cluster.device_types), slots_of(cluster), cluster, 1)
-    n = {sl.device_type: st_.stop - st_.start for st_, sl in zip(part.stages, part.slots)}
+    n = {sl.device_type: st_.stop - st_.start for st_, sl in zip(part.stages, part.stage_devs)}
     assert n == {"fast": 2, "slow": 8}
-    assert all(s.memory <= sl.memory_bytes for s, sl in zip(part.stages, part.slots))
+    assert all(s.memory <= sl.memory_bytes for s, sl in zip(part.stages, part.stage_devs))
 
 
 def test_infeasible_names_device_and_bytes():
@@ -172,9 +172,9 @@ def test_coarse_blocks_refined_match_full_dp():
     cluster = make_cluster({"f": (10**12, 3.0), "s": (10**12, 1.0)}, [["f", "f"], ["s", "s"]])
     profile = make_profile([rng.uniform(0.1, 1) for _ in range(L)], speeds, *[[0] * L] * 5)
     table = LayerTable(profile, cluster.device_types)
-    slots = slots_of(cluster)
-    coarse = partition(table, slots, cluster, 2, coarse_above=256, num_blocks=64)
-    exact = partition(table, slots, cluster, 2, coarse_above=10**6)
+    stage_devs = slots_of(cluster)
+    coarse = partition(table, stage_devs, cluster, 2, coarse_above=256, num_blocks=64)
+    exact = partition(table, stage_devs, cluster, 2, coarse_above=10**6)
     assert coarse.bottleneck <= exact.bottleneck * 1.001
 
 
@@ -192,16 +192,16 @@ def test_consecutive_stages_share_a_node_when_transfers_dominate():
     L = 8
     profile = make_profile([1.0] * L, {"a": 1.0}, [100] * L, *[[0] * L] * 4)
     part = partition(LayerTable(profile, cluster.device_types), slots_of(cluster), cluster, 1)
-    nodes = [s.node for s in part.slots]
+    nodes = [s.node for s in part.stage_devs]
     assert sum(x != y for x, y in zip(nodes, nodes[1:])) == 1
-    assert links_of(part.slots, cluster)
+    assert links_of(part.stage_devs, cluster)
 
 
 def test_workspace_range_maxima_dense_and_sparse():
     import numpy as np
-    from hetpipe.plan import stage
+    from hetpipe.plan import stage_cost
     rng = np.random.default_rng(0)
-    for n in (7, stage.DENSE_MAX + 90):
+    for n in (7, stage_cost.DENSE_MAX + 90):
         ws = rng.integers(0, 1000, n)
         prof = ModelProfile("m", 1, [LayerProfile(f"l{i}", {"a": 1.0}, {"a": 1.0}, workspace_bytes=int(ws[i]))
                                      for i in range(n)])
@@ -216,16 +216,16 @@ def test_workspace_range_maxima_dense_and_sparse():
 
 def test_stash_count_follows_the_schedule_warmup():
     # stage k stashes as many minibatches as the HetPipe schedule runs forwards ahead of backwards
-    from hetpipe.plan.stage import LinkCost
+    from hetpipe.plan.stage_cost import LinkCost
     from hetpipe.schedule.generators import warmup
     prof = make_profile([1.0] * 6, {"a": 1.0}, [0] * 6, [100] * 6, [0] * 6, [0] * 6, [0] * 6)
     tab = LayerTable(prof, ["a"])
-    slot = Slot("d", "a", "n", 10**9)
+    stage_dev = StageDevice("d", "a", "n", 10**9)
     link = LinkCost(1e9, 0.0)
     for K in (1, 3, 6):
         for nm in (1, 2, 5, 8):
             for k in range(K):
-                _, mem = tab.stage(slot, k, K, nm, 0, 2, link if k else None, link if k < K - 1 else None, False)
+                _, mem = tab.stage(stage_dev, k, K, nm, 0, 2, link if k else None, link if k < K - 1 else None, False)
                 assert mem == warmup(k, K, nm) * 200
 
 
@@ -234,7 +234,7 @@ def test_partition_accepts_a_profile_and_device_ids():
     from hetpipe.profile import load_profile
     tb = load_cluster("hetpipe-testbed")
     part = partition(load_profile("vgg19"), ["n0.g0", "n2.g0"], tb, 2)
-    n = {s.device_type: st_.stop - st_.start for st_, s in zip(part.stages, part.slots)}
+    n = {s.device_type: st_.stop - st_.start for st_, s in zip(part.stages, part.stage_devs)}
     assert set(n) == {"titan_v", "rtx2060"} and sum(n.values()) == 19
     with pytest.raises(ValueError, match="unknown device 'n9.g0'"):
         partition(load_profile("vgg19"), ["n9.g0"], tb, 1)

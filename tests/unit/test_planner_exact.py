@@ -6,7 +6,7 @@ import random
 import pytest
 
 from hetpipe.cluster import cluster_from_dict
-from hetpipe.plan import LayerTable, Slot, format_plan, make_plan, partition
+from hetpipe.plan import LayerTable, StageDevice, format_plan, make_plan, partition
 from hetpipe.plan.orders import lower_bound
 from hetpipe.profile import LayerProfile, ModelProfile
 
@@ -32,7 +32,7 @@ def profile_of(fwd, act, param, stash, ws, speeds):
 
 
 def slots_of(cluster):
-    return [Slot(x.id, x.type, x.node, cluster.device_types[x.type].memory_bytes) for x in cluster.devices]
+    return [StageDevice(x.id, x.type, x.node, cluster.device_types[x.type].memory_bytes) for x in cluster.devices]
 
 
 class BruteForce:
@@ -53,7 +53,7 @@ class BruteForce:
         self.ws = [x.workspace_bytes for x in lay]
         self.act = [x.activation_bytes for x in lay]
 
-    def link_time(self, a: Slot, b: Slot, nbytes: int) -> float:
+    def link_time(self, a: StageDevice, b: StageDevice, nbytes: int) -> float:
         bw, lat = INTRA if a.node == b.node else INTER
         return 0.0 if nbytes <= 0 else lat + nbytes / bw
 
@@ -70,17 +70,17 @@ class BruteForce:
                + n * (self.stash[hi] - self.stash[lo]) + max(self.ws[lo:hi]))
         return t, mem <= s.memory_bytes
 
-    def orders(self, slots):
+    def orders(self, stage_devs):
         seen = set()
-        for perm in itertools.permutations(slots):
+        for perm in itertools.permutations(stage_devs):
             sig = tuple((s.device_type, s.memory_bytes, s.node) for s in perm)
             if sig not in seen:
                 seen.add(sig)
                 yield perm
 
-    def best(self, slots) -> float:
-        K, best = len(slots), float("inf")
-        for order in self.orders(slots):
+    def best(self, stage_devs) -> float:
+        K, best = len(stage_devs), float("inf")
+        for order in self.orders(stage_devs):
             for cuts in itertools.combinations(range(1, self.L), K - 1):
                 b = (0,) + cuts + (self.L,)
                 worst = 0.0
@@ -95,7 +95,7 @@ class BruteForce:
 
     def check(self, part) -> float:
         """The bottleneck of the planner's partition by this model; its every stage must fit."""
-        order, b = part.slots, part.bounds
+        order, b = part.stage_devs, part.bounds
         worst = 0.0
         for k in range(len(order)):
             t, fits = self.stage(order, k, b[k], b[k + 1])
@@ -154,10 +154,10 @@ def test_eight_distinct_devices_on_eight_nodes_match_brute_force():
     act = [rng.choice([10, 100, 400]) for _ in range(8)]
     prof = profile_of([rng.uniform(0.5, 2.0) for _ in range(8)], act, [5] * 8, [5] * 8, [0] * 8, speeds)
     cluster = cluster_of({t: (1000, s) for t, s in speeds.items()}, [[t] for t in speeds])
-    slots = [Slot(x.id, x.type, x.node, 1000) for x in cluster.devices]
+    stage_devs = [StageDevice(x.id, x.type, x.node, 1000) for x in cluster.devices]
     bf = BruteForce(prof, cluster, 2, 0)
     part = partition(prof, [x.id for x in cluster.devices], cluster, 2)
-    assert part.optimal and bf.check(part) == pytest.approx(bf.best(slots), rel=1e-9)
+    assert part.optimal and bf.check(part) == pytest.approx(bf.best(stage_devs), rel=1e-9)
 
 
 def deep_instance(rng: random.Random, L: int, kinds, window: int):
@@ -184,7 +184,7 @@ def test_deep_model_whose_only_feasible_cut_blocks_hide():
     prof = profile_of(fwd, [1] * L, [1] * L, [0] * L, [6] + [0] * (L - 1), {"a": 1.0, "b": 2.0})
     cluster = cluster_of({"a": (7 * 600 + 6, 1.0), "b": (7 * 400 + 5, 2.0)}, [["a"], ["b"]])
     part = partition(prof, [x.id for x in cluster.devices], cluster, 1)
-    assert part.bounds == (0, 600, L) and [s.device_type for s in part.slots] == ["a", "b"]
+    assert part.bounds == (0, 600, L) and [s.device_type for s in part.stage_devs] == ["a", "b"]
     bf = BruteForce(prof, cluster, 1, 0)
     assert bf.check(part) == pytest.approx(bf.best(slots_of(cluster)), rel=1e-9)
 
@@ -194,9 +194,9 @@ def test_deep_tight_memory_matches_brute_force(seed):
     rng = random.Random(seed)
     L = rng.choice([300, 500, 700])
     prof, cluster, _ = deep_instance(rng, L, [("a", 1.0), ("b", rng.choice([0.5, 2.0]))], rng.randint(0, 3))
-    slots = slots_of(cluster)
+    stage_devs = slots_of(cluster)
     bf = BruteForce(prof, cluster, 1, 0)
-    want = bf.best(slots)
+    want = bf.best(stage_devs)
     assert want < float("inf")
     part = partition(prof, [x.id for x in cluster.devices], cluster, 1)
     assert bf.check(part) == pytest.approx(want, rel=1e-9)
@@ -213,11 +213,11 @@ def test_deep_three_devices_match_brute_force():
     third = 7 * sum(param) // 3
     cluster = cluster_of({"a": (int(third * 1.05), 1.0), "b": (int(third * 1.1), 2.0), "c": (int(third * 0.9), 3.0)},
                          [["a", "b"], ["c"]])
-    slots = slots_of(cluster)
+    stage_devs = slots_of(cluster)
     bf = BruteForce(prof, cluster, 1, 0)
     part = partition(prof, [x.id for x in cluster.devices], cluster, 1)
     assert part.optimal
-    assert bf.check(part) == pytest.approx(bf.best(slots), rel=1e-9)
+    assert bf.check(part) == pytest.approx(bf.best(stage_devs), rel=1e-9)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -226,9 +226,9 @@ def test_lower_bound_is_admissible(seed):
     prof, cluster = random_instance(rng, 6, 8, 3, 2)
     cluster = cluster_of({t: (10**12, dt.speed) for t, dt in cluster.device_types.items()},
                          [[x.type for x in cluster.devices_of(n)] for n in cluster.nodes])
-    slots = [Slot(x.id, x.type, x.node, 10**12) for x in cluster.devices]
-    table = LayerTable(prof, {s.device_type for s in slots})
-    assert 0 < lower_bound(table, slots) <= BruteForce(prof, cluster, 2, 0).best(slots) * (1 + 1e-12)
+    stage_devs = [StageDevice(x.id, x.type, x.node, 10**12) for x in cluster.devices]
+    table = LayerTable(prof, {s.device_type for s in stage_devs})
+    assert 0 < lower_bound(table, stage_devs) <= BruteForce(prof, cluster, 2, 0).best(stage_devs) * (1 + 1e-12)
 
 
 def test_vw_beyond_exact_search_states_its_gap():

@@ -9,7 +9,7 @@ import pytest
 from hetpipe.plan import recompute
 from hetpipe.plan.partition import partition
 from hetpipe.plan.recompute import choose_layers, recompute_cost
-from hetpipe.plan.stage import LayerTable, LinkCost
+from hetpipe.plan.stage_cost import LayerTable, LinkCost
 from test_partition import make_cluster, make_profile, slots_of
 
 

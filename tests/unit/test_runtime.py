@@ -96,7 +96,7 @@ def _same(a, b) -> bool:
 
 
 def test_stage_segments():
-    from hetpipe.runtime.stage import segments
+    from hetpipe.runtime.stage_model import segments
     assert segments(0, 5, (1, 2)) == [(False, range(0, 1)), (True, range(1, 3)), (False, range(3, 5))]
     assert segments(3, 6, ()) == [(False, range(0, 3))]
     assert segments(3, 6, (3, 4, 5)) == [(True, range(0, 3))]
@@ -124,7 +124,7 @@ def test_per_layer_recompute_equals_no_recompute(cuts, recompute):
 
 
 def test_recompute_outside_the_stage_is_an_error():
-    from hetpipe.runtime.stage import StageModel
+    from hetpipe.runtime.stage_model import StageModel
     c = _common()
     with pytest.raises(ValueError, match=r"stage layers \[0, 3\) cannot recompute layers \[4\]"):
         StageModel(list(c.mlp()), 0, 3, nm=1, shard_layers={}, optimizer_factory=c.sgd(),
@@ -132,7 +132,7 @@ def test_recompute_outside_the_stage_is_an_error():
 
 
 def test_forward_keeps_only_the_inputs_of_recomputed_segments():
-    from hetpipe.runtime.stage import StageModel
+    from hetpipe.runtime.stage_model import StageModel
     c = _common()
     m = StageModel(list(c.mlp()), 0, 6, nm=1, shard_layers={}, optimizer_factory=c.sgd(),
                    device=torch.device("cpu"), recompute=(2, 3, 4, 5))

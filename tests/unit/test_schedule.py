@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hetpipe.schedule import (
     Apply, Bwd, Fwd, Pull, Push, Recompute, RecvAct, RecvGrad, Schedule, ScheduleError, SendAct, SendGrad,
     buffer_counts, format_grid, gpipe_schedule, hetpipe_compute_schedule, hetpipe_schedule, lower,
-    one_f_one_b_schedule, parse, parse_stream, replay, validate,
+    one_f_one_b_schedule, parse, parse_stream, lockstep, validate,
 )
 from hetpipe.schedule.generators import warmup
 
@@ -158,7 +158,7 @@ def test_gpipe_and_1f1b_flush_every_apply_at_the_end():
 def test_generated_hetpipe_schedules_validate(k, m, nm, d, recompute, split):
     s = hetpipe_schedule(k, m, nm, d, recompute=recompute, split_startup=min(split, m))
     validate(s)
-    validate(s, slots=buffer_counts(s))
+    validate(s, buffers=buffer_counts(s))
 
 
 @settings(max_examples=30, deadline=None)
@@ -166,7 +166,7 @@ def test_generated_hetpipe_schedules_validate(k, m, nm, d, recompute, split):
 def test_generated_baselines_validate(k, m):
     for s in (gpipe_schedule(k, m), one_f_one_b_schedule(k, m)):
         validate(s)
-        validate(s, slots=buffer_counts(s))
+        validate(s, buffers=buffer_counts(s))
 
 
 # --- mutations are rejected ------------------------------------------------------------------
@@ -317,10 +317,10 @@ def test_buffer_counts():
     assert buffer_counts(hetpipe_schedule(4, 8, 4, 1)) == [(0, 1), (3, 1), (2, 1), (1, 0)]
 
 
-def test_too_few_slots_deadlock():
+def test_too_few_buffers_deadlock():
     s = gpipe_schedule(3, 4)
     with pytest.raises(ScheduleError, match="deadlocks"):
-        validate(s, slots=[(0, 1), (3, 1), (4, 0)])
+        validate(s, buffers=[(0, 1), (3, 1), (4, 0)])
 
 
 def test_format_grid_lists_every_instruction_once():
@@ -331,7 +331,7 @@ def test_format_grid_lists_every_instruction_once():
     assert lines[2].split() == ["0", "|", "F0", ".", "."]
     cells = [c for ln in lines[2:] for c in ln.split("|")[1].split() if c != "."]
     assert sorted(cells) == sorted(str(i) for stream in s.streams for i in stream)
-    assert len(lines) - 2 == len(replay(s).steps)
+    assert len(lines) - 2 == len(lockstep(s).steps)
 
 
 def test_schedule_package_imports_without_torch_mpi_or_core():
@@ -352,7 +352,7 @@ def test_schedule_package_imports_without_torch_mpi_or_core():
 
 def test_each_stage_pushes_as_soon_as_its_own_last_backward_of_the_wave_is_done():
     s = hetpipe_schedule(4, 8, 4, 1)
-    rep = replay(s)
+    rep = lockstep(s)
     step_of = {(st_, str(ins)): t for t, row in enumerate(rep.steps) for st_, ins in enumerate(row) if ins}
     for w in range(2):
         push_steps = [step_of[(st_, f"PUSH{w}")] for st_ in range(4)]

@@ -1,6 +1,6 @@
 """The cost model: a plan's steady-state throughput under HetPipe's pipelining and WSP.
 
-Per VW ``v`` with stage times ``t_k`` (compute + transfer, :mod:`hetpipe.plan.stage`), bottleneck
+Per VW ``v`` with stage times ``t_k`` (compute + transfer, :mod:`hetpipe.plan.stage_cost`), bottleneck
 ``b = max t_k`` and round trip ``R`` (every stage's forward and backward plus every activation and
 gradient transfer once), with ``Nm`` minibatches per wave:
 

@@ -19,17 +19,17 @@ import itertools
 import math
 from typing import Dict, List, Mapping, Sequence, Tuple
 
-from hetpipe.plan.stage import Slot
+from hetpipe.plan.stage_cost import StageDevice
 
 MAX_GROUP_ORDERS = 120
 
 
-def signature(order: Sequence[Slot]) -> Tuple[Tuple[str, int], ...]:
+def signature(order: Sequence[StageDevice]) -> Tuple[Tuple[str, int], ...]:
     nodes: Dict[str, int] = {}
     return tuple((s.device_type, nodes.setdefault(s.node, len(nodes))) for s in order)
 
 
-def _dedup(orders) -> List[Tuple[Slot, ...]]:
+def _dedup(orders) -> List[Tuple[StageDevice, ...]]:
     seen, out = set(), []
     for o in orders:
         sig = signature(o)
@@ -78,25 +78,25 @@ def _unique_permutations(items: Sequence, key):
     return out
 
 
-def candidate_orders(slots: Sequence[Slot], speed: Mapping[str, float], exhaustive_max: int = 5
-                     ) -> List[Tuple[Slot, ...]]:
+def candidate_orders(stage_devs: Sequence[StageDevice], speed: Mapping[str, float], exhaustive_max: int = 5
+                     ) -> List[Tuple[StageDevice, ...]]:
     """Device orders worth partitioning over, distinct by signature; the given order first."""
-    slots = list(slots)
-    if len(slots) <= exhaustive_max:
-        return _dedup([slots] + [list(p) for p in itertools.permutations(slots)])
+    stage_devs = list(stage_devs)
+    if len(stage_devs) <= exhaustive_max:
+        return _dedup([stage_devs] + [list(p) for p in itertools.permutations(stage_devs)])
 
-    def within(node_slots: List[Slot]) -> List[Slot]:
-        return sorted(node_slots, key=lambda s: (-speed[s.device_type], -s.memory_bytes, s.device))
+    def within(node_devs: List[StageDevice]) -> List[StageDevice]:
+        return sorted(node_devs, key=lambda s: (-speed[s.device_type], -s.memory_bytes, s.device))
 
-    groups: Dict[str, List[Slot]] = {}
-    for s in slots:
+    groups: Dict[str, List[StageDevice]] = {}
+    for s in stage_devs:
         groups.setdefault(s.node, []).append(s)
     units = [within(g) for g in groups.values()]
 
     def unit_key(u):
         return tuple(s.device_type for s in u)
 
-    orders: List[List[Slot]] = [slots, [s for u in units for s in u]]
+    orders: List[List[StageDevice]] = [stage_devs, [s for u in units for s in u]]
     if distinct_perms(units, unit_key) <= MAX_GROUP_ORDERS:
         for perm in _unique_permutations(units, unit_key):
             orders.append([s for u in perm for s in u])

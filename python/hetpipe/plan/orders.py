@@ -10,7 +10,7 @@ optimal bottleneck over every order and every cut is the DP
 where ``u`` counts the devices of each class used by stages ``0..k``, ``c`` is stage ``k``'s class,
 ``q`` says whether stage ``k + 1`` sits on ``c``'s node (``intra``) or not (``inter``, ``None`` for
 the last stage), the predecessor ``(c', q')`` must agree (``c`` is on ``c'``'s node iff
-``q' = intra``), and ``T`` is the stage model (:func:`hetpipe.plan.stage.stage_matrix`, ``+inf``
+``q' = intra``), and ``T`` is the stage model (:func:`hetpipe.plan.stage_cost.stage_matrix`, ``+inf``
 where memory does not fit). A second pass with ``+`` in place of ``max``, over stages no slower than
 the optimal bottleneck, picks the shortest round trip among the optimal partitions, as the fixed-order
 DP does. The DP visits every distinct order implicitly: it has ``sum_c n_c x prod_{c' != c}
@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hetpipe.plan.stage import LayerTable, LinkCost, Slot, stage_matrix
+from hetpipe.plan.stage_cost import LayerTable, LinkCost, StageDevice, stage_matrix
 
 # the most (used, last class) pairs searched exactly: every VW of up to 8 devices, any mix
 EXACT_MAX_PAIRS = 1024
@@ -32,17 +32,17 @@ EXACT_MAX_PAIRS = 1024
 Key = Tuple[Tuple[int, ...], int, Optional[str]]
 
 
-def device_classes(slots: Sequence[Slot]) -> List[Tuple[Slot, ...]]:
-    """The slots grouped into interchangeable classes (type, memory, node), in first-seen order."""
-    groups: Dict[Tuple[str, int, str], List[Slot]] = {}
-    for s in slots:
+def device_classes(stage_devs: Sequence[StageDevice]) -> List[Tuple[StageDevice, ...]]:
+    """The stage devices grouped into interchangeable classes (type, memory, node), in first-seen order."""
+    groups: Dict[Tuple[str, int, str], List[StageDevice]] = {}
+    for s in stage_devs:
         groups.setdefault((s.device_type, s.memory_bytes, s.node), []).append(s)
     return [tuple(g) for g in groups.values()]
 
 
-def state_pairs(slots: Sequence[Slot]) -> int:
-    """How many (used counts, last class) pairs the exact search visits for these slots."""
-    counts = [len(c) for c in device_classes(slots)]
+def state_pairs(stage_devs: Sequence[StageDevice]) -> int:
+    """How many (used counts, last class) pairs the exact search visits for these stage devices."""
+    counts = [len(c) for c in device_classes(stage_devs)]
     total = 0
     for c, n in enumerate(counts):
         rest = 1
@@ -53,29 +53,29 @@ def state_pairs(slots: Sequence[Slot]) -> int:
     return total
 
 
-def search(table: LayerTable, slots: Sequence[Slot], cluster, nm: int, mode: str,
+def search(table: LayerTable, stage_devs: Sequence[StageDevice], cluster, nm: int, mode: str,
            positions: Sequence[np.ndarray], ignore_memory: bool = False, upper: float = np.inf
-           ) -> Optional[Tuple[Tuple[Slot, ...], Tuple[int, ...], Tuple[bool, ...]]]:
-    """The best (order, stage bounds, recompute flags) over every distinct order of ``slots`` and
+           ) -> Optional[Tuple[Tuple[StageDevice, ...], Tuple[int, ...], Tuple[bool, ...]]]:
+    """The best (order, stage bounds, recompute flags) over every distinct order of ``stage_devs`` and
     every cut in ``positions`` (``positions[k]``: the starts allowed for stage ``k``; the last entry
     holds the layer count), or None when nothing fits memory. ``cluster`` supplies ``node_link``
     and ``inter_node``. ``upper``: a bottleneck some partition achieves (branch and bound: stages
     slower than it are cut off, which prunes prefixes and never the optimum); None is then returned
     only if nothing fits."""
-    classes = device_classes(slots)
-    K = len(slots)
+    classes = device_classes(stage_devs)
+    K = len(stage_devs)
     node = [c[0].node for c in classes]
     total = tuple(len(c) for c in classes)
     inter = LinkCost(cluster.inter_node.bandwidth, cluster.inter_node.latency)
     # bound on what is left: devices still unused must do the reference work after the cut, so the
     # bottleneck is at least that work / sum over them of 1 / r (see lower_bound)
-    ref, rates = work_rates(table, {s.device_type for s in slots})
+    ref, rates = work_rates(table, {s.device_type for s in stage_devs})
     after = np.concatenate([np.cumsum(ref[::-1])[::-1], [0.0]])
     speed = [1.0 / rates[c[0].device_type] if rates[c[0].device_type] > 0 else np.inf for c in classes]
     # and their memory must hold what any stage keeps of the layers after the cut
     tail = least_bytes_after(table)
     memory = [0.0 if ignore_memory else float(c[0].memory_bytes) for c in classes]
-    if not ignore_memory and tail[0] > sum(s.memory_bytes for s in slots):
+    if not ignore_memory and tail[0] > sum(s.memory_bytes for s in stage_devs):
         return None
 
     def link(kind: Optional[str], n: str) -> Optional[LinkCost]:
@@ -229,14 +229,14 @@ def work_rates(table: LayerTable, types: Sequence[str]) -> Tuple[np.ndarray, Dic
     return np.where(pos, ref, 0.0), rates
 
 
-def lower_bound(table: LayerTable, slots: Sequence[Slot]) -> float:
+def lower_bound(table: LayerTable, stage_devs: Sequence[StageDevice]) -> float:
     """An admissible lower bound on the bottleneck of any order and any cut (links and memory left
     out): some layer runs somewhere, ``B >= max_l min_t w_l^t``; and stage ``k`` holding reference
     work ``W_k`` takes at least ``r_k W_k`` (:func:`work_rates`), so ``W = sum_k W_k <= B sum_k 1/r_k``."""
-    types = sorted({s.device_type for s in slots})
+    types = sorted({s.device_type for s in stage_devs})
     one = float(np.max(np.min(np.stack([np.diff(table.cum_fwd[t]) + np.diff(table.cum_bwd[t]) for t in types]),
                               axis=0)))
     ref, rates = work_rates(table, types)
-    if any(rates[s.device_type] <= 0 for s in slots):
+    if any(rates[s.device_type] <= 0 for s in stage_devs):
         return one
-    return max(one, float(np.sum(ref)) / sum(1.0 / rates[s.device_type] for s in slots))
+    return max(one, float(np.sum(ref)) / sum(1.0 / rates[s.device_type] for s in stage_devs))

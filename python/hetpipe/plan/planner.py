@@ -21,7 +21,7 @@ from hetpipe.plan.formation import POLICIES, default_vw_size, form_virtual_worke
 from hetpipe.plan.partition import Partition, partition
 from hetpipe.plan.placement import place_layers
 from hetpipe.plan.recompute import memory_efficiency, single_device_throughput
-from hetpipe.plan.stage import LayerTable, Slot
+from hetpipe.plan.stage_cost import LayerTable, StageDevice
 from hetpipe.plan.types import MAX_NM, Plan, StagePlan, VirtualWorkerPlan, check_integer
 from hetpipe.precision import check_precision, wire_factor
 from hetpipe.profile import ModelProfile, load_profile
@@ -40,14 +40,14 @@ class _Candidate:
     throughput: float
     memory: int
     score: float
-    # VWs that fit nowhere: (VW, why, the slots the reason names, the VW's canonical slots)
-    left_out: List[Tuple[List[Slot], str, List[Slot], List[Slot]]]
+    # VWs that fit nowhere: (VW, why, the stage devices the reason names, the VW's canonical stage devices)
+    left_out: List[Tuple[List[StageDevice], str, List[StageDevice], List[StageDevice]]]
 
 
-def _canonical(slots: Sequence[Slot]) -> Tuple[List[Slot], tuple]:
+def _canonical(stage_devs: Sequence[StageDevice]) -> Tuple[List[StageDevice], tuple]:
     """Slots sorted so that VWs of equal structure line up, and the structure key."""
-    groups: Dict[str, List[Slot]] = {}
-    for s in slots:
+    groups: Dict[str, List[StageDevice]] = {}
+    for s in stage_devs:
         groups.setdefault(s.node, []).append(s)
     units = [sorted(g, key=lambda s: (s.device_type, s.memory_bytes, s.device)) for g in groups.values()]
     units.sort(key=lambda u: tuple((s.device_type, s.memory_bytes) for s in u))
@@ -55,12 +55,12 @@ def _canonical(slots: Sequence[Slot]) -> Tuple[List[Slot], tuple]:
     return [s for u in units for s in u], key
 
 
-def _relabel(part: Partition, src: Sequence[Slot], dst: Sequence[Slot]) -> Partition:
+def _relabel(part: Partition, src: Sequence[StageDevice], dst: Sequence[StageDevice]) -> Partition:
     m = {a.device: b for a, b in zip(src, dst)}
-    return replace(part, slots=tuple(m[s.device] for s in part.slots))
+    return replace(part, stage_devs=tuple(m[s.device] for s in part.stage_devs))
 
 
-def _rename(text: str, src: Sequence[Slot], dst: Sequence[Slot]) -> str:
+def _rename(text: str, src: Sequence[StageDevice], dst: Sequence[StageDevice]) -> str:
     """``text`` about the devices of ``src`` retold about those of ``dst`` (same structure)."""
     m = {a.device: b.device for a, b in zip(src, dst)}
     pattern = "|".join(re.escape(d) for d in sorted(m, key=len, reverse=True))
@@ -87,7 +87,7 @@ def check_fits_cluster(table: LayerTable, cluster: ClusterSpec, profile: ModelPr
 
 
 def _stage_nodes(part: Partition) -> List[Tuple[int, int, str]]:
-    return [(st.start, st.stop, sl.node) for st, sl in zip(part.stages, part.slots)]
+    return [(st.start, st.stop, sl.node) for st, sl in zip(part.stages, part.stage_devs)]
 
 
 def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int] = None, d: int = 0,
@@ -155,19 +155,19 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     outcomes: Dict[str, Any] = {}
     for pol in policies:
         vws = form_virtual_workers(cluster, pol, vw_size)
-        slots = [[Slot(i, by_id[i].type, by_id[i].node, cluster.device_types[by_id[i].type].memory_bytes)
+        stage_devs = [[StageDevice(i, by_id[i].type, by_id[i].node, cluster.device_types[by_id[i].type].memory_bytes)
                   for i in vw] for vw in vws]
-        canon = [_canonical(s) for s in slots]
-        kmax = max(len(s) for s in slots)
+        canon = [_canonical(s) for s in stage_devs]
+        kmax = max(len(s) for s in stage_devs)
         nms = [nm] if nm is not None else list(range(1, (max_nm or 2 * kmax) + 1))
-        cache: Dict[Any, Tuple[List[Slot], Partition]] = {}
+        cache: Dict[Any, Tuple[List[StageDevice], Partition]] = {}
         relaxed: Dict[Any, Partition] = {}
         pol_best: Optional[_Candidate] = None
         for mode in modes:
             for m in nms:
                 parts = []
-                left_out: List[Tuple[List[Slot], str, List[Slot], List[Slot]]] = []
-                for (cs, key), vw in zip(canon, slots):
+                left_out: List[Tuple[List[StageDevice], str, List[StageDevice], List[StageDevice]]] = []
+                for (cs, key), vw in zip(canon, stage_devs):
                     try:
                         if (key, mode) not in relaxed:
                             relaxed[(key, mode)] = partition(table, cs, cluster, m, recompute=mode,
@@ -224,7 +224,7 @@ def _to_plan(c: _Candidate, table: LayerTable, cluster: ClusterSpec, profile: Mo
                       fwd_time=st.fwd, bwd_time=st.bwd, send_time=st.send, memory_bytes=st.memory,
                       memory_capacity=sl.memory_bytes,
                       recompute=st.recompute_layers)
-            for st, sl in zip(part.stages, part.slots))
+            for st, sl in zip(part.stages, part.stage_devs))
         vws.append(VirtualWorkerPlan(v, stages, c.nm / wave if wave > 0 else 0.0))
     meta = {
         "cluster": cluster.name, "profile": profile.name, "emulated": cluster.emulated,

@@ -1,6 +1,6 @@
 """Recomputation and Hippie's memory efficiency.
 
-The partitioner decides recomputation per stage (:mod:`hetpipe.plan.stage` gives its memory and
+The partitioner decides recomputation per stage (:mod:`hetpipe.plan.stage_cost` gives its memory and
 time): mode ``none`` never recomputes, ``fit`` recomputes exactly the stages that would otherwise
 not fit their device (the DP takes the cheaper variant that fits), ``all`` recomputes every stage
 (each lists all its layers in ``StagePlan.recompute``). In mode ``fit`` each recomputing stage then
@@ -31,7 +31,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hetpipe.plan.stage import LayerTable, LinkCost, Slot, reference_times
+from hetpipe.plan.stage_cost import LayerTable, LinkCost, StageDevice, reference_times
 
 EXACT_MAX = 16
 
@@ -48,11 +48,11 @@ def memory_efficiency(throughput: float, single_throughput: float, memory_bytes:
     return (throughput / single_throughput) * throughput / memory_bytes
 
 
-def recompute_cost(table: LayerTable, slot: Slot, k: int, num_stages: int, nm: int, a: int, b: int,
+def recompute_cost(table: LayerTable, stage_dev: StageDevice, k: int, num_stages: int, nm: int, a: int, b: int,
                    prev: Optional[LinkCost], nxt: Optional[LinkCost],
                    layers: Sequence[int]) -> Tuple[float, int]:
     """(time, memory bytes) of stage ``k`` holding ``[a, b)`` and recomputing ``layers``."""
-    return _Terms(table, slot, k, num_stages, nm, a, b, prev, nxt).cost(layers)
+    return _Terms(table, stage_dev, k, num_stages, nm, a, b, prev, nxt).cost(layers)
 
 
 def recompute_seconds(table: LayerTable, device_type: str, layers: Sequence[int]) -> float:
@@ -60,27 +60,27 @@ def recompute_seconds(table: LayerTable, device_type: str, layers: Sequence[int]
     return float(sum(np.diff(table.cum_fwd[device_type])[list(layers)]))
 
 
-def choose_layers(table: LayerTable, slot: Slot, k: int, num_stages: int, nm: int, a: int, b: int,
+def choose_layers(table: LayerTable, stage_dev: StageDevice, k: int, num_stages: int, nm: int, a: int, b: int,
                   prev: Optional[LinkCost], nxt: Optional[LinkCost]) -> Optional[Tuple[int, ...]]:
-    """The layers of ``[a, b)`` to recompute so that stage ``k`` fits ``slot.memory_bytes`` at the
+    """The layers of ``[a, b)`` to recompute so that stage ``k`` fits ``stage_dev.memory_bytes`` at the
     least recomputation time (ties: less memory); ``()`` when nothing needs recomputing, None when
     even recomputing every layer does not fit."""
-    terms = _Terms(table, slot, k, num_stages, nm, a, b, prev, nxt)
-    if terms.memory_none <= slot.memory_bytes:
+    terms = _Terms(table, stage_dev, k, num_stages, nm, a, b, prev, nxt)
+    if terms.memory_none <= stage_dev.memory_bytes:
         return ()
     if b - a <= EXACT_MAX:
-        return _exact(terms, table.in_bytes, slot.memory_bytes)
-    return _by_efficiency(terms, slot.memory_bytes)
+        return _exact(terms, table.in_bytes, stage_dev.memory_bytes)
+    return _by_efficiency(terms, stage_dev.memory_bytes)
 
 
 class _Terms:
     """What the cost of one stage under a recompute set is made of, computed once per stage."""
 
-    def __init__(self, table, slot, k, num_stages, nm, a, b, prev, nxt):
+    def __init__(self, table, stage_dev, k, num_stages, nm, a, b, prev, nxt):
         self.a, self.b = a, b
-        self.time_none, self.memory_none = table.stage(slot, k, num_stages, nm, a, b, prev, nxt, recompute=False)
+        self.time_none, self.memory_none = table.stage(stage_dev, k, num_stages, nm, a, b, prev, nxt, recompute=False)
         self.n = min(nm, num_stages - k)
-        self.fwd = np.diff(table.cum_fwd[slot.device_type])
+        self.fwd = np.diff(table.cum_fwd[stage_dev.device_type])
         self.stash = np.diff(table.cum_stash)
         self.in_bytes = table.in_bytes
 

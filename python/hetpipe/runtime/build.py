@@ -20,11 +20,11 @@ import hetpipe_core
 from hetpipe.plan.types import Plan
 from hetpipe.runtime.data import select, vw_minibatches
 from hetpipe.runtime.device_copy import CopyStager
-from hetpipe.runtime.emulation import EmulatedClock
+from hetpipe.runtime.emulation import Pacer
 from hetpipe.runtime.executor import MinibatchFeed, StageContext, StageExecutor
-from hetpipe.runtime.layout import ModelLayout
+from hetpipe.runtime.layout import ModelLayout, local_buffers
 from hetpipe.runtime.ps import ShardLog, ShardServer, ShardState
-from hetpipe.runtime.stage import StageModel, TiedKey
+from hetpipe.runtime.stage_model import StageModel, TiedKey
 from hetpipe.runtime.tree import Boundary, boundary_of, on_wire
 from hetpipe.runtime.transport import Backoff, Transport
 from hetpipe.schedule.ir import Schedule
@@ -52,7 +52,7 @@ class RunSpec:
     # Stage-to-stage tensors through a copy stream (runtime.device_copy)? None: on CUDA devices only.
     copy_stream: Optional[bool] = None
     audit: bool = False                         # PS shards log float64 sums of the pushed deltas
-    seed: int = 0                               # of every stage's random draws (runtime.stage.minibatch_seed)
+    seed: int = 0                               # of every stage's random draws (runtime.stage_model.minibatch_seed)
     layout: Optional[ModelLayout] = None        # None: computed from ``layers``
     # A resumed run (runtime.checkpoint.Resume): where its data starts, the seeds' micro-batch offset,
     # and the optimizer states each stage restores once built. None: a run from the start.
@@ -219,13 +219,13 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
                                       1), layout)
     staged = spec.copy_stream if spec.copy_stream is not None else device.type == "cuda"
     emulated = spec.emulated.get(rank, False) and spec.emulation_scale is not None
-    clock = EmulatedClock(spec.emulation_scale if emulated else None)
+    pacer = Pacer(spec.emulation_scale if emulated else None)
     return StageExecutor(ctx, layout.streams[stage], model, transport, pool, loss_fn=spec.loss_fn,
                          inputs=inputs, labels=labels,
                          expect_in=on_wire(spec.boundaries[st.start], plan.precision) if stage > 0 else None,
                          expect_out=on_wire(spec.boundaries[st.stop], plan.precision) if stage < num_stages - 1
                          else None,
-                         clock=clock, fwd_time=st.fwd_time, bwd_time=st.bwd_time, trace=trace, t0=t0, d=plan.d,
+                         pacer=pacer, fwd_time=st.fwd_time, bwd_time=st.bwd_time, trace=trace, t0=t0, d=plan.d,
                          layout=layout, stager=CopyStager(pool, device) if staged else None)
 
 
@@ -301,6 +301,7 @@ class Outcome:
     shard_logs: Dict[int, ShardLog] = field(default_factory=dict)
     samples: int = 0
     buffers: Dict[int, np.ndarray] = field(default_factory=dict)         # layer -> final synced buffers
+    local_buffers: Dict[str, torch.Tensor] = field(default_factory=dict)  # "layer.name" -> VW 0's value
 
 
 def part_outcome(part: Steppable, plan: Plan, layout: ModelLayout) -> Dict[str, Any]:
@@ -311,6 +312,11 @@ def part_outcome(part: Steppable, plan: Plan, layout: ModelLayout) -> Dict[str, 
             mine["losses"] = (part.ctx.vw, dict(part.losses))
         if part.is_first:
             mine["samples"] = sum(part.batch_sizes.values())
+        if part.ctx.vw == 0:
+            # Buffers the PS does not synchronise (num_batches_tracked, ...): VW 0's, as its weights
+            # would be without PS shards; a data-parallel user gets one replica's counters too.
+            mine["local_buffers"] = {n: b.detach().to("cpu", copy=True)
+                                     for n, b in local_buffers(part.model, layout).items()}
         # Without PS shards the final weights are VW 0's live weights.
         if not plan.ps_shards and part.ctx.vw == 0:
             live = stage_layer_weights(part, layout)
@@ -332,15 +338,22 @@ def merge_outcomes(parts: Iterable[Dict[str, Any]]) -> Outcome:
         out.samples += m.get("samples", 0)
         out.weights.update(m.get("weights", {}))
         out.buffers.update(m.get("buffers", {}))
+        out.local_buffers.update(m.get("local_buffers", {}))
         if "log" in m:
             out.shard_logs[m["log"][0]] = m["log"][1]
     return out
 
 
 def load_layer_weights(layers: Sequence[nn.Module], weights: Dict[int, np.ndarray],
-                       buffers: Optional[Dict[int, np.ndarray]] = None) -> None:
-    """Write flat per-layer weights (the parameters each layer owns, see ``runtime.layout``) and synced
-    buffers into the model's layers, in place; a tied parameter stays one tensor."""
+                       buffers: Optional[Dict[int, np.ndarray]] = None,
+                       local: Optional[Dict[str, torch.Tensor]] = None) -> None:
+    """Write flat per-layer weights (the parameters each layer owns, see ``runtime.layout``), synced
+    buffers and the unsynchronised buffers ``local`` (by ``"layer.name"``) into the model's layers, in
+    place; a tied parameter stays one tensor."""
     layout = ModelLayout(layers)
     for l, flat in weights.items():
         layout.load(l, flat, (buffers or {}).get(l))
+    with torch.no_grad():
+        for key, value in (local or {}).items():
+            l, name = key.split(".", 1)
+            layers[int(l)].get_buffer(name).copy_(value)

@@ -2,7 +2,7 @@
 
 A rank that emulates a device type runs the real computation, then pads the instruction to the time
 the device's profile gives. The schedule, transport and WSP stay real; only the speed is emulated.
-Real devices are never padded (``EmulatedClock(None)`` pads nothing).
+Real devices are never padded (``Pacer(None)`` pads nothing).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 from typing import Optional
 
 
-class EmulatedClock:
+class Pacer:
     """Pads timed sections to a target duration.
 
     Thread role: owned by one rank's main thread. ``scale`` multiplies every target (1.0 = the

@@ -21,9 +21,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from hetpipe.runtime.device_copy import CopyStager
-from hetpipe.runtime.emulation import EmulatedClock
+from hetpipe.runtime.emulation import Pacer
 from hetpipe.runtime.ps_client import PSClient
-from hetpipe.runtime.stage import StageModel
+from hetpipe.runtime.stage_model import StageModel
 from hetpipe.runtime.transport import ACT, GRAD, KIND_NAMES, TIED, Header, Transport, slot_shortage
 from hetpipe.runtime.tree import Boundary, batch_of, check_message, flatten, halves, pack, to_device, unpack
 from hetpipe.runtime.wire import StageError, payload_tensor, tensor_to_slot, to_wire, value_header
@@ -102,7 +102,7 @@ class StageExecutor:
     def __init__(self, ctx: StageContext, stream: Sequence[Instr], model: StageModel, transport: Transport, pool, *,
                  loss_fn: Optional[Callable] = None, inputs: Optional[MinibatchFeed] = None,
                  labels: Optional[MinibatchFeed] = None, expect_in: Optional[Boundary] = None,
-                 expect_out: Optional[Boundary] = None, clock: Optional[EmulatedClock] = None,
+                 expect_out: Optional[Boundary] = None, pacer: Optional[Pacer] = None,
                  fwd_time: float = 0.0, bwd_time: float = 0.0, trace: Optional[List[TraceEvent]] = None,
                  t0: float = 0.0, d: int = 0, layout: Optional[Schedule] = None,
                  stager: Optional[CopyStager] = None) -> None:
@@ -115,7 +115,7 @@ class StageExecutor:
         self.loss_fn, self.inputs, self.labels = loss_fn, inputs, labels
         self.expect_in, self.expect_out = expect_in, expect_out
         self._grad_boundary = expect_out.grad_boundary() if expect_out is not None else None
-        self.clock = clock if clock is not None else EmulatedClock(None)
+        self.pacer = pacer if pacer is not None else Pacer(None)
         self.fwd_time, self.bwd_time = fwd_time, bwd_time
         self.trace, self.t0 = trace, t0
         self.d = d
@@ -275,7 +275,7 @@ class StageExecutor:
             self._record_loss(mb, p, loss)
         else:
             self._outputs[mb] = out
-        self.clock.pad(started, self.fwd_time)
+        self.pacer.pad(started, self.fwd_time)
 
     def _loss(self, mb: int, out: torch.Tensor) -> torch.Tensor:
         """The loss micro-batch ``mb`` back-propagates: a half's (mean) loss weighted by its share of the
@@ -322,7 +322,7 @@ class StageExecutor:
         for peer in self._tied_peers:
             self._tied_out.append((peer, mb, self.model.tied_grad(mb, self.model.keys_shared_with(peer))))
         self._send_tied()
-        self.clock.pad(started, self.bwd_time)
+        self.pacer.pad(started, self.bwd_time)
 
     # --- tied parameters ----------------------------------------------------------------------
     def _send_tied(self) -> bool:

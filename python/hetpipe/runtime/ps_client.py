@@ -11,7 +11,7 @@ from typing import Dict, Optional, Set, Tuple
 
 import torch
 
-from hetpipe.runtime.stage import StageModel
+from hetpipe.runtime.stage_model import StageModel
 from hetpipe.runtime.transport import DONE, PULL, PUSH, WEIGHTS, Header, Transport, slot_shortage
 from hetpipe.runtime.wire import StageError, payload_tensor, tensor_to_slot
 

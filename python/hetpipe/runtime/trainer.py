@@ -36,7 +36,7 @@ from hetpipe.runtime.build import (RunSpec, as_layers, build_shard, build_stage,
 from hetpipe.runtime import checkpoint as ckpt
 from hetpipe.runtime.data import first_minibatch, minibatches_per_epoch
 from hetpipe.runtime.executor import StageExecutor
-from hetpipe.runtime.layout import ModelLayout
+from hetpipe.runtime.layout import ModelLayout, local_buffers
 from hetpipe.runtime.ps import ShardLog
 from hetpipe.runtime.record import RunRecord
 from hetpipe.runtime.replay import ReplayResult, replay_run
@@ -64,6 +64,8 @@ class TrainResult:
     # cut (vw -> minibatch -> loss; already merged into ``losses`` when the plan is the same).
     resumed: Dict[str, Any] = field(default_factory=dict)
     transport: str = ""                             # the transport backend(s) the ranks chose, "+"-joined
+    # Buffers the PS does not synchronise (num_batches_tracked, ...): VW 0's, by "layer.name".
+    local_buffers: Dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def samples_per_s(self) -> float:
@@ -237,7 +239,7 @@ class Trainer:
             if isinstance(cluster, str):
                 cluster = load_cluster(cluster)
             x, y = first_minibatch(self.data)
-            profile = profile_model(list(self.layers), x, cluster, loss_fn=lambda out: self.loss_fn(out, y))
+            profile = profile_model(self.model, x, cluster, loss_fn=lambda out: self.loss_fn(out, y))
             plan = make_plan(cluster, profile, policy=self.policy, nm=self.nm, d=self.d or 0,
                              minibatch_size=batch_of(x), precision=self.precision or "fp32")
             return self._check_layers(plan)
@@ -342,7 +344,7 @@ class Trainer:
     def _stage_snapshot(self, plan: Plan, spec: RunSpec, ex: StageExecutor, role: Role) -> ckpt.Snapshot:
         model = ex.model
         tensors, opt = ckpt.optimizer_snapshot(model.optimizer, ckpt.param_keys(model, spec.layout))
-        for name, b in ckpt.local_buffers(model, spec.layout).items():
+        for name, b in local_buffers(model, spec.layout).items():
             tensors[f"buf/{name}"] = b.detach().to("cpu", copy=True)
         if not plan.ps_shards and role.vw == 0:
             for l, (w, b) in model.layer_weights(spec.layout).items():
@@ -381,7 +383,7 @@ class Trainer:
         result = replay_run(spec, record)
         if spec.resume is not None:
             result.losses = resumed_losses(result.losses, spec.resume)
-        load_layer_weights(self.layers, result.weights, result.buffers)
+        load_layer_weights(self.layers, result.weights, result.buffers, result.local_buffers)
         return result
 
     # --- multi-process -----------------------------------------------------------------------
@@ -493,21 +495,22 @@ class Trainer:
         result = TrainResult(plan, role.rank, role.describe(), losses, outcome.weights, outcome.shard_logs,
                              max(m["elapsed"] for m in everyone), outcome.samples,
                              [e for m in everyone for e in m["trace"]], emulated, outcome.buffers, resumed,
-                             "+".join(sorted({m["transport"] for m in everyone})))
-        load_layer_weights(self.layers, result.weights, result.buffers)
+                             "+".join(sorted({m["transport"] for m in everyone})), outcome.local_buffers)
+        load_layer_weights(self.layers, result.weights, result.buffers, result.local_buffers)
         if reporter is not None:
             reporter.finish(result, self.trace_path, reason)
         return result
 
 
     def _on_sigterm(self, writer: Optional[ckpt.Checkpointer]):
-        """On SIGTERM, write the kept wave-boundary snapshots not yet on disk, then exit 128 + 15;
+        """On SIGTERM, write the kept wave-boundary snapshots not yet on disk, wait until a clock this
+        rank holds is complete (every rank's part; at most ``HETPIPE_TERM_GRACE``), then exit 128 + 15;
         returns the previous handler (None: nothing installed)."""
         if writer is None or threading.current_thread() is not threading.main_thread():
             return None
 
         def handler(sig, _frame) -> None:
-            writer.on_signal()
+            writer.on_signal(failure.signal_grace_s())
             sys.stderr.write(f"hetpipe: {self._describe}: SIGTERM; checkpoint(s) at clock(s) {writer.written} in "
                              f"{self.checkpoint_dir}\n")
             sys.stderr.flush()

@@ -11,8 +11,8 @@ from hetpipe.schedule.lower import lower  # noqa: F401
 from hetpipe.schedule.generators import (  # noqa: F401
     gpipe_schedule, hetpipe_compute_schedule, hetpipe_schedule, one_f_one_b_schedule,
 )
-from hetpipe.schedule.replay import Replay, replay  # noqa: F401
-from hetpipe.schedule.grid import format_grid, format_replay  # noqa: F401
+from hetpipe.schedule.lockstep import Lockstep, lockstep  # noqa: F401
+from hetpipe.schedule.grid import format_grid, format_lockstep  # noqa: F401
 from hetpipe.schedule.validate import ScheduleError, validate  # noqa: F401
 from hetpipe.schedule.buffers import buffer_counts  # noqa: F401
 from hetpipe.schedule.ps import DEFAULT_APPLY_RATE, ShardStats, ShardTraffic, plan_traffic  # noqa: F401

@@ -1,11 +1,11 @@
-"""Buffer assignment: how many received-activation and received-gradient slots each stage needs.
+"""Buffer assignment: how many received-activation and received-gradient buffers each stage needs.
 
 A stage keeps a received activation from its ``RecvAct(mb)`` until its ``Bwd(mb)`` ends (the backward
 needs the input), and a received gradient from ``RecvGrad(mb)`` until ``Bwd(mb)`` ends. Replaying the
 stage's stream, the peak number held at once is the slot count; it sizes the pinned buffer pool.
 Stage 0 receives no activations and the last stage no gradients, so those counts are 0.
 
-These counts make the bounded-buffer replay (``validate(schedule, slots=buffer_counts(schedule))``)
+These counts make the bounded-buffer lock-step run (``validate(schedule, buffers=buffer_counts(schedule))``)
 deadlock-free: when a stage reaches ``RecvAct(mb)`` it holds at most ``act_slots - 1`` activations
 and every earlier message was consumed, so the sender's ``SendAct(mb)`` always finds a free slot.
 """
@@ -19,7 +19,7 @@ from hetpipe.schedule.ir import Bwd, RecvAct, RecvGrad, Schedule
 
 def buffer_counts(schedule: Schedule) -> List[Tuple[int, int]]:
     """Per stage, ``(act_slots, grad_slots)``: the peak number of received activations and gradients
-    the stage holds at once, by replaying its stream."""
+    the stage holds at once, by running its stream."""
     out = []
     for stream in schedule.streams:
         acts, grads = set(), set()

@@ -1,17 +1,17 @@
-"""The step × stage grid: a schedule's replay printed as a table, one row per step."""
+"""The step × stage grid: a schedule's lock-step run printed as a table, one row per step."""
 
 from __future__ import annotations
 
 from typing import List, Optional
 
 from hetpipe.schedule.ir import Schedule
-from hetpipe.schedule.replay import Replay, Slots, replay
+from hetpipe.schedule.lockstep import Lockstep, BufferCaps, lockstep
 
 
-def format_replay(rep: Replay, last: Optional[int] = None) -> str:
+def format_lockstep(rep: Lockstep, last: Optional[int] = None) -> str:
     """Rows ``step | stage 0 | stage 1 ...`` with the instruction each stage ran (``.`` for none).
 
-    ``last`` keeps only the final ``last`` steps. A replay that deadlocked ends with a ``stuck`` row
+    ``last`` keeps only the final ``last`` steps. A run that deadlocked ends with a ``stuck`` row
     naming, for each unfinished stage, the instruction it waits on (finished stages show ``done``).
     """
     k = rep.schedule.num_stages
@@ -31,6 +31,6 @@ def format_replay(rep: Replay, last: Optional[int] = None) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def format_grid(schedule: Schedule, slots: Slots = None, last: Optional[int] = None) -> str:
-    """The step × stage grid of ``schedule``'s replay (see :func:`format_replay`)."""
-    return format_replay(replay(schedule, slots), last)
+def format_grid(schedule: Schedule, buffers: BufferCaps = None, last: Optional[int] = None) -> str:
+    """The step × stage grid of ``schedule``'s lock-step run (see :func:`format_lockstep`)."""
+    return format_lockstep(lockstep(schedule, buffers), last)

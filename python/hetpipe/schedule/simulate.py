@@ -17,8 +17,8 @@ Time model, per VW (each stage runs its stream in order, one instruction at a ti
   applied wave ``w - d - 1`` from every VW (the WSP wait), then takes the stage's fixed pull time
   plus its pull from each shard, queued at the shard's link back.
 
-Everything is deterministic. The engine plays instructions in the replay order of
-:mod:`hetpipe.schedule.replay` (a topological order of each schedule's dependencies), vectorised over
+Everything is deterministic. The engine plays instructions in the lock-step order of
+:mod:`hetpipe.schedule.lockstep` (a topological order of each schedule's dependencies), vectorised over
 the VWs that share a schedule, and merges VWs with different schedules at Pull boundaries.
 """
 
@@ -36,7 +36,7 @@ from hetpipe.schedule.ir import (
     Apply, Bwd, Fwd, Pull, Push, Recompute, RecvAct, RecvGrad, Schedule, SendAct, SendGrad,
 )
 from hetpipe.schedule.ps import DEFAULT_APPLY_RATE, Shards, ShardStats, ShardTraffic, StageTraffic, plan_traffic
-from hetpipe.schedule.replay import replay
+from hetpipe.schedule.lockstep import lockstep
 from hetpipe.schedule.trace import PS_VW, TraceEvent
 from hetpipe.schedule.validate import ScheduleError, validate
 
@@ -274,7 +274,7 @@ def _wsp_schedule(k: int, minibatches: int, nm: int, d: int, split: int) -> Sche
 
 
 def _compile(schedule: Schedule) -> List[Tuple[int, int, int, int]]:
-    rep = replay(schedule)
+    rep = lockstep(schedule)
     if rep.stuck:
         raise ScheduleError(f"simulate: schedule {schedule.name!r} deadlocks; run validate() for the grid")
     ops = []

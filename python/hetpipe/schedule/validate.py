@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-from hetpipe.schedule.grid import format_replay
+from hetpipe.schedule.grid import format_lockstep
 from hetpipe.schedule.ir import (
     Apply, Bwd, Fwd, Pull, Push, Recompute, RecvAct, RecvGrad, Schedule, SendAct, SendGrad,
 )
-from hetpipe.schedule.replay import Slots, replay
+from hetpipe.schedule.lockstep import BufferCaps, lockstep
 
 # The fixed order of one micro-batch's instructions on a stage (Recompute is checked separately,
 # and SendGrad / Apply may come in either order).
@@ -119,7 +119,7 @@ def _check_pairing(schedule: Schedule, s: int) -> None:
                 f"{sent} but stage {dst} receives {got} (first difference at message {at})")
 
 
-def validate(schedule: Schedule, slots: Slots = None) -> None:
+def validate(schedule: Schedule, buffers: BufferCaps = None) -> None:
     """Raise :class:`ScheduleError` unless ``schedule`` is executable and honours WSP.
 
     Checks, per stage: every micro-batch has its Fwd and Bwd and the transfers its position needs,
@@ -128,17 +128,17 @@ def validate(schedule: Schedule, slots: Slots = None) -> None:
     (``Fwd`` of minibatch ``p`` after ``Apply`` of ``p - nm``); at most ``nm`` minibatches in flight;
     each wave pushed exactly once, after every Apply of the wave; ``Pull(w)`` for every wave ``w >= 1`` before
     the wave's first Fwd. Between neighbours: sends and receives pair up in the same order. Finally
-    the lock-step replay of all stages (:mod:`hetpipe.schedule.replay`, with ``Pull(w)`` blocked until
-    every stage has pushed ``w - d - 1``, and buffers bounded by ``slots`` if given) must finish;
+    the lock-step run of all stages (:mod:`hetpipe.schedule.lockstep`, with ``Pull(w)`` blocked until
+    every stage has pushed ``w - d - 1``, and buffers bounded by ``buffers`` if given) must finish;
     otherwise the error shows the last steps of the grid and the stuck stages.
     """
     for s in range(schedule.num_stages):
         _check_stage(schedule, s)
     for s in range(schedule.num_stages - 1):
         _check_pairing(schedule, s)
-    rep = replay(schedule, slots)
+    rep = lockstep(schedule, buffers)
     if rep.stuck:
         blocked = ", ".join(f"stage {s} on {ins}" for s, ins in sorted(rep.stuck.items()))
         raise ScheduleError(f"schedule {schedule.name!r} deadlocks at step {len(rep.steps)}: {blocked}\n"
-                            + format_replay(rep, last=12))
+                            + format_lockstep(rep, last=12))
 

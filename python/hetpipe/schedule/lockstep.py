@@ -1,16 +1,16 @@
-"""Lock-step replay of all stages' streams of one schedule: the execution model validate, the grid
+"""Lock-step execution of all stages' streams of one schedule: the execution model validate, the grid
 printer, buffer assignment and the simulator share.
 
 Model: in every step, each stage whose next instruction can run executes it; effects become visible
-in the next step. Sends never block unless ``slots`` bounds the receiving stage's buffers; a
+in the next step. Sends never block unless ``buffers`` bounds the receiving stage's buffers; a
 receive runs once the matching message has been sent (channels are FIFO per direction and a receive
 must find its own message at the head); ``Pull(w)`` runs once every stage has executed
-``Push(w - d - 1)``; everything else always runs. A replay that stops with stages unfinished and
+``Push(w - d - 1)``; everything else always runs. A run that stops with stages unfinished and
 none able to run is a deadlock.
 
-Buffer slots (bounded mode): an activation slot on stage ``s`` is taken when stage ``s - 1`` executes
+Bounded buffers: an activation buffer on stage ``s`` is taken when stage ``s - 1`` executes
 ``SendAct(mb, s)`` and released when stage ``s`` finishes ``Bwd(mb)`` (the received input is kept for
-the backward); a gradient slot on stage ``s`` is taken by ``SendGrad(mb, s)`` of stage ``s + 1`` and
+the backward); a gradient buffer on stage ``s`` is taken by ``SendGrad(mb, s)`` of stage ``s + 1`` and
 released by ``Bwd(mb)`` on stage ``s``.
 """
 
@@ -22,12 +22,12 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from hetpipe.schedule.ir import Bwd, Instr, Pull, Push, RecvAct, RecvGrad, Schedule, SendAct, SendGrad
 
-Slots = Union[None, int, Sequence[Tuple[int, int]]]
+BufferCaps = Union[None, int, Sequence[Tuple[int, int]]]
 
 
 @dataclass(frozen=True)
-class Replay:
-    """The outcome of a replay. ``steps[t][s]`` is what stage ``s`` executed in step ``t`` (None: it
+class Lockstep:
+    """The outcome of a lock-step run. ``steps[t][s]`` is what stage ``s`` executed in step ``t`` (None: it
     waited or was done). ``stuck`` maps each unfinished stage to the instruction it is blocked on;
     it is empty when every stream ran to its end."""
 
@@ -44,26 +44,26 @@ class Replay:
         return [(s, ins) for row in self.steps for s, ins in enumerate(row) if ins is not None]
 
 
-def _slot_caps(schedule: Schedule, slots: Slots) -> Optional[List[Tuple[int, int]]]:
-    if slots is None:
+def _buffer_caps(schedule: Schedule, buffers: BufferCaps) -> Optional[List[Tuple[int, int]]]:
+    if buffers is None:
         return None
-    if isinstance(slots, int):
-        return [(slots, slots)] * schedule.num_stages
-    caps = [tuple(c) for c in slots]
+    if isinstance(buffers, int):
+        return [(buffers, buffers)] * schedule.num_stages
+    caps = [tuple(c) for c in buffers]
     if len(caps) != schedule.num_stages:
-        raise ValueError(f"replay: {len(caps)} slot pairs for {schedule.num_stages} stages")
+        raise ValueError(f"lockstep: {len(caps)} buffer-count pairs for {schedule.num_stages} stages")
     return caps  # type: ignore[return-value]
 
 
-def replay(schedule: Schedule, slots: Slots = None) -> Replay:
-    """Replay ``schedule`` step by step; ``slots`` bounds each stage's (activation, gradient) buffers
+def lockstep(schedule: Schedule, buffers: BufferCaps = None) -> Lockstep:
+    """Run ``schedule`` step by step; ``buffers`` bounds each stage's (activation, gradient) buffers
     (an int applies to every stage; None means unbounded)."""
     k = schedule.num_stages
-    caps = _slot_caps(schedule, slots)
+    caps = _buffer_caps(schedule, buffers)
     streams = schedule.streams
     pos = [0] * k
     chan: Dict[Tuple[str, int, int], Deque[int]] = {}
-    held: List[List[set]] = [[set(), set()] for _ in range(k)]   # slots in use: [act mbs, grad mbs]
+    held: List[List[set]] = [[set(), set()] for _ in range(k)]   # buffers in use: [act mbs, grad mbs]
     pushed: Dict[int, int] = {}
     steps: List[Tuple[Optional[Instr], ...]] = []
 
@@ -107,4 +107,4 @@ def replay(schedule: Schedule, slots: Slots = None) -> Replay:
             row[s] = ins
         steps.append(tuple(row))
     stuck = {s: streams[s][pos[s]] for s in range(k) if pos[s] < len(streams[s])}
-    return Replay(schedule, tuple(steps), stuck)
+    return Lockstep(schedule, tuple(steps), stuck)

@@ -11,7 +11,7 @@ in flight in the VW:
   pipeline ends); ``wire_factor`` is 1/2 for a bf16 plan of a float32 profile
   (:func:`hetpipe.precision.wire_factor`), 1 otherwise;
 * stage time = compute + transfer; the VW's bottleneck is the largest stage time.
-* memory: the runtime's memory model (:mod:`hetpipe.runtime.stage`). With ``P = param[a:b]`` and
+* memory: the runtime's memory model (:mod:`hetpipe.runtime.stage_model`). With ``P = param[a:b]`` and
   ``n_k = min(nm, K - k)`` (the HetPipe schedule's 1F1B rule lets stage ``k`` run at most ``n_k``
   forwards ahead of their backwards, so ``n_k`` minibatches are in flight there)::
 
@@ -43,7 +43,7 @@ DENSE_MAX = 512
 
 
 @dataclass(frozen=True)
-class Slot:
+class StageDevice:
     """One device of a VW, as the partitioner sees it."""
 
     device: str
@@ -132,13 +132,13 @@ class LayerTable:
         start2 = np.maximum(b - self._pow[length], a)
         return np.maximum(self._flat[row + a], self._flat[row + start2])
 
-    def stage_arrays(self, slot: Slot, k: int, num_stages: int, nm: int, a: np.ndarray, b: np.ndarray,
+    def stage_arrays(self, stage_dev: StageDevice, k: int, num_stages: int, nm: int, a: np.ndarray, b: np.ndarray,
                      prev: Optional[LinkCost], nxt: Optional[LinkCost], recompute: bool):
-        """(time, memory) of stage ``k`` holding ``[a, b)`` on ``slot``; arrays broadcast over a and b
+        """(time, memory) of stage ``k`` holding ``[a, b)`` on ``stage_dev``; arrays broadcast over a and b
         (typically a column of starts and a row of stops, ``b >= 1``). Entries with ``b <= a`` are
         meaningless (callers mask them). Terms that depend on one end only stay vectors, so each
         call costs about three operations on the full matrix."""
-        t = slot.device_type
+        t = stage_dev.device_type
         cf, cb = self.cum_fwd[t], self.cum_bwd[t]
         scale = 2.0 if recompute else 1.0
         hi = scale * cf[b] + cb[b]
@@ -161,10 +161,10 @@ class LayerTable:
         mem = (mhi - mlo) + self.ws_max(a, np.maximum(b, a + 1) if self._dense is None else b)
         return comp, mem
 
-    def stage(self, slot: Slot, k: int, num_stages: int, nm: int, a: int, b: int,
+    def stage(self, stage_dev: StageDevice, k: int, num_stages: int, nm: int, a: int, b: int,
               prev: Optional[LinkCost], nxt: Optional[LinkCost], recompute: bool) -> Tuple[float, int]:
         """(time, memory bytes) of one stage."""
-        c, m = self.stage_arrays(slot, k, num_stages, nm, np.array(a), np.array(b), prev, nxt, recompute)
+        c, m = self.stage_arrays(stage_dev, k, num_stages, nm, np.array(a), np.array(b), prev, nxt, recompute)
         return float(c), int(round(float(m)))
 
     def compute_times(self, device_type: str, a: int, b: int, recompute: bool) -> Tuple[float, float]:
@@ -197,10 +197,10 @@ class LayerTable:
         return int(self.cum_state[-1] + self.weight_copies(1) * self.cum_param[-1])
 
 
-def stage_matrix(table: LayerTable, slot: Slot, k: int, num_stages: int, nm: int, starts: np.ndarray,
+def stage_matrix(table: LayerTable, stage_dev: StageDevice, k: int, num_stages: int, nm: int, starts: np.ndarray,
                  stops: np.ndarray, prev: Optional[LinkCost], nxt: Optional[LinkCost], mode: str,
                  capacity: float) -> Tuple[np.ndarray, np.ndarray]:
-    """Stage ``k`` on ``slot`` for every start in ``starts`` (rows) and stop in ``stops`` (columns):
+    """Stage ``k`` on ``stage_dev`` for every start in ``starts`` (rows) and stop in ``stops`` (columns):
     (seconds, recompute flags), seconds ``+inf`` where the range is empty or does not fit
     ``capacity`` bytes. Mode ``none`` or ``all`` fixes recomputation; ``fit`` recomputes only where
     keeping the activations would not fit (recomputing is never faster)."""
@@ -208,7 +208,7 @@ def stage_matrix(table: LayerTable, slot: Slot, k: int, num_stages: int, nm: int
     invalid = b <= a
     best = rc = None
     for r in ([False, True] if mode == "fit" else [mode == "all"]):
-        t, m = table.stage_arrays(slot, k, num_stages, nm, a, b, prev, nxt, r)
+        t, m = table.stage_arrays(stage_dev, k, num_stages, nm, a, b, prev, nxt, r)
         t = np.where(invalid | (m > capacity), np.inf, t)
         if best is None:
             best, rc = t, np.full(t.shape, r)
