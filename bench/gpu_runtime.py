@@ -20,7 +20,7 @@ optimizer state, weight stashes, wave deltas, activations and workspace of each 
 peak each stage rank really allocated (``torch.cuda.max_memory_allocated``), for a profile of the same
 layers measured on the device under autocast (``profile_model(..., precision="bf16")``).
 
-    python bench/gpu_runtime.py --out results/gpu                  # needs a CUDA device and mpiexec
+    python bench/gpu_runtime.py --out out/gpu --head both          # needs a CUDA device and mpiexec
     python bench/gpu_runtime.py --device cpu --tiny --out /tmp/g    # smoke run of the same code on the CPU
 
 Everything lands in ``--out``: ``gpu_runtime.json`` (every figure, per rank) and ``gpu_runtime.txt``
@@ -297,7 +297,7 @@ def tables(report: Dict[str, Any], args) -> str:
 def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--out", default="results/gpu_runtime", help="folder for gpu_runtime.json and .txt")
+    ap.add_argument("--out", default="out/gpu_runtime", help="folder for gpu_runtime.json and .txt")
     ap.add_argument("--tiny", action="store_true",
                     help="a tiny decoder (2 x 64, sequence 32, vocabulary 256, 12 minibatches): the smoke run")
     ap.add_argument("--layers", type=int, default=12)
