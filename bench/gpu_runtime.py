@@ -31,22 +31,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from hetpipe.launch.mpi import mpiexec_path
+from hetpipe.launch.procs import environment_marker, processes_with, send
 
 GOAL_RATIO = 0.85
 GOAL_MEMORY_ERROR = 0.10
 RESULT = "RESULT "
+JOB_ENV = "HETPIPE_BENCH_JOB"          # marks every process of one child run (see child())
 
 
 # --- the workload (the same in every process) ----------------------------------------------------
@@ -184,13 +187,32 @@ def role_hetpipe(args, tied: bool, d: int, metrics: str) -> None:
 
 # --- the parent: runs the children, compares, writes the tables ------------------------------------
 
+class ChildFailed(RuntimeError):
+    """A child process (plain PyTorch or a hetpipe run) failed or ran out of time."""
+
+
 def child(cmd: Sequence[str], timeout: float, what: str) -> Dict[str, Any]:
-    proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, env=os.environ)
+    """The RESULT of ``cmd``. Past ``timeout`` every process of it is killed, found by a marker in its
+    environment (MPICH gives each rank a session of its own: killing mpiexec alone would leave ranks
+    holding the device)."""
+    job = uuid.uuid4().hex
+    try:
+        proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, JOB_ENV: job})
+    except subprocess.TimeoutExpired as e:
+        for pid in processes_with(environment_marker(JOB_ENV, job), exclude=[os.getpid()]):
+            send(pid, signal.SIGKILL)
+        raise ChildFailed(f"{what} did not finish within {timeout:.0f} s:\n{_tail(e.stdout)}\n{_tail(e.stderr)}") from None
     found = [json.loads(line[len(RESULT):]) for line in proc.stdout.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or not found:
-        raise SystemExit(f"gpu_runtime: {what} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                         f"{proc.stderr[-4000:]}")
+        raise ChildFailed(f"{what} failed (exit {proc.returncode}):\n{_tail(proc.stdout)}\n{_tail(proc.stderr)}")
     return found[0]
+
+
+def _tail(text: Any, n: int = 4000) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return (text or "")[-n:]
 
 
 def steady_rate(metrics: Path, args) -> Tuple[float, float]:
@@ -224,17 +246,29 @@ def planned_memory(profile_dict: Dict[str, Any], args, d: int) -> List[int]:
 
 
 def run_variant(args, tied: bool, tmp: Path) -> Dict[str, Any]:
+    """Plain PyTorch, then hetpipe at each D, for one head variant; a failed run is recorded (its
+    ``error``) and the others still run, so that one failure leaves the rest of the figures."""
     here = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
     name = "tied" if tied else "untied"
-    plain = child([*here, "--role", "plain", "--variant", name], args.timeout, f"plain PyTorch ({name})")
-    out: Dict[str, Any] = {"tied_head": tied, "plain": plain, "hetpipe": {}}
+    out: Dict[str, Any] = {"tied_head": tied, "hetpipe": {}}
+    try:
+        out["plain"] = child([*here, "--role", "plain", "--variant", name], args.timeout, f"plain PyTorch ({name})")
+    except ChildFailed as e:
+        out["error"] = str(e)
+        print(f"gpu_runtime: {e}", file=sys.stderr, flush=True)
+        return out
     for d in args.d_values:
         metrics = tmp / f"metrics-{name}-d{d}.jsonl"
         cmd = [mpiexec_path(), "-n", str(args.stages + 1), *here, "--role", "hetpipe", "--variant", name,
                "--worker-d", str(d), "--metrics", str(metrics)]
-        run = child(cmd, args.timeout, f"hetpipe D={d} ({name})")
+        try:
+            run = child(cmd, args.timeout, f"hetpipe D={d} ({name})")
+        except ChildFailed as e:
+            out["hetpipe"][str(d)] = {"error": str(e)}
+            print(f"gpu_runtime: {e}", file=sys.stderr, flush=True)
+            continue
         run["tokens_per_s"], run["whole_tokens_per_s"] = steady_rate(metrics, args)
-        run["planned_memory"] = planned_memory(plain["profile"], args, d)
+        run["planned_memory"] = planned_memory(out["plain"]["profile"], args, d)
         out["hetpipe"][str(d)] = run
     return out
 
@@ -254,41 +288,51 @@ def tables(report: Dict[str, Any], args) -> str:
              f"{torch.__version__}", ""]
     head = f"{'system':<34}{'tokens/s':>12}{'vs plain':>10}{'whole run tok/s':>17}{'transport':>12}"
     lines += [head, "-" * len(head)]
-    best = {}
+    failed = "FAILED (gpu_runtime.json: error)"
     for v in report["variants"]:
         label = "tied head" if v["tied_head"] else "untied head"
+        if "plain" not in v:
+            lines.append(f"{'plain PyTorch, ' + label:<34}  {failed}")
+            continue
         base = v["plain"]["tokens_per_s"]
         lines.append(f"{'plain PyTorch, ' + label:<34}{base:>12.0f}{1.0:>9.2f}x{v['plain']['whole_tokens_per_s']:>17.0f}"
                      f"{'-':>12}")
+        best = None
         for d, run in v["hetpipe"].items():
+            if "error" in run:
+                lines.append(f"{'hetpipe D=' + d + ', ' + label:<34}  {failed}")
+                continue
             ratio = run["tokens_per_s"] / base
-            best[label] = max(best.get(label, 0.0), ratio)
+            best = ratio if best is None else max(best, ratio)
             lines.append(f"{'hetpipe D=' + d + ', ' + label:<34}{run['tokens_per_s']:>12.0f}{ratio:>9.2f}x"
                          f"{run['whole_tokens_per_s']:>17.0f}{run['transport']:>12}")
-    for label, r in best.items():
-        lines.append(f"goal ({label}): hetpipe >= {GOAL_RATIO:.2f}x plain PyTorch -> "
-                     f"{'met' if r >= GOAL_RATIO else 'not met'} (best {r:.2f}x)")
+        if best is not None:
+            lines.append(f"{'':<4}goal: hetpipe >= {GOAL_RATIO:.2f}x plain PyTorch -> "
+                         f"{'met' if best >= GOAL_RATIO else 'not met'} (best {best:.2f}x)")
     lines += ["", "planner memory model vs torch.cuda.max_memory_allocated, per stage rank (MiB)"]
     head = f"{'run':<30}{'stage':>6}{'layers':>10}{'planned':>10}{'measured':>10}{'error':>9}"
     lines += [head, "-" * len(head)]
-    worst = 0.0
     for v in report["variants"]:
         label = "tied" if v["tied_head"] else "untied"
+        worst = None
         for d, run in v["hetpipe"].items():
+            if "error" in run:
+                continue
             c = cuts(len(v["plain"]["profile"]["layers"]), args.stages)
             measured = {r["stage"]: r.get("max_allocated") for r in run["ranks"] if r["stage"] is not None}
             for k, planned in enumerate(run["planned_memory"]):
                 m = measured.get(k)
                 err = "n/a" if not m else f"{(planned - m) / m:+.1%}"
                 if m:
-                    worst = max(worst, abs(planned - m) / m)
+                    worst = max(worst or 0.0, abs(planned - m) / m)
                 lines.append(f"{'hetpipe D=' + d + ', ' + label:<30}{k:>6}{f'[{c[k]}, {c[k + 1]})':>10}"
                              f"{mib(planned):>10}{mib(m):>10}{err:>9}")
-    if report["real"]:
-        lines.append(f"goal: |error| <= {GOAL_MEMORY_ERROR:.0%} -> {'met' if worst <= GOAL_MEMORY_ERROR else 'not met'} "
-                     f"(worst {worst:.1%})")
-    ps = [r for v in report["variants"] for run in v["hetpipe"].values() for r in run["ranks"] if r["stage"] is None]
-    if report["real"]:
+        if worst is not None:
+            lines.append(f"{'':<4}goal ({label}): |error| <= {GOAL_MEMORY_ERROR:.0%} -> "
+                         f"{'met' if worst <= GOAL_MEMORY_ERROR else 'not met'} (worst {worst:.1%})")
+    ps = [r for v in report["variants"] for run in v["hetpipe"].values() for r in run.get("ranks", [])
+          if r["stage"] is None]
+    if report["real"] and ps:
         clean = all(not r["torch_cuda_initialized"] and not any(r.get("cuda_contexts", [])) for r in ps)
         lines.append(f"PS ranks: torch CUDA state and CUDA contexts: {'none' if clean else 'PRESENT'} ({len(ps)} ranks)")
     return "\n".join(lines)
@@ -358,6 +402,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     (out / "gpu_runtime.txt").write_text(text + "\n")
     print(text, flush=True)
     print(f"written: {out / 'gpu_runtime.json'}, {out / 'gpu_runtime.txt'}", flush=True)
+    if any("error" in v or any("error" in run for run in v["hetpipe"].values()) for v in report["variants"]):
+        raise SystemExit("gpu_runtime: some runs failed (their errors are in gpu_runtime.json)")
 
 
 if __name__ == "__main__":

@@ -115,15 +115,20 @@ EOF
 
 tests() {
     say "tests/gpu with HETPIPE_REQUIRE_GPU=1"
-    HETPIPE_REQUIRE_GPU=1 PYTHONUNBUFFERED=1 "$PY" -m pytest tests/gpu -q -rA -p no:cacheprovider \
+    # A hung test fails after 240 s instead of eating the session (where pytest-timeout is installed).
+    local limit=()
+    "$PY" -c "import pytest_timeout" 2>/dev/null && limit=(--timeout 240)
+    HETPIPE_REQUIRE_GPU=1 PYTHONUNBUFFERED=1 "$PY" -m pytest tests/gpu -q -rA -p no:cacheprovider "${limit[@]}" \
         --junitxml="$OUT/tests-gpu.xml" 2>&1 | tee "$OUT/tests-gpu.log"
     return "${PIPESTATUS[0]}"
 }
 
 bench() {
-    say "bench/gpu_runtime.py ${BENCH_ARGS:---head both}"
+    # Each child (plain PyTorch, each hetpipe run) is stopped after 240 s rather than the session.
+    local args=${BENCH_ARGS:---head both --timeout 240}
+    say "bench/gpu_runtime.py $args"
     # shellcheck disable=SC2086
-    PYTHONUNBUFFERED=1 "$PY" bench/gpu_runtime.py --out "$OUT" ${BENCH_ARGS:---head both} 2>&1 | tee "$OUT/bench.log"
+    PYTHONUNBUFFERED=1 "$PY" bench/gpu_runtime.py --out "$OUT" $args 2>&1 | tee "$OUT/bench.log"
     return "${PIPESTATUS[0]}"
 }
 
