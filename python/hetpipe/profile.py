@@ -59,6 +59,10 @@ class LayerProfile:
     derived: Dict[str, bool] = field(default_factory=dict)
     stash_bytes: Optional[int] = None
     flops: float = 0.0          # forward FLOPs per minibatch, 0 when unknown
+    # Tied weights: (owner layer, the owner's parameter name, bytes) of each parameter this layer
+    # holds that an earlier layer owns (and counts in its param_bytes). A stage holding this layer
+    # but not the owner holds a replica of it (hetpipe.plan.stage_cost).
+    tied: Tuple[Tuple[int, str, int], ...] = ()
 
     @property
     def stash(self) -> int:
@@ -135,6 +139,13 @@ class ModelProfile:
             fl = layer.flops
             if isinstance(fl, bool) or not isinstance(fl, (int, float)) or not math.isfinite(fl) or fl < 0:
                 raise ValueError(f"{lw}: flops must be a finite number >= 0, got {fl!r}")
+            for t in layer.tied:
+                ok = (isinstance(t, tuple) and len(t) == 3 and isinstance(t[0], int) and not isinstance(t[0], bool)
+                      and 0 <= t[0] < i and isinstance(t[1], str) and isinstance(t[2], int)
+                      and not isinstance(t[2], bool) and t[2] >= 0)
+                if not ok:
+                    raise ValueError(f"{lw}: each tied entry must be [owner layer < {i}, parameter name, bytes >= 0], "
+                                     f"got {t!r}")
 
     def fwd(self, device_type: str) -> List[float]:
         return [layer.fwd_time[device_type] for layer in self.layers]
@@ -180,6 +191,8 @@ class ModelProfile:
                 d["stash_bytes"] = layer.stash_bytes
             if layer.flops:
                 d["flops"] = layer.flops
+            if layer.tied:
+                d["tied"] = [list(t) for t in layer.tied]
             out.append(d)
         d = {"name": self.name, "minibatch_size": self.minibatch_size, "input_bytes": self.input_bytes,
              "source": self.source, "layers": out}
@@ -214,7 +227,7 @@ class ModelProfile:
                 activation_bytes=ld.get("activation_bytes", 0), param_bytes=ld.get("param_bytes", 0),
                 optimizer_bytes=ld.get("optimizer_bytes", 0), workspace_bytes=ld.get("workspace_bytes", 0),
                 derived=dict(ld.get("derived", {})), stash_bytes=ld.get("stash_bytes"),
-                flops=ld.get("flops", 0.0)))
+                flops=ld.get("flops", 0.0), tied=_tied_entries(ld.get("tied", []), f"profile {name!r}: layer {i}")))
         return cls(name=name, minibatch_size=data.get("minibatch_size", 0), layers=tuple(layers),
                    input_bytes=data.get("input_bytes", 0), source=str(data.get("source", "")),
                    activation_dtype=str(data.get("activation_dtype", "float32")))
@@ -237,6 +250,12 @@ class ModelProfile:
         except json.JSONDecodeError as e:
             raise ValueError(f"profile: {p} is not valid JSON: {e}") from e
         return cls.from_dict(data)
+
+
+def _tied_entries(value: Any, where: str) -> Tuple[Tuple[Any, ...], ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, (list, tuple)) for t in value):
+        raise ValueError(f"{where}: tied must be a list of [owner layer, parameter name, bytes], got {value!r}")
+    return tuple(tuple(t) for t in value)
 
 
 def presets() -> List[str]:
@@ -362,6 +381,11 @@ def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional
 
     out = []
     layout = ModelLayout(layers)
+    owned = [dict(layout.owned[l]) for l in range(len(layers))]
+
+    def tied_of(i: int) -> Tuple[Tuple[int, str, int], ...]:
+        return tuple((r.owner, r.owner_name, r.numel * owned[r.owner][r.owner_name].element_size())
+                     for r in layout.replicas[i])
     for i, layer in enumerate(layers):
         pb = sum(p.numel() * p.element_size() for _, p in layout.owned[i])      # a tied parameter counts once
         fm, bm = median(fwd_s[i]), median(bwd_s[i])
@@ -371,7 +395,7 @@ def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional
         out.append(LayerProfile(name=names[i] if names else f"{i}:{type(layer).__name__}", fwd_time=f, bwd_time=b,
                                 activation_bytes=out_bytes[i], param_bytes=pb,
                                 optimizer_bytes=int(optimizer_factor * pb), workspace_bytes=work_bytes[i],
-                                derived=derived, stash_bytes=stash_bytes[i]))
+                                derived=derived, stash_bytes=stash_bytes[i], tied=tied_of(i)))
     from hetpipe.runtime.tree import batch_of
     batch = batch_of(sample_input)
     src = "measured on this host, " + ("emulated types derived by speed" if cluster.emulated
