@@ -42,6 +42,7 @@ from hetpipe.runtime.record import RunRecord
 from hetpipe.runtime.replay import ReplayResult, replay_run
 from hetpipe.runtime import transports
 from hetpipe.runtime.tree import batch_of
+from hetpipe.schedule.registry import ScheduleOptions, generate, get_schedule
 from hetpipe.schedule.trace import TraceEvent, write_chrome_trace
 
 
@@ -131,6 +132,9 @@ class Trainer:
     nm, d: minibatches in flight per VW and the staleness bound (override the plan's when given: the
         plan's predicted throughput is then dropped, and an nm larger than that of a plan sized
         against device memory is refused; see :func:`override`).
+    schedule: the registered schedule every VW runs (:mod:`hetpipe.schedule.registry`; default
+        "hetpipe", the WSP schedule); one that does not take an option the run sets (the plan's nm or
+        d, recomputation, split_startup) is refused naming it.
     split_startup: run the first ``split_startup`` minibatches of each VW as two half micro-batches
         (AutoPipe-H's split start-up); the loss must be a mean over samples, so that the halves'
         losses weighted by their share of the samples sum to the minibatch's.
@@ -183,13 +187,14 @@ class Trainer:
                  metrics: Union[str, Path, None] = None, trace: Union[str, Path, None] = None,
                  progress: bool = True, comm: Any = None, plan_callback: Optional[Callable[[Plan], None]] = None,
                  aggregate: Optional[str] = None, seed: int = 0, precision: Optional[str] = None,
-                 record: Union[str, Path, None] = None):
+                 record: Union[str, Path, None] = None, schedule: str = "hetpipe"):
         self.model = model
         self.layers = as_layers(model)
         self.loss_fn, self.optimizer, self.data = loss_fn, optimizer, data
         self.plan_arg, self.policy, self.cluster = plan, policy, cluster
         self.nm, self.d, self.epochs = nm, d, epochs
         self.split_startup = split_startup
+        self.schedule = get_schedule(schedule).name
         self.timeout = failure.timeout_s(timeout)
         self.emulate, self.emulation_scale = emulate, emulation_scale
         self.copy_stream = copy_stream
@@ -253,8 +258,6 @@ class Trainer:
     def spec(self, plan: Plan, resume: Optional[ckpt.Resume] = None) -> RunSpec:
         """The run's :class:`RunSpec` for ``plan`` (schedules, activation shapes) on this rank; a resumed
         run trains what is left after the checkpoint's cut."""
-        from hetpipe.schedule import hetpipe_schedule
-
         num_vws = len(plan.virtual_workers)
         per_epoch = minibatches_per_epoch(self.data)
         per_vw = per_epoch // num_vws
@@ -272,8 +275,8 @@ class Trainer:
         schedules = []
         for vw in plan.virtual_workers:
             recompute = any(st.recompute for st in vw.stages)
-            schedules.append(hetpipe_schedule(len(vw.stages), total, plan.nm, plan.d, recompute=recompute,
-                                              split_startup=split))
+            schedules.append(generate(self.schedule, ScheduleOptions(len(vw.stages), total, plan.nm, plan.d,
+                                                                     recompute=recompute, split_startup=split)))
         return RunSpec(plan, self.layers, self.loss_fn, self.optimizer, self.data, self.epochs, schedules,
                        infer_boundaries(self.layers, x), batch_of(x), copy_stream=self.copy_stream, audit=self.audit,
                        seed=self.seed, resume=resume)
