@@ -48,7 +48,7 @@ wheels() {
 }
 
 mpi_works() {
-    # An MPI job of one rank through the mpiexec the tests use (beside the Python, else on PATH).
+    # An MPI job of two ranks through the mpiexec the tests use (beside the Python, else on PATH).
     local mpiexec="$VENV/bin/mpiexec"
     [ -x "$mpiexec" ] || mpiexec=$(command -v mpiexec || true)
     [ -n "$mpiexec" ] || return 1
