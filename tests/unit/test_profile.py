@@ -130,6 +130,8 @@ def test_profile_counts_every_leaf_of_a_pytree_output_and_a_tied_parameter_once(
     tied = rm.tied_mlp()
     tp = profile_model(tied, torch.randn(4, 64), "cpu-emulated", repeats=1)
     assert tp.layers[0].param_bytes == 4 * (32 * 64 + 32) and tp.layers[4].param_bytes == 0
+    assert tp.layers[4].tied == ((0, "weight", 4 * 32 * 64),) and not any(l.tied for l in tp.layers[:4])
+    assert ModelProfile.from_dict(json.loads(tp.to_json())) == tp         # the tie survives the file
     resnet = rm.resnet()
     before = resnet[0][1].running_mean.clone()
     profile_model(resnet, torch.randn(4, 1, 8, 8), "cpu-emulated", repeats=1)

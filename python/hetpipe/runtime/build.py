@@ -98,12 +98,19 @@ def side_inputs_of(layer: nn.Module, i: int, inputs: Any) -> Dict[str, Any]:
     return {k: inputs[k] for k in keys}
 
 
+FALLBACK_SAMPLES = 2
+
+
 def infer_boundaries(layers: Sequence[nn.Module], x: Any) -> List[Union[Boundary, LayerFailure, None]]:
     """What enters each layer (and leaves the last), as :class:`Boundary` pytree specs.
 
     ``x`` is the first minibatch's inputs (a tensor or a dict of tensors). Runs on the meta device (no
     real compute), falling back to a real no-grad pass, on a copy of the layer and with the caller's
-    random state restored, for layers meta cannot run. A layer returning a non-tensor leaf is a
+    random state restored, for layers meta cannot run (e.g. a causal-mask builder that reads the
+    attention mask's values). The real pass takes the first ``FALLBACK_SAMPLES`` samples only: a
+    boundary is per sample (batch on dim 0), and a whole minibatch of a large model would cost every
+    rank minutes of CPU at start-up; two, not one, so that a training-mode BatchNorm still has a
+    batch to normalise over. A layer returning a non-tensor leaf is a
     TypeError naming it. A layer that raises on this rank's copy of the model gives a
     :class:`LayerFailure` for every later boundary: only a stage that needs one of them fails (see
     :func:`build_stage`), with that layer's own error."""
@@ -112,8 +119,9 @@ def infer_boundaries(layers: Sequence[nn.Module], x: Any) -> List[Union[Boundary
     cur = pytree.tree_map(to_meta, x)
     meta_inputs = pytree.tree_map(to_meta, x)
     real: Any = None
+    few = pytree.tree_map(lambda t: t[:FALLBACK_SAMPLES] if isinstance(t, torch.Tensor) and t.dim() else t, x)
     for i, layer in enumerate(layers):
-        side = side_inputs_of(layer, i, x)
+        side = side_inputs_of(layer, i, few)
         where = f"layer {i} ({type(layer).__name__})"
         try:
             with torch.random.fork_rng(devices=[]):
@@ -123,7 +131,8 @@ def infer_boundaries(layers: Sequence[nn.Module], x: Any) -> List[Union[Boundary
                         cur = torch.func.functional_call(layer, tensors, (cur,),
                                                          side_inputs_of(layer, i, meta_inputs))
                     except (NotImplementedError, RuntimeError):
-                        real = pytree.tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype), cur)
+                        real = pytree.tree_map(lambda t: torch.zeros((min(t.shape[0], FALLBACK_SAMPLES),
+                                                                      *t.shape[1:]), dtype=t.dtype), cur)
                 if real is not None:
                     with torch.no_grad():
                         real = copy.deepcopy(layer)(real, **side)

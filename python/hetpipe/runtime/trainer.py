@@ -442,7 +442,7 @@ class Trainer:
             spec = self.spec(plan, self._resume(plan))
             if role.kind == "stage":
                 st = plan.virtual_workers[role.vw].stages[role.stage]
-                dev, emulated = resolve_device(st, emulate=self.emulate, cuda_count=len(hosts[rank]["cuda"]))
+                dev, emulated = resolve_device(st, emulate=self.emulate, cuda_count=hosts[rank]["cuda_count"])
                 spec.devices[rank], spec.emulated[rank] = dev, emulated
                 spec.emulation_scale = self.emulation_scale
         except (LaunchError, ValueError, TypeError, ckpt.CheckpointError) as e:
