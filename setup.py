@@ -2,7 +2,9 @@
 
 CMake options are passed through the environment variable CMAKE_ARGS, e.g.
     CMAKE_ARGS="-DHETPIPE_WITH_CUDA=OFF" pip install --no-build-isolation -e .
-The defaults are HETPIPE_WITH_CUDA=AUTO (CUDA when nvcc is found) and a Release build.
+The defaults are HETPIPE_WITH_CUDA=AUTO (CUDA when nvcc is found), HETPIPE_WITH_MPI=AUTO (the MPI
+extension `hetpipe_core._mpi` when an MPI library is found: the environment's own MPICH first) and a
+Release build.
 """
 
 import os
@@ -18,14 +20,33 @@ ROOT = Path(__file__).resolve().parent
 
 
 class CMakeExtension(Extension):
-    def __init__(self, name: str, sourcedir: Path = ROOT) -> None:
+    """An extension module built by CMake: its target is the module's last name (``_C``, ``_mpi``)."""
+
+    def __init__(self, name: str) -> None:
         super().__init__(name, sources=[])
-        self.sourcedir = os.fspath(sourcedir)
+        self.target = name.rsplit(".", 1)[-1]
 
 
 class CMakeBuild(build_ext):
+    """Configures CMake once for all extensions, then builds each one's target; drops ``_mpi`` when
+    CMake found no MPI (the core builds and imports without it)."""
+
+    cmake_dir = None
+    mpi_built = False
+
     def build_extension(self, ext: CMakeExtension) -> None:
-        extdir = Path(self.get_ext_fullpath(ext.name)).parent.resolve()
+        if self.cmake_dir is None:
+            # Configured at the first extension, where setuptools has chosen the output folder.
+            self.cmake_dir = self._configure(Path(self.get_ext_fullpath(ext.name)).parent.resolve())
+            self.mpi_built = "HETPIPE_MPI_BUILT:INTERNAL=ON" in (self.cmake_dir / "CMakeCache.txt").read_text()
+            if not self.mpi_built:
+                self.extensions = [e for e in self.extensions if e.target != "_mpi"]   # not an output
+        if ext.target == "_mpi" and not self.mpi_built:
+            return
+        subprocess.run(["cmake", "--build", ".", "--target", ext.target, "-j", str(os.cpu_count() or 2)],
+                       cwd=self.cmake_dir, check=True)
+
+    def _configure(self, extdir: Path) -> Path:
         cfg = "Debug" if self.debug else "Release"
         cmake_args = [
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={extdir}{os.sep}",
@@ -33,12 +54,15 @@ class CMakeBuild(build_ext):
             f"-DCMAKE_BUILD_TYPE={cfg}",
             "-G", "Ninja",
         ]
+        # The MPI that mpi4py loads in this environment (MPICH from PyPI installs its headers and
+        # libmpi into the environment's prefix): hetpipe_core._mpi must link that very library.
+        if (Path(sys.prefix) / "include" / "mpi.h").exists():
+            cmake_args.append(f"-DMPI_HOME={sys.prefix}")
         cmake_args += shlex.split(os.environ.get("CMAKE_ARGS", ""))
-        build_temp = Path(self.build_temp) / ext.name
+        build_temp = Path(self.build_temp) / "hetpipe_core"
         build_temp.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["cmake", ext.sourcedir, *cmake_args], cwd=build_temp, check=True)
-        subprocess.run(["cmake", "--build", ".", "--target", "_C", "-j", str(os.cpu_count() or 2)],
-                       cwd=build_temp, check=True)
+        subprocess.run(["cmake", os.fspath(ROOT), *cmake_args], cwd=build_temp, check=True)
+        return build_temp
 
 
 setup(
@@ -48,7 +72,7 @@ setup(
     packages=["hetpipe_core"] + find_packages("python"),
     package_dir={"hetpipe_core": "hetpipe_core", "": "python"},
     package_data={"hetpipe_core": ["py.typed", "*.pyi"], "hetpipe": ["data/**/*"]},
-    ext_modules=[CMakeExtension("hetpipe_core._C")],
+    ext_modules=[CMakeExtension("hetpipe_core._C"), CMakeExtension("hetpipe_core._mpi")],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.9",
     install_requires=["numpy"],

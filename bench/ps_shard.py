@@ -1,24 +1,36 @@
-"""One PS shard's data plane: applied bytes/s of the core's ShardPlane beside the host's memcpy
-bandwidth and today's Python shard (hetpipe.runtime.ps.ShardState), in the same run.
+"""One PS shard's data plane: applied bytes/s of the core's plane beside the host's memcpy bandwidth
+and the Python shard (hetpipe.runtime.ps.ShardState), in the same run.
 
 Workload: a shard of SHARD_MIB MiB in 4 layers, 2 VWs x 2 stages (each stage holds 2 layers), D = 1,
 WAVES waves. "Applied bytes" are the delta bytes that reached the weights (every pushed byte, once).
-- ShardPlane: one Python thread per stage pulls wave w (waits for w - D applied waves) and pushes its
-  wave-w delta; push and pull run in C++ without the GIL, so the four stages overlap.
+In process (the data plane alone, no transport):
+- core ShardPlane: one Python thread per stage pulls wave w (waits for w - D applied waves) and pushes
+  its wave-w delta; push and pull run in C++ without the GIL, so the four stages overlap.
 - Python shard: ShardState.push / snapshot_into for the same pushes and pulls, from one thread (the
-  shard rank's main thread, as the runtime drives it today).
-- memcpy: np.copyto of the shard's size (one thread) and hetpipe_core.snapshot (all threads).
-No transport: both shards are fed in-process, so the figures are the data plane alone. Devices: host
-CPU only (no GPU involved). Each figure is the best of REPEAT runs.
-Memory traffic per applied byte, both shards: the pull's copy of W (2 bytes), the push's copy into a
-pending buffer (2) and apply_delta (3: read W, read delta, write W) = 7 bytes, against memcpy's 2. So
-when memory bandwidth is the limit and thread counts are equal, applied/memcpy cannot exceed 2/7.
+  shard rank's main thread).
+Over MPI (``mpiexec -n 5``: one shard rank, four stage ranks that pull wave w, then push their wave-w
+delta from a pool slot, with the runtime's own wire format and transport):
+- core plane: the shard rank runs hetpipe.runtime.ps_core.CoreShardServer (the core's threads receive
+  each push straight into its pending buffer, apply, and send replies in place from the weights);
+- Python plane: the shard rank runs hetpipe.runtime.ps.ShardServer over MPITransport (today's path).
+The MPI rows time the shard rank from a barrier to its last wave applied: they include the transport.
+memcpy: np.copyto of the shard's size (one thread) and hetpipe_core.snapshot (all threads).
+Devices: host CPU only (real; no GPU involved). Each figure is the best of REPEAT runs.
+Memory traffic per applied byte: in process, the pull's copy of W (2 bytes), the push's copy into a
+pending buffer (2) and apply_delta (3: read W, read delta, write W) = 7 bytes against memcpy's 2, so
+applied/memcpy cannot exceed 2/7 when memory bandwidth is the limit. The core plane over MPI skips
+the pull's copy (replies are sent from W in place) and the push's (MPI receives into the pending
+buffer), leaving the transport's own copy (2) and apply_delta (3): at most 2/5 of memcpy, and at
+most 2/3 for apply_delta alone.
 
-    .venv/bin/python bench/ps_shard.py [--shard-mib 32] [--waves 24]
+    .venv/bin/python bench/ps_shard.py [--shard-mib 32] [--waves 24] [--no-mpi]
 """
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -74,6 +86,81 @@ def run_python(layer_numel: int, waves: int, d: dict) -> float:
     return elapsed
 
 
+def mpi_rates(shard_mib: int, waves: int) -> dict:
+    """Applied bytes/s of the core and the Python plane over MPI (best of REPEAT), from an mpiexec run
+    of this script's worker; {} when no mpiexec is found."""
+    from hetpipe.launch.mpi import MPIUnavailable, mpiexec_path
+
+    try:
+        mpiexec = mpiexec_path()
+    except MPIUnavailable:
+        return {}
+    cmd = [mpiexec, "-n", "5", sys.executable, os.path.abspath(__file__), "--mpi-worker",
+           "--shard-mib", str(shard_mib), "--waves", str(waves)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench/ps_shard.py: the MPI run failed:\n{proc.stderr[-3000:]}")
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RATES "))
+    return json.loads(line[len("RATES "):])
+
+
+def mpi_worker(shard_mib: int, waves: int) -> None:
+    """Rank 0 serves the shard (core, then Python plane, REPEAT times each); ranks 1-4 are the stages."""
+    from mpi4py import MPI
+
+    from hetpipe.runtime.build import drive
+    from hetpipe.runtime.ps import ShardServer
+    from hetpipe.runtime.ps_core import CoreShardServer, CoreShardState, choose_plane
+    from hetpipe.runtime.transport import DONE, PULL, PUSH, WEIGHTS, Header, MPITransport, slot_bytes
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    layer_numel = shard_mib * MIB // 16
+    n = 2 * layer_numel
+    rates = {"core": 0.0, "python": 0.0}
+    if rank == 0:
+        if choose_plane(comm)[0] != "core":
+            raise SystemExit(f"bench/ps_shard.py: the core plane cannot run here: {choose_plane(comm)[1]}")
+        init = {l: np.zeros(layer_numel, np.float32) for l in range(4)}
+    for plane in ("core", "python") * REPEAT:
+        if rank == 0:
+            pool = hetpipe_core.PinnedBufferPool(1 if plane == "core" else 16, 4 * n, -1)
+            transport = MPITransport(comm, pool)
+            if plane == "core":
+                server = CoreShardServer(CoreShardState(0, init, CUTS, D), transport, pool, 4, comm)
+            else:
+                server = ShardServer(ShardState(0, init, CUTS, D), transport, pool, 4)
+            comm.Barrier()
+            start = time.perf_counter()
+            drive(server, 600, "bench shard")
+            elapsed = time.perf_counter() - start
+            assert server.state.applied == waves
+            transport.close()
+            rates[plane] = max(rates[plane], 4 * n * 4 * waves / elapsed)
+        else:
+            vw, s = divmod(rank - 1, 2)
+            delta = deltas(layer_numel, 1)[(vw, s, 0)]
+            pool = hetpipe_core.PinnedBufferPool(2, 4 * n, -1)
+            transport = MPITransport(comm, pool)
+            comm.Barrier()
+            for w in range(waves):
+                transport.send(0, Header(PULL, vw, s, -1, w))
+                while transport.try_recv(0, WEIGHTS) is None:
+                    transport.progress()        # releases the slots of completed pushes
+                    time.sleep(20e-6)
+                slot = pool.acquire(4 * n, timeout=60)
+                np.copyto(slot_bytes(slot, 4 * n).view(np.float32), delta)
+                transport.send(0, Header(PUSH, vw, s, -1, w, "float32", (n,), 4 * n), slot)
+            transport.send(0, Header(DONE, vw, s, aux=waves))
+            while transport.pending_sends():
+                transport.progress()
+                time.sleep(20e-6)
+            transport.close()
+        comm.Barrier()
+    if rank == 0:
+        print("RATES " + json.dumps(rates), flush=True)
+
+
 def best(fn) -> float:
     return min(fn() for _ in range(REPEAT))
 
@@ -82,7 +169,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shard-mib", type=int, default=32)
     ap.add_argument("--waves", type=int, default=24)
+    ap.add_argument("--no-mpi", action="store_true", help="skip the rows over MPI")
+    ap.add_argument("--mpi-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.mpi_worker:
+        mpi_worker(args.shard_mib, args.waves)
+        return
     layer_numel = args.shard_mib * MIB // 16
     d = deltas(layer_numel, args.waves)
     pushed = 4 * 2 * layer_numel * 4 * args.waves            # VWs*stages x 2 layers x 4 B x waves
@@ -94,18 +186,28 @@ def main() -> None:
     memcpy = max(memcpy_1, memcpy_all)
     plane = pushed / best(lambda: run_plane(layer_numel, args.waves, d))
     python = pushed / best(lambda: run_python(layer_numel, args.waves, d))
+    over_mpi = {} if args.no_mpi else mpi_rates(args.shard_mib, args.waves)
     print(f"PS shard data plane, {args.shard_mib} MiB shard, 2 VWs x 2 stages, D = {D}, {args.waves} waves; "
-          f"{os.cpu_count()} CPU cores; host only (no transport, no GPU); best of {REPEAT}")
-    header = f"{'what':<34}{'GB/s':>8}{'vs memcpy':>11}{'vs Python shard':>17}"
+          f"{os.cpu_count()} CPU cores; devices: host CPU only (real, no GPU); best of {REPEAT}")
+    header = f"{'what':<44}{'GB/s':>8}{'vs memcpy':>11}{'vs Python shard':>17}"
     print(header)
     print("-" * len(header))
     rows = [("memcpy, np.copyto (1 thread)", memcpy_1), ("memcpy, core snapshot (all threads)", memcpy_all),
-            ("Python shard (ShardState), applied", python), ("core ShardPlane, applied", plane)]
+            ("Python shard (ShardState), in process", python), ("core ShardPlane, in process", plane)]
+    if over_mpi:
+        rows += [("Python plane over MPI (4 stage ranks)", over_mpi["python"]),
+                 ("core plane over MPI (4 stage ranks)", over_mpi["core"])]
     for name, rate in rows:
-        print(f"{name:<34}{rate / 1e9:>8.2f}{rate / memcpy:>10.0%}{rate / python:>16.1f}x")
-    print(f"goal: ShardPlane >= 70% of memcpy -> {'met' if plane >= 0.7 * memcpy else 'not met'} "
-          f"({plane / memcpy:.0%}; memory traffic 7 B per applied byte: {7 * plane / memcpy:.0%} of the "
-          f"copy rate as bytes moved)")
+        print(f"{name:<44}{rate / 1e9:>8.2f}{rate / memcpy:>10.0%}{rate / python:>16.1f}x")
+    # Bytes moved: memcpy moves 2 per byte copied (read, write); the planes 7 (in process) or 5 (over MPI).
+    print(f"goal: one shard's applied bytes/s >= 70% of memcpy -> in process {plane / memcpy:.0%} (7 B of memory "
+          f"traffic per applied byte: {7 * plane / (2 * memcpy):.0%} of memcpy's bytes moved/s)", end="")
+    if over_mpi:
+        core = over_mpi["core"]
+        print(f"; over MPI {core / memcpy:.0%} (5 B per applied byte: {5 * core / (2 * memcpy):.0%} of memcpy's)"
+              f" -> {'met' if max(core, plane) >= 0.7 * memcpy else 'not met'}")
+    else:
+        print(f" -> {'met' if plane >= 0.7 * memcpy else 'not met'} (no MPI rows)")
 
 
 def _timed(fn) -> float:

@@ -1,9 +1,10 @@
 """Simulator benchmark: speed at cluster scale, and simulate() beside closed forms and the planner.
 
-    python bench/simulator.py [--plan plan.json] [--vws 64 --stages 16 --waves 100 --nm 16]
+    python bench/simulator.py [--plan plan.json [--schedule NAME]] [--vws 64 --stages 16 --waves 100 --nm 16]
 
 Prints one table: each quantity as simulate() measures it, the closed form (or the planner's
-prediction stored in the plan), and the relative difference. Not a test.
+prediction stored in the plan, or the registered schedule's cost-model wave time), and the relative
+difference. Devices are modelled (no run). Not a test.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ import argparse
 import random
 import time
 
-from hetpipe.schedule import (
-    ShardTraffic, gpipe_schedule, hetpipe_schedule, one_f_one_b_schedule, simulate, vw_costs,
-)
+from hetpipe.schedule import ShardTraffic, hetpipe_schedule, simulate, vw_costs
+from hetpipe.schedule.registry import ScheduleOptions, generate, get_schedule, schedule_names
 
 
 def _row(rows, name, sim, ref):
@@ -48,11 +48,29 @@ def scale(rows, vws: int, stages: int, waves: int, nm: int) -> None:
     rows.append(("  cluster throughput, PS modelled (minibatches/s)", f"{modelled.throughput:.1f}", "", ""))
 
 
+def registered(rows) -> None:
+    """Every registered schedule, 4 equal stages (F = 1 s, B = 2 s): simulated seconds per wave beside
+    the cost model's closed form (the spec's ``wave_time``), at the options each takes."""
+    k = 4
+    for name in schedule_names():
+        spec = get_schedule(name)
+        for nm, d in ((4, 1), (2, 0), (2, 1)) if "nm" in spec.takes and "d" in spec.takes else ((1, 0),):
+            waves = 20 if "nm" in spec.takes else 1
+            m = waves * nm if "nm" in spec.takes else 8
+            o = ScheduleOptions(k, m, nm, d)
+            r = simulate([generate(name, o)], [vw_costs([1.0] * k, [2.0] * k)])
+            done = r.wave_done_s[0]
+            sim = (done[-1] - done[-2]) if len(done) > 1 else r.makespan_s
+            ref = spec.wave_time(1.0 + 2.0, k * (1.0 + 2.0), 0.0, ScheduleOptions(k, nm if waves > 1 else m, nm, d))
+            _row(rows, f"{name} {k} stages, {m} minibatches, Nm={nm}, D={d}: s per wave vs cost model", sim, ref)
+
+
 def closed_forms(rows) -> None:
-    for gen in (gpipe_schedule, one_f_one_b_schedule):
+    for name in ("gpipe", "1f1b"):
         p, m = 4, 8
-        r = simulate([gen(p, m)], [vw_costs([1.0] * p, [2.0] * p)])
-        _row(rows, f"{gen.__name__}({p}, {m}) bubble vs (p-1)/(m+p-1)", r.bubble_fraction, (p - 1) / (m + p - 1))
+        r = simulate([generate(name, ScheduleOptions(p, m))], [vw_costs([1.0] * p, [2.0] * p)])
+        _row(rows, f"{name} ({p} stages, {m} minibatches) bubble vs (p-1)/(m+p-1)", r.bubble_fraction,
+             (p - 1) / (m + p - 1))
 
     f, b = [1.0, 2.0, 0.5, 1.5], [2.0, 2.5, 1.0, 3.0]
     r = simulate([hetpipe_schedule(4, 50 * 4, 4, 1000)], [vw_costs(f, b)])
@@ -84,12 +102,12 @@ def closed_forms(rows) -> None:
                  f"{split.makespan_s:.2f}", f"{one.makespan_s:.2f}", ""))
 
 
-def against_plan(rows, path: str, waves: int) -> None:
+def against_plan(rows, path: str, waves: int, schedule: str) -> None:
     from hetpipe.plan.types import Plan
     from hetpipe.schedule import simulate_plan
 
     plan = Plan.load(path)
-    r = simulate_plan(plan, waves=waves)     # shards serving at once, as the planner's cost model assumes
+    r = simulate_plan(plan, waves=waves, schedule=schedule)    # shards serving at once, as the cost model assumes
     if plan.throughput:
         _row(rows, "plan: cluster throughput vs planner cost model", r.throughput, plan.throughput)
     for v, vw in enumerate(plan.virtual_workers):
@@ -104,12 +122,14 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=16)
     ap.add_argument("--waves", type=int, default=100)
     ap.add_argument("--nm", type=int, default=16)
+    ap.add_argument("--schedule", choices=schedule_names(), default="hetpipe", help="schedule of the --plan rows")
     args = ap.parse_args()
     rows = []
     scale(rows, args.vws, args.stages, args.waves, args.nm)
     closed_forms(rows)
+    registered(rows)
     if args.plan:
-        against_plan(rows, args.plan, 20)
+        against_plan(rows, args.plan, 20, args.schedule)
     head = ("quantity", "simulate()", "reference", "rel. diff")
     width = [max(len(r[i]) for r in rows + [head]) for i in range(4)]
     for r in [head, tuple("-" * w for w in width)] + rows:

@@ -1,6 +1,8 @@
 """The compiled core of hetpipe: pinned buffers, streams, WSP clocks, parameter-shard arithmetic.
 
-Framework-agnostic: importing it needs no torch, no MPI and no GPU. Memory leaves through DLPack and
+Framework-agnostic: importing it needs no torch, no MPI and no GPU. The PS shard's MPI service lives in
+the separate extension ``hetpipe_core._mpi`` (built when MPI was found, ``build_info()["mpi_built"]``;
+import mpi4py first, which loads the MPI library it links). Memory leaves through DLPack and
 the buffer protocol, so torch, numpy or any other framework can view it without a copy.
 """
 

@@ -5,7 +5,9 @@ HetPipe run is the parameter servers' global weights ``W_g``; each PS shard reco
 ``W_g`` right after it applies a wave ``g`` that is a multiple of ``job.snapshot_waves`` (and the
 last wave), with the time, through a ``ShardServer`` subclass installed in this process only (the
 runtime's behaviour is unchanged; the copy is a few hundred microseconds on the shard rank, which
-idles between pushes). Rank 0 joins the shards' snapshots by wave. The run is a fixed number of
+idles between pushes). The subclass steps the Python shard, so the shards run the Python data plane
+(``HETPIPE_PS_PLANE=python``; the core plane applies waves on its own threads, between two steps),
+as in the recorded results. Rank 0 joins the shards' snapshots by wave. The run is a fixed number of
 minibatches (``job.minibatches``), sized by the entry to outlast the time budget.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import os
 import sys
 import time
 from typing import Dict, List, Optional
@@ -28,6 +31,7 @@ from config import write_result
 from hetpipe.launch.roles import role_of
 from hetpipe.plan.types import Plan
 from hetpipe.runtime.ps import ShardServer
+from hetpipe.runtime.ps_core import PLANE_ENV
 from hetpipe.runtime.trainer import Trainer
 from job import Job, load_jobs
 from task import MinibatchStream, build_layers, corpus, loss_fn, optimizer
@@ -101,6 +105,7 @@ def main(jobs_path: str, out_path: str) -> None:
     torch.set_num_threads(1)
     runtime_build.Pacer = e2e.RecordingPacer
     runtime_build.ShardServer = RecordingServer
+    os.environ[PLANE_ENV] = "python"
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     runs = [train(job, comm, rank) for job in load_jobs(jobs_path)]

@@ -8,7 +8,8 @@ hetpipe and the pipelining baseline are played by hetpipe's discrete-event simul
 from __future__ import annotations
 
 from hetpipe.plan.types import Plan
-from hetpipe.schedule import gpipe_schedule, one_f_one_b_schedule, simulate, simulate_plan, vw_costs
+from hetpipe.schedule import simulate, simulate_plan, vw_costs
+from hetpipe.schedule.registry import ScheduleOptions, generate
 
 from devices import DeviceModel
 from split import uniform_split
@@ -24,8 +25,8 @@ def pipelining_rate(dm: DeviceModel, depth: int, microbatches: int, schedule: st
     """Simulated samples/s of one uniform-split pipeline over the devices in cluster order, flush per step."""
     split = uniform_split(depth, len(dm.devices))
     times = [dm.scaled_times(t, range(a, b), dm.minibatch) for (_, t), (a, b) in zip(dm.devices, split)]
-    gen = one_f_one_b_schedule if schedule == "1f1b" else gpipe_schedule
-    sim = simulate([gen(len(times), microbatches)], [vw_costs([f for f, _ in times], [b for _, b in times])])
+    sched = generate(schedule, ScheduleOptions(len(times), microbatches))
+    sim = simulate([sched], [vw_costs([f for f, _ in times], [b for _, b in times])])
     return microbatches * dm.minibatch / sim.makespan_s
 
 

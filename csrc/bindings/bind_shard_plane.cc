@@ -3,9 +3,14 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include "bindings/bind.h"
 #include "bindings/wait.h"
@@ -20,13 +25,52 @@ void bind_shard_plane(py::module_& m) {
   py::class_<ShardPlane>(m, "ShardPlane",
                          "One PS shard's data plane: WSP pushes, wave application in VW order and staleness-gated\n"
                          "pulls, callable from many threads at once without the GIL (see shard_plane.h).\n"
-                         "ShardPlane(layer_numels, stage_layers, d, num_threads=0): stage_layers[vw][stage] lists\n"
-                         "the indices of the shard's layers the stage holds.")
-      .def(py::init<std::vector<std::size_t>, std::vector<std::vector<std::vector<int>>>, int, int>(),
-           py::arg("layer_numels"), py::arg("stage_layers"), py::arg("d"), py::arg("num_threads") = 0)
+                         "ShardPlane(layer_numels, stage_layers, d, num_threads=0, *, buffer_numels=[], replicas=[],\n"
+                         "aggregate='sum', log_sums=False): stage_layers[vw][stage] lists the indices of the shard's\n"
+                         "layers the stage holds; buffer_numels the synced buffers per layer; replicas[vw][stage] the\n"
+                         "(layer, offset, numel) slices of tied parameters the stage pulls without pushing them.")
+      .def(py::init([](std::vector<std::size_t> layer_numels, std::vector<std::vector<std::vector<int>>> stage_layers,
+                       int d, int num_threads, std::vector<std::size_t> buffer_numels,
+                       std::vector<std::vector<std::vector<std::tuple<int, std::size_t, std::size_t>>>> replicas,
+                       const std::string& aggregate, bool log_sums) {
+             if (aggregate != "sum" && aggregate != "mean") {
+               throw std::invalid_argument("ShardPlane: aggregate must be 'sum' or 'mean', got '" + aggregate + "'");
+             }
+             ShardPlaneOptions options;
+             options.buffer_numels = std::move(buffer_numels);
+             for (const auto& vw : replicas) {
+               auto& per_vw = options.replicas.emplace_back();
+               for (const auto& stage : vw) {
+                 auto& per_stage = per_vw.emplace_back();
+                 for (const auto& [layer, offset, numel] : stage) per_stage.push_back({layer, offset, numel});
+               }
+             }
+             options.mean = aggregate == "mean";
+             options.log_sums = log_sums;
+             return std::make_unique<ShardPlane>(std::move(layer_numels), std::move(stage_layers), d, num_threads,
+                                                 std::move(options));
+           }),
+           py::arg("layer_numels"), py::arg("stage_layers"), py::arg("d"), py::arg("num_threads") = 0,
+           py::kw_only(), py::arg("buffer_numels") = std::vector<std::size_t>{},
+           py::arg("replicas") = std::vector<std::vector<std::vector<std::tuple<int, std::size_t, std::size_t>>>>{},
+           py::arg("aggregate") = "sum", py::arg("log_sums") = false)
       .def_property_readonly("num_layers", &ShardPlane::num_layers)
       .def_property_readonly("num_vws", &ShardPlane::num_vws)
-      .def("stage_numel", &ShardPlane::stage_numel, py::arg("vw"), py::arg("stage"))
+      .def("stage_numel", &ShardPlane::stage_numel, py::arg("vw"), py::arg("stage"),
+           "Floats of a push from the stage: its layers' weights, then their synced buffers.")
+      .def("reply_numel", &ShardPlane::reply_numel, py::arg("vw"), py::arg("stage"),
+           "Floats of a pull reply to the stage: weights, replica slices, synced buffers.")
+      .def("pushes_from", &ShardPlane::pushes_from, py::arg("vw"), py::arg("stage"))
+      .def("pulls_from", &ShardPlane::pulls_from, py::arg("vw"), py::arg("stage"))
+      .def("num_stages", &ShardPlane::num_stages, py::arg("vw"))
+      .def(
+          "buffers",
+          [](py::object self, int layer) {
+            ShardPlane& p = self.cast<ShardPlane&>();
+            const auto n = static_cast<py::ssize_t>(p.buffer_numel(layer));
+            return py::array_t<float>({n}, {static_cast<py::ssize_t>(sizeof(float))}, p.buffers(layer), self);
+          },
+          py::arg("layer"), "A writable zero-copy view of layer `layer`'s synced buffers (as weights()).")
       .def(
           "weights",
           [](py::object self, int layer) {
@@ -70,6 +114,32 @@ void bind_shard_plane(py::module_& m) {
           py::arg("vw"), py::arg("stage"), py::arg("wave"), py::arg("out"), py::arg("timeout") = py::none(),
           "Waits (GIL released) until wave - D waves are applied, copies the stage's weights into out and\n"
           "returns the number of waves they contain. TimeoutError after `timeout` seconds.")
+      .def("set_hold", &ShardPlane::set_hold, py::arg("hold"),
+           "Hold the applier after each applied wave until release(applied) (a caller reading every wave\n"
+           "boundary's weights, e.g. a checkpoint).")
+      .def_property_readonly("held", &ShardPlane::held, "The wave count the applier holds at; -1: not holding.")
+      .def("release", &ShardPlane::release, py::arg("applied"))
+      .def(
+          "log",
+          [](const ShardPlane& p) {
+            const ShardPlaneLog log = p.log();
+            py::dict d;
+            d["pushes"] = log.pushes;
+            d["clocks"] = log.clocks;
+            d["pulls"] = log.pulls;
+            d["pull_clocks"] = log.pull_clocks;
+            d["applied"] = log.applied;
+            py::list sums;
+            for (const auto& s : log.pushed_sum) {
+              py::array_t<double> a(static_cast<py::ssize_t>(s.size()));
+              std::copy(s.begin(), s.end(), a.mutable_data());
+              sums.append(a);
+            }
+            d["pushed_sum"] = sums;
+            return d;
+          },
+          "What the shard logged (a copy): pushes, clocks, pulls, pull_clocks, applied as lists of tuples,\n"
+          "pushed_sum as float64 arrays per layer (log_sums only), as ShardLog of hetpipe.runtime.ps.")
       .def("clock", &ShardPlane::clock, py::arg("vw"))
       .def_property_readonly("global_clock", &ShardPlane::global_clock)
       .def_property_readonly("applied", &ShardPlane::applied)

@@ -10,6 +10,11 @@ BuildInfo build_info() {
   info.cuda_built = cuda_built();
   info.cuda_device_count = cuda_device_count();
   info.cuda_available = info.cuda_device_count > 0;
+#ifdef HETPIPE_WITH_MPI
+  info.mpi_built = true;
+#else
+  info.mpi_built = false;
+#endif
   return info;
 }
 

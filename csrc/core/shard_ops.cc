@@ -19,6 +19,10 @@ void axpy(float* __restrict shard, const float* __restrict delta, std::size_t n,
   for (std::size_t i = 0; i < n; ++i) shard[i] = shard[i] + scale * delta[i];
 }
 
+void axpy_divided(float* __restrict shard, const float* __restrict delta, std::size_t n, float divisor) {
+  for (std::size_t i = 0; i < n; ++i) shard[i] = shard[i] + delta[i] / divisor;
+}
+
 // shard and delta are the same buffer.
 void axpy_self(float* shard, std::size_t n, float scale) {
   for (std::size_t i = 0; i < n; ++i) shard[i] = shard[i] + scale * shard[i];
@@ -75,6 +79,25 @@ void apply_delta(float* shard, const float* delta, std::size_t n, float scale, i
       axpy(shard + begin, delta + begin, end - begin, scale);
     }
   });
+}
+
+void apply_delta_divided(float* shard, const float* delta, std::size_t n, float divisor, int num_threads) {
+  if (n == 0) return;
+  if (overlap(shard, delta, n * sizeof(float))) {
+    throw std::invalid_argument("apply_delta_divided: shard and delta overlap");
+  }
+  split(n, shard_threads(num_threads, n), [=](std::size_t begin, std::size_t end) {
+    axpy_divided(shard + begin, delta + begin, end - begin, divisor);
+  });
+}
+
+void average_buffers(float* b, const float* const* pushed, std::size_t count, std::size_t n) {
+  const float divisor = static_cast<float>(count);
+  for (std::size_t i = 0; i < n; ++i) {
+    float change = 0.0f;
+    for (std::size_t k = 0; k < count; ++k) change = change + (pushed[k][i] - b[i]);
+    b[i] = b[i] + change / divisor;
+  }
 }
 
 void snapshot(const void* shard, void* out, std::size_t nbytes, int num_threads) {

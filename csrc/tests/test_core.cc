@@ -382,6 +382,88 @@ void shard_plane_concurrent_equals_sequential() {
   CHECK(duplicate);
 }
 
+// The shape of the MPI service (csrc/mpi/shard_service.h) without MPI: one receiver thread per stage
+// writes each push into begin_push's buffer and ends it, one applier thread applies, a boundary thread
+// holds the applier at every wave and compares the weights and synced buffers with a sequential plane's
+// at that wave, and pullers are served as the staleness bound allows. Mean aggregate, synced buffers
+// and a replica slice: the concurrent plane must equal the sequential one bit for bit.
+void shard_plane_two_phase_with_holds() {
+  const std::vector<std::size_t> numels{4000, 300, 0};
+  hetpipe::ShardPlaneOptions options;
+  options.buffer_numels = {0, 6, 8};
+  options.mean = true;
+  options.replicas = {{{}, {{0, 100, 50}}}, {{}, {}}};  // VW 0 stage 1 pulls a slice of layer 0
+  const std::vector<std::vector<std::vector<int>>> stages{{{0}, {1, 2}}, {{0, 1, 2}, {}}};
+  constexpr int kWaves = 30;
+  constexpr std::int64_t kD = 1;
+  auto delta_of = [](int vw, int stage, int wave, std::size_t n) {
+    std::vector<float> d(n);
+    for (std::size_t i = 0; i < n; ++i) d[i] = static_cast<float>((vw * 13 + stage * 5 + wave * 7 + i) % 89) * 1e-3f - 0.04f;
+    return d;
+  };
+  const std::vector<std::pair<int, int>> pushers{{0, 0}, {0, 1}, {1, 0}};
+  hetpipe::ShardPlane sequential(numels, stages, kD, 1, options), concurrent(numels, stages, kD, 2, options);
+  std::vector<std::vector<float>> at_wave;  // layer 0's weights then layers 1, 2's buffers, after each wave
+  auto state_of = [&](hetpipe::ShardPlane& p) {
+    std::vector<float> v(p.weights(0), p.weights(0) + numels[0]);
+    for (int l = 1; l < 3; ++l) v.insert(v.end(), p.buffers(l), p.buffers(l) + p.buffer_numel(l));
+    return v;
+  };
+  at_wave.push_back(state_of(sequential));
+  for (int wave = 0; wave < kWaves; ++wave) {
+    for (const auto& [vw, stage] : pushers) {
+      const auto d = delta_of(vw, stage, wave, sequential.stage_numel(vw, stage));
+      sequential.push(vw, stage, wave, d.data(), d.size());
+    }
+    at_wave.push_back(state_of(sequential));
+  }
+  concurrent.set_hold(true);
+  std::atomic<bool> done{false};
+  std::atomic<int> violations{0}, boundaries{0};
+  std::thread applier([&] {
+    while (!done.load()) {
+      if (concurrent.apply_ready() == 0) std::this_thread::yield();
+    }
+  });
+  std::thread boundary([&] {
+    for (std::int64_t next = 1; next <= kWaves;) {
+      const std::int64_t held = concurrent.held();
+      if (held < 0) {
+        std::this_thread::yield();
+        continue;
+      }
+      if (held != next || state_of(concurrent) != at_wave[static_cast<std::size_t>(held)]) violations.fetch_add(1);
+      boundaries.fetch_add(1);
+      concurrent.release(held);
+      next = held + 1;
+    }
+  });
+  std::vector<std::thread> receivers;
+  for (const auto& [vw, stage] : pushers) {
+    receivers.emplace_back([&, vw = vw, stage = stage] {
+      std::vector<float> reply(concurrent.reply_numel(vw, stage));
+      for (int wave = 0; wave < kWaves; ++wave) {
+        while (concurrent.applied() < wave - kD) std::this_thread::yield();
+        if (concurrent.serve(vw, stage, wave, reply.data(), reply.size()) < wave - kD) violations.fetch_add(1);
+        const auto d = delta_of(vw, stage, wave, reply.size() - (vw == 0 && stage == 1 ? 50 : 0));
+        float* into = concurrent.begin_push(vw, stage, wave, d.size());
+        std::memcpy(into, d.data(), d.size() * sizeof(float));
+        concurrent.end_push(vw, stage, wave);
+      }
+    });
+  }
+  for (auto& th : receivers) th.join();
+  boundary.join();
+  done.store(true);
+  applier.join();
+  CHECK(violations.load() == 0);
+  CHECK(boundaries.load() == kWaves);
+  CHECK(concurrent.applied() == kWaves);
+  CHECK(state_of(concurrent) == at_wave.back());
+  CHECK(concurrent.log().applied == sequential.log().applied);
+  CHECK(concurrent.log().pulls.size() == static_cast<std::size_t>(3 * kWaves));
+}
+
 // Runs one check and prints its wall time (the sanitizer build is several times slower).
 void run(const char* name, void (*check)()) {
   const auto start = std::chrono::steady_clock::now();
@@ -403,6 +485,7 @@ int main() {
   run("cpu_stream_task_failure", cpu_stream_task_failure);
   run("events_record_while_waiting", events_record_while_waiting);
   run("apply_delta_thread_invariant", apply_delta_thread_invariant);
+  run("shard_plane_two_phase_with_holds", shard_plane_two_phase_with_holds);
   run("shard_plane_concurrent_equals_sequential", shard_plane_concurrent_equals_sequential);
   if (g_failures != 0) {
     std::fprintf(stderr, "%d check(s) failed\n", g_failures);

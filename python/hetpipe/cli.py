@@ -85,6 +85,11 @@ def _add_simulate_command(sub) -> None:
                                      "(default: the plan's profile, if it is a preset)")
     p.add_argument("--ps-apply-rate", default=None,
                    help="bytes/s a PS shard applies pushed deltas at (default 4e9; bench/core_apply.py measures it)")
+    from hetpipe.schedule.registry import schedule_names
+
+    p.add_argument("--schedule", choices=schedule_names(), default="hetpipe",
+                   help="the registered schedule every VW runs (default hetpipe); one that does not take the "
+                        "plan's Nm or D refuses them")
     p.add_argument("--push", default="0", help="extra fixed seconds per stage and wave to push to the PS")
     p.add_argument("--pull", default="0", help="extra fixed seconds per stage and wave to pull the global weights")
     p.add_argument("--trace", help="write the timeline as Chrome trace JSON to this file")
@@ -144,7 +149,8 @@ def _run_simulate(args) -> int:
         check_waves(plan, waves, "--waves")
         ps = _ps_model(args, plan)
         result = simulate_plan(plan, waves=waves, push=push, pull=pull, apply_rate=rate,
-                               cluster=None if ps is None else ps[0], param_bytes=None if ps is None else ps[1])
+                               cluster=None if ps is None else ps[0], param_bytes=None if ps is None else ps[1],
+                               schedule=args.schedule)
     except (ValueError, OutputError) as e:
         print(f"hetpipe simulate: {e}", file=sys.stderr)
         return 2
@@ -202,6 +208,9 @@ def _add_launch_command(sub) -> None:
     p.add_argument("-n", "--np", dest="n", type=int, required=True, help="number of ranks")
     p.add_argument("--timeout", type=float, help="seconds a rank may wait for a peer (sets HETPIPE_TIMEOUT); "
                                                  "a rank stopped for half of it is declared unresponsive")
+    p.add_argument("--term-grace", type=float, metavar="SECONDS",
+                   help="when the launcher is interrupted (SIGINT/SIGTERM/SIGHUP), how long the ranks get to write "
+                        "their SIGTERM checkpoint and exit before SIGKILL (sets HETPIPE_TERM_GRACE; default 60)")
     p.add_argument("--run-dir", help="directory for the ranks' pids and the run's outcome.json (default: a "
                                      "temporary one, kept only if the run fails)")
     p.add_argument("--checkpoint-dir", help="checkpoint every --checkpoint-every waves into this directory (for a "
@@ -235,6 +244,8 @@ def _run_launch(args) -> int:
                   file=sys.stderr)
             return 2
         os.environ[TRANSPORT_ENV] = args.transport
+    if args.term_grace is not None:
+        os.environ["HETPIPE_TERM_GRACE"] = str(args.term_grace)
     try:
         if args.max_restarts or args.resume or args.checkpoint_dir or args.exclude_device or \
                 args.checkpoint_every is not None:

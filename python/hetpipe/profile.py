@@ -59,6 +59,10 @@ class LayerProfile:
     derived: Dict[str, bool] = field(default_factory=dict)
     stash_bytes: Optional[int] = None
     flops: float = 0.0          # forward FLOPs per minibatch, 0 when unknown
+    # Tied weights: (owner layer, the owner's parameter name, bytes) of each parameter this layer
+    # holds that an earlier layer owns (and counts in its param_bytes). A stage holding this layer
+    # but not the owner holds a replica of it (hetpipe.plan.stage_cost).
+    tied: Tuple[Tuple[int, str, int], ...] = ()
 
     @property
     def stash(self) -> int:
@@ -135,6 +139,13 @@ class ModelProfile:
             fl = layer.flops
             if isinstance(fl, bool) or not isinstance(fl, (int, float)) or not math.isfinite(fl) or fl < 0:
                 raise ValueError(f"{lw}: flops must be a finite number >= 0, got {fl!r}")
+            for t in layer.tied:
+                ok = (isinstance(t, tuple) and len(t) == 3 and isinstance(t[0], int) and not isinstance(t[0], bool)
+                      and 0 <= t[0] < i and isinstance(t[1], str) and isinstance(t[2], int)
+                      and not isinstance(t[2], bool) and t[2] >= 0)
+                if not ok:
+                    raise ValueError(f"{lw}: each tied entry must be [owner layer < {i}, parameter name, bytes >= 0], "
+                                     f"got {t!r}")
 
     def fwd(self, device_type: str) -> List[float]:
         return [layer.fwd_time[device_type] for layer in self.layers]
@@ -180,6 +191,8 @@ class ModelProfile:
                 d["stash_bytes"] = layer.stash_bytes
             if layer.flops:
                 d["flops"] = layer.flops
+            if layer.tied:
+                d["tied"] = [list(t) for t in layer.tied]
             out.append(d)
         d = {"name": self.name, "minibatch_size": self.minibatch_size, "input_bytes": self.input_bytes,
              "source": self.source, "layers": out}
@@ -214,7 +227,7 @@ class ModelProfile:
                 activation_bytes=ld.get("activation_bytes", 0), param_bytes=ld.get("param_bytes", 0),
                 optimizer_bytes=ld.get("optimizer_bytes", 0), workspace_bytes=ld.get("workspace_bytes", 0),
                 derived=dict(ld.get("derived", {})), stash_bytes=ld.get("stash_bytes"),
-                flops=ld.get("flops", 0.0)))
+                flops=ld.get("flops", 0.0), tied=_tied_entries(ld.get("tied", []), f"profile {name!r}: layer {i}")))
         return cls(name=name, minibatch_size=data.get("minibatch_size", 0), layers=tuple(layers),
                    input_bytes=data.get("input_bytes", 0), source=str(data.get("source", "")),
                    activation_dtype=str(data.get("activation_dtype", "float32")))
@@ -239,6 +252,12 @@ class ModelProfile:
         return cls.from_dict(data)
 
 
+def _tied_entries(value: Any, where: str) -> Tuple[Tuple[Any, ...], ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, (list, tuple)) for t in value):
+        raise ValueError(f"{where}: tied must be a list of [owner layer, parameter name, bytes], got {value!r}")
+    return tuple(tuple(t) for t in value)
+
+
 def presets() -> List[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
 
@@ -260,9 +279,31 @@ def load_profile(spec: Union[str, Path, Mapping, ModelProfile]) -> ModelProfile:
 
 # --- measuring -------------------------------------------------------------------------------
 
+LAYER_NAMES_ATTR = "hetpipe_layer_names"
+
+
+def layer_names(model: Any) -> Optional[List[str]]:
+    """The names of ``model``'s layers for plans and reports: ``model.hetpipe_layer_names`` (what
+    :func:`hetpipe.adapters.adapt` sets on its layer list, e.g. ``h.3``), else an ``nn.Sequential``'s own
+    child names when they are not just positions; None when there are none."""
+    import torch.nn as nn
+
+    names = getattr(model, LAYER_NAMES_ATTR, None)
+    if names is not None:
+        names = [str(n) for n in names]
+        if len(names) != len(model):
+            raise ValueError(f"hetpipe: {LAYER_NAMES_ATTR} names {len(names)} layers, the model has {len(model)}")
+        return names
+    if isinstance(model, (nn.Sequential, nn.ModuleList)):
+        keys = [k for k, _ in model.named_children()]
+        if any(not k.isdigit() for k in keys):
+            return keys
+    return None
+
+
 def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional[Callable] = None,
                   reference_type: Optional[str] = None, repeats: int = 5, optimizer_factor: float = 1.0,
-                  name: str = "model") -> ModelProfile:
+                  name: str = "model", precision: str = "fp32") -> ModelProfile:
     """Measure each layer of ``model`` (an ``nn.Sequential`` or a list of modules) on this host and
     derive its times on every device type of ``cluster`` (see the module docstring).
 
@@ -270,9 +311,20 @@ def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional
     backward (default: the sum of the output). ``optimizer_bytes = optimizer_factor x param_bytes``
     (1.0: SGD with momentum; 2.0: Adam). Layers may pass any pytree of tensors (every leaf counts
     towards ``activation_bytes``) and take side inputs from a dict ``sample_input``; a parameter
-    shared by several layers counts once, on the first.
+    shared by several layers counts once, on the first. Layers are named by :func:`layer_names`.
+
+    The layers run where their parameters are. On a CUDA device the times are synchronised and
+    ``workspace_bytes`` is measured: the allocator's peak while the layer's forward and backward (and
+    the loss, for the last layer) run, above what it held before plus the layer's output and stash
+    (transients such as a language-model head's logits and their gradient); elsewhere it is 0.
+    ``precision="bf16"`` runs each forward and the loss under ``torch.autocast`` to bfloat16, as a
+    bf16 run does (:mod:`hetpipe.precision`), so the stash holds what such a run keeps.
     """
     import torch
+
+    from hetpipe.precision import check_precision
+
+    check_precision(precision, "profile_model")
 
     from hetpipe.cluster import load_cluster
 
@@ -289,6 +341,7 @@ def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional
                          f"(cluster types: {sorted(cluster.device_types)})")
     else:
         ref_speed = cluster.device_types[reference_type].speed
+    names = layer_names(model)
     layers = list(model)
     if not layers:
         raise ValueError("profile_model: the model has no layers")
@@ -314,8 +367,8 @@ def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional
     torch.set_num_threads(1)
     try:
         with torch.random.fork_rng(devices=[]):
-            fwd_s, bwd_s, out_bytes, stash_bytes = _measure(layers, sample_input, loss_fn, repeats, nbytes, detach,
-                                                            side_of, flatten)
+            fwd_s, bwd_s, out_bytes, stash_bytes, work_bytes = _measure(layers, sample_input, loss_fn, repeats,
+                                                                        nbytes, detach, side_of, flatten, precision)
     finally:
         torch.set_num_threads(threads)
         with torch.no_grad():
@@ -328,16 +381,21 @@ def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional
 
     out = []
     layout = ModelLayout(layers)
+    owned = [dict(layout.owned[l]) for l in range(len(layers))]
+
+    def tied_of(i: int) -> Tuple[Tuple[int, str, int], ...]:
+        return tuple((r.owner, r.owner_name, r.numel * owned[r.owner][r.owner_name].element_size())
+                     for r in layout.replicas[i])
     for i, layer in enumerate(layers):
         pb = sum(p.numel() * p.element_size() for _, p in layout.owned[i])      # a tied parameter counts once
         fm, bm = median(fwd_s[i]), median(bwd_s[i])
         f = {t: fm * ref_speed / dt.speed for t, dt in cluster.device_types.items()}
         b = {t: bm * ref_speed / dt.speed for t, dt in cluster.device_types.items()}
         derived = {t: cluster.emulated or t != reference_type for t in cluster.device_types}
-        out.append(LayerProfile(name=f"{i}:{type(layer).__name__}", fwd_time=f, bwd_time=b,
+        out.append(LayerProfile(name=names[i] if names else f"{i}:{type(layer).__name__}", fwd_time=f, bwd_time=b,
                                 activation_bytes=out_bytes[i], param_bytes=pb,
-                                optimizer_bytes=int(optimizer_factor * pb), workspace_bytes=0,
-                                derived=derived, stash_bytes=stash_bytes[i]))
+                                optimizer_bytes=int(optimizer_factor * pb), workspace_bytes=work_bytes[i],
+                                derived=derived, stash_bytes=stash_bytes[i], tied=tied_of(i)))
     from hetpipe.runtime.tree import batch_of
     batch = batch_of(sample_input)
     src = "measured on this host, " + ("emulated types derived by speed" if cluster.emulated
@@ -360,9 +418,11 @@ class LayerShape:
 
 
 def _measure(layers: List[Any], sample_input: Any, loss_fn: Optional[Callable], repeats: int, nbytes: Callable,
-             detach: Callable, side_of: Callable, flatten: Callable):
+             detach: Callable, side_of: Callable, flatten: Callable, precision: str = "fp32"):
     """Per layer: forward and backward times of each repeat, output bytes (every leaf of a pytree
-    output) and bytes saved for backward. A layer that raises is named in the error."""
+    output), bytes saved for backward, and (on CUDA) transient bytes above those. A layer that
+    raises is named in the error."""
+    import contextlib
     import time
 
     import torch
@@ -370,12 +430,16 @@ def _measure(layers: List[Any], sample_input: Any, loss_fn: Optional[Callable], 
 
     fwd_s: List[List[float]] = [[] for _ in layers]
     bwd_s: List[List[float]] = [[] for _ in layers]
-    out_bytes, stash_bytes = [0] * len(layers), [0] * len(layers)
+    out_bytes, stash_bytes, work_bytes = [0] * len(layers), [0] * len(layers), [0] * len(layers)
     for r in range(repeats + 1):
         x = sample_input
         for i, layer in enumerate(layers):
             xin = detach(x)
             params = {p.data_ptr() for p in layer.parameters()}
+            device = _device_of(layer, xin)
+            cuda = device.type == "cuda"
+            compute = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
+                       else contextlib.nullcontext())
             saved: List[int] = []
 
             def pack(t, saved=saved, params=params):
@@ -383,32 +447,63 @@ def _measure(layers: List[Any], sample_input: Any, loss_fn: Optional[Callable], 
                     saved.append(t.numel() * t.element_size())
                 return t
 
-            t0 = time.perf_counter()
+            def now() -> float:
+                if cuda:
+                    torch.cuda.synchronize(device)
+                return time.perf_counter()
+
+            if cuda:
+                held = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = now()
             try:
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), compute:
                     y = layer(xin, **side_of(layer))
             except Exception as e:
                 raise ValueError(f"profile_model: layer {i} ({type(layer).__name__}) failed: "
                                  f"{type(e).__name__}: {e}") from e
-            t1 = time.perf_counter()
+            t1 = now()
             leaves, _ = flatten(y, f"layer {i} ({type(layer).__name__})")
             outs = [t for t in leaves if t.requires_grad]
             if outs:
                 if i == len(layers) - 1:
-                    loss = loss_fn(y) if loss_fn is not None else sum(t.float().sum() for t in outs)
-                    t1 = time.perf_counter()
+                    with compute:
+                        loss = loss_fn(y) if loss_fn is not None else sum(t.float().sum() for t in outs)
+                    t1 = now()
                     loss.backward()
+                    del loss
                 else:
                     grads = [torch.ones_like(t) for t in outs]
-                    t1 = time.perf_counter()
+                    t1 = now()
                     torch.autograd.backward(outs, grads)
-            t2 = time.perf_counter()
+                    del grads
+            t2 = now()
             if r > 0:
                 fwd_s[i].append(t1 - t0)
                 bwd_s[i].append(t2 - t1)
             out_bytes[i], stash_bytes[i] = nbytes(y), sum(saved)
+            if cuda and r > 0:
+                # From the second run on, the parameters' gradients exist (they accumulate in place),
+                # so the peak holds the transients alone beyond the output and the stash.
+                peak = torch.cuda.max_memory_allocated(device) - held - out_bytes[i] - stash_bytes[i]
+                work_bytes[i] = max(work_bytes[i], peak, 0)
             x = pytree.tree_map(lambda t: t.detach(), y)
-    return fwd_s, bwd_s, out_bytes, stash_bytes
+    return fwd_s, bwd_s, out_bytes, stash_bytes, work_bytes
+
+
+def _device_of(layer: Any, inputs: Any) -> Any:
+    """Where ``layer`` runs: its first parameter's or buffer's device, else its first input tensor's."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    for t in layer.parameters():
+        return t.device
+    for t in layer.buffers():
+        return t.device
+    for t in pytree.tree_leaves(inputs):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
 
 
 def resnet152_shapes(image: int = 224, classes: int = 1000) -> List[LayerShape]:

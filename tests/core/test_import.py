@@ -12,7 +12,7 @@ import hetpipe_core
 
 def test_build_info_keys():
     info = hetpipe_core.build_info()
-    assert set(info) >= {"version", "cuda_built", "cuda_available", "cuda_device_count"}
+    assert set(info) >= {"version", "cuda_built", "cuda_available", "cuda_device_count", "mpi_built"}
     assert info["version"] == hetpipe_core.__version__
     assert info["cuda_available"] == (info["cuda_device_count"] > 0)
     if not info["cuda_built"]:
@@ -47,6 +47,10 @@ def test_import_without_torch():
         s.synchronize()
         s.close()
         assert "torch" not in sys.modules
+        # Nor does it load MPI: the MPI service is the separate extension hetpipe_core._mpi.
+        assert "mpi4py" not in sys.modules and "hetpipe_core._mpi" not in sys.modules
+        with open("/proc/self/maps") as maps:
+            assert "libmpi" not in maps.read()
         print("OK", hetpipe_core.build_info()["version"])
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -88,3 +92,16 @@ def test_errors_format_after_torch_is_imported():
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_mpi_extension_built_where_the_environment_has_mpi():
+    """setup.py points CMake at the environment's MPICH (the library mpi4py loads): there, the build
+    must hold hetpipe_core._mpi, linked to that very library."""
+    from pathlib import Path
+
+    if not (Path(sys.prefix) / "include" / "mpi.h").exists():
+        pytest.skip("no MPI headers in this Python environment")
+    assert hetpipe_core.build_info()["mpi_built"]
+    code = "from mpi4py import MPI; from hetpipe_core import _mpi; print(_mpi.library_version() == MPI.Get_library_version())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr[-2000:]

@@ -106,7 +106,7 @@ def test_bad_pushes_and_pulls_name_the_culprit():
     n = plane.stage_numel(0, 0)
     with pytest.raises(ValueError, match="VW 0 stage 7 holds none"):
         plane.push(0, 7, 0, np.zeros(4, np.float32))
-    with pytest.raises(ValueError, match=f"has 3 floats, expected {n}"):
+    with pytest.raises(ValueError, match=fr"has 3 floats \(12 bytes\), expected {n}"):
         plane.push(0, 0, 0, np.zeros(3, np.float32))
     with pytest.raises(TypeError, match="delta must be float32"):
         plane.push(0, 0, 0, np.zeros(n, np.float64))

@@ -1,5 +1,7 @@
 """One device per rank: the core's CUDA calls open a context only on the device they name, leave the
-thread's (and torch's) current device as it was, and a parameter-server rank holds no context at all.
+thread's (and torch's) current device as it was; start-up touches no device before a stage rank binds
+its own, and a parameter-server rank holds no context at all (nor appears in the driver's list of
+compute processes).
 
 Context checks run in fresh interpreters (an open context cannot be closed again), reading the
 driver's own record: hetpipe_core.cuda_context_active (cuDevicePrimaryCtxGetState).
@@ -115,7 +117,22 @@ def test_event_rerecorded_while_a_cpu_stream_waits_on_it():
     cpu.close()
 
 
-def test_ps_rank_holds_no_context():
+def test_host_inventory_opens_no_context():
+    # Every rank takes its inventory before it knows its role: it must leave CUDA untouched.
+    got = _fresh("""
+        import json, torch, hetpipe_core
+        from hetpipe.launch.mpi import host_info
+        info = host_info()
+        n = hetpipe_core.build_info()["cuda_device_count"]
+        print(json.dumps({"info": info, "n": n, "torch_initialized": torch.cuda.is_initialized(),
+                          "active": [hetpipe_core.cuda_context_active(d) for d in range(n)]}))
+    """)
+    assert got["info"]["cuda_count"] == got["n"] >= 1
+    assert got["torch_initialized"] is False
+    assert got["active"] == [False] * got["n"]
+
+
+def test_ranks_bind_first_and_ps_rank_holds_no_context():
     if mpiexec() is None:
         pytest.fail("no mpiexec beside this Python nor on PATH")
     proc = run_mpi(3, "contexts.py", timeout=300)
@@ -125,7 +142,19 @@ def test_ps_rank_holds_no_context():
     ps = [r for r in by_role if r["role"].startswith("ps")]
     stages = [r for r in by_role if not r["role"].startswith("ps")]
     assert len(ps) == 1 and len(stages) == 2, by_role
-    assert not any(ps[0]["active"]), by_role     # the PS rank opened no context on any device
+    # The PS rank: no context on any device (the driver's record), no torch CUDA state, never bound.
+    assert not any(ps[0]["contexts"]) and ps[0]["torch_initialized"] is False and ps[0]["bindings"] == [], ps
     for r in stages:
-        assert r["active"][0], by_role            # the stages run on cuda:0
-        assert not any(r["active"][1:]), by_role
+        # Bound before any CUDA call: at the first binding no device had a context and torch had not
+        # initialised CUDA, so nothing could land on another GPU first.
+        first = r["bindings"][0]
+        assert first["device"] == "cuda:0" and not any(first["contexts"]), r
+        assert first["torch_initialized"] is False, r
+        assert r["contexts"][0] and not any(r["contexts"][1:]), r      # the stages run on cuda:0 only
+    listed = got[0]["compute_pids"]
+    if listed is None:
+        pytest.skip("no nvidia-smi: the driver's process list was not read (the context checks above ran)")
+    if not {r["pid"] for r in stages} <= set(listed):
+        pytest.skip(f"nvidia-smi lists {listed}, not the stage ranks' pids (another pid namespace); "
+                    "the context checks above ran")
+    assert ps[0]["pid"] not in listed, (ps, listed)

@@ -1,7 +1,8 @@
 """The multi-process runtime with its stages on real CUDA devices, under mpiexec: activations and
 gradients cross ranks through pinned slots and the copy stream (stages sharing one GPU) or GPU to GPU
 over NCCL (torch-p2p, one GPU per stage), and the run trains like the CPU replay of the same plan
-(to float tolerance: cuBLAS and the CPU sum in different orders)."""
+(to float tolerance: cuBLAS and the CPU sum in different orders); in bf16 a decoder trains like
+plain PyTorch autocast on the same GPU."""
 
 import json
 
@@ -46,3 +47,20 @@ def test_stages_on_two_gpus_go_gpu_to_gpu_over_nccl(transport):
     assert r["transport"] == "mpi-host+torch-p2p", r     # chosen automatically between two GPUs
     assert r["minibatches"] == r["expected"] and r["trained"], r
     assert r["loss_diff"] < 1e-4 and r["weight_diff"] < 1e-4, r
+
+
+def test_bf16_decoder_trains_like_plain_autocast_on_the_gpu():
+    # 2 stages + 1 PS sharing the GPU, bf16, against plain PyTorch in one process on the same GPU
+    # (scripts/bf16_decoder.py says what the reference rounds and why); float32 training is the
+    # yardstick of "bf16 off", so the tolerance is relative to what precision changes.
+    if mpiexec() is None:
+        pytest.fail("no mpiexec beside this Python nor on PATH")
+    pytest.importorskip("transformers")
+    proc = run_mpi(3, "bf16_decoder.py", json.dumps({"device": "cuda:0"}), timeout=300)
+    got = results(proc)
+    assert proc.returncode == 0 and len(got) == 1, f"{proc.stdout}\n{proc.stderr}"
+    r = got[0]
+    assert r["trained"] and r["minibatches"] == 8, r
+    assert r["fp32_loss_diff"] > 0 and r["fp32_weight_error"] > 0, r
+    assert r["loss_diff"] <= 0.1 * r["fp32_loss_diff"], r
+    assert r["weight_error"] <= 0.1 * r["fp32_weight_error"], r

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+import hetpipe_core
 from mpirun import SCRIPTS, results, run_mpi
 
 pytestmark = pytest.mark.mpi
@@ -88,6 +89,7 @@ def test_two_vws_wsp_invariants(wsp_runs, d):
         assert r["pulls_ok"], r
         assert r["sum_ok"], r
         assert r["final_global"] == r["waves"], r
+        assert r["ps_plane"] == ("core" if hetpipe_core.build_info()["mpi_built"] else "python"), r
 
 
 def test_two_vws_d0_reproducible(wsp_runs):
@@ -114,6 +116,8 @@ def test_digits_converges_with_two_vws(tmp_path):
     assert {l["event"] for l in lines} == {"wave", "epoch", "summary"}
     summary = next(l for l in lines if l["event"] == "summary")
     assert summary["transport"] == "mpi-host" and summary["transport_reason"].startswith("mpi-host: "), summary
+    plane = "core" if hetpipe_core.build_info()["mpi_built"] else "python"
+    assert summary["ps_plane"] == plane and summary["ps_plane_reason"].startswith(plane + ": "), summary
     trace = json.loads((tmp_path / "out" / "trace.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1, 2}     # 2 VWs, then the PS
     ps = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 2]

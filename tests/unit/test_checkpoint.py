@@ -5,6 +5,7 @@ optimizer that was never saved, and the plan's own VW list."""
 import random
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -57,6 +58,48 @@ def test_an_incomplete_checkpoint_is_skipped(tmp_path):
     assert ckpt.latest(tmp_path) is None        # rank 1 never wrote its part
     with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint"):
         ckpt.Checkpoint.find(tmp_path)
+
+
+def _two_rank_writers(tmp_path):
+    manifest = lambda c: {"format": ckpt.FORMAT, "clock": c, "parts": ["rank-00000", "rank-00001"], "plan": {}}
+    every = 1000                                      # nothing due: only the SIGTERM path writes
+    return [ckpt.Checkpointer(tmp_path, every, r, manifest) for r in (0, 1)]
+
+
+def test_sigterm_checkpoint_waits_for_the_peers_part(tmp_path):
+    """A rank that wrote its SIGTERM part returns only once the slower peer's part of the same clock is
+    on disk (mpiexec would otherwise end the peer halfway), and not later than needed."""
+    fast, slow = _two_rank_writers(tmp_path)
+    for w in (fast, slow):
+        w.boundary(1, lambda: ({"w/0": torch.ones(3)}, {"role": "ps"}))
+    peer_at = []
+
+    def slow_peer():
+        time.sleep(1.0)
+        slow.on_signal(5.0)
+        peer_at.append(time.monotonic())
+
+    t = threading.Thread(target=slow_peer)
+    t.start()
+    fast.on_signal(30.0)
+    returned = time.monotonic()
+    t.join()
+    assert ckpt.is_complete(ckpt.clock_dir(tmp_path, 1))
+    assert returned >= peer_at[0] - 0.5 and returned - peer_at[0] < 2.0
+    for w in (fast, slow):
+        w.close()
+
+
+def test_sigterm_checkpoint_wait_is_bounded(tmp_path):
+    """With no peer writing, the wait ends after ``wait_s``; the rank's own part is on disk."""
+    alone, _ = _two_rank_writers(tmp_path)
+    alone.boundary(1, lambda: ({"w/0": torch.ones(3)}, {"role": "ps"}))
+    started = time.monotonic()
+    alone.on_signal(0.5)
+    assert 0.5 <= time.monotonic() - started < 3.0
+    assert (ckpt.clock_dir(tmp_path, 1) / "rank-00000.safetensors").exists()
+    assert not ckpt.is_complete(ckpt.clock_dir(tmp_path, 1))
+    alone.close()
 
 
 class _Tagged:

@@ -71,3 +71,42 @@ def test_planner_weight_copies_cover_what_the_runtime_holds(monkeypatch, nm, d):
             # weights and gradients, then a stash and its gradient per minibatch in flight, then D + 2 deltas
             assert (copies - 2 - (d + 2)) // 2 == snapshots, (vw.index, k, peaks)
             assert copies >= ALWAYS + snapshots + stash_grads + deltas, (vw.index, k, peaks)
+
+
+@pytest.mark.parametrize("cuts", [[2], [1, 4], [4]])
+def test_planner_counts_the_replicas_of_tied_weights_a_stage_holds(monkeypatch, cuts):
+    """A tied weight (layer 0's matrix, reused by layer 4 as the output) split across stages: the
+    stage holding layer 4 without layer 0 keeps a replica in its flat weights. Reference: the size of
+    each stage's flat weight vector in a real replay, against the planner's parameter-sized memory
+    of a profile measured by profile_model (activations left out, SGD-momentum state)."""
+    import dataclasses
+
+    import real_models as rm
+    from common import one_vw_plan
+    from hetpipe.profile import profile_model
+
+    flat_bytes = {}
+    init = stage_module.StageModel.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        flat_bytes[(self.start, self.stop)] = self._flat.numel() * self._flat.element_size()
+
+    monkeypatch.setattr(stage_module.StageModel, "__init__", recording_init)
+    nm, d = 2, 1
+    plan = one_vw_plan(cuts, nm=nm, d=d, num_layers=5)
+    Trainer(rm.tied_mlp(), rm.tied_loss, sgd(), synthetic(n=64), plan=plan, epochs=1).replay()
+
+    x, y = next(iter(synthetic(n=64)))
+    measured = profile_model(rm.tied_mlp(), x, "cpu-emulated", loss_fn=lambda out: rm.tied_loss(out, y), repeats=1)
+    profile = dataclasses.replace(measured, layers=tuple(
+        dataclasses.replace(l, activation_bytes=0, stash_bytes=0, workspace_bytes=0) for l in measured.layers))
+    kind = profile.device_types[0]
+    table = LayerTable(profile, [kind], d)
+    device = StageDevice("d", kind, "n", 10**12)
+    stages = plan.virtual_workers[0].stages
+    for k, st in enumerate(stages):
+        _, planned = table.stage(device, k, len(stages), nm, st.start, st.stop, None, None, False)
+        # weights, gradients, SGD momentum, then the stashes and deltas: all parameter-sized
+        copies = 3 + table.weight_copies(min(nm, len(stages) - k))
+        assert planned == copies * flat_bytes[(st.start, st.stop)], (k, st, flat_bytes)

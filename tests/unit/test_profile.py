@@ -130,9 +130,42 @@ def test_profile_counts_every_leaf_of_a_pytree_output_and_a_tied_parameter_once(
     tied = rm.tied_mlp()
     tp = profile_model(tied, torch.randn(4, 64), "cpu-emulated", repeats=1)
     assert tp.layers[0].param_bytes == 4 * (32 * 64 + 32) and tp.layers[4].param_bytes == 0
+    assert tp.layers[4].tied == ((0, "weight", 4 * 32 * 64),) and not any(l.tied for l in tp.layers[:4])
+    assert ModelProfile.from_dict(json.loads(tp.to_json())) == tp         # the tie survives the file
     resnet = rm.resnet()
     before = resnet[0][1].running_mean.clone()
     profile_model(resnet, torch.randn(4, 1, 8, 8), "cpu-emulated", repeats=1)
     assert torch.equal(resnet[0][1].running_mean, before)     # profiling leaves BatchNorm statistics alone
     with pytest.raises(ValueError, match=r"profile_model: layer 1 \(Linear\) failed: RuntimeError"):
         profile_model(nn.Sequential(nn.Linear(4, 4), nn.Linear(5, 2)), torch.randn(2, 4), "cpu-emulated")
+
+
+def test_layer_names_reach_the_profile_and_the_plan_table():
+    """An adapter's layer names (and an nn.Sequential's own child names) name the profile's layers and
+    the stages of the plan table; plain positional Sequentials keep index:class names."""
+    from collections import OrderedDict
+
+    import torch
+    from torch import nn
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hetpipe.adapters import adapt
+    from hetpipe.plan import make_plan
+    from hetpipe.plan.format import format_plan
+    from hetpipe.profile import profile_model
+
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
+                        eos_token_id=0)
+    adapted = adapt(GPT2LMHeadModel(config))
+    ids = torch.randint(0, 64, (2, 16))
+    prof = profile_model(adapted.layers, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                         "cpu-emulated", repeats=1,
+                         loss_fn=lambda out: adapted.loss_fn(out, ids))
+    assert list(prof.layer_names) == adapted.names == ["embed", "h.0", "h.1", "head"]
+    plan = make_plan(load_cluster("cpu-emulated"), prof, minibatch_size=2)
+    assert plan.layer_names == tuple(adapted.names) and "embed.." in format_plan(plan)
+
+    named = nn.Sequential(OrderedDict(stem=nn.Linear(4, 4), head=nn.Linear(4, 2)))
+    assert profile_model(named, torch.randn(2, 4), "cpu-emulated", repeats=1).layer_names == ("stem", "head")
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    assert profile_model(plain, torch.randn(2, 4), "cpu-emulated", repeats=1).layer_names == ("0:Linear", "1:Linear")

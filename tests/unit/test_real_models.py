@@ -164,6 +164,9 @@ def test_batchnorm_equals_plain_pytorch_in_train_and_eval(cuts, recompute):
         with torch.no_grad():
             assert float((model(x) - ref(x)).detach().abs().max()) <= 1e-5, mode
     assert float((ref[0][1].running_mean - rm.resnet()[0][1].running_mean).detach().abs().max()) > 1e-3
+    counters = {n: b for n, b in ref.named_buffers() if not b.is_floating_point()}
+    assert counters and all(int(b) > 0 for b in counters.values())
+    assert {n: int(b) for n, b in model.named_buffers() if n in counters} == {n: int(b) for n, b in counters.items()}
 
 
 def test_recomputing_batchnorm_layers_is_exact():
@@ -190,6 +193,8 @@ def test_two_vws_average_batchnorm_statistics_and_aggregate_weights(aggregate):
     for (n, a), (_, b) in zip(model.named_buffers(), ref.named_buffers()):
         if a.is_floating_point():
             assert float((a - b).detach().abs().max()) <= 1e-5, n
+        else:
+            assert int(b) > 0 and torch.equal(a, b), n      # num_batches_tracked: VW 0's count
 
 
 # --- 4. random state ------------------------------------------------------------------------------

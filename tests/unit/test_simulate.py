@@ -40,6 +40,37 @@ def test_steady_throughput_is_one_over_slowest_stage(times, extra):
     assert r.wsp_wait_s == 0.0
 
 
+# Stage times per VW (forward; backward is twice as long) for the monotonicity grid: equal stages, a
+# slow middle stage, a slow first stage; the second VW of a pair is 1.5x slower.
+_SHAPES = {"equal": lambda k: [1.0] * k, "slow middle": lambda k: [1.0 + (s == k // 2) for s in range(k)],
+           "slow first": lambda k: [2.0 if s == 0 else 0.7 for s in range(k)]}
+
+
+@pytest.mark.parametrize("shape", sorted(_SHAPES))
+@pytest.mark.parametrize("vws", [1, 2])
+def test_more_staleness_is_never_slower(shape, vws):
+    # More staleness only relaxes constraints, so the model must never get slower as D grows. It did for
+    # Nm < stages: the 1F1B rule run straight through waves stalled stages >= 1 (docs/design.md, "Schedules").
+    slower = []
+    for k in range(1, 5):
+        f = _SHAPES[shape](k)
+        costs = [vw_costs([x * (1 + 0.5 * v) for x in f], [2 * x * (1 + 0.5 * v) for x in f], transfer_s=0.2,
+                          push=0.5, pull=0.3) for v in range(vws)]
+        for nm in range(1, 5):
+            spans = [simulate([hetpipe_schedule(k, 6 * nm, nm, d)] * vws, costs).makespan_s for d in range(4)]
+            slower += [(k, nm, d + 1, a, b) for d, (a, b) in enumerate(zip(spans, spans[1:])) if b > a * (1 + 1e-12)]
+    assert not slower, f"(stages, nm, D, makespan at D - 1, at D) where D is slower: {slower}"
+
+
+def test_nm_below_stages_drains_stages_after_the_first_and_beats_d0():
+    # 4 stages, nm = 2, F = 1, B = 2 (docs/design.md, "Schedules"): under D = 1 stage 0 starts the next
+    # wave after its first backward, stages 1-3 finish the wave's backwards first; a wave then takes one
+    # round trip, 12 s, against 15 s at D = 0 (fill, drain) and 18 s before stages 1-3 drained.
+    r0, r1 = (simulate([hetpipe_schedule(4, 2 * 12, 2, d)], [equal(4, 1.0, 2.0)]) for d in (0, 1))
+    assert (r0.makespan_s, r1.makespan_s) == (180.0, 147.0)
+    assert {b - a for a, b in zip(r1.wave_done_s[0][1:], r1.wave_done_s[0][2:])} == {12.0}
+
+
 def test_wsp_large_d_lets_each_vw_run_at_its_own_speed():
     s = hetpipe_schedule(3, 40 * 3, 3, 1000)
     r = simulate([s, s], [equal(3, 1.0, 1.0), equal(3, 2.0, 3.0)])

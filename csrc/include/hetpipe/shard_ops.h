@@ -21,6 +21,16 @@ int shard_threads(int num_threads, std::size_t n) noexcept;
 // otherwise overlap (std::invalid_argument).
 void apply_delta(float* shard, const float* delta, std::size_t n, float scale, int num_threads);
 
+// shard += delta / divisor over n elements, two float32 roundings: numpy's
+// `np.divide(delta, np.float32(divisor), out=delta); apply_delta(shard, delta)` bit for bit (delta is
+// left unchanged). Same threading and overlap rules as apply_delta.
+void apply_delta_divided(float* shard, const float* delta, std::size_t n, float divisor, int num_threads);
+
+// Synced buffers (BatchNorm running statistics) after a wave: b <- b + (sum over k of (pushed[k] - b)) / count,
+// float32 throughout and summed in k order (numpy's `change += p - b` per VW, then
+// `b += change / np.float32(count)`), so a buffer no VW changed stays bitwise the same. One thread.
+void average_buffers(float* b, const float* const* pushed, std::size_t count, std::size_t n);
+
 // out = shard (nbytes bytes); the buffers must not overlap.
 void snapshot(const void* shard, void* out, std::size_t nbytes, int num_threads);
 

@@ -3,25 +3,37 @@
 //
 // Protocol (the WSP spec of python/hetpipe/runtime/ps.py, which this equals bit for bit):
 // - push(vw, stage, wave, delta): the stage's wave delta for the shard's layers inside the stage (in
-//   layer order). VW vw's clock becomes c + 1 once every stage of vw holding layers of this shard has
+//   layer order), then the current values of those layers' synced buffers (BatchNorm running
+//   statistics). VW vw's clock becomes c + 1 once every stage of vw holding layers of this shard has
 //   pushed wave c (waves complete in order).
-// - Wave c's deltas are applied (apply_delta, VW 0 first, then 1, ..., layers in order) exactly when
-//   the global clock (minimum over VWs) passes c; so the weights are always W_a, a = applied().
+// - Wave c is applied exactly when the global clock (minimum over VWs) passes c: each push's weight
+//   deltas in VW then stage order, layers in order (apply_delta; with `mean` each delta is first
+//   divided by the VW count, as numpy's float32 division); then each synced buffer B becomes
+//   B + (sum over VWs of (P - B)) / VWs (one VW: P itself). The weights are always W_a, a = applied().
 // - pull(vw, stage, wave, out): waits until applied() >= wave - D, then copies W_a of the stage's
+//   layers, its replica slices (tied parameters it holds but this shard's layer owns), then B_a of its
 //   layers into out and returns a.
 //
-// Threads: push and pull may be called from any threads concurrently (one thread per stage is the
-// intended shape: a receiver per peer). The delta is copied into a pending buffer outside every lock,
-// so pushes from different stages copy in parallel; the thread whose push lets the global clock pass
-// a wave applies it (one applier at a time), with apply_delta's own worker threads. Clocks live in
-// ClockTables (lock-free reads): clocks_ (one per VW) and applied_ (one entry: waves applied), on which
-// pulls wait; a pull's fast path takes no lock but the weights' shared lock.
+// Two-phase pushes: begin_push hands out the pending buffer a push's bytes go into (a transport
+// receives straight into it), end_push publishes it. push() is begin, memcpy, end, apply_ready.
+//
+// Threads: push, begin_push/end_push and pull may be called from any threads concurrently (one thread
+// per stage, or one receiver for all). A push's bytes are written into its pending buffer outside
+// every lock, so pushes of different stages copy in parallel. apply_ready() applies the waves the
+// global clock passed (one applier at a time, with apply_delta's own worker threads); push() calls it
+// itself. Clocks live in ClockTables (lock-free reads): clocks_ (one per VW) and applied_ (one
+// entry: waves applied), on which pulls wait; a pull's fast path takes no lock but the weights'
+// shared lock.
 // Memory ordering: the applier writes the weights and advances applied_ under the exclusive side of
 // weights_mutex_; a pull that saw applied_ >= w - D (seq_cst) takes the shared side, so it copies
 // whole waves only, at least up to the one it waited for, and the count it reads under that lock is
-// exactly the number of waves in what it copied.
+// exactly the number of waves in what it copied. end_push publishes a buffer under state_mutex_,
+// which the applier takes before it reads the buffer: the bytes written before end_push are visible.
+// Hold: with set_hold(true) the applier stops after each wave until release(a) (a caller copying
+// the weights of every wave boundary, e.g. a checkpoint, reads them while nothing is applied).
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -32,71 +44,161 @@
 #include <set>
 #include <shared_mutex>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "hetpipe/clock_table.h"
 
 namespace hetpipe {
 
+// A slice of a layer's weights that a stage holds as a replica (a tied parameter owned by that layer).
+struct ReplicaSlice {
+  int layer;
+  std::size_t offset;
+  std::size_t numel;
+};
+
+// What a shard logs, as ShardLog of python/hetpipe/runtime/ps.py.
+struct ShardPlaneLog {
+  std::vector<std::array<std::int64_t, 3>> pushes;   // (vw, stage, wave), arrival order
+  std::vector<std::array<std::int64_t, 3>> clocks;   // (vw, clock_vw, global) after each change
+  std::vector<std::array<std::int64_t, 4>> pulls;    // (vw, stage, wave, g) as answered
+  std::vector<std::int64_t> pull_clocks;             // clock_vw of the puller, per pull
+  std::vector<std::array<std::int64_t, 3>> applied;  // (vw, stage, wave), as applied
+  std::vector<std::vector<double>> pushed_sum;       // per layer (log_sums only): sum of pushed deltas
+};
+
+struct ShardPlaneOptions {
+  std::vector<std::size_t> buffer_numels;                        // per layer (empty: no synced buffers)
+  std::vector<std::vector<std::vector<ReplicaSlice>>> replicas;  // [vw][stage] (empty: none)
+  bool mean = false;      // aggregate "mean": each VW's delta is divided by the VW count
+  bool log_sums = false;  // keep, per layer, the float64 sum of every pushed delta (as applied)
+};
+
 class ShardPlane {
  public:
-  // layer_numels[i]: elements of the shard's i-th layer (in layer order). stage_layers[vw][stage]:
-  // the indices i that the stage holds, ascending (empty: none). Throws std::invalid_argument naming
-  // the bad field. num_threads: apply_delta threads (<= 0: hardware concurrency, see shard_ops.h).
+  // layer_numels[i]: weights of the shard's i-th layer (in layer order). stage_layers[vw][stage]: the
+  // indices i that the stage holds, ascending (empty: none). Throws std::invalid_argument naming the
+  // bad field. num_threads: apply_delta threads (<= 0: hardware concurrency, see shard_ops.h).
   ShardPlane(std::vector<std::size_t> layer_numels, std::vector<std::vector<std::vector<int>>> stage_layers,
-             int d, int num_threads);
+             int d, int num_threads, ShardPlaneOptions options = {});
   ShardPlane(const ShardPlane&) = delete;
   ShardPlane& operator=(const ShardPlane&) = delete;
 
   int num_layers() const noexcept { return static_cast<int>(weights_.size()); }
   int num_vws() const noexcept { return clocks_.num_vws(); }
+  std::int64_t d() const noexcept { return d_; }
+  // Stages of VW vw the plane knows (those holding layers or replicas here, and any before them).
+  int num_stages(int vw) const;
   std::size_t layer_numel(int layer) const;
+  std::size_t buffer_numel(int layer) const;
+  // Floats of a push from the stage (its layers' weights, then their synced buffers); throws
+  // std::invalid_argument for a stage holding none of the layers.
   std::size_t stage_numel(int vw, int stage) const;
-  // The layer's weights, for setting the initial values before the first push and reading them after
-  // the last; not to be touched while pushes are applied.
+  // Floats of a pull reply to the stage (weights, replica slices, synced buffers); throws for a
+  // stage that pulls nothing here.
+  std::size_t reply_numel(int vw, int stage) const;
+  bool pushes_from(int vw, int stage) const noexcept;
+  bool pulls_from(int vw, int stage) const noexcept;
+  // The pieces of a pull reply, in order, as (pointer, floats), adjacent pieces merged (a stage
+  // without replicas or buffers gets one piece: its layers' weights lie back to back). For a sender
+  // that sends them in place; valid while no wave is applied (the caller keeps the applier out).
+  std::vector<std::pair<const float*, std::size_t>> reply_pieces(int vw, int stage) const;
+  // The layer's weights / synced buffers, for setting the initial values before the first push and
+  // reading them after the last (or while held); not to be touched while pushes are applied.
   float* weights(int layer);
+  float* buffers(int layer);
 
-  // Copies `n` floats of delta (must equal stage_numel). Throws std::invalid_argument for a stage
-  // holding none of the layers, a wrong size, a duplicate push or a wave the VW already passed;
-  // std::logic_error when the clock bound 0 <= clock_vw - global <= D + 1 breaks.
+  // Copies `n` floats of delta (must equal stage_numel) and applies the waves it completes. Throws
+  // std::invalid_argument for a stage holding none of the layers, a wrong size, a duplicate push or a
+  // wave the VW already passed; std::logic_error when the clock bound 0 <= clock_vw - global <= D + 1
+  // breaks.
   void push(int vw, int stage, std::int64_t wave, const float* delta, std::size_t n);
+  // The pending buffer (stage_numel floats) the push's bytes are to be written into; checks as push.
+  float* begin_push(int vw, int stage, std::int64_t wave, std::size_t n);
+  // The bytes of begin_push's buffer are complete: the VW's clock advances when its wave is whole.
+  // Returns whether a wave is now due to be applied (apply_ready).
+  bool end_push(int vw, int stage, std::int64_t wave);
+  // Applies every wave the global clock passed (unless held); returns how many it applied.
+  std::int64_t apply_ready();
+  // Whether apply_ready would apply a wave now.
+  bool apply_due() const;
 
-  // Waits up to `timeout` until applied() >= wave - D, then copies W_a into out (stage_numel floats)
-  // and returns a; -1 on timeout (nothing copied).
+  // Waits up to `timeout` until applied() >= wave - D, then copies the reply (reply_numel floats) into
+  // out and returns a; -1 on timeout (nothing copied).
   std::int64_t pull_for(int vw, int stage, std::int64_t wave, float* out, std::size_t n,
                         std::chrono::nanoseconds timeout);
+  // Answers a pull the staleness bound allows now (applied() >= wave - D, else std::logic_error): logs
+  // it and returns a = applied(); copies the reply into out unless out is null (a sender reading
+  // reply_pieces in place, which then keeps the applier out until its send is over).
+  std::int64_t serve(int vw, int stage, std::int64_t wave, float* out, std::size_t n);
+
+  // Hold after each applied wave until release (see the header comment). held(): the wave count the
+  // applier waits at, -1 when not holding.
+  void set_hold(bool hold);
+  std::int64_t held() const;
+  void release(std::int64_t applied);
 
   std::int64_t clock(int vw) const { return clocks_.clock(vw); }
   std::int64_t global_clock() const noexcept { return clocks_.global_clock(); }
   std::int64_t applied() const { return applied_.clock(0); }
   std::int64_t pushed_bytes() const noexcept { return pushed_bytes_.load(std::memory_order_relaxed); }
+  ShardPlaneLog log() const;  // a copy
 
  private:
-  const std::vector<int>& holds(int vw, int stage) const;  // throws for a stage holding nothing
-  void apply_ready();
+  // One stage of one VW that pushes or pulls here: its layers and where their parts sit in a push.
+  struct StageSlot {
+    std::vector<int> layers;
+    std::vector<ReplicaSlice> replicas;
+    std::size_t weight_numel = 0;  // the weights' part of a push
+    std::size_t numel = 0;         // a push: weights then buffers
+  };
 
-  std::vector<std::vector<float>> weights_;
-  std::vector<std::vector<std::vector<int>>> stage_layers_;
-  std::vector<std::size_t> stages_holding_;  // per VW: how many of its stages hold layers here
+  const StageSlot& slot(int vw, int stage, bool pulling) const;  // throws naming (vw, stage)
+  int slot_id(int vw, int stage) const noexcept { return slot_base_[static_cast<std::size_t>(vw)] + stage; }
+  void apply_wave(std::int64_t wave, std::vector<std::unique_ptr<float[]>>& buffers);
+  void copy_reply(const StageSlot& s, float* out) const;
+
+  // A layer's weights: a view of weight_store_, where the layers lie back to back in order, so the
+  // weights of a stage's layers (a contiguous run of them) are one contiguous range.
+  struct LayerView {
+    float* ptr;
+    std::size_t n;
+    float* data() const noexcept { return ptr; }
+    std::size_t size() const noexcept { return n; }
+  };
+  std::vector<float> weight_store_;
+  std::vector<LayerView> weights_;
+  std::vector<std::vector<float>> buffers_;  // synced buffers, per layer
+  std::vector<StageSlot> slots_;             // by slot_id
+  std::vector<int> slot_base_;               // per VW: slot_id of its stage 0
+  std::vector<int> num_stages_;              // per VW
+  std::vector<std::size_t> stages_holding_;  // per VW: how many of its stages push here
   std::int64_t d_;
   int num_threads_;
+  bool mean_;
 
   ClockTable clocks_;   // per VW: waves whose pushes all arrived
   ClockTable applied_;  // one entry: waves applied to weights_
 
-  // A pending delta: uninitialised floats (a fresh buffer is written once, by the push's copy).
+  // A pending push: uninitialised floats (a fresh buffer is written once, by the push's bytes).
   using Buffer = std::unique_ptr<float[]>;
 
-  std::mutex state_mutex_;  // guards everything below up to apply_mutex_
-  // wave -> vw -> layer -> delta (buffers of applied waves are reused through spare_)
-  std::map<std::int64_t, std::vector<std::map<int, Buffer>>> pending_;
-  std::map<std::pair<int, std::int64_t>, std::set<int>> arrived_;  // (vw, wave) -> stages
-  std::set<std::tuple<int, int, std::int64_t>> seen_;
-  std::vector<std::vector<Buffer>> spare_;  // per layer
+  mutable std::mutex state_mutex_;  // guards everything below up to apply_mutex_
+  std::map<std::int64_t, std::vector<Buffer>> pending_;            // wave -> by slot_id
+  std::map<std::pair<int, std::int64_t>, std::set<int>> arrived_;  // (vw, wave) -> stages whose push ended
+  std::set<std::tuple<int, int, std::int64_t>> seen_;              // pushes begun
+  std::vector<std::vector<Buffer>> spare_;                         // by slot_id, buffers of applied waves
+  bool hold_ = false;
+  std::int64_t held_ = -1;
 
-  std::mutex apply_mutex_;             // one applier at a time
-  std::shared_mutex weights_mutex_;    // exclusive: applying; shared: pulls copying
+  std::mutex apply_mutex_;           // one applier at a time
+  std::shared_mutex weights_mutex_;  // exclusive: applying; shared: pulls copying
   std::atomic<std::int64_t> pushed_bytes_{0};
+
+  mutable std::mutex log_mutex_;
+  ShardPlaneLog log_;
+  bool log_sums_;
 };
 
 }  // namespace hetpipe

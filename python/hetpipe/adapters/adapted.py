@@ -7,6 +7,8 @@ from typing import Callable, Iterator, List, Optional
 
 from torch import nn
 
+from hetpipe.profile import LAYER_NAMES_ATTR
+
 
 @dataclass
 class Adapted:
@@ -15,7 +17,8 @@ class Adapted:
     layers: the ordered layers; they hold the model's own modules and ``nn.Parameter`` objects (no
         copies), so training them trains the model, and a tied weight is one object in every layer
         that uses it.
-    names: one name per layer, after the model's attribute names (``h.3``, ``layer2.1``).
+    names: one name per layer, after the model's attribute names (``h.3``, ``layer2.1``); ``layers``
+        carries them too (``hetpipe_layer_names``), so a plan made from it names its stages' layers.
     loss_fn: ``loss_fn(output, target)`` matching the model's output (shifted cross entropy for a
         causal LM, cross entropy for a classifier); None where the adapter cannot know it.
 
@@ -24,6 +27,11 @@ class Adapted:
     layers: nn.ModuleList
     names: List[str]
     loss_fn: Optional[Callable]
+
+    def __post_init__(self) -> None:
+        if len(self.names) != len(self.layers):
+            raise ValueError(f"hetpipe: {len(self.names)} layer names for {len(self.layers)} layers")
+        setattr(self.layers, LAYER_NAMES_ATTR, list(self.names))
 
     def __iter__(self) -> Iterator:
         return iter((self.layers, self.loss_fn))

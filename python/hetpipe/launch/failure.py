@@ -21,6 +21,8 @@ DEFAULT_TIMEOUT_S = 120.0
 # mpiexec forwards each rank's stderr asynchronously, and Abort tears its proxies down at once, which
 # can drop a message still in flight; the failing rank waits this long after reporting before Abort.
 ABORT_GRACE_S = 0.5
+SIGNAL_GRACE_ENV = "HETPIPE_TERM_GRACE"
+SIGNAL_GRACE_S = 60.0   # default time ranks get to write a SIGTERM checkpoint when the launcher is interrupted
 _reported = ""      # the last one-line failure message of this process, kept in its aborted mark
 
 
@@ -30,6 +32,22 @@ def timeout_s(explicit: Optional[float] = None) -> float:
         return float(explicit)
     env = os.environ.get("HETPIPE_TIMEOUT")
     return float(env) if env else DEFAULT_TIMEOUT_S
+
+
+def signal_grace_s() -> float:
+    """Seconds the ranks get after SIGTERM to write their checkpoint when the launcher itself was
+    interrupted: ``HETPIPE_TERM_GRACE`` (``hetpipe launch --term-grace``), else ``SIGNAL_GRACE_S``.
+    The launcher SIGKILLs what is left after it; a rank waits at most this long for its peers' parts."""
+    text = os.environ.get(SIGNAL_GRACE_ENV)
+    if text is None:
+        return SIGNAL_GRACE_S
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"hetpipe launch: {SIGNAL_GRACE_ENV} must be a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise ValueError(f"hetpipe launch: {SIGNAL_GRACE_ENV} (--term-grace) must be > 0 seconds, got {text!r}")
+    return value
 
 
 def report(describe: str, exc: BaseException, with_traceback: bool = True) -> None:

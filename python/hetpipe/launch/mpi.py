@@ -12,15 +12,32 @@ from typing import Any, Dict, List, Optional
 from hetpipe.launch.deaths import RUN_DIR_ENV, register_rank
 
 
+# hetpipe sends host memory only over MPI (pinned slots; device-to-device traffic has its own
+# backends), so MPI's GPU layer is switched off before MPI_Init: an MPICH built with it would query,
+# and may open a context on, every visible GPU from every rank, parameter servers included. A value
+# the user set is kept.
+MPI_GPU_ENV = {"MPIR_CVAR_ENABLE_GPU": "0"}
+
+
 class MPIUnavailable(RuntimeError):
     """mpi4py (or an MPI library) is missing."""
+
+
+def disable_mpi_gpu() -> None:
+    """Set :data:`MPI_GPU_ENV` in this process's environment where unset (before MPI_Init: here, or
+    in the ranks a launcher starts, which inherit it)."""
+    for key, value in MPI_GPU_ENV.items():
+        os.environ.setdefault(key, value)
 
 
 def world():
     """``MPI.COMM_WORLD``; raises :class:`MPIUnavailable` naming the fix when mpi4py cannot be imported.
 
     Under ``hetpipe launch`` the rank records itself in the run directory at once (its role follows
-    once known), so that the launcher can name it even if it fails before its role is assigned."""
+    once known), so that the launcher can name it even if it fails before its role is assigned.
+    MPI is initialised here (mpi4py's import), after :data:`MPI_GPU_ENV` is set where unset, unless
+    the program imported mpi4py.MPI earlier."""
+    disable_mpi_gpu()
     try:
         from mpi4py import MPI
     except ImportError as e:
@@ -35,18 +52,20 @@ def world():
 
 
 def host_info() -> Dict[str, Any]:
-    """This rank's host name and devices (CUDA devices if any; the emulated type from HETPIPE_EMULATE)."""
-    info: Dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "cuda": [],
-                            "emulate": os.environ.get("HETPIPE_EMULATE", "")}
+    """This rank's host name, pid, number of visible CUDA devices and emulated type (HETPIPE_EMULATE).
+
+    Contract: no CUDA context and no torch CUDA state. Every rank runs this before it knows its role,
+    so it only counts devices (``torch.cuda.device_count()``: NVML where available, else
+    ``cudaGetDeviceCount``, neither of which creates a context). Device properties are left out: a
+    stage rank that needs them reads its own device's after binding it (``torch.cuda.set_device``)."""
+    count = 0
     try:
         import torch
-        if torch.cuda.is_available():
-            for i in range(torch.cuda.device_count()):
-                p = torch.cuda.get_device_properties(i)
-                info["cuda"].append({"name": p.name, "memory": p.total_memory})
+        count = torch.cuda.device_count()
     except ImportError:
         pass
-    return info
+    return {"host": socket.gethostname(), "pid": os.getpid(), "cuda_count": count,
+            "emulate": os.environ.get("HETPIPE_EMULATE", "")}
 
 
 def gather_hosts(comm) -> List[Dict[str, Any]]:
@@ -93,6 +112,7 @@ def launch(n: int, argv: List[str], run_dir: Optional[str] = None) -> int:
         os.makedirs(run_dir, exist_ok=True)
         if any(Path(run_dir).iterdir()):
             raise ValueError(f"hetpipe launch: the run directory {run_dir} is not empty (it holds an earlier run?)")
+    disable_mpi_gpu()
     outcome = Supervisor(command, n, run_dir, timeout_s()).run()
     if outcome.status != "ok":
         if outcome.cause not in ("reported", ""):

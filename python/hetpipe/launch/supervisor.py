@@ -7,12 +7,15 @@ that a terminal's Ctrl-C reaches the launcher alone, and ends the run itself:
   has not within ``END_GRACE_S``, the launcher does;
 * a rank is stopped (state ``T``: SIGSTOP, SIGTSTP) for ``STOP_FRACTION`` of the peer timeout: its
   peers would only time out later, naming whom they waited for, so the launcher names it and ends the run;
-* the launcher gets SIGINT, SIGTERM or SIGHUP: it ends the run and exits with 128 + the signal;
+* the launcher gets SIGINT, SIGTERM or SIGHUP: it ends the run and exits with 128 + the signal; the
+  ranks then get up to :func:`signal_grace_s` (``hetpipe launch --term-grace``) to write their
+  SIGTERM checkpoint and exit, since a real model's state takes longer to write than a fault's teardown;
 * mpiexec exits (killed, or after a failure): the launcher ends whatever is left.
 
 Ending the run: every process whose environment carries this run's ``HETPIPE_RUN_DIR`` (mpiexec, its
 proxies, the ranks, anything they started; :mod:`hetpipe.launch.procs`) gets SIGTERM (SIGKILL if
-stopped), and SIGKILL after ``TERM_GRACE_S``. The verdict is written to ``<run dir>/outcome.json``
+stopped), and SIGKILL after ``TERM_GRACE_S`` (after a fault) or :func:`signal_grace_s` (after a signal);
+the wait ends as soon as no process is left. The verdict is written to ``<run dir>/outcome.json``
 (:class:`Outcome`) for programs (a restarting launcher) and printed as one line for people.
 """
 
@@ -30,7 +33,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from hetpipe.launch.deaths import RUN_DIR_ENV, DeathWatcher, marked, recorded_ranks
-from hetpipe.launch.failure import ABORT_GRACE_S
+from hetpipe.launch.failure import ABORT_GRACE_S, signal_grace_s
 from hetpipe.launch.guard import LAUNCHER_PID_ENV
 from hetpipe.launch.procs import environment_marker, processes_with, send, signal_name, stopped
 
@@ -40,7 +43,7 @@ MPIEXEC_PID_FILE = "mpiexec.pid"
 STOP_FRACTION = 0.5     # a rank stopped this long (x the peer timeout) is declared unresponsive
 STOP_MIN_S = 1.0
 END_GRACE_S = 3.0       # after a rank died or reported, the time mpiexec gets to end the job itself
-TERM_GRACE_S = 2.0      # SIGTERM, then SIGKILL after this long
+TERM_GRACE_S = 2.0      # after a fault: SIGTERM, then SIGKILL after this long
 GONE_WAIT_S = 5.0       # after SIGKILL, how long to wait for the processes to disappear
 TICK_S = 0.1
 _HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -88,6 +91,7 @@ class Supervisor:
         self.stop_after_s = max(STOP_MIN_S, STOP_FRACTION * peer_timeout_s)
         self.marker = environment_marker(RUN_DIR_ENV, run_dir)
         self._signal: Optional[int] = None
+        self.signal_grace_s = signal_grace_s()
 
     def run(self) -> Outcome:
         previous = self._install_handlers()
@@ -121,7 +125,7 @@ class Supervisor:
         vanished = [(pid, watcher.vanished_at[pid]) for pid in list(watcher.vanished)]
         aborted = _reports(self.run_dir)
         stuck = [pid for pid in recorded_ranks(self.run_dir) if stopped(pid)]
-        ended = self._end_all()
+        ended = self._end_all(self.signal_grace_s if verdict is not None and verdict[0] == "signal" else TERM_GRACE_S)
         final_rc = proc.wait()
         watcher.stop()
         for t in relays:
@@ -157,15 +161,15 @@ class Supervisor:
             time.sleep(TICK_S)
         return None
 
-    def _end_all(self) -> List[int]:
+    def _end_all(self, grace_s: float) -> List[int]:
         """SIGTERM (SIGKILL if stopped) every process of the run, SIGKILL the survivors after
-        ``TERM_GRACE_S``, and wait until none runs. Returns the pids signalled."""
+        ``grace_s``, and wait until none runs. Returns the pids signalled."""
         me = {os.getpid()}
         left = processes_with(self.marker, me)
         ended = sorted(left)
         for pid in left:
             send(pid, signal.SIGKILL if stopped(pid) else signal.SIGTERM)
-        deadline = time.monotonic() + TERM_GRACE_S
+        deadline = time.monotonic() + grace_s
         while left and time.monotonic() < deadline:
             time.sleep(0.05)
             left = processes_with(self.marker, me)

@@ -9,8 +9,12 @@ gradient transfer once), with ``Nm`` minibatches per wave:
   bottleneck, by the round trip, and by its PS synchronisation ``S_v``, which overlaps compute.
 * ``D = 0``: a wave must be pushed by every VW before the next one starts, so the pipeline fills and
   drains every wave and the synchronisation is exposed: ``W_v = R + (Nm - 1) x b + S_v``. With
-  ``Nm < K`` the schedule's wave gate drains the pipeline in the same way for any D (the
-  discrete-event simulator agrees), so the same formula applies.
+  ``Nm < K`` the schedule's wave gate drains stages 1 .. K-1 in the same way for any D, so the same
+  formula applies (an upper bound: under D >= 1 stage 0 starts the next wave early, which the
+  discrete-event simulator shows to gain up to a bottleneck or so per wave).
+* These closed forms belong to the ``hetpipe`` schedule; each registered schedule carries its own
+  (:mod:`hetpipe.schedule.registry`, ``ScheduleSpec.wave_time``), e.g. GPipe and 1F1B with a flush
+  run one wave of all their minibatches, filled and drained.
 * ``S_v``: per wave, each stage pushes its layers' updates and pulls their new values; for every
   shard it talks to this costs ``2 x (latency + bytes / bandwidth)`` over the link between the
   stage's node and the shard's node (free on the same device's node); ``S_v`` is the slowest stage's.
@@ -33,6 +37,7 @@ import numpy as np
 
 from hetpipe.plan.placement import holders
 from hetpipe.plan.types import ShardPlan
+from hetpipe.schedule.registry import ScheduleOptions, get_schedule
 
 
 def vw_sync_time(stages: Sequence[Tuple[int, int, str]], param_bytes: Sequence[float],
@@ -74,11 +79,11 @@ def shard_times(vw_stage_lists: Sequence[Sequence[Tuple[int, int, str]]], param_
     return tuple(out)
 
 
-def vw_wave_time(bottleneck: float, round_trip: float, sync: float, nm: int, d: int, num_stages: int = 1) -> float:
-    """``W_v`` (see the module docstring)."""
-    if d == 0 or nm < num_stages:
-        return round_trip + (nm - 1) * bottleneck + sync
-    return max(nm * bottleneck, round_trip, sync)
+def vw_wave_time(bottleneck: float, round_trip: float, sync: float, nm: int, d: int, num_stages: int = 1,
+                 schedule: str = "hetpipe") -> float:
+    """``W_v`` (see the module docstring) of a wave of ``nm`` minibatches under the registered ``schedule``."""
+    spec = get_schedule(schedule)
+    return spec.wave_time(bottleneck, round_trip, sync, ScheduleOptions(num_stages, nm, nm, d))
 
 
 def cluster_throughput(wave_times: Sequence[float], nm: int, d: int, shard_period: float = 0.0,

@@ -28,6 +28,11 @@ in flight in the VW:
   A recomputing stage stashes only its input for each minibatch in flight and rebuilds one
   minibatch's activations during its backward, so its last term is ``n_k x input_bytes(a) +
   stash[a:b]``; its weight stashes are those of a stage without recomputation.
+
+  ``P`` also counts the replicas the stage holds: a tied parameter (the profile's ``tied``) used by
+  a layer of ``[a, b)`` and owned by a layer before ``a`` is one more slice of the stage's flat
+  weights (each replica once), with its gradient, optimizer state, stashes and delta slices like any
+  other; one owned inside ``[a, b)`` is already in ``param[a:b]``.
 """
 
 from __future__ import annotations
@@ -96,6 +101,21 @@ class LayerTable:
         state = np.array([2.0 * x.param_bytes + x.optimizer_bytes for x in layers])
         self.cum_state = np.concatenate([[0.0], np.cumsum(state)])
         self.cum_param = np.concatenate([[0.0], np.cumsum(self.param_bytes)])
+        # Tied parameters, one entry each: (owner, next_user, bytes, optimizer bytes), where
+        # next_user[a] is the first layer >= a that holds it (n + 1 if none), so that a stage [a, b)
+        # holds a replica exactly when owner < a and next_user[a] < b.
+        users: Dict[Tuple[int, str], list] = {}
+        for i, layer in enumerate(layers):
+            for owner, name, nbytes in layer.tied:
+                users.setdefault((owner, name), [nbytes, []])[1].append(i)
+        self.ties = []
+        for (owner, _), (nbytes, holders) in sorted(users.items()):
+            nxt = np.full(n + 1, n + 1, dtype=np.intp)
+            for u in sorted(holders, reverse=True):
+                nxt[:u + 1] = u
+            own = layers[owner]
+            ratio = own.optimizer_bytes / own.param_bytes if own.param_bytes else 0.0
+            self.ties.append((owner, nxt, float(nbytes), ratio * nbytes))
         self.cum_stash = np.concatenate([[0.0], np.cumsum([float(x.stash) for x in layers])])
         ws = np.array([float(x.workspace_bytes) for x in layers])
         # range maxima: a dense (L+1) x (L+1) table for models of up to DENSE_MAX layers, else a
@@ -159,6 +179,9 @@ class LayerTable:
             mhi = self.cum_state[b] + copies * self.cum_param[b] + n * self.cum_stash[b]
             mlo = self.cum_state[a] + copies * self.cum_param[a] + n * self.cum_stash[a]
         mem = (mhi - mlo) + self.ws_max(a, np.maximum(b, a + 1) if self._dense is None else b)
+        for owner, next_user, nbytes, opt in self.ties:
+            held = (a > owner) & (next_user[np.minimum(a, self.num_layers)] < b)
+            mem = mem + np.where(held, (2 + copies) * nbytes + opt, 0.0)
         return comp, mem
 
     def stage(self, stage_dev: StageDevice, k: int, num_stages: int, nm: int, a: int, b: int,

@@ -23,7 +23,7 @@ from hetpipe.runtime.device_copy import CopyStager
 from hetpipe.runtime.emulation import Pacer
 from hetpipe.runtime.link import StageLink
 from hetpipe.runtime.executor import MinibatchFeed, StageContext, StageExecutor
-from hetpipe.runtime.layout import ModelLayout
+from hetpipe.runtime.layout import ModelLayout, local_buffers
 from hetpipe.runtime.ps import ShardLog, ShardServer, ShardState
 from hetpipe.runtime.stage_model import StageModel, TiedKey
 from hetpipe.runtime.tree import Boundary, boundary_of, on_wire
@@ -99,12 +99,19 @@ def side_inputs_of(layer: nn.Module, i: int, inputs: Any) -> Dict[str, Any]:
     return {k: inputs[k] for k in keys}
 
 
+FALLBACK_SAMPLES = 2
+
+
 def infer_boundaries(layers: Sequence[nn.Module], x: Any) -> List[Union[Boundary, LayerFailure, None]]:
     """What enters each layer (and leaves the last), as :class:`Boundary` pytree specs.
 
     ``x`` is the first minibatch's inputs (a tensor or a dict of tensors). Runs on the meta device (no
     real compute), falling back to a real no-grad pass, on a copy of the layer and with the caller's
-    random state restored, for layers meta cannot run. A layer returning a non-tensor leaf is a
+    random state restored, for layers meta cannot run (e.g. a causal-mask builder that reads the
+    attention mask's values). The real pass takes the first ``FALLBACK_SAMPLES`` samples only: a
+    boundary is per sample (batch on dim 0), and a whole minibatch of a large model would cost every
+    rank minutes of CPU at start-up; two, not one, so that a training-mode BatchNorm still has a
+    batch to normalise over. A layer returning a non-tensor leaf is a
     TypeError naming it. A layer that raises on this rank's copy of the model gives a
     :class:`LayerFailure` for every later boundary: only a stage that needs one of them fails (see
     :func:`build_stage`), with that layer's own error."""
@@ -113,8 +120,9 @@ def infer_boundaries(layers: Sequence[nn.Module], x: Any) -> List[Union[Boundary
     cur = pytree.tree_map(to_meta, x)
     meta_inputs = pytree.tree_map(to_meta, x)
     real: Any = None
+    few = pytree.tree_map(lambda t: t[:FALLBACK_SAMPLES] if isinstance(t, torch.Tensor) and t.dim() else t, x)
     for i, layer in enumerate(layers):
-        side = side_inputs_of(layer, i, x)
+        side = side_inputs_of(layer, i, few)
         where = f"layer {i} ({type(layer).__name__})"
         try:
             with torch.random.fork_rng(devices=[]):
@@ -124,7 +132,8 @@ def infer_boundaries(layers: Sequence[nn.Module], x: Any) -> List[Union[Boundary
                         cur = torch.func.functional_call(layer, tensors, (cur,),
                                                          side_inputs_of(layer, i, meta_inputs))
                     except (NotImplementedError, RuntimeError):
-                        real = pytree.tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype), cur)
+                        real = pytree.tree_map(lambda t: torch.zeros((min(t.shape[0], FALLBACK_SAMPLES),
+                                                                      *t.shape[1:]), dtype=t.dtype), cur)
                 if real is not None:
                     with torch.no_grad():
                         real = copy.deepcopy(layer)(real, **side)
@@ -163,8 +172,11 @@ def stage_pool(spec: RunSpec, vw: int, stage: int):
     return hetpipe_core.PinnedBufferPool(slots, _round_slot(max(act, param_bytes)), device)
 
 
-def shard_pool(spec: RunSpec, shard: int):
-    """A PS shard's slots: ordinary host memory (device -1), so a PS rank opens no CUDA context."""
+def shard_pool(spec: RunSpec, shard: int, plane: str = "python"):
+    """A PS shard's slots: ordinary host memory (device -1), so a PS rank opens no CUDA context. The
+    core plane receives and sends in place, so its Python side (DONE messages only) needs one small slot."""
+    if plane == "core":
+        return hetpipe_core.PinnedBufferPool(1, 4096, -1)
     owned = spec.plan.ps_shards[shard].layers
     lay = spec.layout
     biggest = max((4 * (sum(lay.numel(l) + lay.buffer_numel(l) for l in owned if st.start <= l < st.stop)
@@ -257,7 +269,9 @@ def initial_weights(layers: Sequence[nn.Module], first: int) -> Dict[int, np.nda
 
 
 def build_shard(spec: RunSpec, shard: int, transport: Transport, pool, *,
-                trace: Optional[List[TraceEvent]] = None, t0: float = 0.0) -> ShardServer:
+                trace: Optional[List[TraceEvent]] = None, t0: float = 0.0, comm: Any = None) -> ShardServer:
+    """The shard's server: the compiled core's data plane served over ``comm`` (an mpi4py communicator)
+    when given (see :mod:`hetpipe.runtime.ps_core`), else the Python shard over ``transport``."""
     plan, lay = spec.plan, spec.layout
     owned = plan.ps_shards[shard].layers
     weights = {l: lay.flat(l) for l in owned}
@@ -266,6 +280,12 @@ def build_shard(spec: RunSpec, shard: int, transport: Transport, pool, *,
     replicas = {(vw.index, k): [(r.owner, r.offset, r.numel) for r in lay.stage_replicas(st.start, st.stop)
                                 if r.owner in owned]
                 for vw in plan.virtual_workers for k, st in enumerate(vw.stages)}
+    if comm is not None:
+        from hetpipe.runtime.ps_core import CoreShardServer, CoreShardState
+
+        core = CoreShardState(shard, weights, stage_layers, plan.d, log_sums=spec.audit, buffers=buffers,
+                              replicas=replicas, aggregate=plan.aggregate)
+        return CoreShardServer(core, transport, pool, plan.num_stage_ranks, comm, trace=trace, t0=t0)
     state = ShardState(shard, weights, stage_layers, plan.d, log_sums=spec.audit, buffers=buffers,
                        replicas=replicas, aggregate=plan.aggregate)
     return ShardServer(state, transport, pool, plan.num_stage_ranks, trace=trace, t0=t0)
@@ -305,6 +325,7 @@ class Outcome:
     shard_logs: Dict[int, ShardLog] = field(default_factory=dict)
     samples: int = 0
     buffers: Dict[int, np.ndarray] = field(default_factory=dict)         # layer -> final synced buffers
+    local_buffers: Dict[str, torch.Tensor] = field(default_factory=dict)  # "layer.name" -> VW 0's value
 
 
 def part_outcome(part: Steppable, plan: Plan, layout: ModelLayout) -> Dict[str, Any]:
@@ -315,6 +336,11 @@ def part_outcome(part: Steppable, plan: Plan, layout: ModelLayout) -> Dict[str, 
             mine["losses"] = (part.ctx.vw, dict(part.losses))
         if part.is_first:
             mine["samples"] = sum(part.batch_sizes.values())
+        if part.ctx.vw == 0:
+            # Buffers the PS does not synchronise (num_batches_tracked, ...): VW 0's, as its weights
+            # would be without PS shards; a data-parallel user gets one replica's counters too.
+            mine["local_buffers"] = {n: b.detach().to("cpu", copy=True)
+                                     for n, b in local_buffers(part.model, layout).items()}
         # Without PS shards the final weights are VW 0's live weights.
         if not plan.ps_shards and part.ctx.vw == 0:
             live = stage_layer_weights(part, layout)
@@ -336,15 +362,22 @@ def merge_outcomes(parts: Iterable[Dict[str, Any]]) -> Outcome:
         out.samples += m.get("samples", 0)
         out.weights.update(m.get("weights", {}))
         out.buffers.update(m.get("buffers", {}))
+        out.local_buffers.update(m.get("local_buffers", {}))
         if "log" in m:
             out.shard_logs[m["log"][0]] = m["log"][1]
     return out
 
 
 def load_layer_weights(layers: Sequence[nn.Module], weights: Dict[int, np.ndarray],
-                       buffers: Optional[Dict[int, np.ndarray]] = None) -> None:
-    """Write flat per-layer weights (the parameters each layer owns, see ``runtime.layout``) and synced
-    buffers into the model's layers, in place; a tied parameter stays one tensor."""
+                       buffers: Optional[Dict[int, np.ndarray]] = None,
+                       local: Optional[Dict[str, torch.Tensor]] = None) -> None:
+    """Write flat per-layer weights (the parameters each layer owns, see ``runtime.layout``), synced
+    buffers and the unsynchronised buffers ``local`` (by ``"layer.name"``) into the model's layers, in
+    place; a tied parameter stays one tensor."""
     layout = ModelLayout(layers)
     for l, flat in weights.items():
         layout.load(l, flat, (buffers or {}).get(l))
+    with torch.no_grad():
+        for key, value in (local or {}).items():
+            l, name = key.split(".", 1)
+            layers[int(l)].get_buffer(name).copy_(value)

@@ -36,6 +36,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from hetpipe.runtime.layout import local_buffers
+
 FORMAT = 1
 MANIFEST = "manifest.json"
 RESUME_ENV = "HETPIPE_RESUME"                   # a checkpoint directory to resume from
@@ -246,15 +248,23 @@ class Checkpointer:
         self._raise()
         self._collect()
 
-    def on_signal(self) -> None:
-        """Write every kept snapshot not yet on disk (after the one in flight), in this thread."""
-        deadline = time.monotonic() + 60.0
+    def on_signal(self, wait_s: float) -> None:
+        """Write every kept snapshot not yet on disk (after the one in flight), in this thread; then wait
+        (at most ``wait_s`` in all) until one of the clocks this rank holds is complete on disk.
+
+        Why wait: mpiexec ends every rank once one exits, so a rank that wrote its part quickly would
+        otherwise get its slower peers killed halfway through theirs; the ranks leave together instead."""
+        deadline = time.monotonic() + wait_s
         with self._cv:
             while self._job is not None and time.monotonic() < deadline:
                 self._cv.wait(timeout=0.1)
         for clock, snapshot in list(self.ring) if self.keep else ():
             if clock not in self.written:
                 self._write(clock, snapshot)
+        held = [clock for clock, _ in self.ring] if self.keep else self.written[-1:]
+        while held and not any(is_complete(clock_dir(self.directory, c)) for c in held) \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
         self._collect()
 
     def _raise(self) -> None:
@@ -434,16 +444,3 @@ def param_keys(model, layout) -> List[str]:
     """``layer.name`` of each parameter of a stage, in its flat order (a replica by its owner's key)."""
     owned = [f"{l}.{n}" for l in range(model.start, model.stop) for n, _ in layout.owned[l]]
     return owned + [f"{o}.{n}" for o, n in model.replica_keys]
-
-
-def local_buffers(model, layout) -> Dict[str, torch.Tensor]:
-    """The stage's buffers the PS does not synchronise (integer counters, ...), by ``layer.name``."""
-    out = {}
-    for l in range(model.start, model.stop):
-        layer = model.layers[l - model.start]
-        synced = {n for n, _ in layout.buffers[l]}
-        persistent = set(layer.state_dict(keep_vars=True))
-        for n, b in layer.named_buffers():
-            if n in persistent and n not in synced:
-                out[f"{l}.{n}"] = b
-    return out

@@ -109,3 +109,17 @@ def _load(ts: Sequence[torch.Tensor], flat: np.ndarray) -> None:
         n = t.numel()
         t.copy_(src[off:off + n].view_as(t).to(t.device, t.dtype))
         off += n
+
+
+def local_buffers(model, layout: ModelLayout) -> Dict[str, torch.Tensor]:
+    """The persistent buffers of stage ``model``'s layers the PS does not synchronise (integer counters,
+    ...), by ``"layer.name"``."""
+    out = {}
+    for l in range(model.start, model.stop):
+        layer = model.layers[l - model.start]
+        synced = {n for n, _ in layout.buffers[l]}
+        persistent = set(layer.state_dict(keep_vars=True))
+        for n, b in layer.named_buffers():
+            if n in persistent and n not in synced:
+                out[f"{l}.{n}"] = b
+    return out

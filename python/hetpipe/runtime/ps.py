@@ -26,7 +26,8 @@ A shard owns some layers' weights ``W`` (float32, one flat array per layer). Pro
 
 Invariant, checked at every clock change: ``0 <= clock_vw - global <= D + 1``.
 Thread role: :class:`ShardState` is pure logic for one thread; :class:`ShardServer` drives it over a
-transport from the shard rank's main thread (or from the replay loop).
+transport from the shard rank's main thread (or from the replay loop). Over MPI a shard rank runs the
+compiled core's data plane instead (:mod:`hetpipe.runtime.ps_core`, same protocol, same bits).
 """
 
 from __future__ import annotations
@@ -62,6 +63,27 @@ class ShardLog:
     pushed_sum: Dict[int, np.ndarray] = field(default_factory=dict)       # layer -> float64 sum of applied deltas
 
 
+def held_layers(weights: Dict[int, np.ndarray], buffers: Dict[int, np.ndarray],
+                stage_layers: Sequence[Sequence[Tuple[int, int]]]) -> List[Dict[int, List[int]]]:
+    """Per VW, the stages holding layers of the shard (with weights or synced buffers), and which,
+    from each stage's ``[start, stop)`` layer range."""
+    out: List[Dict[int, List[int]]] = []
+    for vw_stages in stage_layers:
+        per = {}
+        for s, (a, b) in enumerate(vw_stages):
+            mine = [l for l in sorted(weights) if a <= l < b and (weights[l].size > 0 or buffers[l].size > 0)]
+            if mine:
+                per[s] = mine
+        out.append(per)
+    return out
+
+
+def check_aggregate(index: int, aggregate: str) -> None:
+    """ValueError naming the shard unless ``aggregate`` is "sum" or "mean"."""
+    if aggregate not in ("sum", "mean"):
+        raise ValueError(f"PS shard {index}: aggregate must be 'sum' or 'mean', got {aggregate!r}")
+
+
 class ShardState:
     """One shard's weights, clocks and pending wave deltas (no I/O)."""
 
@@ -69,8 +91,7 @@ class ShardState:
                  d: int, *, log_sums: bool = False, buffers: Optional[Dict[int, np.ndarray]] = None,
                  replicas: Optional[Dict[Tuple[int, int], Sequence[Tuple[int, int, int]]]] = None,
                  aggregate: str = "sum") -> None:
-        if aggregate not in ("sum", "mean"):
-            raise ValueError(f"PS shard {index}: aggregate must be 'sum' or 'mean', got {aggregate!r}")
+        check_aggregate(index, aggregate)
         self.index = index
         self.d = d
         self.aggregate = aggregate
@@ -79,15 +100,7 @@ class ShardState:
         buffers = buffers or {}
         self.B = {l: np.ascontiguousarray(buffers.get(l, np.zeros(0)), dtype=np.float32).copy() for l in self.layers}
         self.num_vws = len(stage_layers)
-        # Per VW, the stages holding layers of this shard with weights or synced buffers, and which.
-        self.stage_layers: List[Dict[int, List[int]]] = []
-        for vw_stages in stage_layers:
-            per = {}
-            for s, (a, b) in enumerate(vw_stages):
-                mine = [l for l in self.layers if a <= l < b and (self.W[l].size > 0 or self.B[l].size > 0)]
-                if mine:
-                    per[s] = mine
-            self.stage_layers.append(per)
+        self.stage_layers = held_layers(self.W, self.B, stage_layers)
         # (vw, stage) -> (layer, offset, numel) slices of W it pulls as replicas of tied parameters.
         self.replicas = {k: list(v) for k, v in (replicas or {}).items() if v}
         self.clock = hetpipe_core.ClockTable(self.num_vws)
@@ -315,12 +328,7 @@ class ShardServer:
             h = msg.header
             self.state.pull(msg.src, h.vw, h.stage, h.aux)
             progressed = True
-        while True:
-            msg = t.try_recv(ANY, DONE)
-            if msg is None:
-                break
-            self.done[(msg.header.vw, msg.header.stage)] = msg.header.aux
-            progressed = True
+        progressed = self._receive_done() or progressed
         g, version = self.state.global_clock, self.state.applied
         # Each reply takes a slot; pulls beyond the free slots stay queued until sends complete.
         ready = self.state.ready_pulls(limit=self.pool.available())
@@ -351,6 +359,16 @@ class ShardServer:
             if self.state.script is not None:
                 self.blocked_on += f", {self.state.script.waiting(self.state.applied)}"
         return progressed
+
+    def _receive_done(self) -> bool:
+        """Take the DONE messages that arrived; whether there was one."""
+        got = False
+        while True:
+            msg = self.transport.try_recv(ANY, DONE)
+            if msg is None:
+                return got
+            self.done[(msg.header.vw, msg.header.stage)] = msg.header.aux
+            got = True
 
     def _record(self, kind: str, started: float, wave: int, label: str) -> None:
         self.trace.append(TraceEvent(PS_VW, self.state.index, kind, started - self.t0,

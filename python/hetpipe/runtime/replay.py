@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
+import torch
 
 from hetpipe.runtime.build import (RunSpec, Steppable, build_shard, build_stage, merge_outcomes, part_outcome,
                                    shard_pool, stage_pool)
@@ -38,6 +39,8 @@ class ReplayResult:
     buffers: Dict[int, np.ndarray] = field(default_factory=dict)     # layer -> final synced buffers (float32)
     # Replaying a record: whether the losses and final weights are bitwise the recorded run's.
     reproduced: Optional[bool] = None
+    # Buffers the PS does not synchronise (num_batches_tracked, ...), VW 0's, by "layer.name".
+    local_buffers: Dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _endpoint(hub: LoopbackHub, rank: int, pool):
@@ -80,4 +83,5 @@ def replay_run(spec: RunSpec, record: Optional[RunRecord] = None) -> ReplayResul
         state.script.check_done(state)
     outcome = merge_outcomes(part_outcome(part, plan, spec.layout) for _, part in parts)
     reproduced = record.matches(outcome.losses, outcome.weights) if record is not None else None
-    return ReplayResult(outcome.losses, outcome.weights, outcome.shard_logs, outcome.buffers, reproduced)
+    return ReplayResult(outcome.losses, outcome.weights, outcome.shard_logs, outcome.buffers, reproduced,
+                        outcome.local_buffers)

@@ -37,12 +37,14 @@ from hetpipe.runtime.build import (RunSpec, as_layers, build_shard, build_stage,
 from hetpipe.runtime import checkpoint as ckpt
 from hetpipe.runtime.data import first_minibatch, minibatches_per_epoch
 from hetpipe.runtime.executor import StageExecutor
-from hetpipe.runtime.layout import ModelLayout
+from hetpipe.runtime.layout import ModelLayout, local_buffers
 from hetpipe.runtime.ps import ShardLog
+from hetpipe.runtime.ps_core import choose_plane
 from hetpipe.runtime.record import RunRecord
 from hetpipe.runtime.replay import ReplayResult, replay_run
 from hetpipe.runtime import transports
 from hetpipe.runtime.tree import batch_of
+from hetpipe.schedule.registry import ScheduleOptions, generate, get_schedule
 from hetpipe.schedule.trace import TraceEvent, write_chrome_trace
 
 
@@ -65,6 +67,11 @@ class TrainResult:
     # cut (vw -> minibatch -> loss; already merged into ``losses`` when the plan is the same).
     resumed: Dict[str, Any] = field(default_factory=dict)
     transport: str = ""                             # the transport backend(s) the ranks chose, "+"-joined
+    # Buffers the PS does not synchronise (num_batches_tracked, ...): VW 0's, by "layer.name".
+    local_buffers: Dict[str, torch.Tensor] = field(default_factory=dict)
+    # The PS shards' data plane(s), "+"-joined ("core", "python"; "" without shards), and why.
+    ps_plane: str = ""
+    ps_plane_reason: str = ""
 
     @property
     def samples_per_s(self) -> float:
@@ -130,6 +137,9 @@ class Trainer:
     nm, d: minibatches in flight per VW and the staleness bound (override the plan's when given: the
         plan's predicted throughput is then dropped, and an nm larger than that of a plan sized
         against device memory is refused; see :func:`override`).
+    schedule: the registered schedule every VW runs (:mod:`hetpipe.schedule.registry`; default
+        "hetpipe", the WSP schedule); one that does not take an option the run sets (the plan's nm or
+        d, recomputation, split_startup) is refused naming it.
     split_startup: run the first ``split_startup`` minibatches of each VW as two half micro-batches
         (AutoPipe-H's split start-up); the loss must be a mean over samples, so that the halves'
         losses weighted by their share of the samples sum to the minibatch's.
@@ -187,13 +197,15 @@ class Trainer:
                  metrics: Union[str, Path, None] = None, trace: Union[str, Path, None] = None,
                  progress: bool = True, comm: Any = None, plan_callback: Optional[Callable[[Plan], None]] = None,
                  aggregate: Optional[str] = None, seed: int = 0, precision: Optional[str] = None,
-                 record: Union[str, Path, None] = None, transport: Optional[str] = None):
+                 record: Union[str, Path, None] = None, schedule: str = "hetpipe",
+                 transport: Optional[str] = None):
         self.model = model
         self.layers = as_layers(model)
         self.loss_fn, self.optimizer, self.data = loss_fn, optimizer, data
         self.plan_arg, self.policy, self.cluster = plan, policy, cluster
         self.nm, self.d, self.epochs = nm, d, epochs
         self.split_startup = split_startup
+        self.schedule = get_schedule(schedule).name
         self.timeout = failure.timeout_s(timeout)
         self.emulate, self.emulation_scale = emulate, emulation_scale
         self.copy_stream = copy_stream
@@ -244,7 +256,7 @@ class Trainer:
             if isinstance(cluster, str):
                 cluster = load_cluster(cluster)
             x, y = first_minibatch(self.data)
-            profile = profile_model(list(self.layers), x, cluster, loss_fn=lambda out: self.loss_fn(out, y))
+            profile = profile_model(self.model, x, cluster, loss_fn=lambda out: self.loss_fn(out, y))
             plan = make_plan(cluster, profile, policy=self.policy, nm=self.nm, d=self.d or 0,
                              minibatch_size=batch_of(x), precision=self.precision or "fp32")
             return self._check_layers(plan)
@@ -258,8 +270,6 @@ class Trainer:
     def spec(self, plan: Plan, resume: Optional[ckpt.Resume] = None) -> RunSpec:
         """The run's :class:`RunSpec` for ``plan`` (schedules, activation shapes) on this rank; a resumed
         run trains what is left after the checkpoint's cut."""
-        from hetpipe.schedule import hetpipe_schedule
-
         num_vws = len(plan.virtual_workers)
         per_epoch = minibatches_per_epoch(self.data)
         per_vw = per_epoch // num_vws
@@ -277,8 +287,8 @@ class Trainer:
         schedules = []
         for vw in plan.virtual_workers:
             recompute = any(st.recompute for st in vw.stages)
-            schedules.append(hetpipe_schedule(len(vw.stages), total, plan.nm, plan.d, recompute=recompute,
-                                              split_startup=split))
+            schedules.append(generate(self.schedule, ScheduleOptions(len(vw.stages), total, plan.nm, plan.d,
+                                                                     recompute=recompute, split_startup=split)))
         return RunSpec(plan, self.layers, self.loss_fn, self.optimizer, self.data, self.epochs, schedules,
                        infer_boundaries(self.layers, x), batch_of(x), copy_stream=self.copy_stream, audit=self.audit,
                        seed=self.seed, resume=resume)
@@ -349,7 +359,7 @@ class Trainer:
     def _stage_snapshot(self, plan: Plan, spec: RunSpec, ex: StageExecutor, role: Role) -> ckpt.Snapshot:
         model = ex.model
         tensors, opt = ckpt.optimizer_snapshot(model.optimizer, ckpt.param_keys(model, spec.layout))
-        for name, b in ckpt.local_buffers(model, spec.layout).items():
+        for name, b in local_buffers(model, spec.layout).items():
             tensors[f"buf/{name}"] = b.detach().to("cpu", copy=True)
         if not plan.ps_shards and role.vw == 0:
             for l, (w, b) in model.layer_weights(spec.layout).items():
@@ -388,7 +398,7 @@ class Trainer:
         result = replay_run(spec, record)
         if spec.resume is not None:
             result.losses = resumed_losses(result.losses, spec.resume)
-        load_layer_weights(self.layers, result.weights, result.buffers)
+        load_layer_weights(self.layers, result.weights, result.buffers, result.local_buffers)
         return result
 
     # --- multi-process -----------------------------------------------------------------------
@@ -440,7 +450,7 @@ class Trainer:
             spec = self.spec(plan, self._resume(plan))
             if role.kind == "stage":
                 st = plan.virtual_workers[role.vw].stages[role.stage]
-                dev, emulated = resolve_device(st, emulate=self.emulate, cuda_count=len(hosts[rank]["cuda"]))
+                dev, emulated = resolve_device(st, emulate=self.emulate, cuda_count=hosts[rank]["cuda_count"])
                 spec.devices[rank], spec.emulated[rank] = dev, emulated
                 spec.emulation_scale = self.emulation_scale
         except (LaunchError, ValueError, TypeError, ckpt.CheckpointError) as e:
@@ -458,8 +468,10 @@ class Trainer:
             if device.type == "cuda":
                 torch.cuda.set_device(device)    # before this rank's first CUDA call: nothing lands on GPU 0
             pool = stage_pool(spec, role.vw, role.stage)
+            plane, plane_reason = "", ""
         else:
-            pool = shard_pool(spec, role.shard)
+            plane, plane_reason = choose_plane(comm)
+            pool = shard_pool(spec, role.shard, plane)
         try:
             opened = transports.open_rank(comm, pool, device if role.kind == "stage" else None, stage_pairs(spec),
                                           forced=self.transport, timeout_s=self.timeout, who=role.describe())
@@ -475,7 +487,8 @@ class Trainer:
                 reporter = _Reporter(part, plan, self.metrics, self.progress, t0, spec.schedules[0].num_minibatches,
                                      self.epochs)
         else:
-            part = build_shard(spec, role.shard, transport, pool, trace=trace, t0=t0)
+            part = build_shard(spec, role.shard, transport, pool, trace=trace, t0=t0,
+                               comm=comm if plane == "core" else None)
         writer = self._checkpointer(plan, spec, role, part)
         previous = self._on_sigterm(writer)
         # A shard idles legitimately while stages compute; it waits twice as long, so that a stuck
@@ -491,7 +504,7 @@ class Trainer:
         elapsed = time.perf_counter() - t0
         transport.close()
         mine = {**part_outcome(part, plan, spec.layout), "elapsed": elapsed, "trace": trace or [],
-                "transport": opened.name}
+                "transport": opened.name, "ps_plane": (plane, plane_reason)}
         everyone = comm.allgather(mine)
         if self.record_path is not None and role.rank == 0:
             RunRecord.of_run(spec, merge_outcomes(everyone)).save(self.record_path)
@@ -504,21 +517,24 @@ class Trainer:
         result = TrainResult(plan, role.rank, role.describe(), losses, outcome.weights, outcome.shard_logs,
                              max(m["elapsed"] for m in everyone), outcome.samples,
                              [e for m in everyone for e in m["trace"]], emulated, outcome.buffers, resumed,
-                             "+".join(sorted({m["transport"] for m in everyone})))
-        load_layer_weights(self.layers, result.weights, result.buffers)
+                             "+".join(sorted({m["transport"] for m in everyone})), outcome.local_buffers,
+                             "+".join(sorted({m["ps_plane"][0] for m in everyone} - {""})),
+                             "; ".join(sorted({m["ps_plane"][1] for m in everyone} - {""})))
+        load_layer_weights(self.layers, result.weights, result.buffers, result.local_buffers)
         if reporter is not None:
             reporter.finish(result, self.trace_path, reason)
         return result
 
 
     def _on_sigterm(self, writer: Optional[ckpt.Checkpointer]):
-        """On SIGTERM, write the kept wave-boundary snapshots not yet on disk, then exit 128 + 15;
+        """On SIGTERM, write the kept wave-boundary snapshots not yet on disk, wait until a clock this
+        rank holds is complete (every rank's part; at most ``HETPIPE_TERM_GRACE``), then exit 128 + 15;
         returns the previous handler (None: nothing installed)."""
         if writer is None or threading.current_thread() is not threading.main_thread():
             return None
 
         def handler(sig, _frame) -> None:
-            writer.on_signal()
+            writer.on_signal(failure.signal_grace_s())
             sys.stderr.write(f"hetpipe: {self._describe}: SIGTERM; checkpoint(s) at clock(s) {writer.written} in "
                              f"{self.checkpoint_dir}\n")
             sys.stderr.flush()
@@ -607,7 +623,8 @@ class _Reporter:
             self.file.write(json.dumps({"event": "summary", "samples": result.samples, "elapsed_s": result.elapsed_s,
                                         "samples_per_s": result.samples_per_s, "emulated_devices": result.emulated,
                                         "nm": self.plan.nm, "d": self.plan.d, "final_clocks": clocks,
-                                        "transport": result.transport, "transport_reason": transport_reason})
+                                        "transport": result.transport, "transport_reason": transport_reason,
+                                        "ps_plane": result.ps_plane, "ps_plane_reason": result.ps_plane_reason})
                             + "\n")
             self.file.close()
         if trace_path is not None:

@@ -8,6 +8,9 @@ from hetpipe.schedule.ir import (  # noqa: F401
     parse, parse_stream,
 )
 from hetpipe.schedule.lower import lower  # noqa: F401
+from hetpipe.schedule.registry import (  # noqa: F401
+    ScheduleOptions, ScheduleSpec, generate, get_schedule, register, schedule_names, unregister,
+)
 from hetpipe.schedule.generators import (  # noqa: F401
     gpipe_schedule, hetpipe_compute_schedule, hetpipe_schedule, one_f_one_b_schedule,
 )

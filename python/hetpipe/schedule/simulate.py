@@ -31,12 +31,12 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from hetpipe.schedule.generators import hetpipe_schedule
 from hetpipe.schedule.ir import (
     Apply, Bwd, Fwd, Pull, Push, Recompute, RecvAct, RecvGrad, Schedule, SendAct, SendGrad,
 )
 from hetpipe.schedule.ps import DEFAULT_APPLY_RATE, Shards, ShardStats, ShardTraffic, StageTraffic, plan_traffic
 from hetpipe.schedule.lockstep import lockstep
+from hetpipe.schedule.registry import ScheduleOptions, generate, get_schedule
 from hetpipe.schedule.trace import PS_VW, TraceEvent
 from hetpipe.schedule.validate import ScheduleError, validate
 
@@ -269,8 +269,8 @@ def _compiled(schedule: Schedule, check: bool) -> List[Tuple[int, int, int, int]
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def _wsp_schedule(k: int, minibatches: int, nm: int, d: int, split: int) -> Schedule:
-    return hetpipe_schedule(k, minibatches, nm, d, split_startup=split)
+def _plan_schedule(name: str, options: ScheduleOptions) -> Schedule:
+    return generate(name, options)
 
 
 def _compile(schedule: Schedule) -> List[Tuple[int, int, int, int]]:
@@ -456,8 +456,11 @@ def check_waves(plan, waves: int, name: str = "waves") -> None:
 def simulate_plan(plan, waves: int = 10, *, apply: PerStage = 0.0, latency_s: PerStage = 0.0,
                   push: PerStage = 0.0, pull: PerStage = 0.0, transfer_s: Optional[PerStage] = None,
                   split_startup: int = 0, cluster=None, param_bytes: Optional[Sequence[float]] = None,
-                  apply_rate: float = DEFAULT_APPLY_RATE) -> SimResult:
+                  apply_rate: float = DEFAULT_APPLY_RATE, schedule: str = "hetpipe") -> SimResult:
     """Simulate ``waves`` waves of every VW of a :class:`hetpipe.plan.types.Plan` under its Nm and D.
+
+    Every VW runs the registered schedule ``schedule`` (:mod:`hetpipe.schedule.registry`) for
+    ``waves x Nm`` minibatches; one that does not take the plan's Nm or D refuses them by name.
 
     Forward/backward times come from each stage's ``fwd_time``/``bwd_time`` (recomputation is part
     of ``bwd_time``, so the schedule has no separate Recompute), transfers from
@@ -465,19 +468,21 @@ def simulate_plan(plan, waves: int = 10, *, apply: PerStage = 0.0, latency_s: Pe
     that a plan does not carry (apply, link latency, fixed PS push/pull seconds per stage and wave).
     With ``cluster`` (a ClusterSpec) and ``param_bytes`` (per layer) the plan's PS shards are
     modelled as resources (:mod:`hetpipe.schedule.ps`) applying ``apply_rate`` bytes per second;
-    without them the shards serve at once.
+    without them the shards serve at once, and so does a schedule that never talks to them.
     """
     check_waves(plan, waves, "simulate_plan: waves")
     if (cluster is None) != (param_bytes is None):
         raise ValueError("simulate_plan: the PS model needs both cluster and param_bytes")
     check_waves(plan, waves)
-    traffic = None if cluster is None else plan_traffic(plan, cluster, param_bytes, apply_rate)
+    spec = get_schedule(schedule)
+    traffic = None if cluster is None or not spec.syncs else plan_traffic(plan, cluster, param_bytes, apply_rate)
     schedules, costs = [], []
     cache: Dict[int, Schedule] = {}
     for v, vw in enumerate(plan.virtual_workers):
         k = len(vw.stages)
         if k not in cache:
-            cache[k] = _wsp_schedule(k, waves * plan.nm, plan.nm, plan.d, split_startup)
+            cache[k] = _plan_schedule(spec.name, ScheduleOptions(k, waves * plan.nm, plan.nm, plan.d,
+                                                                 split_startup=split_startup))
         schedules.append(cache[k])
         tx = [st.send_time for st in vw.stages[:-1]] if transfer_s is None else transfer_s
         costs.append(vw_costs([st.fwd_time for st in vw.stages], [st.bwd_time for st in vw.stages],

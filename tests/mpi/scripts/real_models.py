@@ -205,7 +205,7 @@ def vw_waves(model: nn.Module, loss_fn: Callable, opt_factory: Callable, batches
     """HetPipe with ``num_vws`` one-stage VWs, nm = 1, D = 0, in plain PyTorch: in wave ``c`` each VW
     trains a copy of the global model (weights and buffers) on its ``c``-th minibatch with its own
     optimizer; the global weights move by the sum (or mean) of the VWs' changes, the global float
-    buffers become the average of the VWs' buffers."""
+    buffers become the average of the VWs' buffers, the others (counters) VW 0's."""
     per_vw = len(batches) // num_vws
     replicas = [copy.deepcopy(model) for _ in range(num_vws)]
     opts = [opt_factory(r.parameters()) for r in replicas]
@@ -225,4 +225,6 @@ def vw_waves(model: nn.Module, loss_fn: Callable, opt_factory: Callable, batches
             for n, b in model.named_buffers():
                 if b.is_floating_point():
                     b.copy_(sum(dict(r.named_buffers())[n] for r in replicas) / num_vws)
+                else:
+                    b.copy_(dict(replicas[0].named_buffers())[n])
     return model

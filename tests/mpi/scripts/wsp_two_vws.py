@@ -33,6 +33,7 @@ def check(run, d: int) -> dict:
             moved = run.weights[l].astype(np.float64) - w0[l].astype(np.float64)
             out["sum_ok"] &= bool(np.allclose(moved, pushed, rtol=1e-4, atol=1e-5))
     out["final_global"] = run.shard_logs[0].clocks[-1][2]
+    out["ps_plane"] = run.ps_plane
     return out
 
 

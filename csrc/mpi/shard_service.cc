@@ -1,0 +1,458 @@
+#include "shard_service.h"
+
+#include <algorithm>
+#include <cstring>
+#include <chrono>
+#include <functional>
+#include <sstream>
+#include <stdexcept>
+#include <utility>
+
+namespace hetpipe {
+
+namespace {
+
+// Message kinds and dtype codes of python/hetpipe/runtime/transport.py.
+constexpr std::int64_t kPush = 3;
+constexpr std::int64_t kPull = 4;
+constexpr std::int64_t kWeights = 5;
+constexpr std::int64_t kFloat32 = 1;
+constexpr int kHeaderWords = 16;
+constexpr int kMaxNdim = kHeaderWords - 8;
+const char* const kDtypes[] = {"float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool"};
+
+constexpr auto kFirstBackoff = std::chrono::microseconds(20);
+constexpr auto kMaxBackoff = std::chrono::milliseconds(1);
+constexpr auto kReplyGrace = std::chrono::seconds(1);
+
+class MpiError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+void check(int rc, const char* what) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  throw MpiError(std::string(what) + " failed: " + std::string(text, static_cast<std::size_t>(len)));
+}
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::string dtype_name(std::int64_t code) {
+  return code >= 1 && code <= 8 ? kDtypes[code - 1] : "dtype#" + std::to_string(code);
+}
+
+std::string describe(const std::array<std::int64_t, 16>& w) {
+  std::ostringstream out;
+  out << dtype_name(w[5]) << "[";
+  const std::int64_t ndim = std::min<std::int64_t>(std::max<std::int64_t>(w[6], 0), kMaxNdim);
+  for (std::int64_t i = 0; i < ndim; ++i) out << (i ? ", " : "") << w[static_cast<std::size_t>(8 + i)];
+  out << "] (" << w[7] << " bytes)";
+  return out.str();
+}
+
+// Sleeps while nothing moves: 20 us doubling to 1 ms, reset by progress.
+class Backoff {
+ public:
+  void reset() { delay_ = kFirstBackoff; }
+  void wait() {
+    std::this_thread::sleep_for(delay_);
+    delay_ = std::min<std::chrono::microseconds>(delay_ * 2, kMaxBackoff);
+  }
+
+ private:
+  std::chrono::microseconds delay_ = kFirstBackoff;
+};
+
+// Plane errors are the peers breaking the protocol; MPI's are the transport's; the rest are ours.
+template <class Body>
+void guarded(Body body, const std::function<void(const std::string&, const std::string&)>& fail) {
+  try {
+    body();
+  } catch (const MpiError& e) {
+    fail("mpi", e.what());
+  } catch (const std::invalid_argument& e) {
+    fail("wsp", e.what());
+  } catch (const std::logic_error& e) {
+    fail("wsp", e.what());
+  } catch (const std::bad_alloc&) {
+    fail("internal", "out of host memory");
+  } catch (const std::exception& e) {
+    fail("internal", e.what());
+  } catch (...) {
+    fail("internal", "unknown exception");
+  }
+}
+
+}  // namespace
+
+ShardService::ShardService(ShardPlane& plane, MPI_Comm comm, int shard, bool trace)
+    : plane_(plane), comm_(comm), shard_(shard), tracing_(trace) {
+  int initialised = 0, finalised = 0, level = 0;
+  MPI_Initialized(&initialised);
+  MPI_Finalized(&finalised);
+  if (!initialised || finalised) throw std::runtime_error(where() + ": MPI is not initialised (or already finalised)");
+  MPI_Query_thread(&level);
+  if (level != MPI_THREAD_MULTIPLE) {
+    throw std::runtime_error(where() + ": MPI runs at thread level " + std::to_string(level) +
+                             ", the service needs MPI_THREAD_MULTIPLE (" + std::to_string(MPI_THREAD_MULTIPLE) + ")");
+  }
+  int slots = 0;
+  for (int vw = 0; vw < plane_.num_vws(); ++vw) {
+    slot_base_.push_back(slots);
+    const int stages = plane_.num_stages(vw);
+    num_stages_.push_back(stages);
+    slots += stages;
+  }
+  received_.reset(new std::atomic<std::int64_t>[static_cast<std::size_t>(std::max(slots, 1))]);
+  packed_.resize(static_cast<std::size_t>(slots));
+  for (int i = 0; i < std::max(slots, 1); ++i) received_[static_cast<std::size_t>(i)].store(0);
+}
+
+ShardService::~ShardService() { stop(); }
+
+std::string ShardService::where() const { return "PS shard " + std::to_string(shard_); }
+
+void ShardService::start() {
+  if (running_.exchange(true)) throw std::logic_error(where() + ": the service is already running");
+  stopping_.store(false);
+  receiver_ = std::thread([this] { receive_loop(); });
+  worker_ = std::thread([this] { serve_loop(); });
+}
+
+void ShardService::stop() {
+  if (!running_.load(std::memory_order_acquire)) return;
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    stopping_.store(true, std::memory_order_release);
+  }
+  wake_.notify_all();
+  if (receiver_.joinable()) receiver_.join();
+  if (worker_.joinable()) worker_.join();
+  running_.store(false, std::memory_order_release);
+}
+
+void ShardService::fail(const std::string& kind, const std::string& message) {
+  {
+    std::lock_guard<std::mutex> lock(info_mutex_);
+    if (error_.empty()) {
+      error_kind_ = kind;
+      error_ = message.rfind("ShardPlane: ", 0) == 0 ? where() + ": " + message.substr(12) : message;
+    }
+  }
+  failed_.store(true, std::memory_order_release);
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    stopping_.store(true, std::memory_order_release);
+  }
+  wake_.notify_all();
+}
+
+std::string ShardService::error() const {
+  std::lock_guard<std::mutex> lock(info_mutex_);
+  return error_;
+}
+
+std::string ShardService::error_kind() const {
+  std::lock_guard<std::mutex> lock(info_mutex_);
+  return error_kind_;
+}
+
+std::int64_t ShardService::pushes_received(int vw, int stage) const {
+  if (vw < 0 || vw >= static_cast<int>(num_stages_.size()) || stage < 0 ||
+      stage >= num_stages_[static_cast<std::size_t>(vw)]) {
+    return 0;
+  }
+  return received_[static_cast<std::size_t>(slot_base_[static_cast<std::size_t>(vw)] + stage)].load();
+}
+
+std::vector<ShardServiceEvent> ShardService::trace() const {
+  std::lock_guard<std::mutex> lock(info_mutex_);
+  return events_log_;
+}
+
+std::vector<std::string> ShardService::lost() const {
+  std::lock_guard<std::mutex> lock(info_mutex_);
+  return lost_;
+}
+
+void ShardService::record(const ShardServiceEvent& e) {
+  if (!tracing_) return;
+  std::lock_guard<std::mutex> lock(info_mutex_);
+  events_log_.push_back(e);
+}
+
+// --- receiver ---------------------------------------------------------------------------------------
+
+void ShardService::receive_loop() {
+  auto on_fail = [this](const std::string& k, const std::string& m) { fail(k, m); };
+  guarded(
+      [this] {
+        check(MPI_Irecv(push_words_.data(), kHeaderWords, MPI_INT64_T, MPI_ANY_SOURCE, static_cast<int>(2 * kPush),
+                        comm_, &push_header_),
+              "MPI_Irecv (push header)");
+        check(MPI_Irecv(pull_words_.data(), kHeaderWords, MPI_INT64_T, MPI_ANY_SOURCE, static_cast<int>(2 * kPull),
+                        comm_, &pull_header_),
+              "MPI_Irecv (pull header)");
+        Backoff backoff;
+        while (!stopping_.load(std::memory_order_acquire)) {
+          bool progressed = false;
+          int done = 0;
+          MPI_Status status;
+          check(MPI_Test(&push_header_, &done, &status), "MPI_Test (push header)");
+          if (done) {
+            on_push_header(push_words_, status.MPI_SOURCE);
+            check(MPI_Irecv(push_words_.data(), kHeaderWords, MPI_INT64_T, MPI_ANY_SOURCE,
+                            static_cast<int>(2 * kPush), comm_, &push_header_),
+                  "MPI_Irecv (push header)");
+            progressed = true;
+          }
+          check(MPI_Test(&pull_header_, &done, &status), "MPI_Test (pull header)");
+          if (done) {
+            on_pull_header(pull_words_, status.MPI_SOURCE);
+            check(MPI_Irecv(pull_words_.data(), kHeaderWords, MPI_INT64_T, MPI_ANY_SOURCE,
+                            static_cast<int>(2 * kPull), comm_, &pull_header_),
+                  "MPI_Irecv (pull header)");
+            progressed = true;
+          }
+          progressed = test_pushes() || progressed;
+          if (progressed) {
+            backoff.reset();
+          } else if (!pushes_.empty()) {
+            // A payload in flight moves only while we call into MPI (a rendezvous transfer takes many
+            // progress calls): keep polling, yielding the core to the other ranks between calls.
+            std::this_thread::sleep_for(kFirstBackoff);
+          } else {
+            backoff.wait();
+          }
+        }
+      },
+      on_fail);
+  guarded([this] { cancel_receives(); }, on_fail);
+}
+
+void ShardService::on_push_header(const std::array<std::int64_t, 16>& w, int src) {
+  const int vw = static_cast<int>(w[1]), stage = static_cast<int>(w[2]);
+  const std::int64_t wave = w[4];
+  std::ostringstream who;
+  who << "push from VW " << vw << " stage " << stage << " wave " << wave << " (rank " << src << ")";
+  if (w[0] != kPush) throw std::invalid_argument(where() + ": " + who.str() + " carries a header of kind " + std::to_string(w[0]));
+  if (!plane_.pushes_from(vw, stage)) {
+    throw std::invalid_argument(where() + ": VW " + std::to_string(vw) + " stage " + std::to_string(stage) +
+                                " (rank " + std::to_string(src) + ") holds none of its layers but pushed wave " +
+                                std::to_string(wave));
+  }
+  const std::size_t want = plane_.stage_numel(vw, stage);
+  if (w[5] != kFloat32 || w[7] != static_cast<std::int64_t>(4 * want)) {
+    std::ostringstream msg;
+    msg << where() << ": " << who.str() << " is " << describe(w) << ", expected float32[" << want << "] ("
+        << 4 * want << " bytes)";
+    throw std::invalid_argument(msg.str());
+  }
+  const double start = now_s();
+  const std::int64_t before = plane_.global_clock();
+  float* into = plane_.begin_push(vw, stage, wave, want);
+  PendingPush p{MPI_REQUEST_NULL, vw, stage, wave, start, before};
+  check(MPI_Irecv_c(into, static_cast<MPI_Count>(4 * want), MPI_BYTE, src, static_cast<int>(2 * kPush + 1), comm_,
+                    &p.request),
+        "MPI_Irecv (push payload)");
+  pushes_.push_back(p);
+  events_.fetch_add(1, std::memory_order_acq_rel);
+}
+
+bool ShardService::test_pushes() {
+  bool progressed = false;
+  // In arrival order: a stage's pushes end in wave order.
+  for (auto it = pushes_.begin(); it != pushes_.end();) {
+    int done = 0;
+    check(MPI_Test(&it->request, &done, MPI_STATUS_IGNORE), "MPI_Test (push payload)");
+    if (!done) {
+      ++it;
+      continue;
+    }
+    const PendingPush p = *it;
+    it = pushes_.erase(it);
+    const bool due = plane_.end_push(p.vw, p.stage, p.wave);
+    received_[static_cast<std::size_t>(slot_base_[static_cast<std::size_t>(p.vw)] + p.stage)].fetch_add(1);
+    events_.fetch_add(1, std::memory_order_acq_rel);
+    record({true, p.vw, p.stage, p.wave, p.start_s, now_s(), p.global_before, plane_.global_clock()});
+    if (due) {
+      std::lock_guard<std::mutex> lock(queue_mutex_);  // pairs with the worker's wait: no lost wake-up
+      wake_.notify_one();
+    }
+    progressed = true;
+  }
+  return progressed;
+}
+
+void ShardService::on_pull_header(const std::array<std::int64_t, 16>& w, int src) {
+  const int vw = static_cast<int>(w[1]), stage = static_cast<int>(w[2]);
+  if (w[0] != kPull || !plane_.pulls_from(vw, stage)) {
+    throw std::invalid_argument(where() + ": VW " + std::to_string(vw) + " stage " + std::to_string(stage) +
+                                " (rank " + std::to_string(src) + ") holds none of its layers but pulled wave " +
+                                std::to_string(w[4]));
+  }
+  outstanding_.fetch_add(1, std::memory_order_acq_rel);
+  events_.fetch_add(1, std::memory_order_acq_rel);
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    queue_.push_back({src, vw, stage, w[4], now_s()});
+  }
+  wake_.notify_one();
+}
+
+void ShardService::cancel_receives() {
+  std::vector<std::string> lost;
+  auto cancel = [&](MPI_Request& req, const std::string& what) {
+    if (req == MPI_REQUEST_NULL) return;
+    MPI_Status status;
+    check(MPI_Cancel(&req), "MPI_Cancel");
+    check(MPI_Wait(&req, &status), "MPI_Wait (cancelled receive)");
+    int cancelled = 0;
+    MPI_Test_cancelled(&status, &cancelled);
+    if (!cancelled) lost.push_back(what + " from rank " + std::to_string(status.MPI_SOURCE));
+  };
+  cancel(push_header_, "a push header");
+  cancel(pull_header_, "a pull header");
+  for (PendingPush& p : pushes_) {
+    // Its header was consumed: the push is lost whether or not its payload had started arriving.
+    MPI_Status status;
+    check(MPI_Cancel(&p.request), "MPI_Cancel");
+    check(MPI_Wait(&p.request, &status), "MPI_Wait (cancelled receive)");
+    lost.push_back("the push of wave " + std::to_string(p.wave) + " from VW " + std::to_string(p.vw) + " stage " +
+                   std::to_string(p.stage) + " (its payload never completed)");
+  }
+  pushes_.clear();
+  std::lock_guard<std::mutex> lock(info_mutex_);
+  lost_.insert(lost_.end(), lost.begin(), lost.end());
+}
+
+// --- worker -----------------------------------------------------------------------------------------
+
+void ShardService::serve_loop() {
+  auto on_fail = [this](const std::string& k, const std::string& m) { fail(k, m); };
+  guarded(
+      [this] {
+        while (!stopping_.load(std::memory_order_acquire)) {
+          bool progressed = test_replies();
+          // Replies are read from the weights in place: nothing is applied while one is in flight.
+          if (replies_.empty() && plane_.apply_due()) progressed = plane_.apply_ready() > 0 || progressed;
+          progressed = serve_ready() || progressed;
+          if (progressed) continue;
+          if (!replies_.empty()) {
+            std::this_thread::sleep_for(kFirstBackoff);  // a reply in flight moves only while we call into MPI
+            continue;
+          }
+          std::unique_lock<std::mutex> lock(queue_mutex_);
+          if (stopping_.load(std::memory_order_acquire)) break;
+          // Sleep until a pull or a due wave wakes us (the timeout covers a wave made due by a
+          // release() of a hold, which notifies nobody).
+          wake_.wait_for(lock, std::chrono::microseconds(kMaxBackoff));
+        }
+      },
+      on_fail);
+  guarded([this] { finish_replies(); }, on_fail);
+}
+
+bool ShardService::serve_ready() {
+  std::vector<QueuedPull> ready;
+  const std::int64_t a = plane_.applied();
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      if (it->wave - plane_.d() <= a) {
+        ready.push_back(*it);
+        it = queue_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (const QueuedPull& q : ready) {
+    const std::int64_t g = plane_.serve(q.vw, q.stage, q.wave, nullptr, 0);
+    const std::size_t n = plane_.reply_numel(q.vw, q.stage);
+    Reply r{{MPI_REQUEST_NULL, MPI_REQUEST_NULL}, std::make_unique<std::array<std::int64_t, 16>>(), q.vw, q.stage};
+    auto& words = *r.words;
+    words.fill(0);
+    words[0] = kWeights;
+    words[1] = q.vw;
+    words[2] = q.stage;
+    words[3] = q.wave;
+    words[4] = g;
+    words[5] = kFloat32;
+    words[6] = 1;
+    words[7] = static_cast<std::int64_t>(4 * n);
+    words[8] = static_cast<std::int64_t>(n);
+    check(MPI_Isend(words.data(), kHeaderWords, MPI_INT64_T, q.src, static_cast<int>(2 * kWeights), comm_,
+                    &r.requests[0]),
+          "MPI_Isend (weights header)");
+    if (n > 0) {
+      // One piece (a stage's weights, back to back in the plane) is sent in place; replicas or synced
+      // buffers make several, packed into the stage's reply buffer (MPI datatypes over scattered
+      // pieces were measured ~4x slower than this copy with MPICH's UCX device).
+      const auto pieces = plane_.reply_pieces(q.vw, q.stage);
+      const float* from = pieces.empty() ? nullptr : pieces.front().first;
+      if (pieces.size() > 1) {
+        std::vector<float>& packed = packed_[static_cast<std::size_t>(slot_base_[static_cast<std::size_t>(q.vw)] + q.stage)];
+        packed.resize(n);
+        std::size_t off = 0;
+        for (const auto& [ptr, numel] : pieces) {
+          std::memcpy(packed.data() + off, ptr, numel * sizeof(float));
+          off += numel;
+        }
+        from = packed.data();
+      }
+      check(MPI_Isend_c(from, static_cast<MPI_Count>(4 * n), MPI_BYTE, q.src, static_cast<int>(2 * kWeights + 1), comm_,
+                        &r.requests[1]),
+            "MPI_Isend (weights payload)");
+    }
+    events_.fetch_add(1, std::memory_order_acq_rel);
+    record({false, q.vw, q.stage, q.wave, q.start_s, now_s(), g, g});
+    replies_.push_back(std::move(r));
+  }
+  return !ready.empty();
+}
+
+bool ShardService::test_replies() {
+  bool progressed = false;
+  for (auto it = replies_.begin(); it != replies_.end();) {
+    int done = 0;
+    check(MPI_Testall(2, it->requests.data(), &done, MPI_STATUSES_IGNORE), "MPI_Testall (weights reply)");
+    if (!done) {
+      ++it;
+      continue;
+    }
+    it = replies_.erase(it);
+    outstanding_.fetch_sub(1, std::memory_order_acq_rel);
+    progressed = true;
+  }
+  return progressed;
+}
+
+void ShardService::finish_replies() {
+  // A reply whose receiver is gone would never complete: wait a grace period, then cancel it.
+  const auto deadline = std::chrono::steady_clock::now() + kReplyGrace;
+  while (!replies_.empty() && std::chrono::steady_clock::now() < deadline) {
+    if (!test_replies()) std::this_thread::sleep_for(kMaxBackoff);
+  }
+  std::vector<std::string> lost;
+  for (Reply& r : replies_) {
+    for (MPI_Request& req : r.requests) {
+      if (req == MPI_REQUEST_NULL) continue;
+      MPI_Cancel(&req);
+      MPI_Request_free(&req);
+    }
+    // MPI may still read a freed request's header: its words are deliberately left allocated.
+    r.words.release();
+    lost.push_back("the weights reply to VW " + std::to_string(r.vw) + " stage " + std::to_string(r.stage));
+  }
+  replies_.clear();
+  std::lock_guard<std::mutex> lock(info_mutex_);
+  lost_.insert(lost_.end(), lost.begin(), lost.end());
+}
+
+}  // namespace hetpipe
