@@ -2,10 +2,10 @@
 # Everything a run on a CUDA machine needs, in phases: build the CUDA core, run tests/gpu with
 # HETPIPE_REQUIRE_GPU=1, run bench/gpu_runtime.py; every log and result lands in $OUT.
 #
-#   bash bench/gpu_session.sh wheels          # on a machine with PyPI: fetch the wheels into .whl/
-#   bash bench/gpu_session.sh setup tests     # on the GPU machine: build, then tests/gpu
-#   bash bench/gpu_session.sh bench           # on the GPU machine: the benchmark
-#   bash bench/gpu_session.sh all             # setup, tests and bench in one go
+#   bash bench/gpu_check.sh wheels          # on a machine with PyPI: fetch the wheels into .whl/
+#   bash bench/gpu_check.sh setup tests     # on the GPU machine: build, then tests/gpu
+#   bash bench/gpu_check.sh bench           # on the GPU machine: the benchmark
+#   bash bench/gpu_check.sh all             # setup, tests and bench in one go
 #
 # The GPU machine is assumed offline, with python3, torch (CUDA), nvcc, CMake, ninja and pybind11
 # installed: setup makes a virtual environment on top of that Python (whose torch it uses) and
@@ -14,7 +14,7 @@
 # transformers. Every phase runs setup first; it is quick once the environment is built, so phases
 # may run as separate commands on a machine that keeps /tmp between them.
 #
-# Environment: OUT (results folder, default out/gpu-session), HETPIPE_WHEELS (default .whl),
+# Environment: OUT (results folder, default out/gpu-check), HETPIPE_WHEELS (default .whl),
 # HETPIPE_GPU_VENV (default /tmp/hetpipe-gpu-venv), PYTHON (default python3),
 # CUDA_ARCH (CMAKE_CUDA_ARCHITECTURES, default 90), BENCH_ARGS (extra bench/gpu_runtime.py options).
 # Files written to $OUT (at most 7): env.txt setup.log tests-gpu.log tests-gpu.xml bench.log
@@ -22,7 +22,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-OUT=${OUT:-out/gpu-session}
+OUT=${OUT:-out/gpu-check}
 WHEELS=${HETPIPE_WHEELS:-.whl}
 VENV=${HETPIPE_GPU_VENV:-/tmp/hetpipe-gpu-venv}
 PYTHON=${PYTHON:-python3}
@@ -34,7 +34,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PY="$VENV/bin/python"
 
-say() { echo "gpu_session: $*" | tee -a "$OUT/setup.log" >&2; }
+say() { echo "gpu_check: $*" | tee -a "$OUT/setup.log" >&2; }
 fail() { say "FAILED: $*"; exit 1; }
 
 wheels() {
@@ -58,7 +58,7 @@ mpi_works() {
 
 install_wheel() {  # install_wheel NAME: the pinned wheel NAME from $WHEELS into the venv
     local files=("$WHEELS"/"$1"-*.whl)
-    [ -e "${files[0]}" ] || fail "no $1 wheel in $WHEELS (run 'bash bench/gpu_session.sh wheels' where PyPI is reachable)"
+    [ -e "${files[0]}" ] || fail "no $1 wheel in $WHEELS (run 'bash bench/gpu_check.sh wheels' where PyPI is reachable)"
     "$PY" -m pip install -q --no-index --no-deps --ignore-installed "${files[@]}" >>"$OUT/setup.log" 2>&1 \
         || fail "installing ${files[*]}"
 }
@@ -115,7 +115,7 @@ EOF
 
 tests() {
     say "tests/gpu with HETPIPE_REQUIRE_GPU=1"
-    # A hung test fails after 240 s instead of eating the session (where pytest-timeout is installed).
+    # A hung test fails after 240 s instead of holding up the rest of the run (where pytest-timeout is installed).
     local limit=()
     "$PY" -c "import pytest_timeout" 2>/dev/null && limit=(--timeout 240)
     HETPIPE_REQUIRE_GPU=1 PYTHONUNBUFFERED=1 "$PY" -m pytest tests/gpu -q -rA -p no:cacheprovider "${limit[@]}" \
@@ -124,7 +124,7 @@ tests() {
 }
 
 bench() {
-    # Each child (plain PyTorch, each hetpipe run) is stopped after 240 s rather than the session.
+    # Each child (plain PyTorch, each hetpipe run) is stopped after 240 s, so one hang does not stop the rest.
     local args=${BENCH_ARGS:---head both --timeout 240}
     say "bench/gpu_runtime.py $args"
     # shellcheck disable=SC2086
