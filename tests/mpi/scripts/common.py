@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -74,3 +75,10 @@ def split_world(n: int, comm=None) -> Optional[object]:
     world = comm or MPI.COMM_WORLD
     sub = world.Split(0 if world.Get_rank() < n else MPI.UNDEFINED, world.Get_rank())
     return None if sub == MPI.COMM_NULL else sub
+
+
+def same_outcome(a: Any, b: Any) -> bool:
+    """Bitwise equal losses, final weights and synced buffers of two runs (TrainResult/ReplayResult)."""
+    return (a.losses == b.losses and sorted(a.weights) == sorted(b.weights)
+            and all(np.array_equal(a.weights[l], b.weights[l]) for l in a.weights)
+            and all(np.array_equal(a.buffers[l], b.buffers[l]) for l in a.buffers))

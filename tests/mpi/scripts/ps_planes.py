@@ -11,11 +11,10 @@ import json
 import os
 import sys
 
-import numpy as np
 from mpi4py import MPI
 
 import real_models as rm
-from common import cross_entropy, mlp, sgd, split_world, synthetic, two_vw_plan
+from common import cross_entropy, mlp, same_outcome, sgd, split_world, synthetic, two_vw_plan
 from hetpipe.runtime.ps_core import PLANE_ENV
 from hetpipe.runtime.trainer import Trainer
 
@@ -42,9 +41,7 @@ def main() -> int:
             res = {**cfg, "ps_plane": run.ps_plane, "ps_plane_reason": run.ps_plane_reason}
             if d == 0:
                 ref = Trainer(make(), loss, sgd(), data(), plan=plan, epochs=2, aggregate=cfg["aggregate"]).replay()
-                res["equal"] = run.losses == ref.losses and all(
-                    np.array_equal(run.weights[l], ref.weights[l]) and np.array_equal(run.buffers[l], ref.buffers[l])
-                    for l in ref.weights)
+                res["equal"] = same_outcome(run, ref)
                 res["buffers"] = sum(b.size for b in run.buffers.values())
                 ok = ok and res["equal"]
             else:

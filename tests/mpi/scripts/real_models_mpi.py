@@ -9,11 +9,10 @@ Usage: mpiexec -n 4 python real_models_mpi.py '[{"model": "dropout", "cuts": [3]
 import json
 import sys
 
-import numpy as np
 from mpi4py import MPI
 
 import real_models as rm
-from common import cross_entropy, one_vw_plan, sgd, split_world, synthetic, two_vw_plan
+from common import cross_entropy, one_vw_plan, same_outcome, sgd, split_world, synthetic, two_vw_plan
 from hetpipe.runtime.trainer import Trainer
 
 MODELS = {"dropout": (rm.dropout_mlp, synthetic, cross_entropy), "tied": (rm.tied_mlp, synthetic, rm.tied_loss),
@@ -36,9 +35,7 @@ def main() -> int:
         run = Trainer(make(), loss, sgd(), data(), plan=plan, epochs=2, progress=False, comm=sub).fit()
         if sub.Get_rank() == 0:
             ref = Trainer(make(), loss, sgd(), data(), plan=plan, epochs=2).replay()
-            same = run.losses == ref.losses and all(
-                np.array_equal(run.weights[l], ref.weights[l]) and np.array_equal(run.buffers[l], ref.buffers[l])
-                for l in ref.weights)
+            same = same_outcome(run, ref)
             ok = ok and same
             print("RESULT " + json.dumps({**cfg, "equal": same, "minibatches": len(run.losses[0])}), flush=True)
         sub.Free()

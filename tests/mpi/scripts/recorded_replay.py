@@ -19,7 +19,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from common import cross_entropy, sgd, split_world, synthetic
+from common import cross_entropy, same_outcome, sgd, split_world, synthetic
 from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
 from hetpipe.runtime.record import RunRecord
 from hetpipe.runtime.trainer import Trainer
@@ -64,13 +64,6 @@ def plan_of(cfg: dict) -> Plan:
     return Plan(NUM_LAYERS, cfg.get("nm", 2), cfg["d"], "manual", tuple(vws), shards)
 
 
-def equal(a: Any, b: Any) -> bool:
-    """Bitwise equal losses, final weights and synced buffers."""
-    return (a.losses == b.losses and sorted(a.weights) == sorted(b.weights)
-            and all(np.array_equal(a.weights[l], b.weights[l]) for l in a.weights)
-            and all(np.array_equal(a.buffers[l], b.buffers[l]) for l in a.buffers))
-
-
 def max_diff(a: Any, b: Any) -> float:
     diff = max(abs(a.losses[v][p] - b.losses[v][p]) for v in a.losses for p in a.losses[v])
     return max(diff, *(float(np.abs(a.weights[l] - b.weights[l]).max(initial=0.0)) for l in a.weights))
@@ -92,11 +85,11 @@ def check(cfg: dict, run: Any, record: RunRecord, replayed: Any, plain: Any) -> 
         "clock_bound_ok": all(0 <= cv - g <= d + 1 for _, cv, g in clocks),
         "max_clock_gap": max(cv - g for _, cv, g in clocks),
         "max_pull_staleness": max(w - g for _, _, w, g, _ in pulls),
-        "recorded_equal": equal(run, replayed),
+        "recorded_equal": same_outcome(run, replayed),
         "reproduced_flag": replayed.reproduced,
         "recorded_versions_followed": sorted(p for log in replayed.shard_logs.values() for p in log.pulls)
         == sorted(p[:4] for p in pulls),
-        "plain_equal": equal(run, plain),
+        "plain_equal": same_outcome(run, plain),
         "plain_max_diff": max_diff(run, plain),
         "plain_versions_differ": sorted(p for log in plain.shard_logs.values() for p in log.pulls)
         != sorted(p[:4] for p in pulls),

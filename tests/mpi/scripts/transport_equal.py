@@ -14,20 +14,14 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 from mpi4py import MPI
 
 import real_models as rm
-from common import cross_entropy, mlp, one_vw_plan, sgd, split_world, synthetic, two_vw_plan
+from common import cross_entropy, mlp, one_vw_plan, same_outcome, sgd, split_world, synthetic, two_vw_plan
 from hetpipe.runtime.trainer import Trainer
 
 MODELS = {"mlp": (mlp, synthetic, cross_entropy), "tied": (rm.tied_mlp, synthetic, rm.tied_loss),
           "pytree": (rm.pytree_model, rm.DictBatches, cross_entropy)}
-
-
-def _equal(a, b) -> bool:
-    return a.losses == b.losses and sorted(a.weights) == sorted(b.weights) and all(
-        np.array_equal(a.weights[l], b.weights[l]) and np.array_equal(a.buffers[l], b.buffers[l]) for l in b.weights)
 
 
 def main() -> int:
@@ -51,8 +45,8 @@ def main() -> int:
                 for name in ("torch-p2p", "mpi-host")}
         if sub.Get_rank() == 0:
             ref = Trainer(make(), loss, sgd(), data(), plan=plan, epochs=2).replay()
-            res = {**cfg, "p2p_equals_replay": _equal(runs["torch-p2p"], ref),
-                   "p2p_equals_mpi_host": _equal(runs["torch-p2p"], runs["mpi-host"]),
+            res = {**cfg, "p2p_equals_replay": same_outcome(runs["torch-p2p"], ref),
+                   "p2p_equals_mpi_host": same_outcome(runs["torch-p2p"], runs["mpi-host"]),
                    "transports": {name: r.transport for name, r in runs.items()},
                    "summary": json.loads(metrics.read_text().splitlines()[-1]),
                    "minibatches": len(ref.losses[0])}
