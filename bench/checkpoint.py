@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
-from hetpipe.runtime import checkpoint as ckpt
+from hetpipe.checkpoint import format as ckfmt
+from hetpipe.checkpoint import state as ckpt
 
 
 def _manifest(clock: int) -> dict:
-    return {"format": ckpt.FORMAT, "clock": clock, "parts": [ckpt.part_name(0)], "plan": {}}
+    return {"format": ckfmt.FORMAT, "clock": clock, "parts": [ckfmt.part_name(0)], "plan": {}}
 
 
 def _wave(ms: float) -> None:
@@ -47,11 +48,11 @@ def run(size_mb: int, waves: int, wave_ms: float, every: int, root: Path) -> tup
             continue
         t = time.perf_counter()
         tensors, part = capture()
-        path = ckpt.clock_dir(sync_dir, clock)
+        path = ckfmt.clock_dir(sync_dir, clock)
         path.mkdir()
-        ckpt.write_json(path / ckpt.MANIFEST, _manifest(clock))
+        ckfmt.write_json(path / ckfmt.MANIFEST, _manifest(clock))
         ckpt.write_tensors(path / "rank-00000.safetensors", tensors)
-        ckpt.write_json(path / "rank-00000.json", {**part, "rank": 0, "clock": clock})
+        ckfmt.write_json(path / "rank-00000.json", {**part, "rank": 0, "clock": clock})
         spent += time.perf_counter() - t
     sync_ms = 1000 * spent / waves
 

@@ -43,8 +43,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from hetpipe.launch.mpi import mpiexec_path
-from hetpipe.launch.procs import environment_marker, processes_with, send
+from hetpipe.launch.mpiexec import mpiexec_path
+from hetpipe.job.procs import environment_marker, processes_with, send
 
 GOAL_RATIO = 0.85
 GOAL_MEMORY_ERROR = 0.10
@@ -101,7 +101,7 @@ def emit(payload: Dict[str, Any]) -> None:
 def role_plain(args, tied: bool) -> None:
     """The profile of the adapted layers on the device, then plain PyTorch training; prints one RESULT."""
     from hetpipe.adapters import adapt
-    from hetpipe.profile import profile_model
+    from hetpipe.model.measure import profile_model
 
     device = torch.device(args.device)
     data = minibatches(args)
@@ -164,7 +164,7 @@ def role_hetpipe(args, tied: bool, d: int, metrics: str) -> None:
 
     import hetpipe_core
     from hetpipe.adapters import adapt
-    from hetpipe.runtime.trainer import Trainer
+    from hetpipe.run.trainer import Trainer
 
     layers, loss_fn = adapt(gpt2(args, tied))
     plan = plan_for(args, len(layers), d)

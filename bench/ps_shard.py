@@ -1,5 +1,5 @@
 """One PS shard's data plane: applied bytes/s of the core's plane beside the host's memcpy bandwidth
-and the Python shard (hetpipe.runtime.ps.ShardState), in the same run.
+and the Python shard (hetpipe.ps.shard.ShardState), in the same run.
 
 Workload: a shard of SHARD_MIB MiB in 4 layers, 2 VWs x 2 stages (each stage holds 2 layers), D = 1,
 WAVES waves. "Applied bytes" are the delta bytes that reached the weights (every pushed byte, once).
@@ -10,9 +10,9 @@ In process (the data plane alone, no transport):
   shard rank's main thread).
 Over MPI (``mpiexec -n 5``: one shard rank, four stage ranks that pull wave w, then push their wave-w
 delta from a pool slot, with the runtime's own wire format and transport):
-- core plane: the shard rank runs hetpipe.runtime.ps_core.CoreShardServer (the core's threads receive
+- core plane: the shard rank runs hetpipe.ps.core_plane.CoreShardServer (the core's threads receive
   each push straight into its pending buffer, apply, and send replies in place from the weights);
-- Python plane: the shard rank runs hetpipe.runtime.ps.ShardServer over MPITransport (today's path).
+- Python plane: the shard rank runs hetpipe.ps.shard.ShardServer over MPITransport (today's path).
 The MPI rows time the shard rank from a barrier to its last wave applied: they include the transport.
 memcpy: np.copyto of the shard's size (one thread) and hetpipe_core.snapshot (all threads).
 Devices: host CPU only (real; no GPU involved). Each figure is the best of REPEAT runs.
@@ -37,7 +37,7 @@ import time
 import numpy as np
 
 import hetpipe_core
-from hetpipe.runtime.ps import ShardState
+from hetpipe.ps.shard import ShardState
 
 MIB = 1 << 20
 REPEAT = 3
@@ -89,7 +89,8 @@ def run_python(layer_numel: int, waves: int, d: dict) -> float:
 def mpi_rates(shard_mib: int, waves: int) -> dict:
     """Applied bytes/s of the core and the Python plane over MPI (best of REPEAT), from an mpiexec run
     of this script's worker; {} when no mpiexec is found."""
-    from hetpipe.launch.mpi import MPIUnavailable, mpiexec_path
+    from hetpipe.job.world import MPIUnavailable
+    from hetpipe.launch.mpiexec import mpiexec_path
 
     try:
         mpiexec = mpiexec_path()
@@ -108,10 +109,12 @@ def mpi_worker(shard_mib: int, waves: int) -> None:
     """Rank 0 serves the shard (core, then Python plane, REPEAT times each); ranks 1-4 are the stages."""
     from mpi4py import MPI
 
-    from hetpipe.runtime.build import drive
-    from hetpipe.runtime.ps import ShardServer
-    from hetpipe.runtime.ps_core import CoreShardServer, CoreShardState, choose_plane
-    from hetpipe.runtime.transport import DONE, PULL, PUSH, WEIGHTS, Header, MPITransport, slot_bytes
+    from hetpipe.run.drive import drive
+    from hetpipe.ps.server import ShardServer
+    from hetpipe.ps.core_plane import CoreShardServer, CoreShardState, choose_plane
+    from hetpipe.transport.protocol import DONE, PULL, PUSH, WEIGHTS, Header
+    from hetpipe.transport.mpi import MPITransport
+    from hetpipe.transport.slots import slot_bytes
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hetpipe.launch.mpi import mpiexec_path
-from hetpipe.runtime.transport import Backoff
+from hetpipe.launch.mpiexec import mpiexec_path
+from hetpipe.transport.backoff import Backoff
 
 BACKENDS = ("mpi-host", "torch-p2p")
 WARMUP = 10
@@ -37,10 +37,10 @@ REPEAT = 3
 def _link(comm, backend: str, nbytes: int):
     """This rank's StageLink to the other rank over ``backend`` (collective over the 2 ranks)."""
     import hetpipe_core
-    from hetpipe.runtime.link import StageLink
-    from hetpipe.runtime.torch_groups import GLOO, open_channels
-    from hetpipe.runtime.torch_p2p import TorchP2PTransport
-    from hetpipe.runtime.transport import MPITransport
+    from hetpipe.transport.link import StageLink
+    from hetpipe.transport.torch_groups import GLOO, open_channels
+    from hetpipe.transport.torch_p2p import TorchP2PTransport
+    from hetpipe.transport.mpi import MPITransport
 
     pool = hetpipe_core.PinnedBufferPool(8, nbytes, -1)
     if backend == "torch-p2p":
@@ -72,7 +72,7 @@ def _flush(link) -> None:
 def pingpong_worker(args) -> None:
     from mpi4py import MPI
 
-    from hetpipe.runtime.transport import ACT, Header
+    from hetpipe.transport.protocol import ACT, Header
 
     comm = MPI.COMM_WORLD
     rank, peer = comm.Get_rank(), 1 - comm.Get_rank()
@@ -113,8 +113,8 @@ def _model(width: int) -> nn.Sequential:
 
 def train_worker(args) -> None:
     from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
-    from hetpipe.runtime.data import Batches
-    from hetpipe.runtime.trainer import Trainer
+    from hetpipe.run.data import Batches
+    from hetpipe.run.trainer import Trainer
 
     g = torch.Generator().manual_seed(1)
     n = args.minibatch * args.minibatches

@@ -17,7 +17,7 @@ StepLoss = Callable[[nn.Module, Any, Any], torch.Tensor]
 
 def sample_order(losses: Dict[int, Dict[int, float]], per_epoch: int) -> List[float]:
     """hetpipe's per-minibatch losses in the data's order: VW ``v``'s ``k``-th minibatch is minibatch
-    ``(k % per_vw) * V + v`` of epoch ``k // per_vw`` (hetpipe.runtime.data's sharding)."""
+    ``(k % per_vw) * V + v`` of epoch ``k // per_vw`` (hetpipe.stage.feed's sharding)."""
     num_vws = len(losses)
     per_vw = per_epoch // num_vws
     placed = {}

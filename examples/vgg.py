@@ -19,7 +19,7 @@ from torch import nn
 from compare import add_run_options, finish, run_options
 from hetpipe import Trainer
 from hetpipe.adapters import adapt
-from hetpipe.runtime.data import digits
+from hetpipe.run.data import digits
 from resnet_bn import classify_step, image_minibatches
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hetpipe.launch.procs import environment_marker, processes_with, send
+from hetpipe.job.procs import environment_marker, processes_with, send
 
 JOB_ENV = "HETPIPE_TEST_JOB"
 

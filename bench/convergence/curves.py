@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 import snapshots
-from hetpipe.runtime.build import load_layer_weights
+from hetpipe.model.weights import load_layer_weights
 from task import TaskSpec, build_layers, evaluate
 
 Curve = List[Tuple[float, float]]

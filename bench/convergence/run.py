@@ -37,7 +37,7 @@ import predict  # noqa: E402
 import report  # noqa: E402
 from cluster_setup import CLUSTER, make_plan, profile_device_model  # noqa: E402
 from curves import validation_curve  # noqa: E402
-from hetpipe.runtime.trainer import Trainer  # noqa: E402
+from hetpipe.run.trainer import Trainer
 from hetpipe.schedule import simulate_plan  # noqa: E402
 from job import Job, save_jobs  # noqa: E402
 from launch import run_worker  # noqa: E402

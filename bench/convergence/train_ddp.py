@@ -20,8 +20,8 @@ import gloo_runs
 import snapshots
 from devices import DeviceModel
 from emulate import Emulated, pacer_report
-from hetpipe.runtime.build import initial_weights
-from hetpipe.runtime.emulation import Pacer
+from hetpipe.model.weights import initial_weights
+from hetpipe.stage.pacer import Pacer
 from job import Job
 from mpi_env import gather_results
 from task import MinibatchStream, build_layers, corpus, loss_fn, optimizer

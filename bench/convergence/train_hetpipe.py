@@ -24,15 +24,15 @@ from typing import Dict, List, Optional
 import torch
 from mpi4py import MPI
 
-import hetpipe.runtime.build as runtime_build
+import hetpipe.run.build as runtime_build
 import hetpipe_worker as e2e
 import snapshots
 from config import write_result
-from hetpipe.launch.roles import role_of
+from hetpipe.job.roles import role_of
 from hetpipe.plan.types import Plan
-from hetpipe.runtime.ps import ShardServer
-from hetpipe.runtime.ps_core import PLANE_ENV
-from hetpipe.runtime.trainer import Trainer
+from hetpipe.ps.server import ShardServer
+from hetpipe.ps.core_plane import PLANE_ENV
+from hetpipe.run.trainer import Trainer
 from job import Job, load_jobs
 from task import MinibatchStream, build_layers, corpus, loss_fn, optimizer
 

@@ -1,7 +1,7 @@
 """The cluster, device model and plan of a run, from hetpipe's own cluster preset, profiler and planner.
 
 ``make_device_model`` (the MLP) and ``profile_device_model`` (any list of layers) profile a model on
-this host with ``hetpipe.profile.profile_model`` on the ``cpu-emulated-6`` preset (types derived by
+this host with ``hetpipe.model.measure.profile_model`` on the ``cpu-emulated-6`` preset (types derived by
 speed ratio) and turn it into the ``DeviceModel`` every system pads to. ``make_plan`` calls ``hetpipe.plan.make_plan`` on that same
 profile. Labels name each source.
 """
@@ -15,7 +15,8 @@ from devices import DeviceModel
 from hetpipe.cluster import load_cluster
 from hetpipe.plan import make_plan as hetpipe_make_plan
 from hetpipe.plan.types import Plan
-from hetpipe.profile import ModelProfile, profile_model
+from hetpipe.model.measure import profile_model
+from hetpipe.profile import ModelProfile
 from model import ModelSpec, build_layers, loss_fn, synthetic_batches
 
 CLUSTER = "cpu-emulated-6"
@@ -56,7 +57,7 @@ def profile_device_model(layers: Sequence[Any], x: Any, loss: Callable[[Any], An
     how += f"times x {slowdown:g}, " if slowdown != 1 else ""
     dm = DeviceModel(devices=[(d.id, d.type) for d in cluster.devices], minibatch=prof.minibatch_size,
                      fwd={t: prof.fwd(t) for t in types}, bwd={t: prof.bwd(t) for t in types},
-                     source=f"hetpipe.profile.profile_model on this host, {how}cluster preset {CLUSTER}",
+                     source=f"hetpipe.model.measure.profile_model on this host, {how}cluster preset {CLUSTER}",
                      host_fwd=[v * speed / slowdown for v in prof.fwd(ref)],
                      host_bwd=[v * speed / slowdown for v in prof.bwd(ref)])
     return dm, prof, cluster

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from config import RunConfig, write_result
 from devices import DeviceModel
 from emulate import Emulated, pacer_report
-from hetpipe.runtime.emulation import Pacer
+from hetpipe.stage.pacer import Pacer
 from model import build_layers, loss_fn, synthetic_batches
 from mpi_env import gather_results, init_gloo
 

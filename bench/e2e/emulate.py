@@ -21,7 +21,7 @@ from typing import Tuple
 import torch
 from torch import nn
 
-from hetpipe.runtime.emulation import Pacer
+from hetpipe.stage.pacer import Pacer
 
 
 class _BackwardStart(torch.autograd.Function):

@@ -1,4 +1,4 @@
-"""hetpipe: the planned Plan run by ``hetpipe.runtime.trainer.Trainer`` under mpiexec, emulated devices.
+"""hetpipe: the planned Plan run by ``hetpipe.run.trainer.Trainer`` under mpiexec, emulated devices.
 
 Started as ``mpiexec -n <plan ranks> python hetpipe_worker.py cfg.json result.json``; the plan file
 and D come from ``cfg.extra`` ("plan", "d", "waves", "skip_waves"). Steady-state samples/s is taken
@@ -20,13 +20,13 @@ from typing import Dict, List
 import torch
 from mpi4py import MPI
 
-import hetpipe.runtime.build as runtime_build
+import hetpipe.run.build as runtime_build
 from config import RunConfig, write_result
-from hetpipe.launch.roles import role_of
+from hetpipe.job.roles import role_of
 from hetpipe.plan.types import Plan
-from hetpipe.runtime.data import Batches
-from hetpipe.runtime.emulation import Pacer
-from hetpipe.runtime.trainer import Trainer
+from hetpipe.run.data import Batches
+from hetpipe.stage.pacer import Pacer
+from hetpipe.run.trainer import Trainer
 from model import build_layers, loss_fn, synthetic_batches
 
 

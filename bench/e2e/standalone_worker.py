@@ -16,7 +16,7 @@ from torch import nn
 from config import RunConfig, write_result
 from devices import DeviceModel
 from emulate import Emulated, pacer_report
-from hetpipe.runtime.emulation import Pacer
+from hetpipe.stage.pacer import Pacer
 from model import build_layers, loss_fn, synthetic_batches
 
 

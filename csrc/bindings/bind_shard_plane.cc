@@ -139,7 +139,7 @@ void bind_shard_plane(py::module_& m) {
             return d;
           },
           "What the shard logged (a copy): pushes, clocks, pulls, pull_clocks, applied as lists of tuples,\n"
-          "pushed_sum as float64 arrays per layer (log_sums only), as ShardLog of hetpipe.runtime.ps.")
+          "pushed_sum as float64 arrays per layer (log_sums only), as ShardLog of hetpipe.ps.shard.")
       .def("clock", &ShardPlane::clock, py::arg("vw"))
       .def_property_readonly("global_clock", &ShardPlane::global_clock)
       .def_property_readonly("applied", &ShardPlane::applied)

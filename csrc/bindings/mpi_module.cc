@@ -1,6 +1,6 @@
 // The MPI extension hetpipe_core._mpi: a PS shard rank's service (ShardService) over the
 // communicator of the caller's mpi4py. Built only when CMake finds MPI; `import hetpipe_core` never
-// loads it (hetpipe.runtime.ps_core imports it after mpi4py, which loads the same libmpi).
+// loads it (hetpipe.ps.core_plane imports it after mpi4py, which loads the same libmpi).
 #include <mpi.h>
 
 #include <pybind11/pybind11.h>

@@ -12,7 +12,7 @@ namespace hetpipe {
 
 namespace {
 
-// Message kinds and dtype codes of python/hetpipe/runtime/transport.py.
+// Message kinds and dtype codes of python/hetpipe/transport/protocol.py.
 constexpr std::int64_t kPush = 3;
 constexpr std::int64_t kPull = 4;
 constexpr std::int64_t kWeights = 5;

@@ -5,9 +5,9 @@ __version__ = "0.1.0"
 # The runtime needs torch; load it only when one of these names is first used, so `import hetpipe`
 # stays light (the planner, schedules and the CLI work without torch).
 _LAZY = {
-    "Trainer": "hetpipe.runtime.trainer",
-    "TrainResult": "hetpipe.runtime.trainer",
-    "Batches": "hetpipe.runtime.data",
+    "Trainer": "hetpipe.run.trainer",
+    "TrainResult": "hetpipe.run.trainer",
+    "Batches": "hetpipe.run.data",
     "Plan": "hetpipe.plan.types",
 }
 

@@ -231,13 +231,14 @@ def _add_launch_command(sub) -> None:
 def _run_launch(args) -> int:
     import os
 
-    from hetpipe.launch.mpi import MPIUnavailable, launch
-    from hetpipe.runtime.checkpoint import CheckpointError
+    from hetpipe.checkpoint.format import CheckpointError
+    from hetpipe.job.world import MPIUnavailable
+    from hetpipe.launch.mpiexec import launch
 
     if args.timeout is not None:
         os.environ["HETPIPE_TIMEOUT"] = str(args.timeout)
     if args.transport is not None:
-        from hetpipe.runtime.transports import TRANSPORT_ENV, names
+        from hetpipe.transport.registry import TRANSPORT_ENV, names
 
         if args.transport not in names():
             print(f"hetpipe launch: --transport must be one of {', '.join(names())}, got {args.transport!r}",
@@ -300,11 +301,12 @@ def _run_demo(args) -> int:
     except OutputError as e:
         print(f"hetpipe demo: {e}", file=sys.stderr)
         return 2
-    from hetpipe.launch.mpi import MPIUnavailable, launch
+    from hetpipe.job.world import MPIUnavailable
+    from hetpipe.launch.mpiexec import launch
 
     print(f"launching {plan.num_ranks} ranks ({plan.num_stage_ranks} stages, {len(plan.ps_shards)} PS shard(s))")
     try:
-        rc = launch(plan.num_ranks, ["-m", "hetpipe.runtime.demo", "--plan", str(plan_path), "--out", str(out),
+        rc = launch(plan.num_ranks, ["-m", "hetpipe.run.demo", "--plan", str(plan_path), "--out", str(out),
                                      "--epochs", str(args.epochs), "--batch", str(args.batch),
                                      "--emulation-scale", str(args.emulation_scale),
                                      "--min-accuracy", str(args.min_accuracy)])
@@ -329,9 +331,9 @@ def _demo_plan(args):
 
         from hetpipe.cluster import load_cluster
         from hetpipe.plan import make_plan
-        from hetpipe.profile import profile_model
-        from hetpipe.runtime.data import digits
-        from hetpipe.runtime.demo import digits_model, loss_fn, slowed
+        from hetpipe.model.measure import profile_model
+        from hetpipe.run.data import digits
+        from hetpipe.run.demo import digits_model, loss_fn, slowed
 
         torch.set_num_threads(1)
         cluster = slowed(load_cluster(args.cluster), args.slowdown)

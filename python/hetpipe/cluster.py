@@ -96,10 +96,6 @@ class ClusterSpec:
                 return d
         raise ValueError(f"cluster {self.name!r}: unknown device {device_id!r}")
 
-    def type_of(self, device: Union[str, Device]) -> DeviceType:
-        d = self.device(device) if isinstance(device, str) else device
-        return self.device_types[d.type]
-
     def node_link(self, node_a: str, node_b: str) -> Link:
         return self.intra_node if node_a == node_b else self.inter_node
 

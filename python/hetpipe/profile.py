@@ -19,7 +19,7 @@ scratch while it runs. ``derived[t]`` says that the times for type ``t`` were no
 
 Where numbers come from:
 
-* :func:`profile_model` measures each layer's forward and backward on this host (one thread, the
+* :func:`hetpipe.model.measure.profile_model` measures each layer's forward and backward on this host (one thread, the
   median of ``repeats`` runs) and the bytes it saves for backward (autograd's saved-tensor hooks),
   then derives every device type of the cluster by speed ratio: on an emulated cluster the host is
   the reference (time on type T = measured / T.speed); otherwise the host is a device of
@@ -39,7 +39,7 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 from hetpipe.precision import ACTIVATION_DTYPES
 
@@ -301,109 +301,6 @@ def layer_names(model: Any) -> Optional[List[str]]:
     return None
 
 
-def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional[Callable] = None,
-                  reference_type: Optional[str] = None, repeats: int = 5, optimizer_factor: float = 1.0,
-                  name: str = "model", precision: str = "fp32") -> ModelProfile:
-    """Measure each layer of ``model`` (an ``nn.Sequential`` or a list of modules) on this host and
-    derive its times on every device type of ``cluster`` (see the module docstring).
-
-    ``sample_input`` is one minibatch; ``loss_fn(output) -> scalar`` drives the last layer's
-    backward (default: the sum of the output). ``optimizer_bytes = optimizer_factor x param_bytes``
-    (1.0: SGD with momentum; 2.0: Adam). Layers may pass any pytree of tensors (every leaf counts
-    towards ``activation_bytes``) and take side inputs from a dict ``sample_input``; a parameter
-    shared by several layers counts once, on the first. Layers are named by :func:`layer_names`.
-
-    The layers run where their parameters are. On a CUDA device the times are synchronised and
-    ``workspace_bytes`` is measured: the allocator's peak while the layer's forward and backward (and
-    the loss, for the last layer) run, above what it held before plus the layer's output and stash
-    (transients such as a language-model head's logits and their gradient); elsewhere it is 0.
-    ``precision="bf16"`` runs each forward and the loss under ``torch.autocast`` to bfloat16, as a
-    bf16 run does (:mod:`hetpipe.precision`), so the stash holds what such a run keeps.
-    """
-    import torch
-
-    from hetpipe.precision import check_precision
-
-    check_precision(precision, "profile_model")
-
-    from hetpipe.cluster import load_cluster
-
-    cluster = load_cluster(cluster)
-    if repeats < 1:
-        raise ValueError(f"profile_model: repeats must be >= 1, got {repeats}")
-    if cluster.emulated:
-        ref_speed = 1.0
-    elif reference_type is None:
-        raise ValueError(f"profile_model: cluster {cluster.name!r} is not emulated; give reference_type, "
-                         f"the device type this host's device is (one of {sorted(cluster.device_types)})")
-    elif reference_type not in cluster.device_types:
-        raise ValueError(f"profile_model: unknown device type {reference_type!r} "
-                         f"(cluster types: {sorted(cluster.device_types)})")
-    else:
-        ref_speed = cluster.device_types[reference_type].speed
-    names = layer_names(model)
-    layers = list(model)
-    if not layers:
-        raise ValueError("profile_model: the model has no layers")
-    from torch.utils import _pytree as pytree
-
-    from hetpipe.runtime.layout import ModelLayout
-    from hetpipe.runtime.tree import flatten
-
-    def nbytes(t: Any) -> int:
-        return sum(x.numel() * x.element_size() for x in pytree.tree_leaves(t) if isinstance(x, torch.Tensor))
-
-    def detach(t: Any) -> Any:
-        return pytree.tree_map(lambda d: d.detach().requires_grad_(d.is_floating_point()), t)
-
-    def side_of(layer: Any) -> Dict[str, Any]:
-        keys = getattr(layer, "hetpipe_side_inputs", ())
-        return {k: sample_input[k] for k in keys} if keys else {}
-
-    # The layers run for real below: their buffers (BatchNorm statistics) and the random state are
-    # restored afterwards, so profiling leaves the model as it found it.
-    saved_buffers = [b.detach().clone() for layer in layers for b in layer.buffers()]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            fwd_s, bwd_s, out_bytes, stash_bytes, work_bytes = _measure(layers, sample_input, loss_fn, repeats,
-                                                                        nbytes, detach, side_of, flatten, precision)
-    finally:
-        torch.set_num_threads(threads)
-        with torch.no_grad():
-            for b, v in zip((b for layer in layers for b in layer.buffers()), saved_buffers):
-                b.copy_(v)
-
-    def median(v: Sequence[float]) -> float:
-        s = sorted(v)
-        return s[len(s) // 2]
-
-    out = []
-    layout = ModelLayout(layers)
-    owned = [dict(layout.owned[l]) for l in range(len(layers))]
-
-    def tied_of(i: int) -> Tuple[Tuple[int, str, int], ...]:
-        return tuple((r.owner, r.owner_name, r.numel * owned[r.owner][r.owner_name].element_size())
-                     for r in layout.replicas[i])
-    for i, layer in enumerate(layers):
-        pb = sum(p.numel() * p.element_size() for _, p in layout.owned[i])      # a tied parameter counts once
-        fm, bm = median(fwd_s[i]), median(bwd_s[i])
-        f = {t: fm * ref_speed / dt.speed for t, dt in cluster.device_types.items()}
-        b = {t: bm * ref_speed / dt.speed for t, dt in cluster.device_types.items()}
-        derived = {t: cluster.emulated or t != reference_type for t in cluster.device_types}
-        out.append(LayerProfile(name=names[i] if names else f"{i}:{type(layer).__name__}", fwd_time=f, bwd_time=b,
-                                activation_bytes=out_bytes[i], param_bytes=pb,
-                                optimizer_bytes=int(optimizer_factor * pb), workspace_bytes=work_bytes[i],
-                                derived=derived, stash_bytes=stash_bytes[i], tied=tied_of(i)))
-    from hetpipe.runtime.tree import batch_of
-    batch = batch_of(sample_input)
-    src = "measured on this host, " + ("emulated types derived by speed" if cluster.emulated
-                                       else f"as {reference_type}, other types derived by speed")
-    return ModelProfile(name=name, minibatch_size=batch, layers=tuple(out), input_bytes=nbytes(sample_input),
-                        source=src)
-
-
 # --- analytic presets ------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -415,95 +312,6 @@ class LayerShape:
     params: int
     out_elems: int
     stash_elems: int
-
-
-def _measure(layers: List[Any], sample_input: Any, loss_fn: Optional[Callable], repeats: int, nbytes: Callable,
-             detach: Callable, side_of: Callable, flatten: Callable, precision: str = "fp32"):
-    """Per layer: forward and backward times of each repeat, output bytes (every leaf of a pytree
-    output), bytes saved for backward, and (on CUDA) transient bytes above those. A layer that
-    raises is named in the error."""
-    import contextlib
-    import time
-
-    import torch
-    from torch.utils import _pytree as pytree
-
-    fwd_s: List[List[float]] = [[] for _ in layers]
-    bwd_s: List[List[float]] = [[] for _ in layers]
-    out_bytes, stash_bytes, work_bytes = [0] * len(layers), [0] * len(layers), [0] * len(layers)
-    for r in range(repeats + 1):
-        x = sample_input
-        for i, layer in enumerate(layers):
-            xin = detach(x)
-            params = {p.data_ptr() for p in layer.parameters()}
-            device = _device_of(layer, xin)
-            cuda = device.type == "cuda"
-            compute = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
-                       else contextlib.nullcontext())
-            saved: List[int] = []
-
-            def pack(t, saved=saved, params=params):
-                if t.data_ptr() not in params:
-                    saved.append(t.numel() * t.element_size())
-                return t
-
-            def now() -> float:
-                if cuda:
-                    torch.cuda.synchronize(device)
-                return time.perf_counter()
-
-            if cuda:
-                held = torch.cuda.memory_allocated(device)
-                torch.cuda.reset_peak_memory_stats(device)
-            t0 = now()
-            try:
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), compute:
-                    y = layer(xin, **side_of(layer))
-            except Exception as e:
-                raise ValueError(f"profile_model: layer {i} ({type(layer).__name__}) failed: "
-                                 f"{type(e).__name__}: {e}") from e
-            t1 = now()
-            leaves, _ = flatten(y, f"layer {i} ({type(layer).__name__})")
-            outs = [t for t in leaves if t.requires_grad]
-            if outs:
-                if i == len(layers) - 1:
-                    with compute:
-                        loss = loss_fn(y) if loss_fn is not None else sum(t.float().sum() for t in outs)
-                    t1 = now()
-                    loss.backward()
-                    del loss
-                else:
-                    grads = [torch.ones_like(t) for t in outs]
-                    t1 = now()
-                    torch.autograd.backward(outs, grads)
-                    del grads
-            t2 = now()
-            if r > 0:
-                fwd_s[i].append(t1 - t0)
-                bwd_s[i].append(t2 - t1)
-            out_bytes[i], stash_bytes[i] = nbytes(y), sum(saved)
-            if cuda and r > 0:
-                # From the second run on, the parameters' gradients exist (they accumulate in place),
-                # so the peak holds the transients alone beyond the output and the stash.
-                peak = torch.cuda.max_memory_allocated(device) - held - out_bytes[i] - stash_bytes[i]
-                work_bytes[i] = max(work_bytes[i], peak, 0)
-            x = pytree.tree_map(lambda t: t.detach(), y)
-    return fwd_s, bwd_s, out_bytes, stash_bytes, work_bytes
-
-
-def _device_of(layer: Any, inputs: Any) -> Any:
-    """Where ``layer`` runs: its first parameter's or buffer's device, else its first input tensor's."""
-    import torch
-    from torch.utils import _pytree as pytree
-
-    for t in layer.parameters():
-        return t.device
-    for t in layer.buffers():
-        return t.device
-    for t in pytree.tree_leaves(inputs):
-        if isinstance(t, torch.Tensor):
-            return t.device
-    return torch.device("cpu")
 
 
 def resnet152_shapes(image: int = 224, classes: int = 1000) -> List[LayerShape]:

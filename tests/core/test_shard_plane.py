@@ -1,5 +1,5 @@
 """ShardPlane (the PS shard's data plane in the core) against the Python shard, ShardState of
-hetpipe.runtime.ps: the same pushes and pulls give bit-identical weights, clocks and pull replies,
+hetpipe.ps.shard: the same pushes and pulls give bit-identical weights, clocks and pull replies,
 sequentially and with one thread per stage pushing and pulling at once (GIL released)."""
 
 import random
@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from hetpipe.runtime.ps import ShardState
+from hetpipe.ps.shard import ShardState
 from hetpipe_core import ShardPlane
 
 # The shard owns model layers 1, 4 and 5 (plane indices 0, 1, 2); VW 0 has 2 stages, VW 1 has 3.

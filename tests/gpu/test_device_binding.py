@@ -121,7 +121,7 @@ def test_host_inventory_opens_no_context():
     # Every rank takes its inventory before it knows its role: it must leave CUDA untouched.
     got = _fresh("""
         import json, torch, hetpipe_core
-        from hetpipe.launch.mpi import host_info
+        from hetpipe.job.world import host_info
         info = host_info()
         n = hetpipe_core.build_info()["cuda_device_count"]
         print(json.dumps({"info": info, "n": n, "torch_initialized": torch.cuda.is_initialized(),

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import hetpipe_core
-from hetpipe.runtime.device_copy import CopyStager
-from hetpipe.runtime.replay import replay_run
-from hetpipe.runtime.trainer import Trainer
-from hetpipe.runtime.transport import ACT, Header, Message
+from hetpipe.transport.device_copy import CopyStager
+from hetpipe.run.replay import replay_run
+from hetpipe.run.trainer import Trainer
+from hetpipe.transport.protocol import ACT, Header, Message
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mpi" / "scripts"))
 from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic  # noqa: E402

@@ -43,7 +43,7 @@ def _finish(proc: subprocess.Popen) -> tuple:
 
 def _kill_at_wave(proc: subprocess.Popen, metrics: Path, ckpt_dir: Path, run_dir: Path, wave: int, rank: int) -> int:
     """SIGKILL ``rank`` once VW 0 finished ``wave`` waves and a complete checkpoint exists; returns its pid."""
-    from hetpipe.runtime.checkpoint import latest
+    from hetpipe.checkpoint.format import latest
 
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -113,7 +113,7 @@ def test_sigterm_writes_a_checkpoint_to_resume_from(tmp_path, uninterrupted):
     """SIGTERM to `hetpipe launch` at a random wave, with no periodic checkpoint due (every 1000 waves):
     the ranks write the newest clock they all hold on SIGTERM, and the resumed run is bitwise the
     uninterrupted one."""
-    from hetpipe.runtime.checkpoint import latest
+    from hetpipe.checkpoint.format import latest
 
     wave = random.Random(13).randint(2, 10)
     metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
@@ -140,8 +140,8 @@ def test_max_restarts_goes_on_without_the_killed_device(tmp_path):
 
     from ckpt_run import data_of, plan_of
     from common import cross_entropy, mlp, sgd
-    from hetpipe.runtime.data import Batches
-    from hetpipe.runtime.trainer import Trainer
+    from hetpipe.run.data import Batches
+    from hetpipe.run.trainer import Trainer
 
     rng = random.Random(12)
     wave = rng.randint(2, 5)

@@ -19,8 +19,8 @@ sys.path[:0] = [str(BENCH / "convergence"), str(BENCH / "e2e")]
 import snapshots  # noqa: E402
 from hetpipe.cluster import load_cluster  # noqa: E402
 from hetpipe.plan import make_plan  # noqa: E402
-from hetpipe.profile import profile_model  # noqa: E402
-from hetpipe.runtime.trainer import Trainer  # noqa: E402
+from hetpipe.model.measure import profile_model  # noqa: E402
+from hetpipe.run.trainer import Trainer
 from job import Job, save_jobs  # noqa: E402
 from launch import run_worker  # noqa: E402
 from task import MinibatchStream, TaskSpec, build_layers, corpus, loss_fn, optimizer  # noqa: E402

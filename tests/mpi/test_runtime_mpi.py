@@ -106,7 +106,7 @@ def test_digits_converges_with_two_vws(tmp_path):
     plan.save(tmp_path / "plan.json")
     from mpirun import mpiexec
 
-    proc = subprocess.run([mpiexec(), "-n", "5", sys.executable, "-m", "hetpipe.runtime.demo", "--plan",
+    proc = subprocess.run([mpiexec(), "-n", "5", sys.executable, "-m", "hetpipe.run.demo", "--plan",
                            str(tmp_path / "plan.json"), "--out", str(tmp_path / "out"), "--epochs", "10",
                            "--no-progress"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr

@@ -11,14 +11,16 @@ import time
 import pytest
 import torch
 
-from hetpipe.runtime import checkpoint as ckpt
-from hetpipe.runtime.data import vw_minibatches
+from hetpipe.checkpoint import format as ckfmt
+from hetpipe.checkpoint import state as ckpt
+from hetpipe.stage.feed import vw_minibatches
 
 
 WRITER = """
 import sys, torch
-from hetpipe.runtime import checkpoint as ckpt
-w = ckpt.Checkpointer(sys.argv[1], 1, 0, lambda c: {"format": ckpt.FORMAT, "clock": c, "parts": ["rank-00000"],
+from hetpipe.checkpoint import format as ckfmt
+from hetpipe.checkpoint import state as ckpt
+w = ckpt.Checkpointer(sys.argv[1], 1, 0, lambda c: {"format": ckfmt.FORMAT, "clock": c, "parts": ["rank-00000"],
                                                     "plan": {}})
 clock = 0
 while True:
@@ -35,7 +37,7 @@ def test_a_writer_killed_mid_write_leaves_a_complete_checkpoint(tmp_path, trial)
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)])
     try:
         deadline = time.monotonic() + 120
-        while ckpt.latest(tmp_path) is None:
+        while ckfmt.latest(tmp_path) is None:
             assert proc.poll() is None, "the writer exited"
             assert time.monotonic() < deadline, "the writer wrote no checkpoint within 120 s"
             time.sleep(0.01)
@@ -50,18 +52,18 @@ def test_a_writer_killed_mid_write_leaves_a_complete_checkpoint(tmp_path, trial)
 
 
 def test_an_incomplete_checkpoint_is_skipped(tmp_path):
-    w = ckpt.Checkpointer(tmp_path, 2, 0, lambda c: {"format": ckpt.FORMAT, "clock": c, "parts": ["rank-00000", "rank-00001"],
+    w = ckpt.Checkpointer(tmp_path, 2, 0, lambda c: {"format": ckfmt.FORMAT, "clock": c, "parts": ["rank-00000", "rank-00001"],
                                                      "plan": {}})
     for clock in (1, 2):
         w.boundary(clock, lambda: ({"w/0": torch.ones(3)}, {"role": "ps"}))
     w.close()
-    assert ckpt.latest(tmp_path) is None        # rank 1 never wrote its part
-    with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint"):
+    assert ckfmt.latest(tmp_path) is None        # rank 1 never wrote its part
+    with pytest.raises(ckfmt.CheckpointError, match="no complete checkpoint"):
         ckpt.Checkpoint.find(tmp_path)
 
 
 def _two_rank_writers(tmp_path):
-    manifest = lambda c: {"format": ckpt.FORMAT, "clock": c, "parts": ["rank-00000", "rank-00001"], "plan": {}}
+    manifest = lambda c: {"format": ckfmt.FORMAT, "clock": c, "parts": ["rank-00000", "rank-00001"], "plan": {}}
     every = 1000                                      # nothing due: only the SIGTERM path writes
     return [ckpt.Checkpointer(tmp_path, every, r, manifest) for r in (0, 1)]
 
@@ -84,7 +86,7 @@ def test_sigterm_checkpoint_waits_for_the_peers_part(tmp_path):
     fast.on_signal(30.0)
     returned = time.monotonic()
     t.join()
-    assert ckpt.is_complete(ckpt.clock_dir(tmp_path, 1))
+    assert ckfmt.is_complete(ckfmt.clock_dir(tmp_path, 1))
     assert returned >= peer_at[0] - 0.5 and returned - peer_at[0] < 2.0
     for w in (fast, slow):
         w.close()
@@ -97,8 +99,8 @@ def test_sigterm_checkpoint_wait_is_bounded(tmp_path):
     started = time.monotonic()
     alone.on_signal(0.5)
     assert 0.5 <= time.monotonic() - started < 3.0
-    assert (ckpt.clock_dir(tmp_path, 1) / "rank-00000.safetensors").exists()
-    assert not ckpt.is_complete(ckpt.clock_dir(tmp_path, 1))
+    assert (ckfmt.clock_dir(tmp_path, 1) / "rank-00000.safetensors").exists()
+    assert not ckfmt.is_complete(ckfmt.clock_dir(tmp_path, 1))
     alone.close()
 
 
@@ -131,7 +133,7 @@ def test_data_position_continues_without_repeating_or_skipping(seed):
     data = _Tagged(n)
     runs = [list(vw_minibatches(data, v, old, epochs)) for v in range(old)]
     consumed = {b for r in runs for b, _ in r[:q]}
-    pos = ckpt.DataPosition().advance(q, n, old)
+    pos = ckfmt.DataPosition().advance(q, n, old)
     rest = [[b for b, _ in vw_minibatches(data, v, new, epochs, pos.epoch, pos.index)] for v in range(new)]
     assert all(len(r) == pos.per_vw(n, new, epochs) for r in rest)
     seen = [b for r in rest for b in r]
@@ -158,7 +160,7 @@ def test_optimizer_state_round_trips_through_safetensors_and_json(tmp_path):
     keys = ["0.weight", "0.bias"]
     tensors, part = ckpt.optimizer_snapshot(opt, keys)
     ckpt.write_tensors(tmp_path / "t.safetensors", tensors)
-    ckpt.write_json(tmp_path / "p.json", part)
+    ckfmt.write_json(tmp_path / "p.json", part)
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
     fresh = torch.optim.Adam(twins, lr=1.0)
     import json
@@ -176,7 +178,7 @@ def test_optimizer_state_that_is_not_json_is_refused_by_name():
     p = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([p], lr=0.1)
     opt.state[p]["note"] = object()
-    with pytest.raises(ckpt.CheckpointError, match="'note' of 0.w"):
+    with pytest.raises(ckfmt.CheckpointError, match="'note' of 0.w"):
         ckpt.optimizer_snapshot(opt, ["0.w"])
 
 

@@ -16,7 +16,7 @@ sys.path[:0] = [str(BENCH / "convergence"), str(BENCH / "e2e")]
 import snapshots  # noqa: E402
 from curves import loss_at, time_to_target  # noqa: E402
 from emulate import Emulated  # noqa: E402
-from hetpipe.runtime.emulation import Pacer  # noqa: E402
+from hetpipe.stage.pacer import Pacer
 from task import (Embed, MinibatchStream, TaskSpec, build_layers, corpus, evaluate, loss_fn, stdlib_files,  # noqa: E402
                   validation_set)
 

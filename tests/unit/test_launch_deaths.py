@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from hetpipe.launch.deaths import RUN_DIR_ENV, DeathWatcher, mark_aborted, marked, ranks_by_pid, register_rank
+from hetpipe.job.rundir import RUN_DIR_ENV, mark_aborted, marked, ranks_by_pid, register_rank
+from hetpipe.launch.deaths import DeathWatcher
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfd_open (Linux >= 5.3)")
 
@@ -71,7 +72,7 @@ def test_ranks_that_exited_normally_are_skipped(tmp_path):
 
 def test_rank_records_and_marks(tmp_path, monkeypatch):
     monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
-    code = ("from hetpipe.launch.deaths import register_rank, mark_aborted; import sys; "
+    code = ("from hetpipe.job.rundir import register_rank, mark_aborted; import sys; "
             "register_rank(3, 'rank 3 (PS shard 0)'); sys.exit(0)")
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, RUN_DIR_ENV: str(tmp_path)},
                           capture_output=True, text=True, timeout=60)
@@ -91,7 +92,7 @@ def test_without_a_run_dir_nothing_is_written(tmp_path, monkeypatch):
 
 
 def test_run_processes_are_found_by_environment_and_stopped_ones_seen(tmp_path):
-    from hetpipe.launch.procs import environment_marker, processes_with, running, state, stopped
+    from hetpipe.job.procs import environment_marker, processes_with, running, state, stopped
 
     env = {**os.environ, RUN_DIR_ENV: str(tmp_path)}
     mine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env, start_new_session=True)

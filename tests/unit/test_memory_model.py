@@ -14,8 +14,8 @@ import pytest
 
 from hetpipe.plan.stage_cost import LayerTable, LinkCost, StageDevice
 from hetpipe.profile import LayerProfile, ModelProfile
-from hetpipe.runtime import stage_model as stage_module
-from hetpipe.runtime.trainer import Trainer
+from hetpipe.stage import params as stage_module
+from hetpipe.run.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "mpi" / "scripts"))
 from common import cross_entropy, mlp, sgd, synthetic, two_vw_plan  # noqa: E402
@@ -83,7 +83,7 @@ def test_planner_counts_the_replicas_of_tied_weights_a_stage_holds(monkeypatch, 
 
     import real_models as rm
     from common import one_vw_plan
-    from hetpipe.profile import profile_model
+    from hetpipe.model.measure import profile_model
 
     flat_bytes = {}
     init = stage_module.StageModel.__init__

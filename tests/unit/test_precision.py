@@ -16,7 +16,7 @@ import real_models as rm  # noqa: E402
 from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic  # noqa: E402
 
 from hetpipe.plan.types import Plan  # noqa: E402
-from hetpipe.runtime.trainer import Trainer  # noqa: E402
+from hetpipe.run.trainer import Trainer
 
 EPOCHS = 2
 
@@ -113,7 +113,7 @@ def test_a_float32_boundary_value_is_rounded_to_bfloat16_on_the_wire():
 
 
 def _wire_headers(monkeypatch, precision):
-    from hetpipe.runtime.transport import LoopbackTransport
+    from hetpipe.transport.loopback import LoopbackTransport
     seen = []
     send = LoopbackTransport.send
 
@@ -129,7 +129,7 @@ def _wire_headers(monkeypatch, precision):
 
 
 def test_the_wire_carries_bfloat16_activations_and_gradients_and_float32_weights(monkeypatch):
-    from hetpipe.runtime.transport import ACT, GRAD, PULL, PUSH, WEIGHTS
+    from hetpipe.transport.protocol import ACT, GRAD, PULL, PUSH, WEIGHTS
     fp32, bf16 = _wire_headers(monkeypatch, "fp32"), _wire_headers(monkeypatch, "bf16")
 
     def by_kind(headers, kind):
@@ -208,7 +208,7 @@ def test_recomputed_segments_rerun_under_autocast():
 
 
 def test_overriding_a_plans_precision_drops_its_prediction():
-    from hetpipe.runtime.trainer import with_precision
+    from hetpipe.run.trainer import with_precision
     plan = dataclasses.replace(one_vw_plan([3], nm=1, d=0), throughput=2.0)
     assert with_precision(plan, "fp32") is plan
     bf16 = with_precision(plan, "bf16")

@@ -90,7 +90,7 @@ def test_analytic_needs_peak_flops():
 
 def test_profile_model_on_emulated_cluster():
     torch = pytest.importorskip("torch")
-    from hetpipe.profile import profile_model
+    from hetpipe.model.measure import profile_model
     nn = torch.nn
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     cluster = load_cluster("cpu-emulated")
@@ -118,7 +118,7 @@ def test_profile_counts_every_leaf_of_a_pytree_output_and_a_tied_parameter_once(
     sys.path.insert(0, str(Path(__file__).parents[1] / "mpi" / "scripts"))
     import real_models as rm
 
-    from hetpipe.profile import profile_model
+    from hetpipe.model.measure import profile_model
 
     model = rm.pytree_model()
     x, _ = next(iter(rm.DictBatches()))
@@ -152,7 +152,7 @@ def test_layer_names_reach_the_profile_and_the_plan_table():
     from hetpipe.adapters import adapt
     from hetpipe.plan import make_plan
     from hetpipe.plan.format import format_plan
-    from hetpipe.profile import profile_model
+    from hetpipe.model.measure import profile_model
 
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
                         eos_token_id=0)

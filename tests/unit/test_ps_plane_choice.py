@@ -2,9 +2,9 @@
 
 import pytest
 
-from hetpipe.runtime.ps_core import PLANE_ENV, choose_plane
-from hetpipe.runtime.transport import LoopbackHub
-from hetpipe.runtime.transports import LoopbackPort
+from hetpipe.ps.core_plane import PLANE_ENV, choose_plane
+from hetpipe.transport.loopback import LoopbackHub
+from hetpipe.transport.registry import LoopbackPort
 
 
 def test_replay_runs_the_python_plane(monkeypatch):

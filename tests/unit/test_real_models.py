@@ -17,7 +17,7 @@ import real_models as rm  # noqa: E402
 from common import cross_entropy, one_vw_plan, sgd, synthetic, two_vw_plan, with_recompute  # noqa: E402
 
 from hetpipe.plan.types import Plan  # noqa: E402
-from hetpipe.runtime.trainer import Trainer  # noqa: E402
+from hetpipe.run.trainer import Trainer
 
 
 def _max_param_diff(a: nn.Module, b: nn.Module) -> float:
@@ -69,7 +69,7 @@ class _MeanEmbedding(nn.Embedding):
 
 def test_a_boundary_of_integer_tensors_only_sends_an_empty_gradient():
     ids = torch.randint(0, 50, (64, 6), generator=torch.Generator().manual_seed(2))
-    from hetpipe.runtime.data import Batches
+    from hetpipe.run.data import Batches
     data = Batches(ids, ids[:, 0] % 10, 8, shuffle=False)
 
     def make():

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetpipe.runtime.ps import ShardState
-from hetpipe.runtime.record import RecordMismatch, RunRecord, ShardRecord, ShardScript, run_identity
+from hetpipe.ps.shard import ShardState
+from hetpipe.run.record import RecordMismatch, RunRecord, ShardRecord, ShardScript, run_identity
 
 
 def _shard(w0: float, d: int = 1) -> ShardState:
@@ -23,7 +23,7 @@ def _script(s: ShardState, applied, pulls) -> ShardScript:
 
 def test_shard_answers_a_pull_at_its_recorded_version_holding_the_wave_back():
     s = _shard(0.0)
-    s.script = _script(s, [[(0, 0), (1, 0)]], [(0, 0, 1, 0)])     # VW 0's pull of wave 1 got version 0
+    s.gate = _script(s, [[(0, 0), (1, 0)]], [(0, 0, 1, 0)])     # VW 0's pull of wave 1 got version 0
     s.push(0, 0, 0, np.full(1, 1, np.float32))
     s.push(1, 0, 0, np.full(1, 2, np.float32))
     assert s.global_clock == 1 and s.applied == 0 and s.W[0].tolist() == [0.0]   # wave 0 held back
@@ -35,7 +35,7 @@ def test_shard_answers_a_pull_at_its_recorded_version_holding_the_wave_back():
     s.answered(ready)
     assert s.applied == 1 and s.W[0].tolist() == [3.0]
     assert s.log.pulls == [(0, 0, 1, 0)]
-    s.script.check_done(s)
+    s.gate.check_done(s)
 
 
 def test_without_a_record_the_same_pull_gets_the_newest_version():
@@ -50,7 +50,7 @@ def test_without_a_record_the_same_pull_gets_the_newest_version():
 def test_shard_applies_a_wave_in_the_recorded_order(order, expected):
     # float32: (1 + 2^-30) - 1 = 0, but (1 - 1) + 2^-30 = 2^-30
     s = _shard(1.0)
-    s.script = _script(s, [order], [])
+    s.gate = _script(s, [order], [])
     s.push(0, 0, 0, np.full(1, 2.0 ** -30, np.float32))
     s.push(1, 0, 0, np.full(1, -1.0, np.float32))
     assert s.W[0].tolist() == [expected]
@@ -61,21 +61,21 @@ def test_a_record_the_shard_cannot_follow_is_named():
     s = _shard(0.0)
     with pytest.raises(RecordMismatch, match=r"record r.json: PS shard 0 wave 0 applied pushes \[\(0, 0\)\]"):
         _script(s, [[(0, 0)]], [])
-    s.script = _script(s, [[(0, 0), (1, 0)]], [])
+    s.gate = _script(s, [[(0, 0), (1, 0)]], [])
     s.pull(9, 1, 0, 1)
     with pytest.raises(RecordMismatch, match="never answered a pull of wave 1 by VW 1 stage 0"):
         s.ready_pulls()
     s = _shard(0.0)
-    s.script = _script(s, [[(0, 0), (1, 0)]], [(0, 0, 1, 0)])
+    s.gate = _script(s, [[(0, 0), (1, 0)]], [(0, 0, 1, 0)])
     with pytest.raises(RecordMismatch, match=r"answered pulls in the recorded run that the replay never made"):
-        s.script.check_done(s)
+        s.gate.check_done(s)
 
 
 def _spec(d: int):
     sys.path.insert(0, str(Path(__file__).parents[1] / "mpi" / "scripts"))
     from common import cross_entropy, mlp, sgd, synthetic, two_vw_plan
 
-    from hetpipe.runtime.trainer import Trainer
+    from hetpipe.run.trainer import Trainer
     plan = two_vw_plan(([3], [2]), (0.0, 0.0), nm=2, d=d)
     return Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan).spec(plan)
 

@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from hetpipe.launch.roles import LaunchError, resolve_device
+from hetpipe.job.roles import LaunchError, resolve_device
 from hetpipe.plan.types import StagePlan
-from hetpipe.runtime.ps import ShardState, WSPViolation
-from hetpipe.runtime.transport import ACT, ANY, Header, LoopbackHub
+from hetpipe.ps.shard import ShardState, WSPViolation
+from hetpipe.transport.protocol import ACT, ANY, Header
+from hetpipe.transport.loopback import LoopbackHub
 
 
 def test_header_round_trip():
@@ -76,7 +77,7 @@ def test_missing_cuda_device_is_a_launch_error():
 def test_missing_mpi4py_is_a_clear_error(monkeypatch):
     import sys
 
-    from hetpipe.launch.mpi import MPIUnavailable, world
+    from hetpipe.job.world import MPIUnavailable, world
     monkeypatch.setitem(sys.modules, "mpi4py", None)
     with pytest.raises(MPIUnavailable, match="mpi4py is not importable"):
         world()
@@ -96,7 +97,7 @@ def _same(a, b) -> bool:
 
 
 def test_stage_segments():
-    from hetpipe.runtime.stage_model import segments
+    from hetpipe.stage.params import segments
     assert segments(0, 5, (1, 2)) == [(False, range(0, 1)), (True, range(1, 3)), (False, range(3, 5))]
     assert segments(3, 6, ()) == [(False, range(0, 3))]
     assert segments(3, 6, (3, 4, 5)) == [(True, range(0, 3))]
@@ -111,7 +112,7 @@ def test_stage_segments():
 ])
 def test_per_layer_recompute_equals_no_recompute(cuts, recompute):
     c = _common()
-    from hetpipe.runtime.trainer import Trainer
+    from hetpipe.run.trainer import Trainer
     plan = c.one_vw_plan(cuts, nm=2, d=0)
     ref = Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=plan, epochs=2).replay()
     rec_plan = c.with_recompute(plan, recompute)
@@ -124,7 +125,7 @@ def test_per_layer_recompute_equals_no_recompute(cuts, recompute):
 
 
 def test_recompute_outside_the_stage_is_an_error():
-    from hetpipe.runtime.stage_model import StageModel
+    from hetpipe.stage.params import StageModel
     c = _common()
     with pytest.raises(ValueError, match=r"stage layers \[0, 3\) cannot recompute layers \[4\]"):
         StageModel(list(c.mlp()), 0, 3, nm=1, shard_layers={}, optimizer_factory=c.sgd(),
@@ -132,7 +133,7 @@ def test_recompute_outside_the_stage_is_an_error():
 
 
 def test_forward_keeps_only_the_inputs_of_recomputed_segments():
-    from hetpipe.runtime.stage_model import StageModel
+    from hetpipe.stage.params import StageModel
     c = _common()
     m = StageModel(list(c.mlp()), 0, 6, nm=1, shard_layers={}, optimizer_factory=c.sgd(),
                    device=torch.device("cpu"), recompute=(2, 3, 4, 5))
@@ -148,7 +149,7 @@ def test_forward_keeps_only_the_inputs_of_recomputed_segments():
 @pytest.mark.parametrize("cuts,nm,d,split", [([3], 2, 0, 2), ([2, 4], 3, 0, 4), ([2, 4], 2, 1, 3), ([], 1, 0, 1)])
 def test_split_startup_trains_like_the_unsplit_schedule(cuts, nm, d, split):
     c = _common()
-    from hetpipe.runtime.trainer import Trainer
+    from hetpipe.run.trainer import Trainer
     plan = c.one_vw_plan(cuts, nm=nm, d=d)
     ref = Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=plan, epochs=2).replay()
     trainer = Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=plan, epochs=2, split_startup=split)
@@ -162,7 +163,8 @@ def test_split_startup_trains_like_the_unsplit_schedule(cuts, nm, d, split):
 
 
 def test_split_feed_halves_each_minibatch_once():
-    from hetpipe.runtime.executor import MinibatchFeed, StageError
+    from hetpipe.stage.feed import MinibatchFeed
+    from hetpipe.stage.executor import StageError
     from hetpipe.schedule import hetpipe_schedule
     layout = hetpipe_schedule(1, 3, 1, 0, split_startup=1)
     feed = MinibatchFeed(iter([torch.arange(5), torch.arange(4), torch.arange(2)]), layout)
@@ -175,8 +177,8 @@ def test_split_feed_halves_each_minibatch_once():
 
 def test_copy_stream_path_equals_inline_copies():
     c = _common()
-    from hetpipe.runtime.replay import replay_run
-    from hetpipe.runtime.trainer import Trainer
+    from hetpipe.run.replay import replay_run
+    from hetpipe.run.trainer import Trainer
     plan = c.one_vw_plan([2, 4], nm=3, d=0)
     ref = Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=plan, epochs=2).replay()
     spec = Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=plan, epochs=2).spec(plan)
@@ -186,8 +188,8 @@ def test_copy_stream_path_equals_inline_copies():
 
 def test_copy_stager_sends_in_order_and_returns_slots():
     import hetpipe_core
-    from hetpipe.runtime.device_copy import CopyStager
-    from hetpipe.runtime.transport import Message
+    from hetpipe.transport.device_copy import CopyStager
+    from hetpipe.transport.protocol import Message
     pool = hetpipe_core.PinnedBufferPool(4, 1 << 16)
     stager = CopyStager(pool, torch.device("cpu"))
     stager.stream.enqueue_sleep(0.05)           # the copies queue behind this
@@ -212,7 +214,7 @@ def test_copy_stager_sends_in_order_and_returns_slots():
 
 def test_overriding_nm_or_d_clears_the_prediction_and_refuses_a_larger_nm_that_may_not_fit():
     import dataclasses
-    from hetpipe.runtime.trainer import Trainer
+    from hetpipe.run.trainer import Trainer
     c = _common()
     plan = dataclasses.replace(c.one_vw_plan([3], nm=2, d=0), throughput=5.0)
     got = Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=plan, nm=1, d=1)._make_plan()
@@ -235,8 +237,9 @@ def test_a_full_slot_pool_blocks_the_stage_instead_of_waiting_for_itself(copy_st
     import threading
 
     import hetpipe_core
-    from hetpipe.runtime.build import PeerTimeout, build_stage, drive
-    from hetpipe.runtime.trainer import Trainer
+    from hetpipe.run.drive import PeerTimeout, drive
+    from hetpipe.run.build import build_stage
+    from hetpipe.run.trainer import Trainer
     c = _common()
     plan = c.one_vw_plan([3], nm=2, d=0)
     spec = Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=plan).spec(plan)
@@ -261,8 +264,8 @@ def test_a_full_slot_pool_blocks_the_stage_instead_of_waiting_for_itself(copy_st
 
 
 def test_a_minibatch_larger_than_the_first_is_a_clear_error():
-    from hetpipe.runtime.executor import StageError
-    from hetpipe.runtime.trainer import Trainer
+    from hetpipe.stage.executor import StageError
+    from hetpipe.run.trainer import Trainer
     c = _common()
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g)) for n in (16, 16, 1024, 16)]
@@ -276,9 +279,10 @@ def test_pushes_are_float32_whatever_the_default_dtype(monkeypatch):
     """A replay under a float64 default dtype; the PS rejects any push that is not float32 of its size."""
     import dataclasses
 
-    from hetpipe.runtime.replay import replay_run
-    from hetpipe.runtime.trainer import Trainer
-    from hetpipe.runtime.transport import PUSH, LoopbackTransport
+    from hetpipe.run.replay import replay_run
+    from hetpipe.run.trainer import Trainer
+    from hetpipe.transport.protocol import PUSH
+    from hetpipe.transport.loopback import LoopbackTransport
     from hetpipe.schedule import Apply
     c = _common()
     plan = c.one_vw_plan([3], nm=2, d=0)
@@ -309,8 +313,8 @@ def test_pushes_are_float32_whatever_the_default_dtype(monkeypatch):
 
 def test_the_shard_rejects_a_push_of_the_wrong_dtype_or_size():
     import hetpipe_core
-    from hetpipe.runtime.ps import ShardServer
-    from hetpipe.runtime.transport import PUSH
+    from hetpipe.ps.server import ShardServer
+    from hetpipe.transport.protocol import PUSH
     hub = LoopbackHub()
     pool = hetpipe_core.PinnedBufferPool(4, 4096)
     server = ShardServer(_shard(0), hub.endpoint(9, pool), pool, 3)
@@ -328,8 +332,8 @@ def test_the_shard_rejects_a_push_of_the_wrong_dtype_or_size():
 def test_an_apply_after_its_waves_push_is_an_error():
     import dataclasses
 
-    from hetpipe.runtime.replay import replay_run
-    from hetpipe.runtime.trainer import Trainer
+    from hetpipe.run.replay import replay_run
+    from hetpipe.run.trainer import Trainer
     from hetpipe.schedule import Apply, Push
     c = _common()
     plan = c.one_vw_plan([], nm=2, d=0)
@@ -346,7 +350,7 @@ def test_an_apply_after_its_waves_push_is_an_error():
 
 
 def test_initial_weights_are_keyed_by_model_layer_index():
-    from hetpipe.runtime.build import initial_weights
+    from hetpipe.model.weights import initial_weights
     layers = list(_common().mlp())
     got = initial_weights(layers[2:4], 2)
     assert sorted(got) == [2, 3] and got[3].size == 0
@@ -355,8 +359,8 @@ def test_initial_weights_are_keyed_by_model_layer_index():
 
 def test_the_shard_names_a_push_from_a_stage_without_its_layers():
     import hetpipe_core
-    from hetpipe.runtime.ps import ShardServer
-    from hetpipe.runtime.transport import PUSH
+    from hetpipe.ps.server import ShardServer
+    from hetpipe.transport.protocol import PUSH
     hub = LoopbackHub()
     pool = hetpipe_core.PinnedBufferPool(4, 4096)
     server = ShardServer(_shard(0), hub.endpoint(9, pool), pool, 3)
@@ -369,8 +373,8 @@ def test_pull_replies_wait_for_a_free_slot_without_blocking_the_shard():
     import threading
 
     import hetpipe_core
-    from hetpipe.runtime.ps import ShardServer
-    from hetpipe.runtime.transport import PULL, WEIGHTS
+    from hetpipe.ps.server import ShardServer
+    from hetpipe.transport.protocol import PULL, WEIGHTS
     hub = LoopbackHub()
     pool = hetpipe_core.PinnedBufferPool(1, 4096)
     server = ShardServer(_shard(0), hub.endpoint(9, pool), pool, 3)

@@ -182,7 +182,7 @@ def test_a_registered_schedule_trains_end_to_end_in_the_replay(sequential):
     # minibatch, whatever nm; HetPipe's own schedule with nm = 2 keeps two in flight and differs.
     import real_models as rm
     from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic
-    from hetpipe.runtime.trainer import Trainer
+    from hetpipe.run.trainer import Trainer
 
     plan = one_vw_plan([2, 4], nm=2, d=0)
     plain = rm.plain_training(mlp(), cross_entropy, sgd(), synthetic(), epochs=2)
@@ -198,7 +198,7 @@ def test_a_registered_schedule_trains_end_to_end_in_the_replay(sequential):
 
 def test_the_trainer_refuses_unknown_schedules_and_options_they_ignore():
     from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic
-    from hetpipe.runtime.trainer import Trainer
+    from hetpipe.run.trainer import Trainer
 
     with pytest.raises(ValueError, match="unknown schedule 'pipedream'"):
         Trainer(mlp(), cross_entropy, sgd(), synthetic(), schedule="pipedream")

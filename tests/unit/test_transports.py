@@ -6,9 +6,12 @@ import pytest
 import torch
 
 import hetpipe_core
-from hetpipe.runtime import transports
-from hetpipe.runtime.transport import ACT, Header, LoopbackHub, MPITransport, slot_bytes, try_acquire
-from hetpipe.runtime.transports import LoopbackPort, TransportChoiceError
+from hetpipe.transport import registry as transports
+from hetpipe.transport.protocol import ACT, Header
+from hetpipe.transport.loopback import LoopbackHub
+from hetpipe.transport.mpi import MPITransport
+from hetpipe.transport.slots import slot_bytes, try_acquire
+from hetpipe.transport.registry import LoopbackPort, TransportChoiceError
 
 
 def test_the_backends_are_tried_loopback_then_device_to_device_then_pinned_host():
@@ -78,7 +81,7 @@ def test_a_duplicate_name_is_refused():
 
 
 def test_a_channel_uses_torch_p2p_only_between_ranks_of_one_kind_on_different_gpus():
-    from hetpipe.runtime.transports import RankChoice, unjoinable
+    from hetpipe.transport.registry import RankChoice, unjoinable
 
     def rank(device: str, host: str = "n0", backend: str = "torch-p2p"):
         flavour = None if backend != "torch-p2p" else ("nccl" if device.startswith("cuda") else "gloo")

@@ -1,6 +1,6 @@
 """The runtime's WSP numerics against hand-written plain-torch references.
 
-Each case runs the in-process replay (:meth:`hetpipe.runtime.trainer.Trainer.replay`) and compares
+Each case runs the in-process replay (:meth:`hetpipe.run.trainer.Trainer.replay`) and compares
 its final global weights with a reference written here from the WSP specification (DESIGN.md), using
 only torch: no hetpipe runtime code computes the expected numbers.
 
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
-from hetpipe.runtime.trainer import Trainer
+from hetpipe.run.trainer import Trainer
 from hetpipe.schedule import Apply, Bwd, Fwd, hetpipe_compute_schedule
 
 Batch = Tuple[torch.Tensor, torch.Tensor]

@@ -1,7 +1,7 @@
 // ShardPlane: one parameter-server shard's data plane — WSP pushes, wave application and
 // staleness-gated pulls — callable from any number of threads at once, with no Python in the way.
 //
-// Protocol (the WSP spec of python/hetpipe/runtime/ps.py, which this equals bit for bit):
+// Protocol (the WSP spec of python/hetpipe/ps/shard.py, which this equals bit for bit):
 // - push(vw, stage, wave, delta): the stage's wave delta for the shard's layers inside the stage (in
 //   layer order), then the current values of those layers' synced buffers (BatchNorm running
 //   statistics). VW vw's clock becomes c + 1 once every stage of vw holding layers of this shard has
@@ -58,7 +58,7 @@ struct ReplicaSlice {
   std::size_t numel;
 };
 
-// What a shard logs, as ShardLog of python/hetpipe/runtime/ps.py.
+// What a shard logs, as ShardLog of python/hetpipe/ps/shard.py.
 struct ShardPlaneLog {
   std::vector<std::array<std::int64_t, 3>> pushes;   // (vw, stage, wave), arrival order
   std::vector<std::array<std::int64_t, 3>> clocks;   // (vw, clock_vw, global) after each change

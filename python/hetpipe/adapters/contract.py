@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from torch import nn
 
-from hetpipe.runtime.build import side_inputs_of
+from hetpipe.model.contract import side_inputs_of
 
 
 def run_layers(layers: Sequence[nn.Module], inputs: Any) -> Any:

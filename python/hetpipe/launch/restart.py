@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Set
 
+from hetpipe.checkpoint import format as ckpt
 from hetpipe.plan.types import Plan
-from hetpipe.runtime import checkpoint as ckpt
 
 RESTARTABLE = ("died", "stopped")       # faults of a rank or its device; a rank that raised is a bug
 PROBE_TIMEOUT_S = 30.0
@@ -101,13 +101,13 @@ def _say(text: str) -> None:
 def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max_restarts: int,
                          resume: Optional[str], checkpoint_dir: Optional[str], checkpoint_every: Optional[int],
                          exclude: Iterable[str] = ()) -> int:
-    """Run ``argv`` on ``n`` ranks (see :func:`hetpipe.launch.mpi.launch`), restarting it up to
+    """Run ``argv`` on ``n`` ranks (see :func:`hetpipe.job.world.launch`), restarting it up to
     ``max_restarts`` times after a rank died or stopped answering; returns the last run's exit status.
 
     Attempt ``k`` runs in ``<run_dir>/attempt-k``. ``resume``: a checkpoint directory the first attempt
     resumes from; ``exclude``: devices to leave out of its plan (needs ``resume``: the plan is the
     checkpoint's)."""
-    from hetpipe.launch.mpi import launch
+    from hetpipe.launch.mpiexec import launch
     from hetpipe.launch.supervisor import Outcome
 
     base = Path(run_dir).resolve() if run_dir else Path(tempfile.mkdtemp(prefix="hetpipe-run-"))
@@ -124,7 +124,7 @@ def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max
         if not resume:
             raise ValueError("hetpipe launch: --exclude-device needs --resume DIR (the plan left out of is the "
                              "checkpoint's)")
-        plan = plan_without(Plan.from_dict(ckpt.Checkpoint.find(Path(resume)).manifest["plan"]), failed)
+        plan = plan_without(Plan.from_dict(ckpt.read_manifest(ckpt.find(Path(resume)))["plan"]), failed)
         n = _use_plan(plan, base / "plan-0.json", env, n)
         _say(f"device(s) {sorted(failed)} marked failed: {len(plan.virtual_workers)} VW(s), {n} ranks")
     attempt = 0

@@ -13,7 +13,7 @@ that a terminal's Ctrl-C reaches the launcher alone, and ends the run itself:
 * mpiexec exits (killed, or after a failure): the launcher ends whatever is left.
 
 Ending the run: every process whose environment carries this run's ``HETPIPE_RUN_DIR`` (mpiexec, its
-proxies, the ranks, anything they started; :mod:`hetpipe.launch.procs`) gets SIGTERM (SIGKILL if
+proxies, the ranks, anything they started; :mod:`hetpipe.job.procs`) gets SIGTERM (SIGKILL if
 stopped), and SIGKILL after ``TERM_GRACE_S`` (after a fault) or :func:`signal_grace_s` (after a signal);
 the wait ends as soon as no process is left. The verdict is written to ``<run dir>/outcome.json``
 (:class:`Outcome`) for programs (a restarting launcher) and printed as one line for people.
@@ -32,10 +32,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from hetpipe.launch.deaths import RUN_DIR_ENV, DeathWatcher, marked, recorded_ranks
-from hetpipe.launch.failure import ABORT_GRACE_S, signal_grace_s
-from hetpipe.launch.guard import LAUNCHER_PID_ENV
-from hetpipe.launch.procs import environment_marker, processes_with, send, signal_name, stopped
+from hetpipe.job.failure import ABORT_GRACE_S, signal_grace_s
+from hetpipe.job.guard import LAUNCHER_PID_ENV
+from hetpipe.job.procs import environment_marker, processes_with, send, signal_name, stopped
+from hetpipe.job.rundir import RUN_DIR_ENV, marked, recorded_ranks
+from hetpipe.launch.deaths import DeathWatcher
 
 OUTCOME_FILE = "outcome.json"
 LAUNCHER_PID_FILE = "launcher.pid"

@@ -11,7 +11,7 @@ in flight in the VW:
   pipeline ends); ``wire_factor`` is 1/2 for a bf16 plan of a float32 profile
   (:func:`hetpipe.precision.wire_factor`), 1 otherwise;
 * stage time = compute + transfer; the VW's bottleneck is the largest stage time.
-* memory: the runtime's memory model (:mod:`hetpipe.runtime.stage_model`). With ``P = param[a:b]`` and
+* memory: the runtime's memory model (:mod:`hetpipe.stage.params`). With ``P = param[a:b]`` and
   ``n_k = min(nm, K - k)`` (the HetPipe schedule's 1F1B rule lets stage ``k`` run at most ``n_k``
   forwards ahead of their backwards, so ``n_k`` minibatches are in flight there)::
 

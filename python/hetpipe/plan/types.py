@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 from hetpipe.precision import check_precision
 
@@ -174,12 +174,6 @@ class Plan:
             return ("ps", r, -1)
         raise ValueError(f"plan: rank {rank} has no role; the plan needs {self.num_ranks} ranks")
 
-    def shard_of_layer(self, layer: int) -> int:
-        for sh in self.ps_shards:
-            if layer in sh.layers:
-                return sh.index
-        raise ValueError(f"plan: layer {layer} is owned by no PS shard")
-
     # --- JSON ------------------------------------------------------------------------------
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
@@ -227,8 +221,3 @@ class Plan:
         except OSError as e:
             raise ValueError(f"plan: cannot read {p}: {e}") from e
         return cls.from_json(text)
-
-
-def stage_layer_lists(plan: Plan) -> List[List[Tuple[int, int]]]:
-    """Per VW, the (start, stop) layer range of each stage."""
-    return [[(s.start, s.stop) for s in vw.stages] for vw in plan.virtual_workers]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import ClassVar, Iterable, Sequence, Tuple, Union
+from typing import ClassVar, Tuple, Union
 
 
 @dataclass(frozen=True)
@@ -286,8 +286,3 @@ class Schedule:
             streams.append(parse_stream(rest))
         return cls(name, int(kv["stages"]), int(kv["minibatches"]), int(kv["nm"]), int(kv["d"]), tuple(streams),
                    int(kv.get("split", 0)))
-
-
-def instrs_of(stream: Iterable[Instr], kind: type) -> Sequence[Instr]:
-    """The instructions of one kind in a stream, in order."""
-    return [i for i in stream if isinstance(i, kind)]

@@ -19,7 +19,7 @@ import torch
 
 from common import one_vw_plan
 from hetpipe.adapters import adapt
-from hetpipe.runtime.trainer import Trainer
+from hetpipe.run.trainer import Trainer
 
 MINIBATCHES = 8
 CUT = 2                 # stage 0: embeddings and block 0; stage 1: block 1 and the head

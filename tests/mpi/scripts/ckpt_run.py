@@ -15,8 +15,8 @@ import torch
 
 from common import cross_entropy, mlp, sgd
 from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
-from hetpipe.runtime.data import Batches
-from hetpipe.runtime.trainer import Trainer
+from hetpipe.run.data import Batches
+from hetpipe.run.trainer import Trainer
 
 
 def plan_of(cfg) -> Plan:

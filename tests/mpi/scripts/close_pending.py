@@ -11,7 +11,8 @@ import numpy as np
 from mpi4py import MPI
 
 import hetpipe_core
-from hetpipe.runtime.transport import ACT, Header, MPITransport, TransportError
+from hetpipe.transport.protocol import ACT, Header, TransportError
+from hetpipe.transport.mpi import MPITransport
 
 comm = MPI.COMM_SELF
 pool = hetpipe_core.PinnedBufferPool(2, 4096)

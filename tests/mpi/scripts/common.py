@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
-from hetpipe.runtime.data import Batches
+from hetpipe.run.data import Batches
 
 
 def mlp(seed: int = 0, width: int = 32) -> nn.Sequential:

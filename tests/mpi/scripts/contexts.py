@@ -19,7 +19,7 @@ import torch
 
 import hetpipe_core
 from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic
-from hetpipe.runtime.trainer import Trainer
+from hetpipe.run.trainer import Trainer
 
 
 def cuda_state() -> dict:

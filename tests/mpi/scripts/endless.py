@@ -5,7 +5,7 @@ VW 0's last stage appends a line per wave to METRICS, so that a test knows train
 import sys
 
 from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic
-from hetpipe.runtime.trainer import Trainer
+from hetpipe.run.trainer import Trainer
 
 
 def main() -> int:

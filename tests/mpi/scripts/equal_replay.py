@@ -18,7 +18,7 @@ import torch
 from mpi4py import MPI
 
 from common import cross_entropy, mlp, one_vw_plan, sgd, split_world, synthetic, with_recompute
-from hetpipe.runtime.trainer import Trainer
+from hetpipe.run.trainer import Trainer
 
 
 def main() -> int:
@@ -92,7 +92,7 @@ def _plain_max_diff(run, epochs: int) -> float:
 
 
 def _initial():
-    from hetpipe.runtime.build import initial_weights
+    from hetpipe.model.weights import initial_weights
     layers = list(mlp())
     return initial_weights(layers, 0)
 

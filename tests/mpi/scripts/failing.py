@@ -15,7 +15,7 @@ from mpi4py import MPI
 from torch import nn
 
 from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic
-from hetpipe.runtime.trainer import Trainer
+from hetpipe.run.trainer import Trainer
 
 
 class Tripwire(nn.Module):

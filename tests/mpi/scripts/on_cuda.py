@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic
-from hetpipe.runtime.trainer import Trainer
+from hetpipe.run.trainer import Trainer
 
 
 def main() -> int:

@@ -15,8 +15,8 @@ from mpi4py import MPI
 
 import real_models as rm
 from common import cross_entropy, mlp, same_outcome, sgd, split_world, synthetic, two_vw_plan
-from hetpipe.runtime.ps_core import PLANE_ENV
-from hetpipe.runtime.trainer import Trainer
+from hetpipe.ps.core_plane import PLANE_ENV
+from hetpipe.run.trainer import Trainer
 
 MODELS = {"mlp": (mlp, synthetic, cross_entropy), "resnet": (rm.resnet, rm.images, cross_entropy),
           "tied": (rm.tied_mlp, synthetic, rm.tied_loss)}

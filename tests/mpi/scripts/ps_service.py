@@ -14,9 +14,11 @@ import numpy as np
 from mpi4py import MPI
 
 import hetpipe_core
-from hetpipe.runtime.ps import WSPViolation
-from hetpipe.runtime.ps_core import CoreShardServer, CoreShardState
-from hetpipe.runtime.transport import PUSH, Header, MPITransport, slot_bytes
+from hetpipe.ps.shard import WSPViolation
+from hetpipe.ps.core_plane import CoreShardServer, CoreShardState
+from hetpipe.transport.protocol import PUSH, Header
+from hetpipe.transport.mpi import MPITransport
+from hetpipe.transport.slots import slot_bytes
 
 COMM = MPI.COMM_WORLD
 NUMEL = 1000   # the shard: one layer of 1000 floats, held by VW 0's only stage

@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 from torch import nn
 
-from hetpipe.runtime.data import Batches
+from hetpipe.run.data import Batches
 
 
 # --- pytree boundaries and side inputs -----------------------------------------------------------

@@ -21,8 +21,8 @@ from torch import nn
 
 from common import cross_entropy, same_outcome, sgd, split_world, synthetic
 from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
-from hetpipe.runtime.record import RunRecord
-from hetpipe.runtime.trainer import Trainer
+from hetpipe.run.record import RunRecord
+from hetpipe.run.trainer import Trainer
 
 NUM_LAYERS = 7
 

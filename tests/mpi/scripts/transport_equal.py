@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 import real_models as rm
 from common import cross_entropy, mlp, one_vw_plan, same_outcome, sgd, split_world, synthetic, two_vw_plan
-from hetpipe.runtime.trainer import Trainer
+from hetpipe.run.trainer import Trainer
 
 MODELS = {"mlp": (mlp, synthetic, cross_entropy), "tied": (rm.tied_mlp, synthetic, rm.tied_loss),
           "pytree": (rm.pytree_model, rm.DictBatches, cross_entropy)}

@@ -10,8 +10,8 @@ import numpy as np
 from mpi4py import MPI
 
 from common import cross_entropy, mlp, sgd, synthetic, two_vw_plan
-from hetpipe.runtime.build import initial_weights
-from hetpipe.runtime.trainer import Trainer
+from hetpipe.model.weights import initial_weights
+from hetpipe.run.trainer import Trainer
 
 
 def check(run, d: int) -> dict:

@@ -1,0 +1,134 @@
+"""The checkpoint format on disk, torch-free (the launcher reads it): names, the manifest, completeness.
+
+Layout (docs/design.md, "Checkpoints and restart")::
+
+    DIR/clock-000008/manifest.json            plan, clock, data position, seed (the same from every rank)
+    DIR/clock-000008/rank-00003.safetensors   that rank's tensors (PS shard: W, B; stage: optimizer state)
+    DIR/clock-000008/rank-00003.json          that rank's part: role, clocks, optimizer groups, losses
+
+A checkpoint is complete once its manifest and every part's JSON and tensors exist; each file is
+written to a temporary name, fsynced, renamed and its directory fsynced (:func:`commit`), so a crash
+mid-write leaves an incomplete checkpoint that :func:`latest` skips. What the files hold and how they
+are written and read back: :mod:`hetpipe.checkpoint.state`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+RESUME_ENV = "HETPIPE_RESUME"                   # a checkpoint directory to resume from
+PLAN_ENV = "HETPIPE_PLAN"                       # a plan JSON replacing the script's plan (set on restart)
+DIR_ENV = "HETPIPE_CHECKPOINT_DIR"              # Trainer(checkpoint_dir=) when the script gives none
+EVERY_ENV = "HETPIPE_CHECKPOINT_EVERY"          # Trainer(checkpoint_every=) when the script gives none
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory holds nothing to resume from, or something unreadable."""
+
+
+def clock_dir(directory: Path, clock: int) -> Path:
+    return Path(directory) / f"clock-{clock:06d}"
+
+
+def part_name(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(tmp: Path, final: Path) -> None:
+    """fsync ``tmp``, rename it to ``final``, fsync the directory: ``final`` is whole or absent."""
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def write_json(path: Path, value: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value, indent=1, allow_nan=True) + "\n")
+    commit(tmp, path)
+
+
+def is_complete(path: Path) -> bool:
+    """Whether the checkpoint in ``path`` has its manifest and every part it lists."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return all((path / f"{p}.json").exists() and (path / f"{p}.safetensors").exists() for p in manifest["parts"])
+
+
+def latest(directory: Path) -> Optional[Path]:
+    """The complete checkpoint of the highest clock in ``directory`` (None if there is none)."""
+    found = sorted(Path(directory).glob("clock-*")) if Path(directory).is_dir() else []
+    for path in reversed(found):
+        if is_complete(path):
+            return path
+    return None
+
+
+def find(directory: Path) -> Path:
+    """The latest complete checkpoint in ``directory`` (a checkpoint directory, or one clock of it)."""
+    directory = Path(directory)
+    if (directory / MANIFEST).exists():
+        if not is_complete(directory):
+            raise CheckpointError(f"hetpipe: the checkpoint {directory} is incomplete (a part or its manifest is missing)")
+        return directory
+    path = latest(directory)
+    if path is None:
+        raise CheckpointError(f"hetpipe: no complete checkpoint in {directory}")
+    return path
+
+
+def read_manifest(path: Path) -> Dict[str, Any]:
+    """The manifest of the complete checkpoint in ``path``, of a format this hetpipe reads."""
+    manifest = json.loads((Path(path) / MANIFEST).read_text())
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"hetpipe: the checkpoint {path} has format {manifest.get('format')}, "
+                              f"this hetpipe reads format {FORMAT}")
+    return manifest
+
+
+def reached(directory: Path) -> int:
+    """The highest clock any rank wrote a part for (complete or not), -1 if none."""
+    clocks = [int(p.name.split("-")[1]) for p in Path(directory).glob("clock-*") if any(p.glob("rank-*.json"))]
+    return max(clocks, default=-1)
+
+
+@dataclass
+class DataPosition:
+    """Where a run is in its data: epoch ``epoch`` of ``epochs``, from minibatch ``index`` of that epoch
+    (minibatches before it in the epoch were trained); see :func:`hetpipe.stage.feed.vw_minibatches`."""
+
+    epoch: int = 0
+    index: int = 0
+
+    def per_vw(self, per_epoch: int, num_vws: int, epochs: int) -> int:
+        """Minibatches each of ``num_vws`` VWs trains from here to the end of ``epochs`` epochs."""
+        if self.epoch >= epochs:
+            return 0
+        per = per_epoch // num_vws
+        first = max(0, per * num_vws - self.index) // num_vws
+        return first + (epochs - self.epoch - 1) * per
+
+    def advance(self, k: int, per_epoch: int, num_vws: int) -> "DataPosition":
+        """The position after each of ``num_vws`` VWs trained ``k`` more minibatches from here."""
+        per = per_epoch // num_vws
+        first = max(0, per * num_vws - self.index) // num_vws
+        if k < first:
+            return DataPosition(self.epoch, self.index + k * num_vws)
+        k -= first
+        return DataPosition(self.epoch + 1 + k // per, (k % per) * num_vws)

@@ -1,0 +1,343 @@
+"""Checkpoints of a WSP run: consistent cuts at wave boundaries, written asynchronously and atomically.
+
+The files and their names: :mod:`hetpipe.checkpoint.format`.
+Clock ``b`` is the cut after wave ``b - 1``: every PS shard has applied waves ``< b`` (its ``W`` is
+the global ``W_b``) and every stage has pushed wave ``b - 1`` (its optimizer state holds exactly its
+VW's updates of minibatches ``< b * nm``). A checkpoint is complete once its manifest and every
+part's JSON exist; each file is written to a temporary name, fsynced, renamed and its directory
+fsynced, and the JSON of a part only after its tensors, so a crash mid-write leaves an incomplete
+checkpoint that :func:`latest` skips, and the previous complete one intact. A rank removes its own
+parts of older checkpoints only once a newer one is complete. Formats: safetensors and JSON;
+nothing here unpickles.
+
+Thread role: :class:`Checkpointer` is called from the rank's main thread (``boundary``, ``close``,
+``on_signal``); one writer thread per rank does the disk I/O. At most one checkpoint is in flight:
+when the next is due before the previous is on disk, ``boundary`` waits for it (the time is kept in
+``waited_s``), so that every rank writes every due clock and the cuts stay complete.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from hetpipe.checkpoint.format import (MANIFEST, CheckpointError, DataPosition, commit, find, read_manifest, clock_dir, is_complete,
+                                       latest, part_name, write_json)
+from hetpipe.model.layout import local_buffers
+
+Snapshot = Tuple[Dict[str, torch.Tensor], Dict[str, Any]]      # (tensors on the CPU, JSON part)
+
+
+def write_tensors(path: Path, tensors: Dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp))
+    commit(tmp, path)
+
+
+def read_tensors(path: Path) -> Dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+@dataclass
+class Checkpoint:
+    """A complete checkpoint, read back: its manifest and each rank's part (JSON and tensors)."""
+
+    path: Path
+    manifest: Dict[str, Any]
+    parts: Dict[int, Dict[str, Any]]                    # rank -> part JSON
+    tensors: Dict[int, Dict[str, torch.Tensor]]         # rank -> its tensors
+
+    @classmethod
+    def read(cls, path: Path) -> "Checkpoint":
+        path = Path(path)
+        if not is_complete(path):
+            raise CheckpointError(f"hetpipe: the checkpoint {path} is incomplete (a part or its manifest is missing)")
+        manifest = read_manifest(path)
+        parts, tensors = {}, {}
+        for name in manifest["parts"]:
+            part = json.loads((path / f"{name}.json").read_text())
+            parts[part["rank"]] = part
+            tensors[part["rank"]] = read_tensors(path / f"{name}.safetensors")
+        return cls(path, manifest, parts, tensors)
+
+    @classmethod
+    def find(cls, directory: Path) -> "Checkpoint":
+        """The latest complete checkpoint in ``directory`` (a checkpoint directory or one clock of it)."""
+        return cls.read(find(directory))
+
+    @property
+    def clock(self) -> int:
+        return int(self.manifest["clock"])
+
+    def global_weights(self) -> Tuple[Dict[int, np.ndarray], Dict[int, np.ndarray]]:
+        """Per layer, the global weights ``W_b`` and synced buffers ``B_b`` (flat float32)."""
+        weights, buffers = {}, {}
+        for t in self.tensors.values():
+            for key, value in t.items():
+                kind, _, layer = key.partition("/")
+                if kind == "w":
+                    weights[int(layer)] = value.numpy()
+                elif kind == "b":
+                    buffers[int(layer)] = value.numpy()
+        return weights, buffers
+
+    def stage_part(self, vw: int, stage: int) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
+        for rank, part in self.parts.items():
+            if part["role"] == "stage" and part["vw"] == vw and part["stage"] == stage:
+                return part, self.tensors[rank]
+        raise CheckpointError(f"hetpipe: the checkpoint {self.path} has no part of VW {vw} stage {stage}")
+
+    def losses(self) -> Dict[int, Dict[int, float]]:
+        """vw -> minibatch -> loss of the minibatches before the cut (from each VW's last stage)."""
+        out: Dict[int, Dict[int, float]] = {}
+        for part in self.parts.values():
+            if "losses" in part:
+                out[part["vw"]] = {int(p): v for p, v in part["losses"].items()}
+        return out
+
+
+class Checkpointer:
+    """One rank's checkpoints: keeps its last ``keep`` boundary snapshots in memory, writes every
+    ``every``-th clock through the writer thread, and on SIGTERM the snapshots not yet written.
+    ``keep = 0`` copies the state only at due clocks (no SIGTERM checkpoint: a signal then only lets
+    the checkpoint in flight finish).
+
+    ``manifest(clock)`` gives the manifest of a clock (identical on every rank)."""
+
+    def __init__(self, directory: Path, every: int, rank: int, manifest: Callable[[int], Dict[str, Any]],
+                 keep: int = 2, progress: Optional[Path] = None) -> None:
+        if every < 1:
+            raise ValueError(f"hetpipe: checkpoint_every must be >= 1 wave, got {every}")
+        self.directory, self.every, self.rank = Path(directory), every, rank
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.manifest = manifest
+        self.progress = progress                        # a file to record the latest clock in (launcher's)
+        self.keep = keep
+        self.ring: Deque[Tuple[int, Snapshot]] = collections.deque(maxlen=max(1, keep))
+        self.written: List[int] = []
+        self.waited_s = 0.0
+        self.error: Optional[BaseException] = None
+        self._job: Optional[Tuple[int, Snapshot]] = None
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"hetpipe-checkpoint-{rank}", daemon=True)
+        self._thread.start()
+
+    # --- main thread -----------------------------------------------------------------------------
+    def boundary(self, clock: int, capture: Callable[[], Snapshot]) -> None:
+        """This rank reached clock ``clock``: keep a snapshot, and hand it to the writer if it is due."""
+        self._raise()
+        due = clock % self.every == 0
+        if self.keep == 0 and not due:
+            snapshot = None
+        else:
+            snapshot = capture()
+            self.ring.append((clock, snapshot))
+        if self.progress is not None:
+            tmp = self.progress.with_name(f".{self.progress.name}.tmp")
+            tmp.write_text(f"{clock}\n")
+            os.replace(tmp, self.progress)
+        if due:
+            started = time.monotonic()
+            with self._cv:
+                while self._job is not None:
+                    self._cv.wait()
+                self.waited_s += time.monotonic() - started
+                self._job = (clock, snapshot)
+                self._cv.notify_all()
+
+    def close(self) -> None:
+        """Wait for the checkpoint in flight, stop the writer; raise what it failed with."""
+        with self._cv:
+            while self._job is not None:
+                self._cv.wait()
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join()
+        self._raise()
+        self._collect()
+
+    def on_signal(self, wait_s: float) -> None:
+        """Write every kept snapshot not yet on disk (after the one in flight), in this thread; then wait
+        (at most ``wait_s`` in all) until one of the clocks this rank holds is complete on disk.
+
+        Why wait: mpiexec ends every rank once one exits, so a rank that wrote its part quickly would
+        otherwise get its slower peers killed halfway through theirs; the ranks leave together instead."""
+        deadline = time.monotonic() + wait_s
+        with self._cv:
+            while self._job is not None and time.monotonic() < deadline:
+                self._cv.wait(timeout=0.1)
+        for clock, snapshot in list(self.ring) if self.keep else ():
+            if clock not in self.written:
+                self._write(clock, snapshot)
+        held = [clock for clock, _ in self.ring] if self.keep else self.written[-1:]
+        while held and not any(is_complete(clock_dir(self.directory, c)) for c in held) \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._collect()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise CheckpointError(f"hetpipe: writing a checkpoint failed: {self.error}") from self.error
+
+    # --- writer thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._job is None and not self._closed:
+                    self._cv.wait()
+                if self._job is None:
+                    return
+                clock, snapshot = self._job
+            try:
+                self._write(clock, snapshot)
+                self._collect()
+            except BaseException as e:  # noqa: BLE001 - kept and raised on the main thread
+                self.error = e
+            with self._cv:
+                self._job = None
+                self._cv.notify_all()
+
+    def _write(self, clock: int, snapshot: Snapshot) -> None:
+        tensors, part = snapshot
+        path = clock_dir(self.directory, clock)
+        path.mkdir(parents=True, exist_ok=True)
+        if not (path / MANIFEST).exists():
+            write_json(path / MANIFEST, self.manifest(clock))
+        name = part_name(self.rank)
+        write_tensors(path / f"{name}.safetensors", tensors)
+        write_json(path / f"{name}.json", {**part, "rank": self.rank, "clock": clock})
+        self.written.append(clock)
+
+    def _collect(self) -> None:
+        """Remove this rank's parts of checkpoints older than the newest complete one."""
+        newest = latest(self.directory)
+        if newest is None:
+            return
+        keep = int(newest.name.split("-")[1])
+        name = part_name(self.rank)
+        ranks = len(json.loads((newest / MANIFEST).read_text())["parts"])
+        for path in self.directory.glob("clock-*"):
+            if int(path.name.split("-")[1]) >= keep:
+                continue
+            for suffix in (".json", ".safetensors"):
+                (path / f"{name}{suffix}").unlink(missing_ok=True)
+                if self.rank == 0:
+                    # Parts of ranks a run before a restart had and this one has not: nobody else removes them.
+                    for f in path.glob(f"rank-*{suffix}"):
+                        if int(f.name[5:10]) >= ranks:
+                            f.unlink(missing_ok=True)
+            if not any(path.glob("rank-*")):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+# --- what a rank saves ---------------------------------------------------------------------------
+def optimizer_snapshot(optimizer: Optional[torch.optim.Optimizer], keys: List[str]
+                       ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """An optimizer's state by parameter key: tensors ``opt/<key>/<name>`` (CPU copies) and, as JSON,
+    its non-tensor state and its param groups (each with the keys of its parameters)."""
+    if optimizer is None:
+        return {}, {"groups": [], "scalars": {}}
+    sd = optimizer.state_dict()
+    tensors: Dict[str, torch.Tensor] = {}
+    scalars: Dict[str, Dict[str, Any]] = {}
+    for i, state in sd["state"].items():
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"opt/{keys[i]}/{name}"] = value.detach().to("cpu", copy=True)
+            else:
+                scalars.setdefault(keys[i], {})[name] = _json_value(value, f"optimizer state {name!r} of {keys[i]}")
+    groups = []
+    for g in sd["param_groups"]:
+        groups.append({**{k: _json_value(v, f"optimizer option {k!r}") for k, v in g.items() if k != "params"},
+                       "keys": [keys[i] for i in g["params"]]})
+    return tensors, {"groups": groups, "scalars": scalars}
+
+
+def _json_value(value: Any, what: str) -> Any:
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v, what) for v in value]
+    raise CheckpointError(f"hetpipe: {what} is a {type(value).__name__}, which a checkpoint cannot hold as JSON")
+
+
+def restore_optimizer(optimizer: Optional[torch.optim.Optimizer], keys: List[str], groups: List[Dict[str, Any]],
+                      scalars: Dict[str, Dict[str, Any]], tensors: Dict[str, torch.Tensor]) -> int:
+    """Load the state saved by :func:`optimizer_snapshot` (from one or several parts) into ``optimizer``,
+    whose parameters have ``keys``; returns how many parameters got a saved state. ``groups``: the saved
+    param groups; each of ``optimizer``'s groups takes the options of the saved group holding its
+    first parameter (the same group when the plan did not change)."""
+    if optimizer is None:
+        return 0
+    sd = optimizer.state_dict()
+    index = {k: i for i, k in enumerate(keys)}
+    state: Dict[int, Dict[str, Any]] = {}
+    for name, value in tensors.items():
+        kind, key, stat = name.split("/", 2) if name.count("/") >= 2 else (name, "", "")
+        if kind == "opt" and key in index:
+            state.setdefault(index[key], {})[stat] = value
+    for key, values in scalars.items():
+        if key in index:
+            state.setdefault(index[key], {}).update(values)
+    by_key = {k: g for g in groups for k in g["keys"]}
+    new_groups = []
+    for g in sd["param_groups"]:
+        first = keys[g["params"][0]] if g["params"] else None
+        saved = by_key.get(first, {})
+        options = {k: v for k, v in saved.items() if k != "keys"}
+        new_groups.append({**g, **options, "params": g["params"]})
+    optimizer.load_state_dict({"state": state, "param_groups": new_groups})
+    return len(state)
+
+
+@dataclass
+class Resume:
+    """What a run resumes from: a checkpoint, and whether the run's plan is the checkpoint's own."""
+
+    checkpoint: Checkpoint
+    same_plan: bool
+    start: DataPosition = field(default_factory=DataPosition)
+    micro_offset: int = 0            # micro-batches each VW ran before the cut (seeds continue from there)
+    minibatches: int = 0             # minibatches each VW trained before the cut (same plan; else 0)
+
+    def restore_stage(self, model, layout, vw: int, stage: int) -> None:
+        """Give a freshly built :class:`~hetpipe.stage.params.StageModel` its saved optimizer state and
+        local buffers: its own part's when the plan is the same, else per parameter from the stages of
+        VW ``vw % num_old_vws`` of the checkpoint."""
+        keys = param_keys(model, layout)
+        ck = self.checkpoint
+        if self.same_plan:
+            sources = [ck.stage_part(vw, stage)]
+        else:
+            old = vw % len(self.checkpoint.manifest["plan"]["virtual_workers"])
+            sources = [(p, ck.tensors[r]) for r, p in ck.parts.items() if p["role"] == "stage" and p["vw"] == old]
+        groups = [g for p, _ in sources for g in p["optimizer"]["groups"]]
+        scalars = {k: v for p, _ in sources for k, v in p["optimizer"]["scalars"].items()}
+        tensors = {k: v for _, t in sources for k, v in t.items()}
+        restore_optimizer(model.optimizer, keys, groups, scalars, tensors)
+        with torch.no_grad():
+            for name, buf in local_buffers(model, layout).items():
+                saved = tensors.get(f"buf/{name}")
+                if saved is not None:
+                    buf.copy_(saved.to(buf.device, buf.dtype))
+
+
+def param_keys(model, layout) -> List[str]:
+    """``layer.name`` of each parameter of a stage, in its flat order (a replica by its owner's key)."""
+    owned = [f"{l}.{n}" for l in range(model.start, model.stop) for n, _ in layout.owned[l]]
+    return owned + [f"{o}.{n}" for o, n in model.replica_keys]

@@ -1,0 +1,93 @@
+"""Failure handling: one failing rank brings every rank down, with a message naming it, never a hang.
+
+Contract: a rank that raises prints ``hetpipe: rank R (vw V stage S) failed: <error>`` to stderr and
+calls ``MPI.COMM_WORLD.Abort(1)``; mpiexec then tears the whole job down (as it does when a rank is
+killed). An error every rank reaches together (``verdict``) is printed once, by rank 0. Ranks blocked
+on a peer that vanished without Abort time out (``HETPIPE_TIMEOUT`` seconds or the trainer's
+``timeout``) with a message naming the peer, and take the same path.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from typing import Callable, Optional
+
+from hetpipe.job.rundir import mark_aborted
+
+DEFAULT_TIMEOUT_S = 120.0
+# mpiexec forwards each rank's stderr asynchronously, and Abort tears its proxies down at once, which
+# can drop a message still in flight; the failing rank waits this long after reporting before Abort.
+ABORT_GRACE_S = 0.5
+SIGNAL_GRACE_ENV = "HETPIPE_TERM_GRACE"
+SIGNAL_GRACE_S = 60.0   # default time ranks get to write a SIGTERM checkpoint when the launcher is interrupted
+_reported = ""      # the last one-line failure message of this process, kept in its aborted mark
+
+
+def timeout_s(explicit: Optional[float] = None) -> float:
+    """The run's peer timeout: ``explicit``, else ``HETPIPE_TIMEOUT``, else 120 s."""
+    if explicit is not None:
+        return float(explicit)
+    env = os.environ.get("HETPIPE_TIMEOUT")
+    return float(env) if env else DEFAULT_TIMEOUT_S
+
+
+def signal_grace_s() -> float:
+    """Seconds the ranks get after SIGTERM to write their checkpoint when the launcher itself was
+    interrupted: ``HETPIPE_TERM_GRACE`` (``hetpipe launch --term-grace``), else ``SIGNAL_GRACE_S``.
+    The launcher SIGKILLs what is left after it; a rank waits at most this long for its peers' parts."""
+    text = os.environ.get(SIGNAL_GRACE_ENV)
+    if text is None:
+        return SIGNAL_GRACE_S
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"hetpipe launch: {SIGNAL_GRACE_ENV} must be a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise ValueError(f"hetpipe launch: {SIGNAL_GRACE_ENV} (--term-grace) must be > 0 seconds, got {text!r}")
+    return value
+
+
+def report(describe: str, exc: BaseException, with_traceback: bool = True) -> None:
+    """Print the one-line failure message (and the traceback below it) to stderr."""
+    global _reported
+    lines = traceback.format_exception(type(exc), exc, exc.__traceback__) if with_traceback else []
+    _reported = f"hetpipe: {describe} failed: {type(exc).__name__}: {exc}"
+    sys.stderr.write(f"{_reported}\n{''.join(lines)}")
+    sys.stderr.flush()
+
+
+def abort(comm, code: int = 1) -> None:
+    """Tear the job down; falls back to a hard exit if there is no communicator."""
+    mark_aborted(_reported)
+    if comm is not None:
+        time.sleep(ABORT_GRACE_S)
+        comm.Abort(code)
+    os._exit(code)
+
+
+def verdict(comm, describe: str, exc: BaseException, code: int = 1) -> None:
+    """End the job on an error every rank reached together (a planning error, a bad rank count): rank 0
+    of ``comm`` reports it, once for the job, and aborts; the other ranks stay quiet and are torn down
+    by that Abort (or exit with the same code should it not come)."""
+    if comm is None or comm.Get_rank() == 0:
+        report(describe, exc, with_traceback=False)
+        abort(comm, code)
+    mark_aborted()
+    time.sleep(ABORT_GRACE_S + 10.0)
+    os._exit(code)
+
+
+def install_excepthook(comm, describe: Callable[[], str]) -> None:
+    """Make any uncaught exception on this rank report and abort the job (``describe()`` names the rank)."""
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        if issubclass(exc_type, KeyboardInterrupt):
+            previous(exc_type, exc, tb)
+        report(describe(), exc)
+        abort(comm)
+
+    sys.excepthook = hook

@@ -1,0 +1,78 @@
+"""The run directory a launcher and its ranks share: which rank is which process, and how each ended.
+
+mpiexec names one pid when a job ends badly, and not reliably the one that failed: after a rank is
+killed it kills the others with the same signal and may report any of them. So each rank records
+itself in the launcher's run directory (``HETPIPE_RUN_DIR``): ``rank-R.txt`` holds its pid and role
+(first ``rank R`` when it joins the world, then its role once the plan assigns one), ``exited-PID``
+marks a normal interpreter exit and ``aborted-PID`` (holding the rank's message) a failure the rank
+reported itself before aborting. The launcher watches every recorded pid through a pidfd and keeps
+the order in which they vanished (:mod:`hetpipe.launch.deaths`); the first to vanish without a mark is
+the one that died. This module is the ranks' side and the readers both sides use.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from pathlib import Path
+from typing import Dict, Set, Tuple
+
+RUN_DIR_ENV = "HETPIPE_RUN_DIR"
+_exit_marked = False
+
+
+def register_rank(rank: int, describe: str) -> None:
+    """Record this rank's pid and role (when started by ``hetpipe launch``), and mark a normal exit.
+
+    May be called again with a better description; the record is replaced atomically (readers never
+    see half a file). Also starts the guard that ends this rank if the launcher dies."""
+    global _exit_marked
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return
+    from hetpipe.job.guard import watch_launcher
+
+    watch_launcher()
+    pid = os.getpid()
+    tmp = Path(run_dir, f".rank-{rank}.{pid}.tmp")
+    tmp.write_text(f"{pid}\n{describe}\n")
+    os.replace(tmp, Path(run_dir, f"rank-{rank}.txt"))
+    if not _exit_marked:
+        _exit_marked = True
+        atexit.register(_mark, run_dir, f"exited-{pid}")
+
+
+def mark_aborted(message: str = "") -> None:
+    """Record that this process reported its own failure (``message``) and is aborting the job."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if run_dir:
+        _mark(run_dir, f"aborted-{os.getpid()}", message)
+
+
+def _mark(run_dir: str, name: str, text: str = "") -> None:
+    try:
+        Path(run_dir, name).write_text(text)
+    except OSError:
+        pass  # the launcher's directory is gone: nobody is left to read the mark
+
+
+def ranks_by_pid(run_dir: str) -> Dict[int, str]:
+    """pid -> role of every rank recorded in ``run_dir``."""
+    return {pid: role for pid, (_, role) in recorded_ranks(run_dir).items()}
+
+
+def recorded_ranks(run_dir: str) -> Dict[int, Tuple[int, str]]:
+    """pid -> (rank, role) of every rank recorded in ``run_dir``."""
+    out = {}
+    for f in Path(run_dir).glob("rank-*.txt"):
+        lines = f.read_text().splitlines()
+        if len(lines) >= 2:
+            out[int(lines[0])] = (int(f.stem.split("-", 1)[1]), lines[1])
+    return out
+
+
+def marked(run_dir: str, kind: str) -> Set[int]:
+    """pids with an ``exited`` or ``aborted`` mark."""
+    return {int(f.name.split("-", 1)[1]) for f in Path(run_dir).glob(f"{kind}-*")}
+
+

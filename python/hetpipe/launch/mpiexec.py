@@ -1,0 +1,61 @@
+"""Running mpiexec: its path and command line, and one supervised job."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from hetpipe.job.world import MPIUnavailable, disable_mpi_gpu
+
+
+def mpiexec_path() -> str:
+    """The mpiexec beside this Python (a virtual environment's), else the one on PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.exists():
+        return str(here)
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if not found:
+        raise MPIUnavailable("hetpipe: no mpiexec beside the Python interpreter nor on PATH; pip install mpich")
+    return found
+
+
+def mpiexec_command(n: int, argv: List[str]) -> List[str]:
+    """The command line that runs ``argv`` (a Python script and its arguments) on ``n`` ranks."""
+    if n < 1:
+        raise ValueError(f"hetpipe launch: -n must be >= 1, got {n}")
+    return [mpiexec_path(), "-n", str(n), sys.executable, *argv]
+
+
+def launch(n: int, argv: List[str], run_dir: Optional[str] = None) -> int:
+    """Run ``argv`` on ``n`` ranks under mpiexec, relaying its output; return the run's exit status.
+
+    Supervised by :class:`hetpipe.launch.supervisor.Supervisor`: on any fault every process of the run
+    ends and the failed rank is named, on stderr and in ``<run_dir>/outcome.json``. ``run_dir`` (made
+    if missing, must hold no earlier run) is kept; by default a temporary one is used, removed after a
+    successful run and kept after a failure."""
+    import tempfile
+
+    from hetpipe.job.failure import timeout_s
+    from hetpipe.launch.supervisor import OUTCOME_FILE, Supervisor
+
+    command = mpiexec_command(n, argv)
+    keep = run_dir is not None
+    if run_dir is None:
+        run_dir = tempfile.mkdtemp(prefix="hetpipe-run-")
+    else:
+        run_dir = os.path.abspath(run_dir)
+        os.makedirs(run_dir, exist_ok=True)
+        if any(Path(run_dir).iterdir()):
+            raise ValueError(f"hetpipe launch: the run directory {run_dir} is not empty (it holds an earlier run?)")
+    disable_mpi_gpu()
+    outcome = Supervisor(command, n, run_dir, timeout_s()).run()
+    if outcome.status != "ok":
+        if outcome.cause not in ("reported", ""):
+            sys.stderr.write(outcome.message + "\n")
+        sys.stderr.write(f"hetpipe: the run ended ({outcome.status}); details in {Path(run_dir, OUTCOME_FILE)}\n")
+    elif not keep:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return outcome.exit_status

@@ -1,0 +1,294 @@
+"""Parameter-server shard: WSP clocks, deterministic wave aggregation, staleness-gated pulls.
+
+A shard owns some layers' weights ``W`` (float32, one flat array per layer). Protocol (our WSP spec):
+
+* Push ``(vw, stage, wave, delta)``: the stage's wave delta for the shard's layers inside the stage.
+  A VW's clock at the shard becomes ``c + 1`` once every stage of that VW holding layers of this shard
+  has pushed wave ``c`` (waves complete in order). A duplicate push is an error.
+* Wave ``c``'s deltas are applied (``hetpipe_core.apply_delta``; VW 0 first, then 1, ..., each VW's
+  stages in order) exactly when the global clock (min over VWs) passes ``c``; hence ``W`` is always
+  ``W_g``, ``g`` = global clock (the version: every wave ``< g`` applied). The order is logged.
+  ``aggregate="sum"`` adds every VW's delta (HetPipe's rule); ``"mean"`` adds each divided by the
+  number of VWs (the step of one VW, as data-parallel SGD averages gradients).
+* Synced buffers (BatchNorm running statistics) ride at the end of each push as the stage's current
+  values ``P``; when wave ``c`` is applied, ``B`` becomes the VWs' average of their wave-``c`` values
+  (computed as ``B + mean(P - B)``, so a buffer no VW changed stays bitwise the same).
+* Replicas: a stage holding a tied parameter owned by a layer of this shard outside the stage pulls
+  the parameter's slice too (``replicas``), after its own layers' weights; it never pushes it.
+* Pull ``(vw, stage, w)``: queued until ``g >= w - D``, then answered with ``(g, W_g)`` restricted to
+  the stage's layers, then its replica slices, then ``B_g`` of its layers. With ``D = 0`` every pull
+  gets ``g = w``: runs are reproducible. With ``D >= 1`` the ``g`` a pull gets depends on timing; it is
+  logged, and a replay following a run's record (:mod:`hetpipe.run.record`, installed as the shard's
+  :mod:`gate <hetpipe.ps.gate>`) gives every pull the recorded ``g`` by holding back the application of
+  wave ``g`` until the pulls recorded at ``g`` are answered.
+* DONE ``(vw, stage, n)``: the stage finished and sent ``n`` pushes here; the shard is finished once
+  every stage said DONE and all announced pushes have arrived.
+
+Invariant, checked at every clock change: ``0 <= clock_vw - global <= D + 1``.
+Thread role: :class:`ShardState` is pure logic for one thread; :class:`ShardServer` drives it over a
+transport from the shard rank's main thread (or from the replay loop). Over MPI a shard rank runs the
+compiled core's data plane instead (:mod:`hetpipe.ps.core_plane`, same protocol, same bits).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Set, Tuple
+
+import numpy as np
+
+import hetpipe_core
+from hetpipe.ps.gate import Gate, WSPGate
+
+
+
+class WSPViolation(RuntimeError):
+    """The PS saw something WSP forbids: a duplicate push, a broken clock bound, a malformed push."""
+
+
+@dataclass
+class ShardLog:
+    """What happened at a shard, for run-time checks and tests."""
+
+    pushes: List[Tuple[int, int, int]] = field(default_factory=list)      # (vw, stage, wave), arrival order
+    clocks: List[Tuple[int, int, int]] = field(default_factory=list)      # (vw, clock_vw, global) after each change
+    pulls: List[Tuple[int, int, int, int]] = field(default_factory=list)  # (vw, stage, wave, g) as answered
+    pull_clocks: List[int] = field(default_factory=list)                 # clock_vw of the puller, per pull
+    applied: List[Tuple[int, int, int]] = field(default_factory=list)     # (vw, stage, wave), as applied
+    pushed_sum: Dict[int, np.ndarray] = field(default_factory=dict)       # layer -> float64 sum of applied deltas
+
+
+def held_layers(weights: Dict[int, np.ndarray], buffers: Dict[int, np.ndarray],
+                stage_layers: Sequence[Sequence[Tuple[int, int]]]) -> List[Dict[int, List[int]]]:
+    """Per VW, the stages holding layers of the shard (with weights or synced buffers), and which,
+    from each stage's ``[start, stop)`` layer range."""
+    out: List[Dict[int, List[int]]] = []
+    for vw_stages in stage_layers:
+        per = {}
+        for s, (a, b) in enumerate(vw_stages):
+            mine = [l for l in sorted(weights) if a <= l < b and (weights[l].size > 0 or buffers[l].size > 0)]
+            if mine:
+                per[s] = mine
+        out.append(per)
+    return out
+
+
+def check_aggregate(index: int, aggregate: str) -> None:
+    """ValueError naming the shard unless ``aggregate`` is "sum" or "mean"."""
+    if aggregate not in ("sum", "mean"):
+        raise ValueError(f"PS shard {index}: aggregate must be 'sum' or 'mean', got {aggregate!r}")
+
+
+class ShardView(Protocol):
+    """What a shard server, the checkpointer and a run's outcome read of a shard's state; both
+    :class:`ShardState` and the core plane's :class:`~hetpipe.ps.core_plane.CoreShardState` provide it."""
+
+    index: int
+    layers: List[int]
+    W: Dict[int, np.ndarray]                         # layer -> global weights W_g (flat float32)
+    B: Dict[int, np.ndarray]                         # layer -> synced buffers B_g
+    log: ShardLog
+    on_applied: Optional[Callable[[int], None]]      # called with ``applied`` at each wave boundary
+
+    @property
+    def applied(self) -> int: ...
+
+    @property
+    def global_clock(self) -> int: ...
+
+
+class ShardState:
+    """One shard's weights, clocks and pending wave deltas (no I/O)."""
+
+    def __init__(self, index: int, weights: Dict[int, np.ndarray], stage_layers: Sequence[Sequence[Tuple[int, int]]],
+                 d: int, *, log_sums: bool = False, buffers: Optional[Dict[int, np.ndarray]] = None,
+                 replicas: Optional[Dict[Tuple[int, int], Sequence[Tuple[int, int, int]]]] = None,
+                 aggregate: str = "sum") -> None:
+        check_aggregate(index, aggregate)
+        self.index = index
+        self.d = d
+        self.aggregate = aggregate
+        self.layers = sorted(weights)
+        self.W = {l: np.ascontiguousarray(weights[l], dtype=np.float32).copy() for l in self.layers}
+        buffers = buffers or {}
+        self.B = {l: np.ascontiguousarray(buffers.get(l, np.zeros(0)), dtype=np.float32).copy() for l in self.layers}
+        self.num_vws = len(stage_layers)
+        self.stage_layers = held_layers(self.W, self.B, stage_layers)
+        # (vw, stage) -> (layer, offset, numel) slices of W it pulls as replicas of tied parameters.
+        self.replicas = {k: list(v) for k, v in (replicas or {}).items() if v}
+        self.clock = hetpipe_core.ClockTable(self.num_vws)
+        self.applied = 0                                            # waves < applied are in W
+        # Called with ``applied`` each time a wave is applied (checkpoints: W is then the global W_applied).
+        self.on_applied: Optional[Callable[[int], None]] = None
+        self.pending: Dict[int, Dict[int, Dict[int, np.ndarray]]] = collections.defaultdict(dict)  # wave->vw->layer
+        self.pending_buffers: Dict[int, Dict[int, Dict[int, np.ndarray]]] = collections.defaultdict(dict)
+        self.arrived: Dict[Tuple[int, int], Set[int]] = collections.defaultdict(set)  # (vw, wave) -> stages
+        self.seen: Set[Tuple[int, int, int]] = set()
+        self.queued: List[Tuple[int, int, int, int]] = []           # (src, vw, stage, wave) waiting for the clock
+        self.log = ShardLog()
+        # Per-layer buffers of applied waves, reused for the next pushes (fresh pages of this size
+        # cost as much to fault in as the copy itself).
+        self.spare: Dict[int, List[np.ndarray]] = collections.defaultdict(list)
+        self.log_sums = log_sums
+        # Decides the version each pull gets and the order each wave is applied in: WSP's own rules
+        # (a run, or a plain replay), or a run's record (a replay following it).
+        self.gate: Gate = WSPGate()
+        if log_sums:
+            self.log.pushed_sum = {l: np.zeros(self.W[l].size, dtype=np.float64) for l in self.layers}
+
+    @property
+    def global_clock(self) -> int:
+        return int(self.clock.global_clock())
+
+    @property
+    def _scale(self) -> int:
+        """What each VW's delta is divided by before it is applied."""
+        return self.num_vws if self.aggregate == "mean" else 1
+
+    def stage_numel(self, vw: int, stage: int) -> int:
+        """Elements of a push from the stage: its layers' weights, then their synced buffers."""
+        mine = self.stage_layers[vw].get(stage, ())
+        return sum(self.W[l].size + self.B[l].size for l in mine)
+
+    def reply_numel(self, vw: int, stage: int) -> int:
+        """Elements of a pull reply to the stage: weights, replica slices, synced buffers."""
+        return self.stage_numel(vw, stage) + sum(n for _, _, n in self.replicas.get((vw, stage), ()))
+
+    def pulls_from(self, vw: int, stage: int) -> bool:
+        return stage in self.stage_layers[vw] or (vw, stage) in self.replicas
+
+    # --- pushes ----------------------------------------------------------------------------------
+    def push(self, vw: int, stage: int, wave: int, delta: np.ndarray) -> None:
+        key = (vw, stage, wave)
+        if key in self.seen:
+            raise WSPViolation(f"PS shard {self.index}: duplicate push of wave {wave} from VW {vw} stage {stage}")
+        if stage not in self.stage_layers[vw]:
+            raise WSPViolation(f"PS shard {self.index}: VW {vw} stage {stage} holds none of its layers but pushed")
+        if delta.dtype != np.float32 or delta.size != self.stage_numel(vw, stage):
+            raise WSPViolation(f"PS shard {self.index}: push from VW {vw} stage {stage} wave {wave} is "
+                               f"{delta.dtype}[{delta.size}], expected float32[{self.stage_numel(vw, stage)}]")
+        if wave < int(self.clock.clock(vw)):
+            raise WSPViolation(f"PS shard {self.index}: VW {vw} stage {stage} pushed wave {wave} "
+                               f"but VW {vw} is already at clock {int(self.clock.clock(vw))}")
+        self.seen.add(key)
+        self.log.pushes.append(key)
+        off = 0
+        parts = self.pending[wave].setdefault(vw, {})
+        for l in self.stage_layers[vw][stage]:
+            n = self.W[l].size
+            parts[l] = self.spare[l].pop() if self.spare[l] else np.empty(n, dtype=np.float32)
+            np.copyto(parts[l], delta[off:off + n])
+            if self.log_sums:
+                self.log.pushed_sum[l] += parts[l] / self._scale
+            off += n
+        values = self.pending_buffers[wave].setdefault(vw, {})
+        for l in self.stage_layers[vw][stage]:
+            n = self.B[l].size
+            if n:
+                values[l] = delta[off:off + n].copy()
+                off += n
+        self.arrived[(vw, wave)].add(stage)
+        self._advance(vw)
+
+    def _advance(self, vw: int) -> None:
+        need = set(self.stage_layers[vw])
+        while True:
+            c = int(self.clock.clock(vw))
+            if self.arrived.get((vw, c)) != need:
+                break
+            del self.arrived[(vw, c)]
+            self.clock.advance(vw)
+            g = self.global_clock
+            cv = int(self.clock.clock(vw))
+            self.log.clocks.append((vw, cv, g))
+            if not 0 <= cv - g <= self.d + 1:
+                raise WSPViolation(f"PS shard {self.index}: VW {vw} clock {cv} vs global {g} breaks "
+                                   f"0 <= clock - global <= D + 1 with D = {self.d}")
+            self._apply_ready()
+
+    def _apply_ready(self) -> None:
+        """Apply every wave the global clock has passed, in the gate's order (WSP's: VW then stage order,
+        deterministic) unless the gate holds it (a record holds wave ``c`` back while a pull it gives
+        version ``c`` is unanswered)."""
+        g = self.global_clock
+        while self.applied < g:
+            c = self.applied
+            if self.gate.holds(c):
+                return
+            order = self.gate.order(c, self.apply_order())
+            wave = self.pending.pop(c)
+            for vw, stage in order:
+                for l in self.stage_layers[vw][stage]:
+                    delta = wave[vw][l]
+                    if self._scale > 1:
+                        np.divide(delta, np.float32(self._scale), out=delta)
+                    hetpipe_core.apply_delta(self.W[l], delta)
+                    self.spare[l].append(delta)
+                self.log.applied.append((vw, stage, c))
+            self._average_buffers(self.pending_buffers.pop(c, {}), list(dict.fromkeys(vw for vw, _ in order)))
+            self.applied += 1
+            if self.on_applied is not None:
+                self.on_applied(self.applied)
+
+    def apply_order(self) -> List[Tuple[int, int]]:
+        """The (vw, stage) pushes of one wave, in the order this shard applies them on its own."""
+        return [(vw, s) for vw in range(self.num_vws) for s in sorted(self.stage_layers[vw])]
+
+    def _average_buffers(self, values: Dict[int, Dict[int, np.ndarray]], vws: Sequence[int]) -> None:
+        """B <- the VWs' average of the buffer values they pushed for one wave (summed in ``vws`` order)."""
+        for l in self.layers:
+            pushed = [values[vw][l] for vw in vws if l in values.get(vw, {})]
+            if not pushed:
+                continue
+            if len(pushed) == 1:
+                np.copyto(self.B[l], pushed[0])
+                continue
+            change = np.zeros_like(self.B[l])
+            for p in pushed:
+                change += p - self.B[l]
+            self.B[l] += change / np.float32(len(pushed))
+
+    # --- pulls -----------------------------------------------------------------------------------
+    def pull(self, src: int, vw: int, stage: int, wave: int) -> None:
+        if not self.pulls_from(vw, stage):
+            raise WSPViolation(f"PS shard {self.index}: VW {vw} stage {stage} holds none of its layers but pulled")
+        self.queued.append((src, vw, stage, wave))
+
+    def ready_pulls(self, limit: Optional[int] = None) -> List[Tuple[int, int, int, int]]:
+        """Remove and return the queued pulls the gate now allows (WSP's gate: the staleness bound; a
+        record's: those whose recorded version ``W`` now is), in arrival order (at most ``limit`` of them; the others stay
+        queued). Each is answered with ``W_applied``; call :meth:`answered` once their replies are taken."""
+        g = self.global_clock
+        ready = [q for q in self.queued if self.gate.due(q[1], q[2], q[3], self.applied, g, self.d)][:limit]
+        self.queued = [q for q in self.queued if q not in ready]
+        for (_, vw, stage, wave) in ready:
+            self.log.pulls.append((vw, stage, wave, self.applied))
+            self.log.pull_clocks.append(int(self.clock.clock(vw)))
+        return ready
+
+    def answered(self, pulls: Sequence[Tuple[int, int, int, int]]) -> None:
+        """The replies of ``pulls`` (from :meth:`ready_pulls`) were taken: the gate may release waves."""
+        if pulls:
+            for (_, vw, stage, wave) in pulls:
+                self.gate.served(vw, stage, wave)
+            self._apply_ready()
+
+    def snapshot_into(self, vw: int, stage: int, out: np.ndarray) -> None:
+        """Copy ``W_g`` of the stage's layers (layer order), its replica slices, then ``B_g`` of its
+        layers into ``out`` (float32)."""
+        off = 0
+        mine = self.stage_layers[vw].get(stage, ())
+        for l in mine:
+            n = self.W[l].size
+            hetpipe_core.snapshot(self.W[l], out[off:off + n])
+            off += n
+        for l, a, n in self.replicas.get((vw, stage), ()):
+            out[off:off + n] = self.W[l][a:a + n]
+            off += n
+        for l in mine:
+            n = self.B[l].size
+            out[off:off + n] = self.B[l]
+            off += n
+
+

@@ -1,0 +1,161 @@
+"""Builds a rank's part of a run — a stage executor or a PS shard server — and drives it to the end.
+
+Shared by the multi-process trainer and the single-process replay: both build every part with these
+functions, so the replay executes the same code as the real run, only over a loopback transport.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import hetpipe_core
+from hetpipe.model.contract import LayerFailure, boundary_bytes
+from hetpipe.model.tree import on_wire
+from hetpipe.plan.types import Plan
+from hetpipe.ps.server import ShardServer
+from hetpipe.ps.shard import ShardState
+from hetpipe.run.spec import RunSpec
+from hetpipe.schedule.trace import TraceEvent
+from hetpipe.stage.executor import StageContext, StageExecutor
+from hetpipe.stage.feed import MinibatchFeed, select, vw_minibatches
+from hetpipe.stage.pacer import Pacer
+from hetpipe.stage.params import StageModel, TiedKey
+from hetpipe.transport.base import Transport
+from hetpipe.transport.device_copy import CopyStager
+from hetpipe.transport.link import StageLink
+
+
+def _round_slot(nbytes: int) -> int:
+    return max(4096, -(-nbytes // 4096) * 4096)
+
+
+def _pin_device(device: Optional[torch.device]) -> int:
+    """The CUDA device whose context pins a pool's slots; -1 (ordinary host memory, no CUDA call) off CUDA."""
+    if device is None or device.type != "cuda":
+        return -1
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def stage_pool(spec: RunSpec, vw: int, stage: int):
+    """A stage's slots, page-locked through its own device's context when it runs on CUDA."""
+    st = spec.plan.virtual_workers[vw].stages[stage]
+    lay = spec.layout
+    param_bytes = 4 * (sum(lay.numel(l) + lay.buffer_numel(l) for l in range(st.start, st.stop))
+                       + sum(r.numel for r in lay.stage_replicas(st.start, st.stop)))
+    act = max(boundary_bytes(spec.boundaries[st.start], spec.sample_batch),
+              boundary_bytes(spec.boundaries[st.stop], spec.sample_batch))
+    slots = 2 * spec.plan.nm + 2 * len(spec.plan.ps_shards) + 8
+    device = _pin_device(spec.devices.get(spec.plan.rank_of(vw, stage)))
+    return hetpipe_core.PinnedBufferPool(slots, _round_slot(max(act, param_bytes)), device)
+
+
+def shard_pool(spec: RunSpec, shard: int, plane: str = "python"):
+    """A PS shard's slots: ordinary host memory (device -1), so a PS rank opens no CUDA context. The
+    core plane receives and sends in place, so its Python side (DONE messages only) needs one small slot."""
+    if plane == "core":
+        return hetpipe_core.PinnedBufferPool(1, 4096, -1)
+    owned = spec.plan.ps_shards[shard].layers
+    lay = spec.layout
+    biggest = max((4 * (sum(lay.numel(l) + lay.buffer_numel(l) for l in owned if st.start <= l < st.stop)
+                        + sum(r.numel for r in lay.stage_replicas(st.start, st.stop) if r.owner in owned))
+                   for vw in spec.plan.virtual_workers for st in vw.stages), default=0)
+    return hetpipe_core.PinnedBufferPool(2 * spec.plan.num_stage_ranks + 8, _round_slot(biggest), -1)
+
+
+def shard_layers(plan: Plan) -> Dict[int, Sequence[int]]:
+    return {sh.index: tuple(sh.layers) for sh in plan.ps_shards}
+
+
+def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, *,
+                trace: Optional[List[TraceEvent]] = None, t0: float = 0.0) -> StageExecutor:
+    plan = spec.plan
+    st = plan.virtual_workers[vw].stages[stage]
+    num_stages = len(plan.virtual_workers[vw].stages)
+    rank = plan.rank_of(vw, stage)
+    for i in (st.start, st.stop):
+        b = spec.boundaries[i]
+        if isinstance(b, LayerFailure):
+            raise ValueError(f"hetpipe: VW {vw} stage {stage} (rank {rank}) needs what enters layer {i}, but "
+                             f"{b.explain()}")
+    device = spec.devices.get(rank, torch.device("cpu"))
+    model = StageModel(spec.layers, st.start, st.stop, nm=plan.nm, shard_layers=shard_layers(plan),
+                       optimizer_factory=spec.optimizer_factory, device=device, recompute=tuple(st.recompute),
+                       layout=spec.layout, tied_stages=tied_stages(spec, vw), seed=spec.seed, vw=vw, stage=stage,
+                       precision=plan.precision,
+                       micro_offset=spec.resume.micro_offset if spec.resume is not None else 0)
+    if spec.resume is not None:
+        spec.resume.restore_stage(model, spec.layout, vw, stage)
+    owning = {sh.index: plan.ps_rank(sh.index) for sh in plan.ps_shards
+              if any(st.start <= l < st.stop for l in sh.layers)}
+    ctx = StageContext(vw, stage, num_stages, lambda s: plan.rank_of(vw, s), owning,
+                       {sh.index: plan.ps_rank(sh.index) for sh in plan.ps_shards})
+    inputs = labels = None
+    layout = spec.schedules[vw]
+    start = (spec.resume.start.epoch, spec.resume.start.index) if spec.resume is not None else (0, 0)
+    if stage == 0 or model.needs_side_inputs:
+        inputs = MinibatchFeed(select(vw_minibatches(spec.data, vw, len(plan.virtual_workers), spec.epochs, *start),
+                                      0), layout)
+    if stage == num_stages - 1:
+        labels = MinibatchFeed(select(vw_minibatches(spec.data, vw, len(plan.virtual_workers), spec.epochs, *start),
+                                      1), layout)
+    staged = spec.copy_stream if spec.copy_stream is not None else device.type == "cuda"
+    emulated = spec.emulated.get(rank, False) and spec.emulation_scale is not None
+    pacer = Pacer(spec.emulation_scale if emulated else None)
+    link = StageLink(transport, pool, device, CopyStager(pool, device) if staged else None)
+    return StageExecutor(ctx, layout.streams[stage], model, link, loss_fn=spec.loss_fn,
+                         inputs=inputs, labels=labels,
+                         expect_in=on_wire(spec.boundaries[st.start], plan.precision) if stage > 0 else None,
+                         expect_out=on_wire(spec.boundaries[st.stop], plan.precision) if stage < num_stages - 1
+                         else None,
+                         pacer=pacer, fwd_time=st.fwd_time, bwd_time=st.bwd_time, trace=trace, t0=t0, d=plan.d,
+                         layout=layout)
+
+
+def tied_stages(spec: RunSpec, vw: int) -> Dict[TiedKey, Tuple[int, ...]]:
+    """Per tied parameter, the stages of VW ``vw`` holding it (the parameter's owner first in layers)."""
+    stages = spec.plan.virtual_workers[vw].stages
+    stage_of = {l: k for k, st in enumerate(stages) for l in range(st.start, st.stop)}
+    out: Dict[TiedKey, Tuple[int, ...]] = {}
+    for reps in spec.layout.replicas:
+        for r in reps:
+            key = (r.owner, r.owner_name)
+            out[key] = tuple(sorted({stage_of[l] for l in spec.layout.holders(*key)}))
+    return out
+
+
+def stage_pairs(spec: RunSpec) -> List[Tuple[int, int]]:
+    """The ranks of the stages that exchange messages: neighbours in a VW, and stages sharing tied parameters."""
+    pairs = set()
+    for vw in spec.plan.virtual_workers:
+        rank = [spec.plan.rank_of(vw.index, k) for k in range(len(vw.stages))]
+        pairs.update(zip(rank, rank[1:]))
+        for holders in tied_stages(spec, vw.index).values():
+            pairs.update((rank[a], rank[b]) for a in holders for b in holders if a < b)
+    return sorted(pairs)
+
+
+def build_shard(spec: RunSpec, shard: int, transport: Transport, pool, *,
+                trace: Optional[List[TraceEvent]] = None, t0: float = 0.0, comm: Any = None) -> ShardServer:
+    """The shard's server: the compiled core's data plane served over ``comm`` (an mpi4py communicator)
+    when given (see :mod:`hetpipe.ps.core_plane`), else the Python shard over ``transport``."""
+    plan, lay = spec.plan, spec.layout
+    owned = plan.ps_shards[shard].layers
+    weights = {l: lay.flat(l) for l in owned}
+    buffers = {l: lay.flat_buffers(l) for l in owned}
+    stage_layers = [[(s.start, s.stop) for s in vw.stages] for vw in plan.virtual_workers]
+    replicas = {(vw.index, k): [(r.owner, r.offset, r.numel) for r in lay.stage_replicas(st.start, st.stop)
+                                if r.owner in owned]
+                for vw in plan.virtual_workers for k, st in enumerate(vw.stages)}
+    if comm is not None:
+        from hetpipe.ps.core_plane import CoreShardServer, CoreShardState
+
+        core = CoreShardState(shard, weights, stage_layers, plan.d, log_sums=spec.audit, buffers=buffers,
+                              replicas=replicas, aggregate=plan.aggregate)
+        return CoreShardServer(core, transport, pool, plan.num_stage_ranks, comm, trace=trace, t0=t0)
+    state = ShardState(shard, weights, stage_layers, plan.d, log_sums=spec.audit, buffers=buffers,
+                       replicas=replicas, aggregate=plan.aggregate)
+    return ShardServer(state, transport, pool, plan.num_stage_ranks, trace=trace, t0=t0)
+
+

@@ -1,0 +1,1 @@
+"""One pipeline stage: its instruction executor, parameter bookkeeping, PS client, data feed and pacer."""

@@ -1,0 +1,48 @@
+"""The interface of a rank's message endpoint (the wire format: hetpipe.transport.protocol)."""
+
+from __future__ import annotations
+
+from typing import FrozenSet, Optional
+
+from hetpipe.transport.protocol import Header, Message, TransportError
+
+
+class Transport:
+    """Interface of a rank's endpoint. ``pool`` stages payloads; ``rank`` is this endpoint's address.
+
+    ``device_peers``: the ranks this endpoint sends and receives tensors to and from directly
+    (``send_tensor`` / ``try_recv_tensor``, no pool slot); empty for a transport of pinned slots only."""
+
+    rank: int
+    slot_wait: str = ""
+    device_peers: FrozenSet[int] = frozenset()
+
+    def send(self, dest: int, header: Header, slot=None) -> None:
+        """Start sending ``header`` (and the first ``header.nbytes`` of ``slot``) to ``dest``; never blocks.
+
+        Takes ownership of ``slot``: it goes back to the pool when the transfer has completed."""
+        raise NotImplementedError
+
+    def try_recv(self, src: int, kind: int, keep_slot: bool = False) -> Optional[Message]:
+        """Progress the receive of the next ``kind`` message from ``src`` (or ``ANY``); never blocks.
+
+        ``keep_slot``: the message may hand its payload's slot to the caller (see the module docstring)."""
+        raise NotImplementedError
+
+    def progress(self) -> None:
+        """Complete finished sends and release their slots."""
+        raise NotImplementedError
+
+    def pending_sends(self) -> int:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Give back everything still held. Call after ``pending_sends() == 0``."""
+
+    def send_tensor(self, dest: int, header: Header, t) -> None:
+        """Start sending tensor ``t`` to ``dest``, one of ``device_peers``; never blocks."""
+        raise TransportError(f"transport: rank {self.rank} has no tensor channel to rank {dest}")
+
+    def try_recv_tensor(self, src: int, kind: int):
+        """The next ``kind`` message from ``src`` (one of ``device_peers``) as ``(header, tensor)``, or None."""
+        raise TransportError(f"transport: rank {self.rank} has no tensor channel from rank {src}")

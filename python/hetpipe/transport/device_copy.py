@@ -1,0 +1,163 @@
+"""Overlapped device↔pinned-host copies of a stage's payloads on a copy stream.
+
+Every payload a stage sends or receives through pinned slots goes through here when the stage has
+a copy stream (``transport.link``): activations, gradients and tied gradients to and from peers
+without a device channel, wave pushes to the PS shards and their pull replies.
+
+Outgoing: ``copy_out`` enqueues the copy of a tensor into a pinned pool slot on the stage's
+:class:`hetpipe_core.Stream`, ordered after the compute that produced the tensor, and records a
+:class:`hetpipe_core.Event`; ``ready_sends`` hands out the slots whose copy completed, in enqueue
+order (so per-peer message order is the order of ``copy_out`` calls). Incoming: ``copy_in`` enqueues
+the copy of a received payload onto the device on the same stream and makes torch's compute stream
+wait for it; the payload's slot goes back to the pool once the copy completed (``poll``).
+Nothing here blocks the host.
+
+Ordering with torch's compute stream: the core cannot wait on a foreign stream handle, but torch can
+wrap the core's stream (``torch.cuda.ExternalStream(stream.handle)``), so torch enqueues the waits on
+the GPU: the copy stream waits for the compute stream before a device→host copy, the compute stream
+waits for the copy stream after a host→device copy. A tensor copied in is allocated on the copy
+stream and marked as used by the compute stream, so the caching allocator never reuses its memory early.
+
+On CPU tensors the same class runs on the core's CPU stream (a worker thread; ``copy_in`` then waits
+for its copy, as CPU compute cannot wait on the queue); the runtime uses it there only when asked to
+(``RunSpec.copy_stream``): the default CPU path copies inline, with no thread hop.
+Thread role: one thread (the stage's) calls every method.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Deque, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+import hetpipe_core
+from hetpipe.transport.protocol import Header, Message
+from hetpipe.transport.slots import try_acquire
+
+
+@dataclass
+class _InFlight:
+    """One enqueued copy: its completion event, the slot it fills or drains, what must outlive it."""
+
+    event: "hetpipe_core.Event"
+    slot: object
+    keep: Tuple[object, ...]
+    send_to: Optional[Tuple[int, Header]] = None     # outgoing: (destination rank, header)
+
+
+class _HostOrder:
+    """Ordering on the CPU: torch's CPU compute is synchronous, so there is nothing to wait for."""
+
+    def before_copy_out(self) -> None:
+        return None
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+    def after_copy_in(self, t: torch.Tensor, event: "hetpipe_core.Event") -> None:
+        # torch's CPU compute cannot wait on the worker thread's queue: wait here.
+        event.synchronize()
+
+
+class _CudaOrder:
+    """Ordering between torch's current stream on ``device`` and the core's copy stream."""
+
+    def __init__(self, stream: "hetpipe_core.Stream", device: torch.device) -> None:
+        self.device = device
+        self.copy = torch.cuda.ExternalStream(stream.handle, device=device)
+
+    def before_copy_out(self) -> None:
+        self.copy.wait_stream(torch.cuda.current_stream(self.device))
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        with torch.cuda.stream(self.copy):
+            return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+    def after_copy_in(self, t: torch.Tensor, event: "hetpipe_core.Event") -> None:
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_stream(self.copy)
+        t.record_stream(compute)
+
+
+class CopyStager:
+    """A stage's copy stream and its copies in flight (see the module docstring)."""
+
+    def __init__(self, pool, device: torch.device) -> None:
+        self.pool = pool
+        self.device = device
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self.stream = hetpipe_core.Stream(index)
+            self.order = _CudaOrder(self.stream, torch.device("cuda", index))
+        else:
+            self.stream = hetpipe_core.Stream(-1)
+            self.order = _HostOrder()
+        self._out: Deque[_InFlight] = collections.deque()
+        self._in: List[_InFlight] = []
+
+    def _record(self) -> "hetpipe_core.Event":
+        event = hetpipe_core.Event()
+        event.record(self.stream)
+        return event
+
+    def copy_out(self, t: torch.Tensor, dest: int, header: Header) -> bool:
+        """Enqueue the copy of ``t`` (``header.nbytes`` bytes) into a fresh slot, to send to ``dest``;
+        False (nothing enqueued) while every slot is in use."""
+        t = t.detach().contiguous()
+        slot = try_acquire(self.pool, header.nbytes)
+        if slot is None:
+            return False
+        self.order.before_copy_out()
+        if header.nbytes:
+            hetpipe_core.copy_async(slot, t.data_ptr(), header.nbytes, self.stream)
+        self._out.append(_InFlight(self._record(), slot, (t,), (dest, header)))
+        return True
+
+    def ready_sends(self) -> Iterator[Tuple[int, Header, object]]:
+        """``(dest, header, slot)`` of the oldest outgoing copies that completed, oldest first; the
+        caller takes ownership of each slot."""
+        while self._out and self._out[0].event.query():
+            done = self._out.popleft()
+            dest, header = done.send_to
+            yield dest, header, done.slot
+
+    def copy_in(self, msg: Message, dtype: torch.dtype) -> torch.Tensor:
+        """A device tensor of ``msg``'s shape that holds its payload once the enqueued copy completed;
+        torch's compute stream is ordered after that copy. Takes ownership of ``msg.slot``."""
+        t = self.order.empty(msg.header.shape, dtype, self.device)
+        src = msg.slot if msg.slot is not None else msg.payload
+        if msg.header.nbytes:
+            hetpipe_core.copy_async(t.data_ptr(), src, msg.header.nbytes, self.stream)
+        event = self._record()
+        self._in.append(_InFlight(event, msg.slot, (msg.payload, t)))
+        self.order.after_copy_in(t, event)
+        return t
+
+    def poll(self) -> None:
+        """Give the slots of completed incoming copies back to the pool."""
+        if not self._in:
+            return
+        keep = []
+        for c in self._in:
+            if c.event.query():
+                if c.slot is not None:
+                    self.pool.release(c.slot)
+            else:
+                keep.append(c)
+        self._in = keep
+
+    def pending(self) -> int:
+        """Copies not yet handed out (outgoing) or whose slot is not yet released (incoming)."""
+        return len(self._out) + len(self._in)
+
+    def close(self) -> None:
+        """Wait for every enqueued copy, give all slots back, and release the stream."""
+        self.stream.synchronize()
+        for c in [*self._out, *self._in]:
+            if c.slot is not None:
+                self.pool.release(c.slot)
+        self._out.clear()
+        self._in.clear()
+        self.stream.close()

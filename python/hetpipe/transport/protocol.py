@@ -1,0 +1,95 @@
+"""Message transport between ranks: fixed int64 headers plus raw bytes staged in pinned buffer slots.
+
+Every message is a :class:`Header` (16 int64 words) followed, when ``nbytes > 0``, by the payload
+bytes. The payload travels from and to :class:`hetpipe_core.PinnedBufferPool` slots; nothing on the
+data path is pickled. Two implementations share one interface:
+
+* :class:`MPITransport` — mpi4py buffer-based ``Isend``/``Irecv``; header and payload use two tags
+  per message kind (``2 * kind`` and ``2 * kind + 1``). MPI's non-overtaking rule between one
+  sender and one receiver on one tag keeps payloads paired with their headers.
+* :class:`LoopbackTransport` — endpoints of one in-process :class:`LoopbackHub`, used by the
+  single-process replay, so the replay runs the very same executor and parameter-server code.
+
+Calling contract (both): one thread per endpoint (the rank's main thread). ``send`` never blocks: it
+takes ownership of the slot and releases it once the transfer completed (``progress``).
+``try_recv`` never blocks: it returns a :class:`Message` once one from ``src`` (or any source with
+``ANY``) of that kind has fully arrived, else ``None``; calling it again continues the same receive.
+A payload waits for a free pool slot without blocking: ``slot_wait`` then says so (else it is "").
+With ``keep_slot`` the message may instead hand over the pool slot the payload arrived in (``slot``
+set, ``payload`` a view of it): the caller then releases the slot, e.g. after an asynchronous
+host→device copy out of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+import numpy as np
+
+ANY = -1
+HEADER_WORDS = 16
+MAX_NDIM = HEADER_WORDS - 8
+
+# Message kinds. Each kind has its own tags, so receives of different kinds never steal each other's messages.
+ACT = 1         # stage s -> s + 1: output activation of minibatch mb
+GRAD = 2        # stage s -> s - 1: gradient of the input activation of minibatch mb
+PUSH = 3        # stage -> PS shard: the stage's wave delta for the shard's layers (aux = wave)
+PULL = 4        # stage -> PS shard: request the global weights for wave aux (no payload)
+WEIGHTS = 5     # PS shard -> stage: reply to PULL; mb = the pulled wave, aux = the shard's global clock g,
+                # payload = W_g
+DONE = 6        # stage -> PS shard: the stage finished its stream (no payload)
+TIED = 7        # stage -> stage of its VW: the gradients of the tied parameters both hold, for minibatch mb
+KIND_NAMES = {ACT: "activation", GRAD: "gradient", PUSH: "push", PULL: "pull", WEIGHTS: "weights", DONE: "done",
+              TIED: "tied gradient"}
+
+# Wire dtypes, by torch's names (``getattr(torch, name)``); a header carries the index + 1.
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")
+_DTYPE_CODE = {name: i + 1 for i, name in enumerate(DTYPES)}
+
+
+class TransportError(RuntimeError):
+    """A message was lost or cannot be delivered."""
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a message is: kind, sender's (vw, stage), minibatch, an auxiliary word, dtype and shape."""
+
+    kind: int
+    vw: int
+    stage: int
+    mb: int = -1
+    aux: int = -1
+    dtype: str = "uint8"
+    shape: Tuple[int, ...] = ()
+    nbytes: int = 0
+
+    def encode(self) -> np.ndarray:
+        if len(self.shape) > MAX_NDIM:
+            raise ValueError(f"transport: tensors of rank > {MAX_NDIM} are not supported, got shape {self.shape}")
+        words = np.zeros(HEADER_WORDS, dtype=np.int64)
+        words[:8] = (self.kind, self.vw, self.stage, self.mb, self.aux, _DTYPE_CODE[self.dtype],
+                     len(self.shape), self.nbytes)
+        words[8:8 + len(self.shape)] = self.shape
+        return words
+
+    @classmethod
+    def decode(cls, words: np.ndarray) -> "Header":
+        kind, vw, stage, mb, aux, code, ndim, nbytes = (int(x) for x in words[:8])
+        if not (1 <= code <= len(DTYPES)) or not (0 <= ndim <= MAX_NDIM) or nbytes < 0:
+            raise ValueError(f"transport: corrupt header {words.tolist()}")
+        return cls(kind, vw, stage, mb, aux, DTYPES[code - 1], tuple(int(x) for x in words[8:8 + ndim]), nbytes)
+
+
+@dataclass
+class Message:
+    """A received message. ``payload`` is a private copy of the bytes (the slot is already released),
+    or, when ``slot`` is set, a view of that pool slot, owned by the receiver."""
+
+    src: int
+    header: Header
+    payload: np.ndarray     # uint8, length header.nbytes
+    slot: object = None
+
+
