@@ -55,6 +55,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from hetpipe.model.layout import ModelLayout
+from hetpipe.model.swap import SwapCall
 from hetpipe.precision import check_precision
 
 TiedKey = Tuple[int, str]          # (owner layer, the owner's parameter name)
@@ -139,6 +140,8 @@ class StageModel:
         self.layers: List[nn.Module] = [m.to(device) for m in copy.deepcopy(list(layers[start:stop]))]
         check_float32(self.layers, start)
         self.side_inputs: List[Tuple[str, ...]] = [tuple(getattr(m, "hetpipe_side_inputs", ())) for m in self.layers]
+        # Each layer runs on a minibatch's stash, not on its live parameters (model.swap).
+        self._calls = [SwapCall(m) for m in self.layers]
         # Flat order: each layer's owned parameters (its PS vector), layer by layer, then the replicas of
         # parameters owned outside the stage (never pushed), by (owner, offset).
         owned = [self.layers[l - start].get_parameter(n) for l in range(start, stop) for n, _ in layout.owned[l]]
@@ -253,7 +256,7 @@ class StageModel:
             kwargs = {k: side[k] for k in self.side_inputs[i]}
             tensors = stash[i] if buffers is None else {**stash[i], **buffers[n]}
             try:
-                x = torch.func.functional_call(self.layers[i], tensors, (x,), kwargs)
+                x = self._calls[i](tensors, (x,), kwargs)
             except Exception as e:
                 e.add_note(f"hetpipe: raised by layer {self.start + i} ({type(self.layers[i]).__name__})")
                 raise
