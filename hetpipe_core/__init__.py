@@ -23,11 +23,13 @@ from hetpipe_core._C import (  # noqa: F401
     mutex_clock_bench,
     shard_threads,
     snapshot,
+    wire_protocol,
 )
 
 __all__ = [
     "ClockTable", "Event", "PinnedBufferPool", "ShardPlane", "Slot", "Stream", "apply_delta", "build_info", "clock_bench",
     "clock_stress", "copy_async", "cuda_context_active", "mutex_clock_bench", "shard_threads", "snapshot",
+    "wire_protocol",
 ]
 
 __version__ = build_info()["version"]

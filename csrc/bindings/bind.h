@@ -10,6 +10,7 @@ void bind_streams(pybind11::module_& m);
 void bind_clock(pybind11::module_& m);
 void bind_shard_ops(pybind11::module_& m);
 void bind_shard_plane(pybind11::module_& m);
+void bind_wire(pybind11::module_& m);
 
 // A float32, C-contiguous buffer of `name` (TypeError/ValueError naming fn and name otherwise);
 // writable when asked. Defined in bind_shard_ops.cc.

@@ -37,4 +37,5 @@ PYBIND11_MODULE(_C, m) {
   hetpipe::bindings::bind_clock(m);
   hetpipe::bindings::bind_shard_ops(m);
   hetpipe::bindings::bind_shard_plane(m);
+  hetpipe::bindings::bind_wire(m);
 }

@@ -1,5 +1,7 @@
 #include "shard_service.h"
 
+#include "hetpipe/wire.h"
+
 #include <algorithm>
 #include <cstring>
 #include <chrono>
@@ -12,14 +14,12 @@ namespace hetpipe {
 
 namespace {
 
-// Message kinds and dtype codes of python/hetpipe/transport/protocol.py.
-constexpr std::int64_t kPush = 3;
-constexpr std::int64_t kPull = 4;
-constexpr std::int64_t kWeights = 5;
-constexpr std::int64_t kFloat32 = 1;
-constexpr int kHeaderWords = 16;
-constexpr int kMaxNdim = kHeaderWords - 8;
-const char* const kDtypes[] = {"float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool"};
+using wire::kFloat32;
+using wire::kHeaderWords;
+using wire::kMaxNdim;
+using wire::kPull;
+using wire::kPush;
+using wire::kWeights;
 
 constexpr auto kFirstBackoff = std::chrono::microseconds(20);
 constexpr auto kMaxBackoff = std::chrono::milliseconds(1);
@@ -43,7 +43,8 @@ double now_s() {
 }
 
 std::string dtype_name(std::int64_t code) {
-  return code >= 1 && code <= 8 ? kDtypes[code - 1] : "dtype#" + std::to_string(code);
+  return code >= 1 && code <= static_cast<std::int64_t>(wire::kDtypes.size()) ? wire::kDtypes[code - 1]
+                                                                          : "dtype#" + std::to_string(code);
 }
 
 std::string describe(const std::array<std::int64_t, 16>& w) {
@@ -192,10 +193,10 @@ void ShardService::receive_loop() {
   auto on_fail = [this](const std::string& k, const std::string& m) { fail(k, m); };
   guarded(
       [this] {
-        check(MPI_Irecv(push_words_.data(), kHeaderWords, MPI_INT64_T, MPI_ANY_SOURCE, static_cast<int>(2 * kPush),
+        check(MPI_Irecv(push_words_.data(), kHeaderWords, MPI_INT64_T, MPI_ANY_SOURCE, wire::header_tag(kPush),
                         comm_, &push_header_),
               "MPI_Irecv (push header)");
-        check(MPI_Irecv(pull_words_.data(), kHeaderWords, MPI_INT64_T, MPI_ANY_SOURCE, static_cast<int>(2 * kPull),
+        check(MPI_Irecv(pull_words_.data(), kHeaderWords, MPI_INT64_T, MPI_ANY_SOURCE, wire::header_tag(kPull),
                         comm_, &pull_header_),
               "MPI_Irecv (pull header)");
         Backoff backoff;
@@ -207,7 +208,7 @@ void ShardService::receive_loop() {
           if (done) {
             on_push_header(push_words_, status.MPI_SOURCE);
             check(MPI_Irecv(push_words_.data(), kHeaderWords, MPI_INT64_T, MPI_ANY_SOURCE,
-                            static_cast<int>(2 * kPush), comm_, &push_header_),
+                            wire::header_tag(kPush), comm_, &push_header_),
                   "MPI_Irecv (push header)");
             progressed = true;
           }
@@ -215,7 +216,7 @@ void ShardService::receive_loop() {
           if (done) {
             on_pull_header(pull_words_, status.MPI_SOURCE);
             check(MPI_Irecv(pull_words_.data(), kHeaderWords, MPI_INT64_T, MPI_ANY_SOURCE,
-                            static_cast<int>(2 * kPull), comm_, &pull_header_),
+                            wire::header_tag(kPull), comm_, &pull_header_),
                   "MPI_Irecv (pull header)");
             progressed = true;
           }
@@ -257,7 +258,7 @@ void ShardService::on_push_header(const std::array<std::int64_t, 16>& w, int src
   const std::int64_t before = plane_.global_clock();
   float* into = plane_.begin_push(vw, stage, wave, want);
   PendingPush p{MPI_REQUEST_NULL, vw, stage, wave, start, before};
-  check(MPI_Irecv_c(into, static_cast<MPI_Count>(4 * want), MPI_BYTE, src, static_cast<int>(2 * kPush + 1), comm_,
+  check(MPI_Irecv_c(into, static_cast<MPI_Count>(4 * want), MPI_BYTE, src, wire::payload_tag(kPush), comm_,
                     &p.request),
         "MPI_Irecv (push payload)");
   pushes_.push_back(p);
@@ -387,7 +388,7 @@ bool ShardService::serve_ready() {
     words[6] = 1;
     words[7] = static_cast<std::int64_t>(4 * n);
     words[8] = static_cast<std::int64_t>(n);
-    check(MPI_Isend(words.data(), kHeaderWords, MPI_INT64_T, q.src, static_cast<int>(2 * kWeights), comm_,
+    check(MPI_Isend(words.data(), kHeaderWords, MPI_INT64_T, q.src, wire::header_tag(kWeights), comm_,
                     &r.requests[0]),
           "MPI_Isend (weights header)");
     if (n > 0) {
@@ -406,7 +407,7 @@ bool ShardService::serve_ready() {
         }
         from = packed.data();
       }
-      check(MPI_Isend_c(from, static_cast<MPI_Count>(4 * n), MPI_BYTE, q.src, static_cast<int>(2 * kWeights + 1), comm_,
+      check(MPI_Isend_c(from, static_cast<MPI_Count>(4 * n), MPI_BYTE, q.src, wire::payload_tag(kWeights), comm_,
                         &r.requests[1]),
             "MPI_Isend (weights payload)");
     }

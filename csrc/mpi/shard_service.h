@@ -1,6 +1,6 @@
 // ShardService: a PS shard rank's receive/serve path over MPI, on the core's own threads.
 //
-// Wire format (python/hetpipe/transport/protocol.py): a message is 16 int64 header words on tag
+// Wire format (hetpipe/wire.h, mirroring python/hetpipe/transport/protocol.py): 16 int64 header words on tag
 // 2 * kind, then, when the header's nbytes > 0, the payload on tag 2 * kind + 1, from the same sender.
 // MPI's non-overtaking rule (one sender, one tag) pairs each payload with its header.
 //

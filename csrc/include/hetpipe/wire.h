@@ -1,0 +1,48 @@
+// The wire protocol between ranks, C++ side: message kinds, the 16-word header, tags, dtype codes.
+//
+// The definition is python/hetpipe/transport/protocol.py; this header mirrors it for the core's MPI
+// services, and tests/core/test_wire.py checks every constant here against it through
+// hetpipe_core.wire_protocol(), so the two cannot drift apart.
+//
+// A message is kHeaderWords int64 words on tag header_tag(kind), then, when the header's nbytes word
+// is above zero, nbytes payload bytes on tag payload_tag(kind) from the same sender. Header words:
+// kind, vw, stage, mb, aux, dtype code, ndim, nbytes, then up to kMaxNdim shape entries.
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+namespace hetpipe::wire {
+
+constexpr int kHeaderWords = 16;
+constexpr int kMaxNdim = kHeaderWords - 8;
+
+// Header word indices.
+constexpr int kKindWord = 0, kVwWord = 1, kStageWord = 2, kMbWord = 3, kAuxWord = 4, kDtypeWord = 5,
+              kNdimWord = 6, kNbytesWord = 7, kShapeWord = 8;
+
+// Message kinds.
+constexpr std::int64_t kAct = 1;      // stage s -> s + 1: output activation of minibatch mb
+constexpr std::int64_t kGrad = 2;     // stage s -> s - 1: gradient of the input activation of minibatch mb
+constexpr std::int64_t kPush = 3;     // stage -> PS shard: the stage's wave delta (aux = wave)
+constexpr std::int64_t kPull = 4;     // stage -> PS shard: request the global weights for wave aux (no payload)
+constexpr std::int64_t kWeights = 5;  // PS shard -> stage: mb = the pulled wave, aux = the version g, payload W_g
+constexpr std::int64_t kDone = 6;     // stage -> PS shard: the stage finished its stream (aux = pushes sent)
+constexpr std::int64_t kTied = 7;     // stage -> stage of its VW: tied-parameter gradients of minibatch mb
+
+struct Kind {
+  const char* name;
+  std::int64_t value;
+};
+constexpr std::array<Kind, 7> kKinds{{{"ACT", kAct}, {"GRAD", kGrad}, {"PUSH", kPush}, {"PULL", kPull},
+                                      {"WEIGHTS", kWeights}, {"DONE", kDone}, {"TIED", kTied}}};
+
+// Wire dtypes by torch's names; a header carries the index + 1.
+constexpr std::array<const char*, 8> kDtypes{"float32", "float64", "float16", "bfloat16",
+                                              "int64",   "int32",   "uint8",   "bool"};
+constexpr std::int64_t kFloat32 = 1;
+
+constexpr int header_tag(std::int64_t kind) { return static_cast<int>(2 * kind); }
+constexpr int payload_tag(std::int64_t kind) { return static_cast<int>(2 * kind + 1); }
+
+}  // namespace hetpipe::wire

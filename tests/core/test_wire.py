@@ -1,0 +1,31 @@
+"""The C++ side of the wire protocol (csrc/include/hetpipe/wire.h, used by the core's MPI services) is
+the Python definition (hetpipe.transport.protocol): every kind, tag, dtype code and header field."""
+
+import numpy as np
+
+import hetpipe_core
+from hetpipe.transport import protocol
+
+KINDS = ("ACT", "GRAD", "PUSH", "PULL", "WEIGHTS", "DONE", "TIED")
+
+
+def test_constants_match_python():
+    w = hetpipe_core.wire_protocol()
+    assert w["header_words"] == protocol.HEADER_WORDS
+    assert w["max_ndim"] == protocol.MAX_NDIM
+    assert w["kinds"] == {k: getattr(protocol, k) for k in KINDS}
+    assert set(w["kinds"].values()) == set(protocol.KIND_NAMES), "a kind exists on one side only"
+    assert tuple(w["dtypes"]) == protocol.DTYPES
+    assert w["tags"] == {k: (2 * getattr(protocol, k), 2 * getattr(protocol, k) + 1) for k in KINDS}
+
+
+def test_header_fields_match_python_encoding():
+    """Each word index the C++ side reads holds what Header.encode writes there."""
+    kind, vw, stage, mb, aux, dtype, ndim, nbytes, shape = hetpipe_core.wire_protocol()["fields"]
+    h = protocol.Header(protocol.PUSH, vw=2, stage=3, mb=5, aux=7, dtype="bfloat16", shape=(11, 13), nbytes=286)
+    words = h.encode()
+    assert words.dtype == np.int64 and words.size == protocol.HEADER_WORDS
+    assert words[kind] == protocol.PUSH and words[vw] == 2 and words[stage] == 3 and words[mb] == 5
+    assert words[aux] == 7 and words[ndim] == 2 and words[nbytes] == 286
+    assert hetpipe_core.wire_protocol()["dtypes"][words[dtype] - 1] == "bfloat16"
+    assert list(words[shape:shape + 2]) == [11, 13]
