@@ -1,4 +1,5 @@
-"""Build hetpipe: setup.py drives CMake (ninja) for the compiled core `hetpipe_core._C`.
+"""Build hetpipe: setup.py drives CMake (ninja) for the compiled core: the shared library
+`libhetpipe_core.so` and the extension modules `hetpipe_core._C` and `hetpipe_core._mpi` that link it.
 
 CMake options are passed through the environment variable CMAKE_ARGS, e.g.
     CMAKE_ARGS="-DHETPIPE_WITH_CUDA=OFF" pip install --no-build-isolation -e .
@@ -27,9 +28,15 @@ class CMakeExtension(Extension):
         self.target = name.rsplit(".", 1)[-1]
 
 
+CORE_LIBRARY = "libhetpipe_core.so"
+
+
 class CMakeBuild(build_ext):
     """Configures CMake once for all extensions, then builds each one's target; drops ``_mpi`` when
-    CMake found no MPI (the core builds and imports without it)."""
+    CMake found no MPI (the core builds and imports without it).
+
+    The core library is built beside the extensions (their run path is ``$ORIGIN``), so it travels
+    wherever they do: into the wheel, and into the source tree for an editable install."""
 
     cmake_dir = None
     mpi_built = False
@@ -45,6 +52,29 @@ class CMakeBuild(build_ext):
             return
         subprocess.run(["cmake", "--build", ".", "--target", ext.target, "-j", str(os.cpu_count() or 2)],
                        cwd=self.cmake_dir, check=True)
+
+    def _library_pair(self) -> tuple:
+        """(where the build puts the core library, where an in-place build keeps it)."""
+        inplace_ext, regular_ext = self._get_inplace_equivalent(self.get_finalized_command("build_py"),
+                                                                self.extensions[0])
+        return (os.path.join(os.path.dirname(regular_ext), CORE_LIBRARY),
+                os.path.join(os.path.dirname(inplace_ext), CORE_LIBRARY))
+
+    def copy_extensions_to_source(self) -> None:
+        super().copy_extensions_to_source()
+        regular, inplace = self._library_pair()
+        self.copy_file(regular, inplace, level=self.verbose)
+
+    def _get_output_mapping(self):
+        yield from super()._get_output_mapping()
+        if self.inplace:
+            yield self._library_pair()
+
+    def get_outputs(self) -> list:
+        outputs = super().get_outputs()
+        if not self.inplace:
+            outputs.append(os.path.join(self.build_lib, "hetpipe_core", CORE_LIBRARY))
+        return outputs
 
     def _configure(self, extdir: Path) -> Path:
         cfg = "Debug" if self.debug else "Release"
