@@ -1,4 +1,4 @@
-"""Builds a rank's part of a run — a stage executor or a PS shard server — and drives it to the end.
+"""Builds a rank's part of a run: a stage executor or a PS shard server, with its pinned pool.
 
 Shared by the multi-process trainer and the single-process replay: both build every part with these
 functions, so the replay executes the same code as the real run, only over a loopback transport.

@@ -1,4 +1,18 @@
-"""The interface of a rank's message endpoint (the wire format: hetpipe.transport.protocol)."""
+"""The interface of a rank's message endpoint (the wire format: :mod:`hetpipe.transport.protocol`).
+
+Two implementations: :class:`~hetpipe.transport.mpi.MPITransport` (mpi4py's non-blocking buffer calls)
+and :class:`~hetpipe.transport.loopback.LoopbackTransport` (the single-process replay's in-process
+hub, so the replay runs the very same executor and parameter-server code).
+
+Calling contract (both): one thread per endpoint (the rank's main thread). ``send`` never blocks: it
+takes ownership of the slot and releases it once the transfer completed (``progress``).
+``try_recv`` never blocks: it returns a :class:`Message` once one from ``src`` (or any source with
+``ANY``) of that kind has fully arrived, else ``None``; calling it again continues the same receive.
+A payload waits for a free pool slot without blocking: ``slot_wait`` then says so (else it is "").
+With ``keep_slot`` the message may instead hand over the pool slot the payload arrived in (``slot``
+set, ``payload`` a view of it): the caller then releases the slot, e.g. after an asynchronous
+host→device copy out of it.
+"""
 
 from __future__ import annotations
 

@@ -1,23 +1,12 @@
-"""Message transport between ranks: fixed int64 headers plus raw bytes staged in pinned buffer slots.
+"""The wire protocol between ranks: message kinds, the 16-word header, wire dtypes, received messages.
 
-Every message is a :class:`Header` (16 int64 words) followed, when ``nbytes > 0``, by the payload
-bytes. The payload travels from and to :class:`hetpipe_core.PinnedBufferPool` slots; nothing on the
-data path is pickled. Two implementations share one interface:
-
-* :class:`MPITransport` — mpi4py buffer-based ``Isend``/``Irecv``; header and payload use two tags
-  per message kind (``2 * kind`` and ``2 * kind + 1``). MPI's non-overtaking rule between one
-  sender and one receiver on one tag keeps payloads paired with their headers.
-* :class:`LoopbackTransport` — endpoints of one in-process :class:`LoopbackHub`, used by the
-  single-process replay, so the replay runs the very same executor and parameter-server code.
-
-Calling contract (both): one thread per endpoint (the rank's main thread). ``send`` never blocks: it
-takes ownership of the slot and releases it once the transfer completed (``progress``).
-``try_recv`` never blocks: it returns a :class:`Message` once one from ``src`` (or any source with
-``ANY``) of that kind has fully arrived, else ``None``; calling it again continues the same receive.
-A payload waits for a free pool slot without blocking: ``slot_wait`` then says so (else it is "").
-With ``keep_slot`` the message may instead hand over the pool slot the payload arrived in (``slot``
-set, ``payload`` a view of it): the caller then releases the slot, e.g. after an asynchronous
-host→device copy out of it.
+This module is the protocol's one definition (csrc/include/hetpipe/wire.h mirrors it for the core and
+tests/core/test_wire.py holds the two together). Every message is a :class:`Header` (16 int64 words)
+followed, when ``nbytes > 0``, by the payload bytes; header and payload use two tags per message
+kind (``2 * kind`` and ``2 * kind + 1``), and MPI's non-overtaking rule between one sender and one
+receiver on one tag keeps payloads paired with their headers. Nothing on the data path is pickled.
+The endpoints that move messages: :mod:`hetpipe.transport.base` (the interface and its calling
+contract), :mod:`~hetpipe.transport.mpi`, :mod:`~hetpipe.transport.loopback`.
 """
 
 from __future__ import annotations
