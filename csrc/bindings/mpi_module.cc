@@ -4,6 +4,7 @@
 #include <mpi.h>
 
 #include <pybind11/pybind11.h>
+#include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
 #include <exception>
@@ -17,6 +18,7 @@
 #include "bindings/translate.h"
 #include "hetpipe/shard_plane.h"
 #include "mpi/shard_service.h"
+#include "mpi/stage_endpoint.h"
 
 namespace py = pybind11;
 
@@ -36,7 +38,7 @@ Comm comm_of(std::uint64_t handle) {
 }  // namespace
 
 PYBIND11_MODULE(_mpi, m) {
-  m.doc() = "hetpipe_core._mpi: the PS shard's receive/serve path over MPI on the core's own threads";
+  m.doc() = "hetpipe_core._mpi: the core's MPI services: a PS shard's receive/serve path, a stage's endpoint";
   hetpipe::bindings::register_translator();
   m.def("library_version", [] {
     char text[MPI_MAX_LIBRARY_VERSION_STRING];
@@ -78,4 +80,47 @@ PYBIND11_MODULE(_mpi, m) {
           "(kind, vw, stage, wave, start_s, end_s, from, to) per push received and pull answered\n"
           "(time.perf_counter seconds; push: global clock before and after; pull: g twice).")
       .def("lost", &hetpipe::ShardService::lost, "Messages consumed but not handled when the service stopped.");
+
+  py::class_<hetpipe::StageEndpoint>(m, "StageEndpoint",
+                                     "A stage rank's message traffic over MPI, progressed by a core thread of its own\n"
+                                     "(see csrc/mpi/stage_endpoint.h). StageEndpoint(pool, comm): pool is the stage's\n"
+                                     "PinnedBufferPool, comm an mpi4py communicator's handle (MPI._handleof(comm)); MPI\n"
+                                     "must run at MPI_THREAD_MULTIPLE. One Python thread calls every method.")
+      .def(py::init([](std::shared_ptr<hetpipe::PinnedBufferPool> pool, std::uint64_t comm) {
+             return std::make_unique<hetpipe::StageEndpoint>(std::move(pool), comm_of<MPI_Comm>(comm));
+           }),
+           py::arg("pool"), py::arg("comm"))
+      .def(
+          "send",
+          [](hetpipe::StageEndpoint& e, int dest, py::array_t<std::int64_t, py::array::c_style> words,
+             std::optional<hetpipe::Slot> slot) {
+            if (words.size() != 16) throw py::value_error("StageEndpoint.send: a header is 16 int64 words");
+            hetpipe::HeaderWords w;
+            std::copy(words.data(), words.data() + 16, w.begin());
+            e.send(dest, w, std::move(slot));
+          },
+          py::arg("dest"), py::arg("words"), py::arg("slot") = py::none(),
+          "Start sending the header `words` (16 int64) and, when its nbytes word is above 0, that many bytes of\n"
+          "`slot` to rank `dest`; takes the slot (back to the pool once sent). Never blocks.")
+      .def(
+          "try_recv",
+          [](hetpipe::StageEndpoint& e, int src, std::int64_t kind) -> py::object {
+            auto got = e.try_recv(src, kind);
+            if (!got) return py::none();
+            py::array_t<std::int64_t> words(16);
+            std::copy(got->words.begin(), got->words.end(), words.mutable_data());
+            py::object slot = got->slot ? py::cast(std::move(*got->slot)) : py::none();
+            return py::make_tuple(got->src, words, slot);
+          },
+          py::arg("src"), py::arg("kind"),
+          "The next `kind` message from rank `src` that fully arrived, as (src, words, slot or None), or None;\n"
+          "the caller releases the slot. The first call for a (src, kind) starts receiving them.")
+      .def_property_readonly("pending_sends", &hetpipe::StageEndpoint::pending_sends)
+      .def_property_readonly("slot_wait", &hetpipe::StageEndpoint::slot_wait,
+                             "What a receive waits for when no slot is free for its payload, or ''.")
+      .def_property_readonly("failed", &hetpipe::StageEndpoint::failed)
+      .def_property_readonly("error", &hetpipe::StageEndpoint::error, "The progress thread's first failure, or ''.")
+      .def("close", &hetpipe::StageEndpoint::close, py::call_guard<py::gil_scoped_release>(),
+           "Stop and join the progress thread, cancel the posted receives, give back every slot; returns\n"
+           "the messages consumed and not delivered (GIL released; never waits on a peer).");
 }
