@@ -30,6 +30,7 @@ from hetpipe.ps.server import ShardServerBase
 from hetpipe.ps.shard import ShardLog, WSPViolation, check_aggregate, held_layers
 from hetpipe.schedule.trace import PS_VW, TraceEvent
 from hetpipe.transport.base import Transport
+from hetpipe.transport.core import core_mpi_missing
 from hetpipe.transport.protocol import TransportError
 
 PLANE_ENV = "HETPIPE_PS_PLANE"
@@ -46,33 +47,12 @@ def choose_plane(comm) -> Tuple[str, str]:
         raise ValueError(f"hetpipe: {PLANE_ENV} must be one of {', '.join(PLANES)}, got {wanted!r}")
     if wanted == "python":
         return "python", f"python: {PLANE_ENV}=python"
-    missing = _core_missing(comm)
+    missing = core_mpi_missing(comm)
     if missing is None:
         return "core", "core: the compiled core's threads receive pushes, apply waves and serve pulls over MPI"
     if wanted == "core":
         raise ValueError(f"hetpipe: {PLANE_ENV}=core, but {missing}")
     return "python", f"python: {missing}"
-
-
-def _core_missing(comm) -> Optional[str]:
-    """Why the core plane cannot serve a shard over ``comm``; None when it can."""
-    if not hasattr(comm, "Get_rank"):
-        return "the run is not over MPI (single-process replay)"
-    if not hetpipe_core.build_info().get("mpi_built", False):
-        return "hetpipe_core was built without MPI (HETPIPE_WITH_MPI)"
-    from mpi4py import MPI
-
-    if not isinstance(comm, MPI.Comm):
-        return f"the communicator is a {type(comm).__name__}, not an mpi4py communicator"
-    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
-        return f"MPI runs at thread level {MPI.Query_thread()}, not MPI_THREAD_MULTIPLE"
-    try:
-        from hetpipe_core import _mpi
-    except ImportError as e:
-        return f"hetpipe_core._mpi does not load ({e})"
-    if _mpi.library_version() != MPI.Get_library_version():
-        return "hetpipe_core._mpi and mpi4py run on different MPI libraries"
-    return None
 
 
 class CoreShardState:

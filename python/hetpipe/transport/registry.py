@@ -6,7 +6,8 @@ the one-line reason (or why not), and whether the automatic choice takes it unas
 asks the backends in registration order (most capable first) and takes the first automatic one
 that serves; a forced name must serve, else the error says why. Registered: ``loopback`` (the
 single-process replay), ``torch-p2p`` (stage-to-stage tensors over torch.distributed: NCCL between
-GPUs, automatic; gloo between CPU stages, when forced) and ``mpi-host`` (pinned-host slots over MPI).
+GPUs, automatic; gloo between CPU stages, when forced) and ``mpi-host`` (pinned-host slots over MPI;
+on a stage rank through the core's progress thread where it can run, :mod:`hetpipe.transport.core`).
 
 :func:`open_rank` is the collective every rank of a job calls: the ranks' choices are gathered, a
 channel between two stage ranks uses torch-p2p when both chose it with the same torch.distributed
@@ -23,6 +24,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import torch
 
 from hetpipe.transport.base import Transport
+from hetpipe.transport.core import CoreTransport, choose_stage_plane
 from hetpipe.transport.loopback import LoopbackHub
 from hetpipe.transport.mpi import MPITransport
 from hetpipe.transport.torch_groups import NCCL, Channels, flavour_for, job_channels, open_channels
@@ -154,6 +156,11 @@ def open_rank(comm, pool, device: Optional[torch.device], pairs: Sequence[Tuple[
         why = "; ".join(f"rank {p}: {unjoinable(everyone[rank], everyone[p])}" for p in stage_peers) or "no peer stage"
         reason = f"mpi-host: pinned-host slots over MPI; torch-p2p would serve {device} but not its peers ({why})"
         name = MPI_HOST
+    if name == MPI_HOST and device is not None:
+        plane, why = choose_stage_plane(comm)
+        if plane == "core":
+            return Opened(CoreTransport(comm, pool), name, f"{reason}; {why}")
+        reason += f"; {why}"
     return Opened(_BACKENDS[name].open(comm, pool, None), name, reason)
 
 
