@@ -103,6 +103,10 @@ std::optional<Received> StageEndpoint::try_recv(int src, std::int64_t kind) {
   auto queue = ready_.find(key);
   if (queue == ready_.end() || queue->second.empty()) {
     if (failed()) throw std::runtime_error(error());
+    // Python waits for this message: a sleeping progress thread would only look again after its
+    // back-off (up to 1 ms), and nothing else wakes it when bytes arrive. Python's polling (its own
+    // back-off) paces the thread instead, as it paced mpi4py's requests.
+    wake();
     return std::nullopt;
   }
   Received out = std::move(queue->second.front());

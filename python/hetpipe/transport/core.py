@@ -49,14 +49,25 @@ def core_mpi_missing(comm) -> Optional[str]:
     return None
 
 
-def choose_stage_plane(comm) -> Tuple[str, str]:
-    """The data plane of a stage rank's MPI traffic ("core" or "python") with the one-line reason."""
+def choose_stage_plane(comm, ranks_here: int = 1, cores: Optional[int] = None) -> Tuple[str, str]:
+    """The data plane of a stage rank's MPI traffic ("core" or "python") with the one-line reason.
+
+    ``ranks_here``: the job's ranks on this host; ``cores``: the cores this process may run on (None:
+    its CPU affinity). "auto" takes the core only where every rank can have a core for its main thread
+    and one for its progress thread: on fewer, the progress threads take turns with the computing
+    threads, and each hand-over waits for a core (measured on 2 cores: ~0.2 ms more per message, and
+    hetpipe's tiny-model step 1.6x slower than with mpi4py; bench/host_overhead.py)."""
     wanted = os.environ.get(STAGE_PLANE_ENV, "").strip().lower() or "auto"
     if wanted not in PLANES:
         raise ValueError(f"hetpipe: {STAGE_PLANE_ENV} must be one of {', '.join(PLANES)}, got {wanted!r}")
     if wanted == "python":
         return "python", f"mpi4py requests, progressed between instructions ({STAGE_PLANE_ENV}=python)"
     missing = core_mpi_missing(comm)
+    if missing is None and wanted == "auto":
+        cores = cores if cores is not None else len(os.sched_getaffinity(0))
+        if cores < 2 * ranks_here:
+            missing = (f"{cores} cores for {ranks_here} ranks on this host: a progress thread per rank would wait "
+                       f"for a core at every message ({STAGE_PLANE_ENV}=core forces it)")
     if missing is None:
         return "core", "the core's progress thread moves the stage's messages while it computes"
     if wanted == "core":

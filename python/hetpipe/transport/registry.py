@@ -157,7 +157,7 @@ def open_rank(comm, pool, device: Optional[torch.device], pairs: Sequence[Tuple[
         reason = f"mpi-host: pinned-host slots over MPI; torch-p2p would serve {device} but not its peers ({why})"
         name = MPI_HOST
     if name == MPI_HOST and device is not None:
-        plane, why = choose_stage_plane(comm)
+        plane, why = choose_stage_plane(comm, ranks_here=sum(c.host == everyone[rank].host for c in everyone))
         if plane == "core":
             return Opened(CoreTransport(comm, pool), name, f"{reason}; {why}")
         reason += f"; {why}"
