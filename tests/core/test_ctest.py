@@ -1,4 +1,4 @@
-"""The C++ tests of the core (csrc/tests, run by ctest) build and pass under ThreadSanitizer.
+"""The C++ tests of the core (csrc/tests, run by ctest) build and pass under ThreadSanitizer and AddressSanitizer.
 
 They drive the pool, the clock table and the streams from many C++ threads at once, which no test
 through the GIL can; ThreadSanitizer reports any data race those threads hit. The test configures its
@@ -67,4 +67,29 @@ def test_ctest_passes(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-8000:]
     assert "WARNING: ThreadSanitizer" not in out, out[-8000:]
+    assert "100% tests passed" in proc.stdout
+
+
+def _asan_usable(tmp_path: Path) -> bool:
+    """Whether this compiler builds and runs an AddressSanitizer program here."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        return False
+    src = tmp_path / "probe.cc"
+    src.write_text("#include <vector>\nint main() { std::vector<int> v(4); return v[3]; }\n")
+    exe = tmp_path / "probe"
+    if _run([cxx, "-fsanitize=address", str(src), "-o", str(exe)], timeout=120).returncode != 0:
+        return False
+    return _run([str(exe)], timeout=60).returncode == 0
+
+
+@pytest.mark.slow
+def test_ctest_passes_under_address_sanitizer(tmp_path):
+    """The same C++ tests with AddressSanitizer: no out-of-bounds access, use after free or leak."""
+    if not _asan_usable(tmp_path):
+        pytest.skip("AddressSanitizer does not build or run with this compiler here")
+    proc = _build_and_ctest(tmp_path / "build", "address", env={"ASAN_OPTIONS": "detect_leaks=1:halt_on_error=1"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-8000:]
+    assert "ERROR: AddressSanitizer" not in out and "ERROR: LeakSanitizer" not in out, out[-8000:]
     assert "100% tests passed" in proc.stdout
