@@ -1,6 +1,7 @@
 #include "shard_service.h"
 
 #include "hetpipe/wire.h"
+#include "mpi/mpi_check.h"
 
 #include <algorithm>
 #include <cstring>
@@ -25,18 +26,8 @@ constexpr auto kFirstBackoff = std::chrono::microseconds(20);
 constexpr auto kMaxBackoff = std::chrono::milliseconds(1);
 constexpr auto kReplyGrace = std::chrono::seconds(1);
 
-class MpiError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-void check(int rc, const char* what) {
-  if (rc == MPI_SUCCESS) return;
-  char text[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(rc, text, &len);
-  throw MpiError(std::string(what) + " failed: " + std::string(text, static_cast<std::size_t>(len)));
-}
+using mpi::MpiError;
+using mpi::check;
 
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "hetpipe/wire.h"
+#include "mpi/mpi_check.h"
 
 namespace hetpipe {
 
@@ -14,18 +15,8 @@ namespace {
 constexpr auto kFirstBackoff = std::chrono::microseconds(20);
 constexpr auto kMaxBackoff = std::chrono::milliseconds(1);
 
-class MpiError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-void check(int rc, const char* what) {
-  if (rc == MPI_SUCCESS) return;
-  char text[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(rc, text, &len);
-  throw MpiError(std::string(what) + " failed: " + std::string(text, static_cast<std::size_t>(len)));
-}
+using mpi::MpiError;
+using mpi::check;
 
 std::string kind_name(std::int64_t kind) {
   for (const auto& k : wire::kKinds) {

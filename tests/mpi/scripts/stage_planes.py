@@ -15,13 +15,10 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-import real_models as rm
-from common import cross_entropy, mlp, one_vw_plan, same_outcome, sgd, split_world, synthetic, two_vw_plan
+from common import same_outcome, sgd, split_world
 from hetpipe.run.trainer import Trainer
 from hetpipe.transport.core import STAGE_PLANE_ENV
-
-MODELS = {"mlp": (mlp, synthetic, cross_entropy), "tied": (rm.tied_mlp, synthetic, rm.tied_loss),
-          "pytree": (rm.pytree_model, rm.DictBatches, cross_entropy)}
+from transport_equal import MODELS, plan_of
 
 
 def main() -> int:
@@ -29,11 +26,7 @@ def main() -> int:
     run_dir = Path(sys.argv[1])
     for i, cfg in enumerate(json.loads(sys.argv[2])):
         make, data, loss = MODELS[cfg["model"]]
-        n = len(make())
-        if cfg.get("vws", 1) == 2:
-            plan = two_vw_plan((cfg["cuts"], cfg["cuts"]), (0.0, 0.0), nm=cfg["nm"], d=0, num_layers=n)
-        else:
-            plan = one_vw_plan(cfg["cuts"], cfg["nm"], 0, num_layers=n)
+        plan = plan_of(cfg, len(make()))
         sub = split_world(plan.num_ranks)
         if sub is None:
             MPI.COMM_WORLD.Barrier()

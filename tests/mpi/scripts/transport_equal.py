@@ -24,16 +24,19 @@ MODELS = {"mlp": (mlp, synthetic, cross_entropy), "tied": (rm.tied_mlp, syntheti
           "pytree": (rm.pytree_model, rm.DictBatches, cross_entropy)}
 
 
+def plan_of(cfg, num_layers: int):
+    """The D = 0 plan of a configuration: one VW cut at ``cuts``, or two VWs cut alike (``vws: 2``)."""
+    if cfg.get("vws", 1) == 2:
+        return two_vw_plan((cfg["cuts"], cfg["cuts"]), (0.0, 0.0), nm=cfg["nm"], d=0, num_layers=num_layers)
+    return one_vw_plan(cfg["cuts"], cfg["nm"], 0, num_layers=num_layers)
+
+
 def main() -> int:
     ok = True
     run_dir = Path(sys.argv[1])
     for i, cfg in enumerate(json.loads(sys.argv[2])):
         make, data, loss = MODELS[cfg["model"]]
-        n = len(make())
-        if cfg.get("vws", 1) == 2:
-            plan = two_vw_plan((cfg["cuts"], cfg["cuts"]), (0.0, 0.0), nm=cfg["nm"], d=0, num_layers=n)
-        else:
-            plan = one_vw_plan(cfg["cuts"], cfg["nm"], 0, num_layers=n)
+        plan = plan_of(cfg, len(make()))
         sub = split_world(plan.num_ranks)
         if sub is None:
             MPI.COMM_WORLD.Barrier()
