@@ -8,6 +8,9 @@ _LAZY = {
     "Trainer": "hetpipe.run.trainer",
     "TrainResult": "hetpipe.run.trainer",
     "Batches": "hetpipe.run.data",
+    "DatasetSource": "hetpipe.loader.source",
+    "StreamSource": "hetpipe.loader.source",
+    "PerVWSource": "hetpipe.loader.source",
     "Plan": "hetpipe.plan.types",
 }
 
@@ -20,4 +23,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'hetpipe' has no attribute {name!r}")
 
 
-__all__ = ["Trainer", "TrainResult", "Batches", "Plan", "__version__"]
+__all__ = ["Trainer", "TrainResult", "Batches", "DatasetSource", "StreamSource", "PerVWSource", "Plan", "__version__"]

@@ -6,7 +6,6 @@ run against CUDA streams.
 
 import time
 
-import numpy as np
 
 from hetpipe_core import Event, PinnedBufferPool, copy_async
 

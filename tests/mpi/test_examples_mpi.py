@@ -12,7 +12,6 @@ or a lost BatchNorm update moves the losses by 1e-3 or more after a handful of s
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path

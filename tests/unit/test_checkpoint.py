@@ -13,7 +13,7 @@ import torch
 
 from hetpipe.checkpoint import format as ckfmt
 from hetpipe.checkpoint import state as ckpt
-from hetpipe.stage.feed import vw_minibatches
+from hetpipe.loader import StreamSource
 
 
 WRITER = """
@@ -131,10 +131,10 @@ def test_data_position_continues_without_repeating_or_skipping(seed):
         return
     q = rng.randint(0, per * epochs - 1)
     data = _Tagged(n)
-    runs = [list(vw_minibatches(data, v, old, epochs)) for v in range(old)]
+    runs = [list(StreamSource(data).vw_stream(v, old, epochs)) for v in range(old)]
     consumed = {b for r in runs for b, _ in r[:q]}
     pos = ckfmt.DataPosition().advance(q, n, old)
-    rest = [[b for b, _ in vw_minibatches(data, v, new, epochs, pos.epoch, pos.index)] for v in range(new)]
+    rest = [[b for b, _ in StreamSource(data).vw_stream(v, new, epochs, pos.epoch, pos.index)] for v in range(new)]
     assert all(len(r) == pos.per_vw(n, new, epochs) for r in rest)
     seen = [b for r in rest for b in r]
     assert len(seen) == len(set(seen)) and not consumed & set(seen)

@@ -20,7 +20,7 @@ LEVELS = [
     ("precision", "outputs", "cluster"),
     ("profile", "schedule"),
     ("plan",),
-    ("model", "reproduce"),
+    ("model", "loader", "reproduce"),
     ("transport",),
     ("checkpoint", "ps", "stage"),
     ("job", "adapters"),

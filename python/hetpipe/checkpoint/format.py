@@ -111,7 +111,7 @@ def reached(directory: Path) -> int:
 @dataclass
 class DataPosition:
     """Where a run is in its data: epoch ``epoch`` of ``epochs``, from minibatch ``index`` of that epoch
-    (minibatches before it in the epoch were trained); see :func:`hetpipe.stage.feed.vw_minibatches`."""
+    (minibatches before it in the epoch were trained); see :func:`hetpipe.loader.source.epoch_range`."""
 
     epoch: int = 0
     index: int = 0

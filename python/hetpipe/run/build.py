@@ -19,7 +19,9 @@ from hetpipe.ps.shard import ShardState
 from hetpipe.run.spec import RunSpec
 from hetpipe.schedule.trace import TraceEvent
 from hetpipe.stage.executor import StageContext, StageExecutor
-from hetpipe.stage.feed import MinibatchFeed, select, vw_minibatches
+from hetpipe.loader.check import Reading, reading
+from hetpipe.loader.source import CHECKED, INPUTS, LABELS
+from hetpipe.stage.feed import MinibatchFeed
 from hetpipe.stage.pacer import Pacer
 from hetpipe.stage.params import StageModel, TiedKey
 from hetpipe.transport.base import Transport
@@ -94,12 +96,11 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
     inputs = labels = None
     layout = spec.schedules[vw]
     start = (spec.resume.start.epoch, spec.resume.start.index) if spec.resume is not None else (0, 0)
+    num_vws = len(plan.virtual_workers)
     if stage == 0 or model.needs_side_inputs:
-        inputs = MinibatchFeed(select(vw_minibatches(spec.data, vw, len(plan.virtual_workers), spec.epochs, *start),
-                                      0), layout)
+        inputs = MinibatchFeed(spec.data.vw_stream(vw, num_vws, spec.epochs, *start, part=INPUTS), layout)
     if stage == num_stages - 1:
-        labels = MinibatchFeed(select(vw_minibatches(spec.data, vw, len(plan.virtual_workers), spec.epochs, *start),
-                                      1), layout)
+        labels = MinibatchFeed(spec.data.vw_stream(vw, num_vws, spec.epochs, *start, part=LABELS), layout)
     staged = spec.copy_stream if spec.copy_stream is not None else device.type == "cuda"
     emulated = spec.emulated.get(rank, False) and spec.emulation_scale is not None
     pacer = Pacer(spec.emulation_scale if emulated else None)
@@ -159,3 +160,12 @@ def build_shard(spec: RunSpec, shard: int, transport: Transport, pool, *,
     return ShardServer(state, transport, pool, plan.num_stage_ranks, trace=trace, t0=t0)
 
 
+
+
+def data_reading(spec: RunSpec, part: Any, who: str) -> Reading:
+    """What ``part`` (a built stage or shard) reads of the data, for the start-up data check
+    (:mod:`hetpipe.loader.check`); a stage reads its first minibatches ahead."""
+    feeds = [f for f in (getattr(part, "inputs", None), getattr(part, "labels", None)) if f is not None]
+    num_vws = len(spec.plan.virtual_workers)
+    return reading(who, spec.data.minibatches_per_epoch(num_vws), spec.data.identity(),
+                   [f.source for f in feeds], CHECKED)

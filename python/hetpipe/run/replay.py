@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from hetpipe.ps.shard import ShardLog, ShardState
-from hetpipe.run.build import build_shard, build_stage, shard_pool, stage_pool
+from hetpipe.loader.check import compare
+from hetpipe.run.build import build_shard, build_stage, data_reading, shard_pool, stage_pool
 from hetpipe.run.record import RunRecord, ShardScript
 from hetpipe.run.spec import RunSpec, Steppable, merge_outcomes, part_outcome
 from hetpipe.stage.executor import StageExecutor
@@ -71,6 +72,7 @@ def replay_run(spec: RunSpec, record: Optional[RunRecord] = None) -> ReplayResul
             server.state.gate = ShardScript(record.shards[sh.index], server.state, record.where)
             scripted.append(server.state)
         parts.append((f"PS shard {sh.index}", server))
+    compare([data_reading(spec, part, name) for name, part in parts])
     while not all(p.finished for _, p in parts):
         progressed = False
         for _, part in parts:

@@ -30,6 +30,7 @@ from hetpipe.job import failure
 from hetpipe.job.roles import LaunchError, Role, check_world, resolve_device, role_of
 from hetpipe.job.rundir import RUN_DIR_ENV, register_rank
 from hetpipe.job.world import gather_hosts, world
+from hetpipe.loader import as_source
 from hetpipe.model.contract import as_layers, infer_boundaries
 from hetpipe.model.layout import ModelLayout, local_buffers
 from hetpipe.model.tree import batch_of
@@ -39,7 +40,8 @@ from hetpipe.plan.types import Plan
 from hetpipe.precision import check_precision
 from hetpipe.ps.core_plane import choose_plane
 from hetpipe.ps.shard import ShardLog
-from hetpipe.run.build import build_shard, build_stage, shard_pool, stage_pairs, stage_pool
+from hetpipe.loader.check import DataMismatch, compare
+from hetpipe.run.build import build_shard, build_stage, data_reading, shard_pool, stage_pairs, stage_pool
 from hetpipe.run.drive import drive
 from hetpipe.run.record import RunRecord
 from hetpipe.run.replay import ReplayResult, replay_run
@@ -47,7 +49,6 @@ from hetpipe.run.spec import RunSpec, merge_outcomes, part_outcome
 from hetpipe.schedule.registry import ScheduleOptions, generate, get_schedule
 from hetpipe.schedule.trace import TraceEvent, write_chrome_trace
 from hetpipe.stage.executor import StageExecutor
-from hetpipe.stage.feed import first_minibatch, minibatches_per_epoch
 from hetpipe.transport import registry as transports
 
 
@@ -134,7 +135,12 @@ class Trainer:
         takes; a parameter shared by several layers stays one (tied) parameter; BatchNorm running
         statistics are averaged across VWs at wave boundaries. loss_fn(output, labels) -> scalar tensor.
     optimizer: a factory ``params -> torch.optim.Optimizer``; each stage builds its own over its layers.
-    data: re-iterable ``(inputs, labels)`` minibatches, the same on every rank (see stage.feed).
+    data: where the minibatches come from (:mod:`hetpipe.loader`, README "Data"): a
+        :class:`~hetpipe.loader.DatasetSource` (a map-style Dataset sharded by VW with a seeded sampler),
+        a ``DataLoader`` (over a map-style dataset with an ordinary sampler it becomes one, shuffled with
+        ``seed`` when it shuffles), a :class:`~hetpipe.loader.StreamSource` or any re-iterable of
+        ``(inputs, labels)`` minibatches yielding the same sequence on every rank (checked at start-up),
+        or a factory ``(vw, num_vws, epoch) -> iterable`` of a VW's own minibatches.
     plan: a :class:`Plan` or a plan JSON path; else rank 0 plans with ``policy`` on ``cluster``
         (default: the ``cpu-emulated`` preset) from a profile of the model.
     nm, d: minibatches in flight per VW and the staleness bound (override the plan's when given: the
@@ -204,7 +210,8 @@ class Trainer:
                  transport: Optional[str] = None):
         self.model = model
         self.layers = as_layers(model)
-        self.loss_fn, self.optimizer, self.data = loss_fn, optimizer, data
+        self.loss_fn, self.optimizer = loss_fn, optimizer
+        self.data = as_source(data, seed)
         self.plan_arg, self.policy, self.cluster = plan, policy, cluster
         self.nm, self.d, self.epochs = nm, d, epochs
         self.split_startup = split_startup
@@ -258,7 +265,7 @@ class Trainer:
             cluster = self.cluster if self.cluster is not None else load_cluster("cpu-emulated")
             if isinstance(cluster, str):
                 cluster = load_cluster(cluster)
-            x, y = first_minibatch(self.data)
+            x, y = self.data.sample()
             profile = profile_model(self.model, x, cluster, loss_fn=lambda out: self.loss_fn(out, y))
             plan = make_plan(cluster, profile, policy=self.policy, nm=self.nm, d=self.d or 0,
                              minibatch_size=batch_of(x), precision=self.precision or "fp32")
@@ -274,7 +281,7 @@ class Trainer:
         """The run's :class:`RunSpec` for ``plan`` (schedules, activation shapes) on this rank; a resumed
         run trains what is left after the checkpoint's cut."""
         num_vws = len(plan.virtual_workers)
-        per_epoch = minibatches_per_epoch(self.data)
+        per_epoch = self.data.minibatches_per_epoch(num_vws)
         per_vw = per_epoch // num_vws
         if per_vw < 1:
             raise ValueError(f"hetpipe: one epoch has fewer minibatches than the {num_vws} VWs")
@@ -286,7 +293,7 @@ class Trainer:
                 raise ValueError(f"hetpipe: the checkpoint {resume.checkpoint.path} is at epoch "
                                  f"{resume.start.epoch} minibatch {resume.start.index}: nothing is left of the "
                                  f"{self.epochs} epoch(s) to train")
-        x, _ = first_minibatch(self.data)
+        x, _ = self.data.sample()
         schedules = []
         for vw in plan.virtual_workers:
             recompute = any(st.recompute for st in vw.stages)
@@ -327,7 +334,7 @@ class Trainer:
         start = resume.start if resume is not None else ckfmt.DataPosition()
         total = spec.schedules[0].num_minibatches
         k = min(total, (clock - clock0) * plan.nm)
-        per_epoch = minibatches_per_epoch(self.data)
+        per_epoch = self.data.minibatches_per_epoch(len(plan.virtual_workers))
         pos = start.advance(k, per_epoch, len(plan.virtual_workers))
         return {"format": ckfmt.FORMAT, "clock": clock, "plan": plan.to_dict(),
                 "parts": [ckfmt.part_name(r) for r in range(plan.num_ranks)],
@@ -492,6 +499,7 @@ class Trainer:
         else:
             part = build_shard(spec, role.shard, transport, pool, trace=trace, t0=t0,
                                comm=comm if plane == "core" else None)
+        self._check_data(comm, spec, part, role)
         writer = self._checkpointer(plan, spec, role, part)
         previous = self._on_sigterm(writer)
         # A shard idles legitimately while stages compute; it waits twice as long, so that a stuck
@@ -528,6 +536,23 @@ class Trainer:
             reporter.finish(result, self.trace_path, reason)
         return result
 
+
+    @staticmethod
+    def _check_data(comm, spec: RunSpec, part, role: Role) -> None:
+        """Every rank reads the same data (hetpipe.loader.check); a mismatch is one verdict on every rank."""
+        mine, problem = None, None
+        try:
+            mine = data_reading(spec, part, role.describe())
+        except Exception as e:  # noqa: BLE001 - relayed to every rank below
+            problem = f"{role.describe()}: reading the first minibatches failed: {type(e).__name__}: {e}"
+        everyone = comm.allgather((mine, problem))
+        problems = [p for _, p in everyone if p]
+        if problems:
+            raise LaunchError("hetpipe: " + "; ".join(problems))
+        try:
+            compare([r for r, _ in everyone])
+        except DataMismatch as e:
+            raise LaunchError(str(e)) from None
 
     def _on_sigterm(self, writer: Optional[ckpt.Checkpointer]):
         """On SIGTERM, write the kept wave-boundary snapshots not yet on disk, wait until a clock this

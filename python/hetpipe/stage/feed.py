@@ -1,67 +1,15 @@
-"""A stage's data feed: per-VW deterministic shards of each epoch's minibatches, read by micro-batch.
-
-Sharding contract: the user's data is an iterable of ``(inputs, labels)`` minibatches that yields the
-same sequence on every rank (re-iterable; if it has ``set_epoch(e)`` it is called before epoch ``e``).
-In every epoch, minibatch ``i`` goes to VW ``i % num_vws``; each VW takes ``len(data) // num_vws`` of
-them, so all VWs run the same number of minibatches and the tail is dropped. Stage 0 reads the inputs,
-the last stage the labels of the same minibatch.
-"""
+"""A stage's data feed: its VW's minibatches (inputs or labels, from :mod:`hetpipe.loader`), read by
+micro-batch."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional
 
-import torch
 from torch.utils import _pytree as pytree
 
 from hetpipe.model.tree import batch_of, halves
 from hetpipe.schedule.ir import Schedule
 from hetpipe.transport.codec import StageError
-
-
-def minibatches_per_epoch(data: Iterable) -> int:
-    """Number of minibatches one epoch of ``data`` yields (``len`` if it has one, else by counting)."""
-    try:
-        return len(data)  # type: ignore[arg-type]
-    except TypeError:
-        if hasattr(data, "set_epoch"):
-            data.set_epoch(0)
-        return sum(1 for _ in data)
-
-
-def first_minibatch(data: Iterable) -> Tuple[torch.Tensor, torch.Tensor]:
-    if hasattr(data, "set_epoch"):
-        data.set_epoch(0)
-    for batch in data:
-        return batch
-    raise ValueError("hetpipe: the data yields no minibatch")
-
-
-def vw_minibatches(data: Iterable, vw: int, num_vws: int, epochs: int, start_epoch: int = 0,
-                   start_index: int = 0) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
-    """VW ``vw``'s share of ``epochs`` epochs of ``data``, in order (see the module docstring).
-
-    A resumed run starts at minibatch ``start_index`` of epoch ``start_epoch``: the rest of that epoch
-    (up to the usual tail) is dealt round-robin from there, each VW taking as many; later epochs as usual."""
-    per_vw = minibatches_per_epoch(data) // num_vws
-    if per_vw == 0:
-        raise ValueError(f"hetpipe: one epoch has fewer minibatches than the {num_vws} virtual workers")
-    for epoch in range(start_epoch, epochs):
-        if hasattr(data, "set_epoch"):
-            data.set_epoch(epoch)
-        first = start_index if epoch == start_epoch else 0
-        end = first + (per_vw * num_vws - first) // num_vws * num_vws
-        for i, batch in enumerate(data):
-            if i >= end:
-                break
-            if i >= first and (i - first) % num_vws == vw:
-                yield batch
-
-
-def select(it: Iterator[Tuple[torch.Tensor, torch.Tensor]], field: int) -> Iterator[torch.Tensor]:
-    """The inputs (``field = 0``) or labels (``field = 1``) of a minibatch stream."""
-    for batch in it:
-        yield batch[field]
 
 
 class MinibatchFeed:

@@ -14,7 +14,6 @@ import numpy as np
 from mpi4py import MPI
 
 import hetpipe_core
-from hetpipe.ps.shard import WSPViolation
 from hetpipe.ps.core_plane import CoreShardServer, CoreShardState
 from hetpipe.transport.protocol import PUSH, Header
 from hetpipe.transport.mpi import MPITransport

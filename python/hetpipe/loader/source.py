@@ -1,0 +1,356 @@
+"""Where a run's minibatches come from: the data-source contract and its three kinds.
+
+Contract (docs/design.md, "Data path"). One epoch is a global sequence of minibatches, the same on
+every rank; minibatch ``i`` belongs to VW ``i % num_vws``, each VW takes ``per_epoch // num_vws`` of
+them (the tail is dropped). A rank reads only what its role needs: stage 0 (and a stage taking side
+inputs) the inputs of its own VW's minibatches, the last stage their labels. The order depends on
+the seed and the epoch only, never on how often, or on which rank, the data is read.
+
+* :class:`DatasetSource` - a map-style ``Dataset`` of ``(inputs, label)`` samples: the epoch's order
+  is ``DistributedSampler``'s with one replica (``randperm`` seeded by ``seed + epoch``, or the identity
+  without shuffling), cut into ``batch_size`` minibatches; a VW's loader (``batch_sampler`` of its own
+  minibatches, the user's ``collate_fn`` and ``num_workers``) loads only its samples, and the last
+  stage reads only labels when the source can give them (``labels=``, or a ``TensorDataset``).
+* :class:`StreamSource` - an ``IterableDataset`` (samples, batched here) or any re-iterable of
+  ``(inputs, labels)`` minibatches (``set_epoch(e)`` called before epoch ``e`` when it has one): every
+  reading rank iterates the whole epoch and keeps its VW's share. Its order is the user's to keep
+  equal on every rank; :mod:`hetpipe.loader.check` verifies it at start-up.
+* :class:`PerVWSource` - a factory ``(vw, num_vws, epoch) -> iterable`` of that VW's minibatches (e.g. a
+  ``DataLoader`` over the VW's shard): the VW's ``j``-th minibatch is global minibatch
+  ``j * num_vws + vw``.
+
+:func:`as_source` turns what a user hands the Trainer into one of these; a ``DataLoader`` over a
+map-style dataset with an ordinary sampler becomes a :class:`DatasetSource` of the same dataset,
+batch size, collate function and workers (shuffled, seeded by the Trainer's seed, when its sampler
+is random), so a shuffled ``DataLoader`` is safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler,
+                              SequentialSampler, TensorDataset)
+
+INPUTS, LABELS, BOTH = "inputs", "labels", "both"
+CHECKED = 2         # minibatches per reading rank whose digests the start-up check compares
+
+
+def digest(what: Any) -> str:
+    """A digest of a pytree of tensors and plain values (dtypes, shapes and bytes)."""
+    h = hashlib.sha1()
+    for leaf in pytree.tree_leaves(what):
+        if isinstance(leaf, torch.Tensor):
+            t = leaf.detach().to("cpu").contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            h.update(repr(leaf).encode())
+    return h.hexdigest()[:16]
+
+
+class DataSource:
+    """The contract every source keeps (see the module docstring)."""
+
+    def minibatches_per_epoch(self, num_vws: int = 1) -> int:
+        """Minibatches of one epoch's global sequence (VW shares are this // ``num_vws``)."""
+        raise NotImplementedError
+
+    def sample(self) -> Any:
+        """One ``(inputs, labels)`` minibatch of the first epoch (shapes, profiling); consumes no order."""
+        raise NotImplementedError
+
+    def vw_stream(self, vw: int, num_vws: int, epochs: int, start_epoch: int = 0, start_index: int = 0,
+                  part: str = BOTH) -> "VWStream":
+        """VW ``vw``'s minibatches of epochs ``start_epoch .. epochs - 1``: their inputs, labels or both.
+
+        A resumed run starts at global minibatch ``start_index`` of epoch ``start_epoch``: the rest
+        of that epoch (up to the usual tail) is dealt round-robin from there, each VW taking as many."""
+        raise NotImplementedError
+
+    def identity(self) -> Optional[str]:
+        """What makes two ranks' sources deal the same order (compared across every reading rank at
+        start-up), or None when only the minibatches themselves can tell."""
+        return None
+
+
+def epoch_range(per_epoch: int, num_vws: int, vw: int, first: int) -> range:
+    """The global minibatch indices VW ``vw`` trains in an epoch whose first trained index is ``first``."""
+    per_vw = (per_epoch // num_vws) * num_vws
+    end = first + (per_vw - first) // num_vws * num_vws
+    return range(first + vw, end, num_vws)
+
+
+def _check_share(per_epoch: int, num_vws: int) -> None:
+    if per_epoch // num_vws == 0:
+        raise ValueError(f"hetpipe: one epoch has {per_epoch} minibatch(es), fewer than the {num_vws} virtual workers")
+
+
+class VWStream:
+    """An iterator over one VW's minibatches which, for the start-up data check
+    (:mod:`hetpipe.loader.check`), keeps a digest of the first :data:`CHECKED` it yielded, by
+    ``(epoch, global minibatch index)``: of their sample indices where the source has them, else of
+    their labels (labels, not inputs: a random augmentation of inputs is no mismatch)."""
+
+    def __init__(self, items: Callable[["VWStream"], Iterator[Any]]) -> None:
+        self.digests: Dict[Tuple[int, int], str] = {}
+        self._peeked: List[Any] = []
+        self._items = items(self)
+
+    def note(self, epoch: int, index: int, what: Any) -> None:
+        """Record the digest of global minibatch ``index`` of ``epoch`` (while fewer than CHECKED are)."""
+        if len(self.digests) < CHECKED:
+            self.digests[(epoch, index)] = digest(what)
+
+    def peek(self, k: int) -> List[Any]:
+        """The first ``k`` items (fewer if the stream is shorter), read ahead and yielded later in order."""
+        while len(self._peeked) < k:
+            try:
+                self._peeked.append(next(self._items))
+            except StopIteration:
+                break
+        return self._peeked[:k]
+
+    def __iter__(self) -> "VWStream":
+        return self
+
+    def __next__(self) -> Any:
+        if self._peeked:
+            return self._peeked.pop(0)
+        return next(self._items)
+
+
+def _field(batch: Any, part: str) -> Any:
+    if part == BOTH:
+        return batch
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise ValueError(f"hetpipe: a minibatch must be an (inputs, labels) pair, got a {type(batch).__name__}"
+                         + (f" of {len(batch)} items" if isinstance(batch, (tuple, list)) else ""))
+    return batch[0] if part == INPUTS else batch[1]
+
+
+class DatasetSource(DataSource):
+    """A map-style dataset of ``(inputs, label)`` samples, sharded by VW with a seeded sampler.
+
+    batch_size: samples per minibatch. shuffle/seed: the epoch's order is ``DistributedSampler(dataset,
+    num_replicas=1, rank=0, shuffle=shuffle, seed=seed)`` after ``set_epoch(epoch)``. drop_last: a last
+    minibatch of fewer than ``batch_size`` samples is dropped (False: it is the epoch's last).
+    collate_fn / num_workers: as ``DataLoader``'s. labels: per-sample labels the last stage reads
+    without loading the samples (a tensor or sequence indexed like the dataset; a ``TensorDataset``'s
+    last tensor by default); ``None`` on another dataset: the last stage loads the samples."""
+
+    def __init__(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = True, collate_fn: Optional[Callable] = None, num_workers: int = 0,
+                 labels: Any = None) -> None:
+        if isinstance(dataset, IterableDataset):
+            raise TypeError("hetpipe: DatasetSource takes a map-style dataset; an IterableDataset goes to StreamSource")
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"hetpipe: batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"hetpipe: num_workers must be an int >= 0, got {num_workers!r}")
+        self.dataset, self.batch_size = dataset, batch_size
+        self.shuffle, self.seed, self.drop_last = shuffle, int(seed), drop_last
+        self.collate_fn, self.num_workers = collate_fn, num_workers
+        self.size = len(dataset)  # type: ignore[arg-type]
+        if labels is None and isinstance(dataset, TensorDataset):
+            labels = dataset.tensors[-1]
+        if labels is not None and len(labels) != self.size:
+            raise ValueError(f"hetpipe: labels= holds {len(labels)} labels for a dataset of {self.size} samples")
+        self.labels = labels
+
+    def minibatches_per_epoch(self, num_vws: int = 1) -> int:
+        full, rest = divmod(self.size, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """The epoch's sample order (DistributedSampler's, one replica)."""
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)
+            return torch.randperm(self.size, generator=g)
+        return torch.arange(self.size)
+
+    def indices(self, epoch: int, minibatches: Iterable[int]) -> List[List[int]]:
+        order = self.order(epoch)
+        return [order[i * self.batch_size:(i + 1) * self.batch_size].tolist() for i in minibatches]
+
+    def _loader(self, batches: List[List[int]]) -> DataLoader:
+        kw = {} if self.collate_fn is None else {"collate_fn": self.collate_fn}
+        return DataLoader(self.dataset, batch_sampler=batches, num_workers=self.num_workers, **kw)
+
+    def sample(self) -> Any:
+        if self.minibatches_per_epoch() == 0:
+            raise ValueError(f"hetpipe: the dataset of {self.size} samples yields no minibatch of {self.batch_size}")
+        return next(iter(self._loader(self.indices(0, [0]))))
+
+    def _labels_of(self, idx: List[int]) -> torch.Tensor:
+        if isinstance(self.labels, torch.Tensor):
+            return self.labels[torch.as_tensor(idx, dtype=torch.long)]
+        return torch.as_tensor([self.labels[i] for i in idx])
+
+    def vw_stream(self, vw: int, num_vws: int, epochs: int, start_epoch: int = 0, start_index: int = 0,
+                  part: str = BOTH) -> VWStream:
+        per_epoch = self.minibatches_per_epoch()
+        _check_share(per_epoch, num_vws)
+
+        def items(stream: VWStream) -> Iterator[Any]:
+            for epoch in range(start_epoch, epochs):
+                mine = epoch_range(per_epoch, num_vws, vw, start_index if epoch == start_epoch else 0)
+                batches = self.indices(epoch, mine)
+                for i, idx in zip(mine, batches):
+                    stream.note(epoch, i, torch.tensor(idx))
+                if part == LABELS and self.labels is not None:
+                    yield from (self._labels_of(idx) for idx in batches)
+                elif batches:
+                    yield from (_field(b, part) for b in self._loader(batches))
+
+        return VWStream(items)
+
+    def identity(self) -> Optional[str]:
+        return (f"a dataset of {self.size} samples, minibatches of {self.batch_size}, "
+                f"{'shuffled with seed ' + str(self.seed) if self.shuffle else 'in order'}")
+
+
+def _set_epoch(data: Any, epoch: int) -> None:
+    if hasattr(data, "set_epoch"):
+        data.set_epoch(epoch)
+
+
+class StreamSource(DataSource):
+    """An ``IterableDataset`` of samples (batched here: ``batch_size``, ``collate_fn``, ``num_workers``,
+    full minibatches only) or a re-iterable of ``(inputs, labels)`` minibatches (``batch_size`` None)."""
+
+    def __init__(self, data: Iterable, batch_size: Optional[int] = None, *, collate_fn: Optional[Callable] = None,
+                 num_workers: int = 0) -> None:
+        if isinstance(data, IterableDataset) and batch_size is None:
+            raise ValueError("hetpipe: an IterableDataset needs batch_size= (samples per minibatch)")
+        self.data, self.batch_size = data, batch_size
+        self.collate_fn, self.num_workers = collate_fn, num_workers
+        self._per_epoch: Optional[int] = None
+
+    def _epoch(self, epoch: int) -> Iterable:
+        _set_epoch(self.data, epoch)
+        if self.batch_size is None:
+            return self.data
+        kw = {} if self.collate_fn is None else {"collate_fn": self.collate_fn}
+        return DataLoader(self.data, batch_size=self.batch_size, num_workers=self.num_workers, drop_last=True, **kw)
+
+    def minibatches_per_epoch(self, num_vws: int = 1) -> int:
+        if self._per_epoch is None:
+            try:
+                self._per_epoch = len(self._epoch(0))  # type: ignore[arg-type]
+            except TypeError:
+                self._per_epoch = sum(1 for _ in self._epoch(0))
+        return self._per_epoch
+
+    def sample(self) -> Any:
+        for batch in self._epoch(0):
+            return batch
+        raise ValueError("hetpipe: the data yields no minibatch")
+
+    def vw_stream(self, vw: int, num_vws: int, epochs: int, start_epoch: int = 0, start_index: int = 0,
+                  part: str = BOTH) -> VWStream:
+        per_epoch = self.minibatches_per_epoch()
+        _check_share(per_epoch, num_vws)
+
+        def items(stream: VWStream) -> Iterator[Any]:
+            for epoch in range(start_epoch, epochs):
+                mine = epoch_range(per_epoch, num_vws, vw, start_index if epoch == start_epoch else 0)
+                if not mine:
+                    continue
+                wanted = iter(mine)
+                nxt = next(wanted)
+                for i, batch in enumerate(self._epoch(epoch)):
+                    if i == nxt:
+                        stream.note(epoch, i, _field(batch, LABELS))
+                        yield _field(batch, part)
+                        nxt = next(wanted, None)
+                        if nxt is None:
+                            break
+
+        return VWStream(items)
+
+
+class PerVWSource(DataSource):
+    """A factory ``(vw, num_vws, epoch) -> iterable of (inputs, labels)`` minibatches of VW ``vw`` in that
+    epoch; each VW takes as many as the shortest VW's iterable has (it must have ``len``)."""
+
+    def __init__(self, factory: Callable[[int, int, int], Iterable]) -> None:
+        if not callable(factory):
+            raise TypeError(f"hetpipe: PerVWSource takes a callable (vw, num_vws, epoch) -> iterable, got {factory!r}")
+        self.factory = factory
+
+    def _per_vw(self, num_vws: int) -> int:
+        lengths = []
+        for v in range(num_vws):
+            it = self.factory(v, num_vws, 0)
+            try:
+                lengths.append(len(it))  # type: ignore[arg-type]
+            except TypeError:
+                raise TypeError(f"hetpipe: the per-VW data factory's iterable for VW {v} has no len()") from None
+        return min(lengths)
+
+    def minibatches_per_epoch(self, num_vws: int = 1) -> int:
+        return self._per_vw(num_vws) * num_vws
+
+    def sample(self) -> Any:
+        for batch in self.factory(0, 1, 0):
+            return batch
+        raise ValueError("hetpipe: the per-VW data factory yields no minibatch for VW 0")
+
+    def vw_stream(self, vw: int, num_vws: int, epochs: int, start_epoch: int = 0, start_index: int = 0,
+                  part: str = BOTH) -> VWStream:
+        per_epoch = self.minibatches_per_epoch(num_vws)
+        _check_share(per_epoch, num_vws)
+
+        def items(stream: VWStream) -> Iterator[Any]:
+            for epoch in range(start_epoch, epochs):
+                mine = epoch_range(per_epoch, num_vws, vw, start_index if epoch == start_epoch else 0)
+                skip = mine.start // num_vws
+                own = itertools.islice(self.factory(vw, num_vws, epoch), skip, skip + len(mine))
+                for i, batch in zip(mine, own):
+                    stream.note(epoch, i, _field(batch, LABELS))
+                    yield _field(batch, part)
+
+        return VWStream(items)
+
+
+def as_source(data: Any, seed: int = 0) -> DataSource:
+    """The :class:`DataSource` for what a user hands the Trainer (see the module docstring)."""
+    if isinstance(data, DataSource):
+        return data
+    if isinstance(data, DataLoader):
+        return _from_loader(data, seed)
+    if isinstance(data, Dataset) and not isinstance(data, IterableDataset):
+        raise TypeError("hetpipe: a Dataset needs a batch size: pass hetpipe.DatasetSource(dataset, batch_size, ...) "
+                        "or a DataLoader over it")
+    if isinstance(data, IterableDataset):
+        raise TypeError("hetpipe: an IterableDataset needs a batch size: pass hetpipe.StreamSource(dataset, "
+                        "batch_size, ...) or a DataLoader over it")
+    if callable(data) and not hasattr(data, "__iter__"):
+        return PerVWSource(data)
+    if not hasattr(data, "__iter__"):
+        raise TypeError(f"hetpipe: data must be a DataSource, a DataLoader, a per-VW factory or an iterable of "
+                        f"(inputs, labels) minibatches, got {type(data).__name__}")
+    return StreamSource(data)
+
+
+def _from_loader(loader: DataLoader, seed: int) -> DataSource:
+    """A DataLoader over a map-style dataset with a sequential or random sampler: the same data as a
+    seeded :class:`DatasetSource`; any other DataLoader (an IterableDataset, a custom sampler) is a
+    stream whose order the start-up check verifies."""
+    sampler = loader.sampler
+    plain = (loader.batch_size is not None and isinstance(loader.batch_sampler, BatchSampler)
+             and type(loader.batch_sampler) is BatchSampler
+             and type(sampler) in (RandomSampler, SequentialSampler)
+             and not isinstance(loader.dataset, IterableDataset))
+    if plain and isinstance(sampler, RandomSampler) and (sampler.replacement or sampler._num_samples is not None):
+        plain = False
+    if not plain:
+        return StreamSource(loader)
+    return DatasetSource(loader.dataset, loader.batch_size, shuffle=isinstance(sampler, RandomSampler), seed=seed,
+                         drop_last=loader.drop_last, collate_fn=loader.collate_fn, num_workers=loader.num_workers)
