@@ -6,7 +6,7 @@ import numpy as np
 import hetpipe_core
 from hetpipe.transport import protocol
 
-KINDS = ("ACT", "GRAD", "PUSH", "PULL", "WEIGHTS", "DONE", "TIED")
+KINDS = ("ACT", "GRAD", "PUSH", "PULL", "WEIGHTS", "DONE", "TIED", "NORM")
 
 
 def test_constants_match_python():

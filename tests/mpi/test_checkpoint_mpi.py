@@ -65,7 +65,8 @@ def _result(out: Path):
     return res, weights
 
 
-CFG = {"nm": 2, "d": 0, "epochs": 2, "minibatches": 16, "cuts": [3], "time": 0.01}
+# With an LR schedule whose state a resume must restore (a fresh one would step the rate differently).
+CFG = {"nm": 2, "d": 0, "epochs": 2, "minibatches": 16, "cuts": [3], "time": 0.01, "lr_step": 2}
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,13 @@ PLAIN = {"cuts": [], "nm": 1, "d": 0, "plain": True}
 VARIANTS = [{"cuts": [2, 4], "nm": 2, "d": 0, "recompute": [[1], [], [4, 5]]},
             {"cuts": [3], "nm": 2, "d": 0, "split": 2},
             {"cuts": [2, 4], "nm": 3, "d": 0, "copy_stream": True},
-            {"cuts": [3], "nm": 2, "d": 0, "precision": "bf16"}]
+            {"cuts": [3], "nm": 2, "d": 0, "precision": "bf16"},
+            {"cuts": [2, 4], "nm": 2, "d": 0, "clip": 0.3, "lr_step": 3}]
 
 
 def _key(cfg):
     return (tuple(cfg["cuts"]), cfg["nm"], tuple(map(tuple, cfg.get("recompute", ()))), cfg.get("split", 0),
-            bool(cfg.get("copy_stream")), cfg.get("precision", "fp32"))
+            bool(cfg.get("copy_stream")), cfg.get("precision", "fp32"), cfg.get("clip"))
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,8 @@ def _id(cfg) -> str:
         name += "-copystream"
     if cfg.get("precision"):
         name += f"-{cfg['precision']}"
+    if cfg.get("clip"):
+        name += "-clip-lrschedule"
     return name
 
 

@@ -29,13 +29,14 @@ constexpr std::int64_t kPull = 4;     // stage -> PS shard: request the global w
 constexpr std::int64_t kWeights = 5;  // PS shard -> stage: mb = the pulled wave, aux = the version g, payload W_g
 constexpr std::int64_t kDone = 6;     // stage -> PS shard: the stage finished its stream (aux = pushes sent)
 constexpr std::int64_t kTied = 7;     // stage -> stage of its VW: tied-parameter gradients of minibatch mb
+constexpr std::int64_t kNorm = 8;     // stage -> stage of its VW: its squared-gradient-norm share (aux: float64 bits)
 
 struct Kind {
   const char* name;
   std::int64_t value;
 };
-constexpr std::array<Kind, 7> kKinds{{{"ACT", kAct}, {"GRAD", kGrad}, {"PUSH", kPush}, {"PULL", kPull},
-                                      {"WEIGHTS", kWeights}, {"DONE", kDone}, {"TIED", kTied}}};
+constexpr std::array<Kind, 8> kKinds{{{"ACT", kAct}, {"GRAD", kGrad}, {"PUSH", kPush}, {"PULL", kPull},
+                                      {"WEIGHTS", kWeights}, {"DONE", kDone}, {"TIED", kTied}, {"NORM", kNorm}}};
 
 // Wire dtypes by torch's names; a header carries the index + 1.
 constexpr std::array<const char*, 8> kDtypes{"float32", "float64", "float16", "bfloat16",

@@ -268,6 +268,13 @@ def optimizer_snapshot(optimizer: Optional[torch.optim.Optimizer], keys: List[st
     return tensors, {"groups": groups, "scalars": scalars}
 
 
+def scheduler_snapshot(scheduler: Any) -> Dict[str, Any]:
+    """An LR scheduler's ``state_dict`` as JSON (functions, which it cannot hold, stay out: a
+    LambdaLR's lambdas come from the factory again on resume)."""
+    return {k: _json_value(v, f"LR scheduler state {k!r}") for k, v in scheduler.state_dict().items()
+            if not callable(v)}
+
+
 def _json_value(value: Any, what: str) -> Any:
     if isinstance(value, (bool, int, float, str)) or value is None:
         return value
@@ -330,6 +337,9 @@ class Resume:
         scalars = {k: v for p, _ in sources for k, v in p["optimizer"]["scalars"].items()}
         tensors = {k: v for _, t in sources for k, v in t.items()}
         restore_optimizer(model.optimizer, keys, groups, scalars, tensors)
+        saved = next((p["lr_scheduler"] for p, _ in sources if "lr_scheduler" in p), None)
+        if model.scheduler is not None and saved is not None:
+            model.scheduler.load_state_dict({**model.scheduler.state_dict(), **saved})
         with torch.no_grad():
             for name, buf in local_buffers(model, layout).items():
                 saved = tensors.get(f"buf/{name}")

@@ -86,7 +86,8 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
                        optimizer_factory=spec.optimizer_factory, device=device, recompute=tuple(st.recompute),
                        layout=spec.layout, tied_stages=tied_stages(spec, vw), seed=spec.seed, vw=vw, stage=stage,
                        precision=plan.precision,
-                       micro_offset=spec.resume.micro_offset if spec.resume is not None else 0)
+                       micro_offset=spec.resume.micro_offset if spec.resume is not None else 0,
+                       lr_scheduler=spec.lr_scheduler)
     if spec.resume is not None:
         spec.resume.restore_stage(model, spec.layout, vw, stage)
     owning = {sh.index: plan.ps_rank(sh.index) for sh in plan.ps_shards
@@ -111,7 +112,7 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
                          expect_out=on_wire(spec.boundaries[st.stop], plan.precision) if stage < num_stages - 1
                          else None,
                          pacer=pacer, fwd_time=st.fwd_time, bwd_time=st.bwd_time, trace=trace, t0=t0, d=plan.d,
-                         layout=layout)
+                         layout=layout, clip_grad_norm=spec.clip_grad_norm)
 
 
 def tied_stages(spec: RunSpec, vw: int) -> Dict[TiedKey, Tuple[int, ...]]:
@@ -127,7 +128,8 @@ def tied_stages(spec: RunSpec, vw: int) -> Dict[TiedKey, Tuple[int, ...]]:
 
 
 def stage_pairs(spec: RunSpec) -> List[Tuple[int, int]]:
-    """The ranks of the stages that exchange messages: neighbours in a VW, and stages sharing tied parameters."""
+    """The ranks of the stages that exchange tensors: neighbours in a VW, and stages sharing tied
+    parameters (gradient-norm shares are payload-free headers, which every backend sends over MPI)."""
     pairs = set()
     for vw in spec.plan.virtual_workers:
         rank = [spec.plan.rank_of(vw.index, k) for k in range(len(vw.stages))]

@@ -45,6 +45,8 @@ class RunSpec:
     # A resumed run (checkpoint.state.Resume): where its data starts, the seeds' micro-batch offset,
     # and the optimizer states each stage restores once built. None: a run from the start.
     resume: Any = None
+    lr_scheduler: Optional[Callable] = None     # optimizer -> LR scheduler, built and stepped by every stage
+    clip_grad_norm: Optional[float] = None      # clip each minibatch's gradient to this VW-wide norm
 
     def __post_init__(self) -> None:
         if self.layout is None:

@@ -188,6 +188,16 @@ class Trainer:
         applied pushes and the global-weights version every pull got, the only things timing decides;
         ``Trainer(...).replay(record=path)`` then reproduces the run bitwise for any D (see
         :mod:`hetpipe.run.record`).
+    lr_scheduler: a factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler``; every stage of every
+        VW builds one over its optimizer and steps it once per local optimizer step (once per
+        minibatch), so all stages follow the same schedule by the VW's minibatch count (the PS applies
+        the deltas those steps made, under "sum" or "mean" alike). Its state is in checkpoints and
+        restored on resume (README "LR schedules, clipping, non-finite values").
+    clip_grad_norm: clip each minibatch's gradient to this norm, the norm taken over all the VW's
+        stages (each tied parameter once), as ``torch.nn.utils.clip_grad_norm_`` does on one process;
+        per VW and minibatch, on the weight versions the pipeline used for it. Every minibatch's loss
+        and gradient are checked finite either way: a NaN/inf stops the run naming VW, stage,
+        minibatch and wave, before it reaches the weights.
     transport: the transport backend of the stage ranks ("torch-p2p", "mpi-host"; default
         HETPIPE_TRANSPORT, set by ``hetpipe launch --transport``); None: chosen per pair of stages
         (torch-p2p between GPUs with NCCL, else mpi-host; PS shards always use mpi-host). A forced
@@ -207,7 +217,8 @@ class Trainer:
                  progress: bool = True, comm: Any = None, plan_callback: Optional[Callable[[Plan], None]] = None,
                  aggregate: Optional[str] = None, seed: int = 0, precision: Optional[str] = None,
                  record: Union[str, Path, None] = None, schedule: str = "hetpipe",
-                 transport: Optional[str] = None):
+                 transport: Optional[str] = None, lr_scheduler: Optional[Callable] = None,
+                 clip_grad_norm: Optional[float] = None):
         self.model = model
         self.layers = as_layers(model)
         self.loss_fn, self.optimizer = loss_fn, optimizer
@@ -238,6 +249,13 @@ class Trainer:
         self.precision = check_precision(precision, "Trainer") if precision is not None else None
         self.record_path = Path(record) if record else None
         self.transport = transport or os.environ.get(transports.TRANSPORT_ENV) or None
+        if lr_scheduler is not None and not callable(lr_scheduler):
+            raise TypeError(f"hetpipe: lr_scheduler must be a factory optimizer -> LR scheduler, got {lr_scheduler!r}")
+        self.lr_scheduler = lr_scheduler
+        if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float))
+                                           or not clip_grad_norm > 0 or clip_grad_norm == float("inf")):
+            raise ValueError(f"hetpipe: clip_grad_norm must be a finite number > 0, got {clip_grad_norm!r}")
+        self.clip_grad_norm = float(clip_grad_norm) if clip_grad_norm is not None else None
         self._describe = "rank ?"
 
     # --- planning ----------------------------------------------------------------------------
@@ -301,7 +319,8 @@ class Trainer:
                                                                      recompute=recompute, split_startup=split)))
         return RunSpec(plan, self.layers, self.loss_fn, self.optimizer, self.data, self.epochs, schedules,
                        infer_boundaries(self.layers, x), batch_of(x), copy_stream=self.copy_stream, audit=self.audit,
-                       seed=self.seed, resume=resume)
+                       seed=self.seed, resume=resume, lr_scheduler=self.lr_scheduler,
+                       clip_grad_norm=self.clip_grad_norm)
 
     # --- checkpoints -------------------------------------------------------------------------
     def _resume(self, plan: Plan) -> Optional[ckpt.Resume]:
@@ -375,6 +394,8 @@ class Trainer:
             for l, (w, b) in model.layer_weights(spec.layout).items():
                 tensors.update({f"w/{l}": torch.from_numpy(w), f"b/{l}": torch.from_numpy(b)})
         part: Dict[str, Any] = {"role": "stage", "vw": role.vw, "stage": role.stage, "optimizer": opt}
+        if model.scheduler is not None:
+            part["lr_scheduler"] = ckpt.scheduler_snapshot(model.scheduler)
         if ex.is_last:
             resume = spec.resume
             q0 = resume.minibatches if resume is not None else 0

@@ -15,6 +15,7 @@ lives in ``transport.codec``, the parameter-server client side in ``stage.ps_cli
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -27,6 +28,7 @@ from hetpipe.schedule.ir import (Apply, Bwd, Fwd, Instr, Pull, Push, Recompute, 
                                  SendGrad)
 from hetpipe.schedule.trace import TraceEvent
 from hetpipe.stage.feed import MinibatchFeed
+from hetpipe.stage.grad_norm import NormExchange, clip_coef
 from hetpipe.stage.pacer import Pacer
 from hetpipe.stage.params import StageModel
 from hetpipe.stage.ps_client import PSClient
@@ -59,7 +61,8 @@ class StageExecutor:
                  labels: Optional[MinibatchFeed] = None, expect_in: Optional[Boundary] = None,
                  expect_out: Optional[Boundary] = None, pacer: Optional[Pacer] = None,
                  fwd_time: float = 0.0, bwd_time: float = 0.0, trace: Optional[List[TraceEvent]] = None,
-                 t0: float = 0.0, d: int = 0, layout: Optional[Schedule] = None) -> None:
+                 t0: float = 0.0, d: int = 0, layout: Optional[Schedule] = None,
+                 clip_grad_norm: Optional[float] = None) -> None:
         self.ctx, self.stream, self.model = ctx, list(stream), model
         # Micro-batch arithmetic of the stream (split start-up); None: micro-batch j is minibatch j.
         self.layout = layout
@@ -96,6 +99,13 @@ class StageExecutor:
         self._tied_peers = sorted({s for k in model.tied_keys for s in model.tied_stages[k]} - {ctx.stage})
         self._tied_out: List[Tuple[int, int, torch.Tensor]] = []      # (peer, mb, flat) not yet sent
         self._tied_in: Dict[Tuple[int, int], torch.Tensor] = {}       # (peer, mb) -> flat received
+        # Clipping by the VW's global gradient norm (stage.grad_norm); every Apply checks its gradients
+        # are finite. _gathered: (minibatch, this stage's sum of squares) gathered, awaiting its step.
+        self.clip_grad_norm = clip_grad_norm
+        self.norms = (NormExchange(ctx.vw, ctx.stage, [ctx.rank_of_stage(k) for k in range(ctx.num_stages)],
+                                   link.transport) if clip_grad_norm is not None and ctx.num_stages > 1 else None)
+        self._gathered: Optional[Tuple[int, float]] = None
+        self.grad_norms: Dict[int, float] = {}      # minibatch -> the VW's gradient norm (with clipping)
 
     @property
     def global_clock(self) -> int:
@@ -225,6 +235,9 @@ class StageExecutor:
 
     def _record_loss(self, mb: int, p: int, loss: torch.Tensor) -> None:
         value = float(loss.detach())
+        if not math.isfinite(value):
+            raise StageError(f"hetpipe: {self.ctx.who()}: the loss of VW {self.ctx.vw}'s minibatch {p} (wave "
+                             f"{p // self.model.nm}) is {value}; stopping before its gradient reaches the weights")
         if self._shares[mb] == 1.0:
             self.losses[p] = value
         elif p in self._partial_loss:
@@ -275,11 +288,13 @@ class StageExecutor:
         return sent
 
     def _apply(self, mb: int) -> bool:
-        """Apply(mb) once every peer's tied gradients of the minibatch's micro-batches arrived. They
-        were sent after each peer's own Bwd, which no stage's Apply precedes: no wait cycle."""
+        """Apply(mb) once every peer's tied gradients of the minibatch's micro-batches arrived (they
+        were sent after each peer's own Bwd, which no stage's Apply precedes: no wait cycle), and,
+        when clipping, every peer's share of the gradient norm (stage.grad_norm, the same argument).
+        The gradients are gathered once and checked finite; a retry only waits for the shares."""
         p = self._minibatch(mb)
         micros = tuple(self.layout.micros_of(p)) if self.layout is not None else (p,)
-        for peer in self._tied_peers:
+        for peer in self._tied_peers if self._gathered is None else ():
             while any((peer, m) not in self._tied_in for m in micros):
                 got = self.link.try_recv(self.ctx.rank_of_stage(peer), TIED)
                 if got is None:
@@ -287,8 +302,30 @@ class StageExecutor:
                     return False
                 h, flat = got
                 self._tied_in[(peer, h.mb)] = flat
-        peer_grads = {peer: [self._tied_in.pop((peer, m)) for m in micros] for peer in self._tied_peers}
-        self.model.apply(micros, p // self.model.nm, peer_grads)
+        wave = p // self.model.nm
+        if self._gathered is None:
+            peer_grads = {peer: [self._tied_in.pop((peer, m)) for m in micros] for peer in self._tied_peers}
+            self.model.gather(micros, wave, peer_grads)
+            own = self.model.grad_sumsq()
+            if not math.isfinite(own):
+                raise StageError(f"hetpipe: {self.ctx.who()}: the gradient of VW {self.ctx.vw}'s minibatch {p} "
+                                 f"(wave {wave}) is not finite (its squared norm on this stage is {own}); the "
+                                 "weights were not updated with it")
+            self._gathered = (p, own)
+            if self.norms is not None:
+                self.norms.send(p, own)
+        if self.clip_grad_norm is not None:
+            own = self._gathered[1]
+            norm = self.norms.norm(p, own) if self.norms is not None else math.sqrt(own)
+            if norm is None:
+                self.blocked_on = self.norms.waiting_for(p)
+                return False
+            self.grad_norms[p] = norm
+            coef = clip_coef(self.clip_grad_norm, norm)
+            if coef < 1.0:
+                self.model.scale_grads(coef)
+        self._gathered = None
+        self.model.step(wave)
         return True
 
     # --- stage-to-stage traffic -------------------------------------------------------------------

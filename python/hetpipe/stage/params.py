@@ -16,7 +16,9 @@ segment, last to first. The same ops run on the same weights, so the numbers equ
 without recomputation bitwise (on CPU).
 * ``apply(micros, w)`` takes one optimizer step on the live weights with the summed gradients of one
   minibatch's micro-batches (one, or the two halves of a split minibatch) and adds ``after - before``
-  to the delta of its wave ``w``; it raises once ``w`` was pushed (``mark_pushed``).
+  to the delta of its wave ``w``; it raises once ``w`` was pushed (``mark_pushed``). It is
+  ``gather`` (the gradients into ``.grad``) then ``step``; between them the executor may read
+  ``grad_sumsq`` and ``scale_grads`` (clipping by the VW's global norm).
 * ``merge_pull(k, g, W_g)`` sets the shard-``k`` slice of the live weights to
   ``W_g + sum(delta_c for c >= g)`` (increasing c) and forgets the shard-``k`` deltas of waves < g.
 
@@ -118,7 +120,8 @@ class StageModel:
                  shard_layers: Dict[int, Sequence[int]], optimizer_factory: Callable,
                  device: torch.device, recompute: Sequence[int] = (), layout: Optional[ModelLayout] = None,
                  tied_stages: Optional[Dict[TiedKey, Sequence[int]]] = None, seed: int = 0, vw: int = 0,
-                 stage: int = 0, precision: str = "fp32", micro_offset: int = 0) -> None:
+                 stage: int = 0, precision: str = "fp32", micro_offset: int = 0,
+                 lr_scheduler: Optional[Callable] = None) -> None:
         self.start, self.stop, self.nm = start, stop, nm
         self.device = device
         self.precision = check_precision(precision, f"stage layers [{start}, {stop})")
@@ -198,6 +201,12 @@ class StageModel:
                 self.buffer_index[k] = torch.cat([torch.arange(bspans[l][0], bspans[l][0] + bspans[l][1])
                                                   for l in sorted(bl)]).to(device)
         self.optimizer = optimizer_factory(self.params) if self.params else None
+        # Stepped after each optimizer step (one per minibatch): the same schedule on every stage of every VW.
+        self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and self.optimizer is not None \
+            else None
+        # The parameters whose gradients this stage's share of the VW's gradient norm counts.
+        first_holder = {id(p): self.tied_stages[k][0] == stage for k, p in zip(self.tied_keys, self._tied_params)}
+        self._counted = [p for p in self.params if first_holder.get(id(p), True)]
         self.stash: Dict[int, List[Dict[str, torch.Tensor]]] = {}
         # mb -> per segment [input, output]; output None while a recomputed segment awaits Recompute(mb)
         self.saved: Dict[int, List[List[Any]]] = {}
@@ -392,9 +401,15 @@ class StageModel:
 
     def apply(self, micros: Sequence[int], wave: int,
               peer_grads: Optional[Dict[int, List[torch.Tensor]]] = None) -> None:
-        """One optimizer step with the summed stashed gradients of ``micros`` (the micro-batches of one
-        minibatch, in order); accumulate the change into the delta of ``wave``. ``peer_grads[s]``: per
-        micro-batch, the flat gradients of the tied parameters this stage shares with stage ``s``
+        """:meth:`gather` then :meth:`step`: one optimizer step with the summed gradients of ``micros``."""
+        self.gather(micros, wave, peer_grads)
+        self.step(wave)
+
+    def gather(self, micros: Sequence[int], wave: int,
+               peer_grads: Optional[Dict[int, List[torch.Tensor]]] = None) -> None:
+        """Set each parameter's ``.grad`` to the summed stashed gradients of ``micros`` (the micro-batches
+        of one minibatch, in order), for the :meth:`step` of ``wave`` that follows. ``peer_grads[s]``:
+        per micro-batch, the flat gradients of the tied parameters this stage shares with stage ``s``
         (:meth:`keys_shared_with`); each tied gradient becomes the sum, in stage order, of every
         holding stage's micro-batch sum, so every holder takes the same step."""
         if wave in self.pushed:
@@ -426,6 +441,28 @@ class StageModel:
             p.grad = tied[key].view_as(p)
         del stashes
         self._spare_snapshots.extend(snapshots)
+
+    def grad_sumsq(self) -> float:
+        """The sum of squares of the gathered gradients (float64), a tied parameter counted by the first
+        stage holding it only, so that the stages' sums add up to the VW's. Synchronises with the device."""
+        if self.optimizer is None:
+            return 0.0
+        grads = [p.grad for p in self._counted if p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(torch.stack(torch._foreach_norm(grads)).double().pow(2).sum())
+
+    def scale_grads(self, coef: float) -> None:
+        """Multiply every gathered gradient by ``coef`` (gradient clipping)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coef)
+
+    def step(self, wave: int) -> None:
+        """One optimizer step with the gathered gradients, then the LR scheduler's step; accumulate the
+        change into the delta of ``wave``."""
+        if self.optimizer is None:
+            return
         # delta(wave) += (after - before): the same float32 operations whether or not the wave
         # already has a delta (a fresh one starts at zero).
         delta = self.deltas.get(wave)
@@ -438,6 +475,8 @@ class StageModel:
             self.optimizer.zero_grad(set_to_none=True)
             torch.sub(self._flat, self._scratch, out=self._scratch)
             delta += self._scratch
+        if self.scheduler is not None:
+            self.scheduler.step()
 
     def _split(self, keys: Sequence[TiedKey], flat: torch.Tensor) -> Dict[TiedKey, torch.Tensor]:
         by_key = dict(zip(self.tied_keys, self._tied_params))

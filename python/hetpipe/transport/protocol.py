@@ -29,8 +29,10 @@ WEIGHTS = 5     # PS shard -> stage: reply to PULL; mb = the pulled wave, aux = 
                 # payload = W_g
 DONE = 6        # stage -> PS shard: the stage finished its stream (no payload)
 TIED = 7        # stage -> stage of its VW: the gradients of the tied parameters both hold, for minibatch mb
+NORM = 8        # stage -> stage of its VW: its share of minibatch mb's squared gradient norm (aux = the
+                # float64's bits; no payload)
 KIND_NAMES = {ACT: "activation", GRAD: "gradient", PUSH: "push", PULL: "pull", WEIGHTS: "weights", DONE: "done",
-              TIED: "tied gradient"}
+              TIED: "tied gradient", NORM: "gradient-norm share"}
 
 # Wire dtypes, by torch's names (``getattr(torch, name)``); a header carries the index + 1.
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")

@@ -7,7 +7,8 @@ Optional keys: ``shards``, ``epochs``, ``plain`` (also compare with plain PyTorc
 (layers each stage recomputes) and ``split`` (split start-up minibatches); with either of the last
 two the replay is also compared with the replay of the plain plan and schedule; ``copy_stream``
 (stage-to-stage tensors through the copy stream in the multi-process run; the replay copies inline);
-``precision`` ("bf16": autocast stages, bfloat16 on the wire, in both the run and the replay).
+``precision`` ("bf16": autocast stages, bfloat16 on the wire, in both the run and the replay); ``clip``
+(clip_grad_norm: the VW's stages exchange gradient-norm shares) and ``lr_step`` (a StepLR schedule).
 """
 
 import json
@@ -33,12 +34,15 @@ def main() -> int:
         if sub is None:
             MPI.COMM_WORLD.Barrier()
             continue
+        options = {"clip_grad_norm": cfg.get("clip"),
+                   "lr_scheduler": (lambda o, k=cfg["lr_step"]: torch.optim.lr_scheduler.StepLR(o, k, 0.5))
+                   if cfg.get("lr_step") else None}
         run = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=epochs, split_startup=split,
                       copy_stream=cfg.get("copy_stream"), progress=False, comm=sub,
-                      precision=cfg.get("precision")).fit()
+                      precision=cfg.get("precision"), **options).fit()
         if sub.Get_rank() == 0:
             ref = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=epochs,
-                          split_startup=split, precision=cfg.get("precision")).replay()
+                          split_startup=split, precision=cfg.get("precision"), **options).replay()
             same_losses = run.losses == ref.losses
             same_weights = sorted(run.weights) == sorted(ref.weights) and all(
                 torch.equal(torch.from_numpy(run.weights[l]), torch.from_numpy(ref.weights[l])) for l in ref.weights)
