@@ -12,6 +12,7 @@ _LAZY = {
     "StreamSource": "hetpipe.loader.source",
     "PerVWSource": "hetpipe.loader.source",
     "Plan": "hetpipe.plan.types",
+    "named_params": "hetpipe.model.names",
 }
 
 
@@ -23,4 +24,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'hetpipe' has no attribute {name!r}")
 
 
-__all__ = ["Trainer", "TrainResult", "Batches", "DatasetSource", "StreamSource", "PerVWSource", "Plan", "__version__"]
+__all__ = ["Trainer", "TrainResult", "Batches", "DatasetSource", "StreamSource", "PerVWSource", "Plan", "named_params",
+           "__version__"]

@@ -1,4 +1,4 @@
-"""Command line: `hetpipe plan | simulate | reproduce | demo | launch`."""
+"""Command line: `hetpipe plan | simulate | reproduce | demo | launch | export`."""
 
 import argparse
 import math
@@ -14,6 +14,7 @@ def main(argv=None) -> int:
     _add_reproduce_command(sub)
     _add_demo_command(sub)
     _add_launch_command(sub)
+    _add_export_command(sub)
     args = parser.parse_args(argv)
     if args.command == "plan":
         return _run_plan(args)
@@ -25,6 +26,8 @@ def main(argv=None) -> int:
         return _run_demo(args)
     if args.command == "launch":
         return _run_launch(args)
+    if args.command == "export":
+        return _run_export(args)
     if args.command == "info":
         import hetpipe_core
         print(hetpipe_core.build_info())
@@ -347,6 +350,29 @@ def _demo_plan(args):
     except ImportError:
         print(plan.to_json())
     return plan
+
+
+def _add_export_command(sub) -> None:
+    p = sub.add_parser("export", help="a checkpoint's weights under the model's own names (safetensors, or a "
+                                      "Hugging Face folder)")
+    p.add_argument("checkpoint", help="a checkpoint directory (its latest complete checkpoint) or one clock of it")
+    p.add_argument("-o", "--output", help="write a .safetensors file that model.load_state_dict takes")
+    p.add_argument("--hf", metavar="DIR", help="write a folder from_pretrained opens (model.safetensors, config.json)")
+
+
+def _run_export(args) -> int:
+    from pathlib import Path
+
+    from hetpipe.checkpoint.export import export
+    from hetpipe.checkpoint.format import CheckpointError
+
+    try:
+        print(export(Path(args.checkpoint), Path(args.output) if args.output else None,
+                     Path(args.hf) if args.hf else None))
+    except (CheckpointError, OSError) as e:
+        print(f"hetpipe export: {e}" if not str(e).startswith("hetpipe") else str(e), file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from typing import Callable, Iterator, List, Optional
 
 from torch import nn
 
+from hetpipe.model.names import named_source
 from hetpipe.profile import LAYER_NAMES_ATTR
 
 
@@ -21,17 +22,21 @@ class Adapted:
         carries them too (``hetpipe_layer_names``), so a plan made from it names its stages' layers.
     loss_fn: ``loss_fn(output, target)`` matching the model's output (shifted cross entropy for a
         causal LM, cross entropy for a classifier); None where the adapter cannot know it.
+    source: the model the layers were cut from; ``layers`` carries it (``hetpipe_source_model``), so
+        that checkpoints name the weights as the model does and ``hetpipe export`` writes its keys.
 
     Unpacks as ``layers, loss_fn = adapt(model)``."""
 
     layers: nn.ModuleList
     names: List[str]
     loss_fn: Optional[Callable]
+    source: Optional[nn.Module] = None
 
     def __post_init__(self) -> None:
         if len(self.names) != len(self.layers):
             raise ValueError(f"hetpipe: {len(self.names)} layer names for {len(self.layers)} layers")
         setattr(self.layers, LAYER_NAMES_ATTR, list(self.names))
+        named_source(self.layers, self.source)
 
     def __iter__(self) -> Iterator:
         return iter((self.layers, self.loss_fn))

@@ -88,4 +88,4 @@ def gpt2(model: nn.Module, side_inputs: Sequence[str] = ("attention_mask",)) -> 
     layers += [GPT2BlockLayer(block, model.config, side_inputs) for block in t.h]
     layers.append(LMHead(t.ln_f, model.lm_head))
     names = ["embed", *(f"h.{i}" for i in range(len(t.h))), "head"]
-    return Adapted(nn.ModuleList(layers), names, CausalLMLoss(model))
+    return Adapted(nn.ModuleList(layers), names, CausalLMLoss(model), model)

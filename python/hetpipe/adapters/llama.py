@@ -79,4 +79,4 @@ def decoder(model: nn.Module, side_inputs: Sequence[str] = ("attention_mask",)) 
     layers += [DecoderBlock(block, base.rotary_emb, config, side_inputs) for block in blocks]
     layers.append(LMHead(base.norm, model.lm_head))
     names = ["embed", *(f"layers.{i}" for i in range(len(blocks))), "head"]
-    return Adapted(nn.ModuleList(layers), names, CausalLMLoss(model))
+    return Adapted(nn.ModuleList(layers), names, CausalLMLoss(model), model)

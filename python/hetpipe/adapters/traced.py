@@ -282,7 +282,7 @@ def traced(model: nn.Module, split_points: Optional[SplitSpec] = None, *, num_la
     by_name = {node.name: p for node, p in parts.items()}
     split = split_module(gm, model, lambda node: by_name[node.name])
     layers = _chain(model, split, n)
-    return Adapted(layers, [_part_name(gm, parts, p) for p in range(n)], None)
+    return Adapted(layers, [_part_name(gm, parts, p) for p in range(n)], None, model)
 
 
 def _part_name(gm: fx.GraphModule, parts: Dict[fx.Node, int], p: int) -> str:

@@ -46,7 +46,7 @@ def resnet(model: nn.Module) -> Adapted:
             names.append(f"{attr}.{j}")
     layers.append(nn.Sequential(model.avgpool, nn.Flatten(1), model.fc))
     names.append("head")
-    return Adapted(nn.ModuleList(layers), names, nn.functional.cross_entropy)
+    return Adapted(nn.ModuleList(layers), names, nn.functional.cross_entropy, model)
 
 
 def _groups(seq: nn.Sequential, starts: Tuple[type, ...]) -> List[Tuple[str, List[nn.Module]]]:
@@ -77,7 +77,7 @@ def vgg(model: nn.Module) -> Adapted:
             mods = [model.avgpool, nn.Flatten(1), *mods]
         layers.append(nn.Sequential(*mods))
         names.append(f"classifier.{first}")
-    return Adapted(nn.ModuleList(layers), names, nn.functional.cross_entropy)
+    return Adapted(nn.ModuleList(layers), names, nn.functional.cross_entropy, model)
 
 
 __all__ = ["resnet", "vgg", "is_resnet", "is_vgg"]

@@ -47,6 +47,7 @@ class RunSpec:
     resume: Any = None
     lr_scheduler: Optional[Callable] = None     # optimizer -> LR scheduler, built and stepped by every stage
     clip_grad_norm: Optional[float] = None      # clip each minibatch's gradient to this VW-wide norm
+    param_names: Dict[Any, str] = field(default_factory=dict)   # (layer, local name) -> the model's name
 
     def __post_init__(self) -> None:
         if self.layout is None:

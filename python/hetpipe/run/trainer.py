@@ -33,6 +33,7 @@ from hetpipe.job.world import gather_hosts, world
 from hetpipe.loader import as_source
 from hetpipe.model.contract import as_layers, infer_boundaries
 from hetpipe.model.layout import ModelLayout, local_buffers
+from hetpipe.model.names import model_names, param_names
 from hetpipe.model.tree import batch_of
 from hetpipe.model.weights import load_layer_weights
 from hetpipe.outputs import check_file
@@ -135,6 +136,8 @@ class Trainer:
         takes; a parameter shared by several layers stays one (tied) parameter; BatchNorm running
         statistics are averaged across VWs at wave boundaries. loss_fn(output, labels) -> scalar tensor.
     optimizer: a factory ``params -> torch.optim.Optimizer``; each stage builds its own over its layers.
+        Marked with :func:`hetpipe.named_params` it gets ``(name, parameter)`` pairs under the model's
+        own names instead, to build parameter groups by name.
     data: where the minibatches come from (:mod:`hetpipe.loader`, README "Data"): a
         :class:`~hetpipe.loader.DatasetSource` (a map-style Dataset sharded by VW with a seeded sampler),
         a ``DataLoader`` (over a map-style dataset with an ordinary sampler it becomes one, shuffled with
@@ -221,6 +224,7 @@ class Trainer:
                  clip_grad_norm: Optional[float] = None):
         self.model = model
         self.layers = as_layers(model)
+        self.names = model_names(model, self.layers)
         self.loss_fn, self.optimizer = loss_fn, optimizer
         self.data = as_source(data, seed)
         self.plan_arg, self.policy, self.cluster = plan, policy, cluster
@@ -320,7 +324,7 @@ class Trainer:
         return RunSpec(plan, self.layers, self.loss_fn, self.optimizer, self.data, self.epochs, schedules,
                        infer_boundaries(self.layers, x), batch_of(x), copy_stream=self.copy_stream, audit=self.audit,
                        seed=self.seed, resume=resume, lr_scheduler=self.lr_scheduler,
-                       clip_grad_norm=self.clip_grad_norm)
+                       clip_grad_norm=self.clip_grad_norm, param_names=param_names(self.names))
 
     # --- checkpoints -------------------------------------------------------------------------
     def _resume(self, plan: Plan) -> Optional[ckpt.Resume]:
@@ -363,6 +367,7 @@ class Trainer:
                 "rng": {"seed": self.seed, "rule": "micro-batch j of stage s of VW v draws from a generator "
                                                   "seeded by (seed, v, s, j); no other random state"},
                 "split_startup": self.split_startup, "checkpoint_every": self.checkpoint_every,
+                "names": self.names,
                 "resumed_from": {"path": str(resume.checkpoint.path), "clock": clock0} if resume else None}
 
     def _checkpointer(self, plan: Plan, spec: RunSpec, role: Role, part) -> Optional[ckpt.Checkpointer]:

@@ -57,6 +57,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from hetpipe.model.layout import ModelLayout
+from hetpipe.model.names import NAMED_ATTR
 from hetpipe.model.swap import SwapCall
 from hetpipe.precision import check_precision
 
@@ -121,7 +122,8 @@ class StageModel:
                  device: torch.device, recompute: Sequence[int] = (), layout: Optional[ModelLayout] = None,
                  tied_stages: Optional[Dict[TiedKey, Sequence[int]]] = None, seed: int = 0, vw: int = 0,
                  stage: int = 0, precision: str = "fp32", micro_offset: int = 0,
-                 lr_scheduler: Optional[Callable] = None) -> None:
+                 lr_scheduler: Optional[Callable] = None, param_names: Optional[Dict[Tuple[int, str], str]] = None
+                 ) -> None:
         self.start, self.stop, self.nm = start, stop, nm
         self.device = device
         self.precision = check_precision(precision, f"stage layers [{start}, {stop})")
@@ -200,7 +202,14 @@ class StageModel:
             if bl:
                 self.buffer_index[k] = torch.cat([torch.arange(bspans[l][0], bspans[l][0] + bspans[l][1])
                                                   for l in sorted(bl)]).to(device)
-        self.optimizer = optimizer_factory(self.params) if self.params else None
+        # The model's name of each flat parameter (a replica by its owner's), for named parameter groups.
+        names = param_names or {}
+        self.param_names = [names.get((l, n), f"{l}.{n}") for l in range(start, stop) for n, _ in layout.owned[l]] + \
+            [names.get(k, f"{k[0]}.{k[1]}") for k in self.replica_keys]
+        if self.params and getattr(optimizer_factory, NAMED_ATTR, False):
+            self.optimizer = optimizer_factory(list(zip(self.param_names, self.params)))
+        else:
+            self.optimizer = optimizer_factory(self.params) if self.params else None
         # Stepped after each optimizer step (one per minibatch): the same schedule on every stage of every VW.
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and self.optimizer is not None \
             else None
