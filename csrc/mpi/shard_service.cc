@@ -245,6 +245,14 @@ void ShardService::on_push_header(const std::array<std::int64_t, 16>& w, int src
         << 4 * want << " bytes)";
     throw std::invalid_argument(msg.str());
   }
+  if (w[3] >= 0) {
+    const std::int64_t known = stop_after_.load(std::memory_order_acquire);
+    if (known >= 0 && known != w[3]) {
+      throw std::invalid_argument(where() + ": " + who.str() + " announces a stop after wave " + std::to_string(w[3]) +
+                                  ", another push announced one after wave " + std::to_string(known));
+    }
+    stop_after_.store(w[3], std::memory_order_release);
+  }
   const double start = now_s();
   const std::int64_t before = plane_.global_clock();
   float* into = plane_.begin_push(vw, stage, wave, want);
@@ -353,10 +361,11 @@ void ShardService::serve_loop() {
 bool ShardService::serve_ready() {
   std::vector<QueuedPull> ready;
   const std::int64_t a = plane_.applied();
+  const std::int64_t stop = stop_after_.load(std::memory_order_acquire);
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
     for (auto it = queue_.begin(); it != queue_.end();) {
-      if (it->wave - plane_.d() <= a) {
+      if (it->wave - plane_.d() <= a || (stop >= 0 && it->wave > stop)) {
         ready.push_back(*it);
         it = queue_.erase(it);
       } else {
@@ -365,8 +374,10 @@ bool ShardService::serve_ready() {
     }
   }
   for (const QueuedPull& q : ready) {
-    const std::int64_t g = plane_.serve(q.vw, q.stage, q.wave, nullptr, 0);
-    const std::size_t n = plane_.reply_numel(q.vw, q.stage);
+    const bool stopped = stop >= 0 && q.wave > stop;
+    // A pull after the stop gets a header only: its stage ends its stream there.
+    const std::int64_t g = stopped ? wire::kStopped : plane_.serve(q.vw, q.stage, q.wave, nullptr, 0);
+    const std::size_t n = stopped ? 0 : plane_.reply_numel(q.vw, q.stage);
     Reply r{{MPI_REQUEST_NULL, MPI_REQUEST_NULL}, std::make_unique<std::array<std::int64_t, 16>>(), q.vw, q.stage};
     auto& words = *r.words;
     words.fill(0);
@@ -403,7 +414,7 @@ bool ShardService::serve_ready() {
             "MPI_Isend (weights payload)");
     }
     events_.fetch_add(1, std::memory_order_acq_rel);
-    record({false, q.vw, q.stage, q.wave, q.start_s, now_s(), g, g});
+    if (!stopped) record({false, q.vw, q.stage, q.wave, q.start_s, now_s(), g, g});
     replies_.push_back(std::move(r));
   }
   return !ready.empty();

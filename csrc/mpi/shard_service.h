@@ -125,6 +125,10 @@ class ShardService {
   std::atomic<bool> stopping_{false};
   std::atomic<bool> failed_{false};
   std::atomic<std::int64_t> outstanding_{0};
+  // The wave after which the run stops (an early stop VW 0's pushes announce in their mb word), or -1.
+  // Written by the receiver thread (release) before the push that carries it can make a wave due;
+  // read by the worker (acquire), which answers pulls of later waves with a kStopped reply.
+  std::atomic<std::int64_t> stop_after_{-1};
   std::atomic<std::int64_t> events_{0};
   std::unique_ptr<std::atomic<std::int64_t>[]> received_;  // by (vw, stage) slot
   std::vector<int> slot_base_;                              // per VW

@@ -6,7 +6,7 @@ import numpy as np
 import hetpipe_core
 from hetpipe.transport import protocol
 
-KINDS = ("ACT", "GRAD", "PUSH", "PULL", "WEIGHTS", "DONE", "TIED", "NORM")
+KINDS = ("ACT", "GRAD", "PUSH", "PULL", "WEIGHTS", "DONE", "TIED", "NORM", "EVAL", "VERDICT")
 
 
 def test_constants_match_python():
@@ -17,6 +17,7 @@ def test_constants_match_python():
     assert set(w["kinds"].values()) == set(protocol.KIND_NAMES), "a kind exists on one side only"
     assert tuple(w["dtypes"]) == protocol.DTYPES
     assert w["tags"] == {k: (2 * getattr(protocol, k), 2 * getattr(protocol, k) + 1) for k in KINDS}
+    assert w["stopped"] == protocol.STOPPED
 
 
 def test_header_fields_match_python_encoding():

@@ -30,13 +30,20 @@ constexpr std::int64_t kWeights = 5;  // PS shard -> stage: mb = the pulled wave
 constexpr std::int64_t kDone = 6;     // stage -> PS shard: the stage finished its stream (aux = pushes sent)
 constexpr std::int64_t kTied = 7;     // stage -> stage of its VW: tied-parameter gradients of minibatch mb
 constexpr std::int64_t kNorm = 8;     // stage -> stage of its VW: its squared-gradient-norm share (aux: float64 bits)
+constexpr std::int64_t kEval = 9;     // stage s -> s + 1 of VW 0: output activation of evaluation minibatch mb
+constexpr std::int64_t kVerdict = 10; // last stage of VW 0 -> its other stages: mb = wave, aux = stop-after or -1
+
+// A PUSH's mb word: -1, or the wave after which the run stops; a WEIGHTS reply whose aux is kStopped
+// (no payload) answers a pull of a wave after that one.
+constexpr std::int64_t kStopped = -2;
 
 struct Kind {
   const char* name;
   std::int64_t value;
 };
-constexpr std::array<Kind, 8> kKinds{{{"ACT", kAct}, {"GRAD", kGrad}, {"PUSH", kPush}, {"PULL", kPull},
-                                      {"WEIGHTS", kWeights}, {"DONE", kDone}, {"TIED", kTied}, {"NORM", kNorm}}};
+constexpr std::array<Kind, 10> kKinds{{{"ACT", kAct}, {"GRAD", kGrad}, {"PUSH", kPush}, {"PULL", kPull},
+                                       {"WEIGHTS", kWeights}, {"DONE", kDone}, {"TIED", kTied}, {"NORM", kNorm},
+                                       {"EVAL", kEval}, {"VERDICT", kVerdict}}};
 
 // Wire dtypes by torch's names; a header carries the index + 1.
 constexpr std::array<const char*, 8> kDtypes{"float32", "float64", "float16", "bfloat16",

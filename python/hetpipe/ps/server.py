@@ -17,7 +17,7 @@ import numpy as np
 from hetpipe.ps.shard import ShardState, ShardView, WSPViolation
 from hetpipe.schedule.trace import PS_VW, TraceEvent
 from hetpipe.transport.base import Transport
-from hetpipe.transport.protocol import ANY, DONE, PULL, PUSH, WEIGHTS, Header
+from hetpipe.transport.protocol import ANY, DONE, PULL, PUSH, STOPPED, WEIGHTS, Header
 from hetpipe.transport.slots import slot_bytes, slot_shortage
 
 
@@ -83,6 +83,8 @@ class ShardServer(ShardServerBase):
                                    f"is {h.dtype}{list(h.shape)} ({h.nbytes} bytes), expected float32[{want}] "
                                    f"({4 * want} bytes)")
             started, applied = time.perf_counter(), self.state.applied
+            if h.mb >= 0:
+                self.state.announce_stop(h.vw, h.stage, h.mb)
             self.state.push(h.vw, h.stage, h.aux, msg.payload.view(np.float32))
             self.received[(h.vw, h.stage)] += 1
             if self.trace is not None:
@@ -99,6 +101,9 @@ class ShardServer(ShardServerBase):
             self.state.pull(msg.src, h.vw, h.stage, h.aux)
             progressed = True
         progressed = self._receive_done() or progressed
+        for src, vw, stage, wave in self.state.stopped_pulls():
+            t.send(src, Header(WEIGHTS, vw, stage, wave, STOPPED, "float32", (0,), 0))
+            progressed = True
         g, version = self.state.global_clock, self.state.applied
         # Each reply takes a slot; pulls beyond the free slots stay queued until sends complete.
         ready = self.state.ready_pulls(limit=self.pool.available())

@@ -126,6 +126,7 @@ class ShardState:
         self.arrived: Dict[Tuple[int, int], Set[int]] = collections.defaultdict(set)  # (vw, wave) -> stages
         self.seen: Set[Tuple[int, int, int]] = set()
         self.queued: List[Tuple[int, int, int, int]] = []           # (src, vw, stage, wave) waiting for the clock
+        self.stop_after: Optional[int] = None                        # an early stop's last wave (announce_stop)
         self.log = ShardLog()
         # Per-layer buffers of applied waves, reused for the next pushes (fresh pages of this size
         # cost as much to fault in as the copy itself).
@@ -248,6 +249,23 @@ class ShardState:
             for p in pushed:
                 change += p - self.B[l]
             self.B[l] += change / np.float32(len(pushed))
+
+    def announce_stop(self, vw: int, stage: int, after: int) -> None:
+        """A push of VW ``vw`` stage ``stage`` announced an early stop: no wave after ``after`` is trained
+        (VW 0's stages announce it on every push once decided, so the shard knows it before its clock
+        can make a pull of wave ``after + 1`` due; docs/design.md, "Evaluation and early stopping")."""
+        if self.stop_after is not None and self.stop_after != after:
+            raise WSPViolation(f"PS shard {self.index}: VW {vw} stage {stage} announces a stop after wave {after}, "
+                               f"another push announced one after wave {self.stop_after}")
+        self.stop_after = after
+
+    def stopped_pulls(self) -> List[Tuple[int, int, int, int]]:
+        """Remove and return the queued pulls of waves after an announced stop (answered without weights)."""
+        if self.stop_after is None:
+            return []
+        out = [q for q in self.queued if q[3] > self.stop_after]
+        self.queued = [q for q in self.queued if q[3] <= self.stop_after]
+        return out
 
     # --- pulls -----------------------------------------------------------------------------------
     def pull(self, src: int, vw: int, stage: int, wave: int) -> None:

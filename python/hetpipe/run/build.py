@@ -6,7 +6,7 @@ functions, so the replay executes the same code as the real run, only over a loo
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -18,6 +18,7 @@ from hetpipe.ps.server import ShardServer
 from hetpipe.ps.shard import ShardState
 from hetpipe.run.spec import RunSpec
 from hetpipe.schedule.trace import TraceEvent
+from hetpipe.stage.evaluate import Evaluation
 from hetpipe.stage.executor import StageContext, StageExecutor
 from hetpipe.loader.check import Reading, reading
 from hetpipe.loader.source import CHECKED, INPUTS, LABELS
@@ -71,7 +72,10 @@ def shard_layers(plan: Plan) -> Dict[int, Sequence[int]]:
 
 
 def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, *,
-                trace: Optional[List[TraceEvent]] = None, t0: float = 0.0) -> StageExecutor:
+                trace: Optional[List[TraceEvent]] = None, t0: float = 0.0,
+                decide: Optional[Callable[[int, Dict[str, float]], bool]] = None) -> StageExecutor:
+    """The executor of VW ``vw``'s stage ``stage``; ``decide``: the evaluation points' decision hook
+    (the last stage of VW 0's reporter, :mod:`hetpipe.run.report`)."""
     plan = spec.plan
     st = plan.virtual_workers[vw].stages[stage]
     num_stages = len(plan.virtual_workers[vw].stages)
@@ -106,13 +110,17 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
     emulated = spec.emulated.get(rank, False) and spec.emulation_scale is not None
     pacer = Pacer(spec.emulation_scale if emulated else None)
     link = StageLink(transport, pool, device, CopyStager(pool, device) if staged else None)
+    evaluation = None
+    if spec.eval_every is not None and vw == 0:
+        evaluation = Evaluation(spec.eval_every, spec.eval_data, layout.num_waves - 1, plan.d, spec.eval_metric,
+                                decide)
     return StageExecutor(ctx, layout.streams[stage], model, link, loss_fn=spec.loss_fn,
                          inputs=inputs, labels=labels,
                          expect_in=on_wire(spec.boundaries[st.start], plan.precision) if stage > 0 else None,
                          expect_out=on_wire(spec.boundaries[st.stop], plan.precision) if stage < num_stages - 1
                          else None,
                          pacer=pacer, fwd_time=st.fwd_time, bwd_time=st.bwd_time, trace=trace, t0=t0, d=plan.d,
-                         layout=layout, clip_grad_norm=spec.clip_grad_norm)
+                         layout=layout, clip_grad_norm=spec.clip_grad_norm, evaluation=evaluation)
 
 
 def tied_stages(spec: RunSpec, vw: int) -> Dict[TiedKey, Tuple[int, ...]]:

@@ -11,14 +11,15 @@ one timing (this loop's), not of any particular run.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from hetpipe.ps.shard import ShardLog, ShardState
 from hetpipe.loader.check import compare
+from hetpipe.ps.shard import ShardLog, ShardState
 from hetpipe.run.build import build_shard, build_stage, data_reading, shard_pool, stage_pool
 from hetpipe.run.record import RunRecord, ShardScript
 from hetpipe.run.spec import RunSpec, Steppable, merge_outcomes, part_outcome
@@ -42,6 +43,8 @@ class ReplayResult:
     reproduced: Optional[bool] = None
     # Buffers the PS does not synchronise (num_batches_tracked, ...), VW 0's, by "layer.name".
     local_buffers: Dict[str, torch.Tensor] = field(default_factory=dict)
+    evals: List[Dict[str, Any]] = field(default_factory=list)          # VW 0's evaluation points
+    stopped_after: Optional[int] = None                                 # an early stop's last wave
 
 
 def _endpoint(hub: LoopbackHub, rank: int, pool):
@@ -51,8 +54,9 @@ def _endpoint(hub: LoopbackHub, rank: int, pool):
     return backend.open(port, pool, None)
 
 
-def replay_run(spec: RunSpec, record: Optional[RunRecord] = None) -> ReplayResult:
-    """Run ``spec`` to the end in this process (no padding, no MPI), following ``record`` if given."""
+def replay_run(spec: RunSpec, record: Optional[RunRecord] = None, reporter: Any = None) -> ReplayResult:
+    """Run ``spec`` to the end in this process (no padding, no MPI), following ``record`` if given;
+    ``reporter`` (:class:`hetpipe.run.report.Reporter`) follows VW 0's last stage as in a run."""
     if record is not None:
         record.check(spec)
     hub = LoopbackHub()
@@ -63,7 +67,11 @@ def replay_run(spec: RunSpec, record: Optional[RunRecord] = None) -> ReplayResul
         for s in range(len(vw.stages)):
             pool = stage_pool(spec, vw.index, s)
             endpoint = _endpoint(hub, plan.rank_of(vw.index, s), pool)
-            parts.append((f"VW {vw.index} stage {s}", build_stage(spec, vw.index, s, endpoint, pool)))
+            watched = reporter is not None and vw.index == 0 and s == len(vw.stages) - 1
+            part = build_stage(spec, vw.index, s, endpoint, pool, decide=reporter.evaluated if watched else None)
+            if watched:
+                reporter.attach(part, time.perf_counter())
+            parts.append((f"VW {vw.index} stage {s}", part))
     for sh in plan.ps_shards:
         pool = shard_pool(spec, sh.index)
         endpoint = _endpoint(hub, plan.ps_rank(sh.index), pool)
@@ -78,6 +86,8 @@ def replay_run(spec: RunSpec, record: Optional[RunRecord] = None) -> ReplayResul
         for _, part in parts:
             if not part.finished and part.step():
                 progressed = True
+        if reporter is not None and progressed:
+            reporter.update()
         if not progressed and not any(isinstance(p, StageExecutor) and p.wait_for_copies() for _, p in parts):
             stuck = "; ".join(f"{name} waits for {p.blocked_on}" for name, p in parts if not p.finished)
             raise ReplayDeadlock(f"replay: no progress possible: {stuck}")
@@ -86,4 +96,4 @@ def replay_run(spec: RunSpec, record: Optional[RunRecord] = None) -> ReplayResul
     outcome = merge_outcomes(part_outcome(part, plan, spec.layout) for _, part in parts)
     reproduced = record.matches(outcome.losses, outcome.weights) if record is not None else None
     return ReplayResult(outcome.losses, outcome.weights, outcome.shard_logs, outcome.buffers, reproduced,
-                        outcome.local_buffers)
+                        outcome.local_buffers, outcome.evals, outcome.stopped_after)

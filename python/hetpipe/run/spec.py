@@ -48,6 +48,11 @@ class RunSpec:
     lr_scheduler: Optional[Callable] = None     # optimizer -> LR scheduler, built and stepped by every stage
     clip_grad_norm: Optional[float] = None      # clip each minibatch's gradient to this VW-wide norm
     param_names: Dict[Any, str] = field(default_factory=dict)   # (layer, local name) -> the model's name
+    # VW 0's evaluation points (stage.evaluate): every eval_every waves (None: none), on eval_data (a
+    # DataSource; None: the points only decide), with eval_metric(output, labels) besides the loss.
+    eval_every: Optional[int] = None
+    eval_data: Any = None
+    eval_metric: Optional[Callable] = None
 
     def __post_init__(self) -> None:
         if self.layout is None:
@@ -64,6 +69,8 @@ class Outcome:
     samples: int = 0
     buffers: Dict[int, np.ndarray] = field(default_factory=dict)         # layer -> final synced buffers
     local_buffers: Dict[str, torch.Tensor] = field(default_factory=dict)  # "layer.name" -> VW 0's value
+    evals: List[Dict[str, Any]] = field(default_factory=list)            # VW 0's evaluation points
+    stopped_after: Optional[int] = None                                  # an early stop's last wave
 
 
 def part_outcome(part: Steppable, plan: Plan, layout: ModelLayout) -> Dict[str, Any]:
@@ -72,6 +79,10 @@ def part_outcome(part: Steppable, plan: Plan, layout: ModelLayout) -> Dict[str, 
     if isinstance(part, StageExecutor):
         if part.is_last:
             mine["losses"] = (part.ctx.vw, dict(part.losses))
+            if part.ctx.vw == 0:
+                mine["evals"] = list(part.eval_results)
+        if part.stopped_after is not None:
+            mine["stopped_after"] = part.stopped_after
         if part.is_first:
             mine["samples"] = sum(part.batch_sizes.values())
         if part.ctx.vw == 0:
@@ -103,4 +114,7 @@ def merge_outcomes(parts: Iterable[Dict[str, Any]]) -> Outcome:
         out.local_buffers.update(m.get("local_buffers", {}))
         if "log" in m:
             out.shard_logs[m["log"][0]] = m["log"][1]
+        out.evals.extend(m.get("evals", []))
+        if "stopped_after" in m:
+            out.stopped_after = m["stopped_after"]
     return out

@@ -10,7 +10,6 @@ the end every rank receives the final global weights, loaded into its copy of th
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 import sys
@@ -44,11 +43,13 @@ from hetpipe.ps.shard import ShardLog
 from hetpipe.loader.check import DataMismatch, compare
 from hetpipe.run.build import build_shard, build_stage, data_reading, shard_pool, stage_pairs, stage_pool
 from hetpipe.run.drive import drive
+from hetpipe.run.callbacks import Callbacks
 from hetpipe.run.record import RunRecord
+from hetpipe.run.report import Reporter
 from hetpipe.run.replay import ReplayResult, replay_run
 from hetpipe.run.spec import RunSpec, merge_outcomes, part_outcome
 from hetpipe.schedule.registry import ScheduleOptions, generate, get_schedule
-from hetpipe.schedule.trace import TraceEvent, write_chrome_trace
+from hetpipe.schedule.trace import TraceEvent
 from hetpipe.stage.executor import StageExecutor
 from hetpipe.transport import registry as transports
 
@@ -77,6 +78,10 @@ class TrainResult:
     # The PS shards' data plane(s), "+"-joined ("core", "python"; "" without shards), and why.
     ps_plane: str = ""
     ps_plane_reason: str = ""
+    # VW 0's evaluation points: {"wave", "samples", "loss", "metric"} each (Trainer(eval_every=)).
+    evals: List[Dict[str, Any]] = field(default_factory=list)
+    # An early stop: {"after_wave": the last wave trained, "asked_by": which callback, when}; {} without.
+    stopped: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def samples_per_s(self) -> float:
@@ -221,7 +226,9 @@ class Trainer:
                  aggregate: Optional[str] = None, seed: int = 0, precision: Optional[str] = None,
                  record: Union[str, Path, None] = None, schedule: str = "hetpipe",
                  transport: Optional[str] = None, lr_scheduler: Optional[Callable] = None,
-                 clip_grad_norm: Optional[float] = None):
+                 clip_grad_norm: Optional[float] = None, eval_data: Any = None, eval_every: Optional[int] = None,
+                 eval_metric: Optional[Callable] = None, callbacks: Sequence[object] = (),
+                 tensorboard: Union[str, Path, None] = None):
         self.model = model
         self.layers = as_layers(model)
         self.names = model_names(model, self.layers)
@@ -260,6 +267,17 @@ class Trainer:
                                            or not clip_grad_norm > 0 or clip_grad_norm == float("inf")):
             raise ValueError(f"hetpipe: clip_grad_norm must be a finite number > 0, got {clip_grad_norm!r}")
         self.clip_grad_norm = float(clip_grad_norm) if clip_grad_norm is not None else None
+        if eval_every is not None and (isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1):
+            raise ValueError(f"hetpipe: eval_every must be a whole number of waves >= 1, got {eval_every!r}")
+        if eval_data is not None and eval_every is None:
+            raise ValueError("hetpipe: eval_data needs eval_every (how many waves between evaluation points)")
+        if eval_metric is not None and not callable(eval_metric):
+            raise TypeError(f"hetpipe: eval_metric must be a function (output, labels) -> float, got {eval_metric!r}")
+        self.eval_every, self.eval_metric = eval_every, eval_metric
+        self.eval_data = as_source(eval_data, seed) if eval_data is not None else None
+        self.callbacks = list(callbacks)
+        Callbacks(self.callbacks, eval_every is not None)       # checks them now, on every rank
+        self.tensorboard = Path(tensorboard) if tensorboard else None
         self._describe = "rank ?"
 
     # --- planning ----------------------------------------------------------------------------
@@ -324,7 +342,8 @@ class Trainer:
         return RunSpec(plan, self.layers, self.loss_fn, self.optimizer, self.data, self.epochs, schedules,
                        infer_boundaries(self.layers, x), batch_of(x), copy_stream=self.copy_stream, audit=self.audit,
                        seed=self.seed, resume=resume, lr_scheduler=self.lr_scheduler,
-                       clip_grad_norm=self.clip_grad_norm, param_names=param_names(self.names))
+                       clip_grad_norm=self.clip_grad_norm, param_names=param_names(self.names),
+                       eval_every=self.eval_every, eval_data=self.eval_data, eval_metric=self.eval_metric)
 
     # --- checkpoints -------------------------------------------------------------------------
     def _resume(self, plan: Plan) -> Optional[ckpt.Resume]:
@@ -431,7 +450,12 @@ class Trainer:
             record = RunRecord.load(record)
         plan = self._make_plan()
         spec = self.spec(plan, self._resume(plan))
-        result = replay_run(spec, record)
+        reporter = None
+        if self.eval_every is not None or self.callbacks or self.metrics is not None or self.tensorboard is not None:
+            reporter = self._reporter(plan, spec)
+        result = replay_run(spec, record, reporter)
+        if reporter is not None:
+            reporter.finish(result, None, "")
         if spec.resume is not None:
             result.losses = resumed_losses(result.losses, spec.resume)
         load_layer_weights(self.layers, result.weights, result.buffers, result.local_buffers)
@@ -518,10 +542,12 @@ class Trainer:
         t0 = time.perf_counter()
         reporter = None
         if role.kind == "stage":
-            part = build_stage(spec, role.vw, role.stage, transport, pool, trace=trace, t0=t0)
-            if role.vw == 0 and part.is_last:
-                reporter = _Reporter(part, plan, self.metrics, self.progress, t0, spec.schedules[0].num_minibatches,
-                                     self.epochs)
+            if role.vw == 0 and role.stage == len(plan.virtual_workers[0].stages) - 1:
+                reporter = self._reporter(plan, spec)
+            part = build_stage(spec, role.vw, role.stage, transport, pool, trace=trace, t0=t0,
+                               decide=reporter.evaluated if reporter is not None else None)
+            if reporter is not None:
+                reporter.attach(part, t0)
         else:
             part = build_shard(spec, role.shard, transport, pool, trace=trace, t0=t0,
                                comm=comm if plane == "core" else None)
@@ -556,7 +582,9 @@ class Trainer:
                              [e for m in everyone for e in m["trace"]], emulated, outcome.buffers, resumed,
                              "+".join(sorted({m["transport"] for m in everyone})), outcome.local_buffers,
                              "+".join(sorted({m["ps_plane"][0] for m in everyone} - {""})),
-                             "; ".join(sorted({m["ps_plane"][1] for m in everyone} - {""})))
+                             "; ".join(sorted({m["ps_plane"][1] for m in everyone} - {""})),
+                             outcome.evals, stopped_of(outcome, comm.allgather(
+                                 reporter.callbacks.stop_asked if reporter is not None else None)))
         load_layer_weights(self.layers, result.weights, result.buffers, result.local_buffers)
         if reporter is not None:
             reporter.finish(result, self.trace_path, reason)
@@ -580,6 +608,10 @@ class Trainer:
         except DataMismatch as e:
             raise LaunchError(str(e)) from None
 
+    def _reporter(self, plan: Plan, spec: RunSpec) -> Reporter:
+        return Reporter(plan, self.metrics, self.tensorboard, self.progress, spec.schedules[0].num_minibatches,
+                        self.epochs, self.callbacks, self.eval_every is not None)
+
     def _on_sigterm(self, writer: Optional[ckpt.Checkpointer]):
         """On SIGTERM, write the kept wave-boundary snapshots not yet on disk, wait until a clock this
         rank holds is complete (every rank's part; at most ``HETPIPE_TERM_GRACE``), then exit 128 + 15;
@@ -595,6 +627,13 @@ class Trainer:
             os._exit(128 + sig)
 
         return signal.signal(signal.SIGTERM, handler)
+
+
+def stopped_of(outcome, asked: Sequence[Optional[str]]) -> Dict[str, Any]:
+    """``TrainResult.stopped`` from the run's outcome and who asked for the stop (one rank knows)."""
+    if outcome.stopped_after is None:
+        return {}
+    return {"after_wave": outcome.stopped_after, "asked_by": next((a for a in asked if a), "")}
 
 
 def same_layout(a: Plan, b: Plan) -> bool:
@@ -614,73 +653,3 @@ def resumed_losses(losses: Dict[int, Dict[int, float]], resume: ckpt.Resume) -> 
     before = resume.checkpoint.losses()
     return {vw: {**before.get(vw, {}), **{resume.minibatches + p: v for p, v in per.items()}}
             for vw, per in losses.items()}
-
-
-class _Reporter:
-    """Progress bar and metrics file, on the last stage of VW 0 (the rank that sees VW 0's losses).
-
-    Per completed wave: one JSON line ``{"event": "wave", ...}``; at the end per epoch and a summary."""
-
-    def __init__(self, ex: StageExecutor, plan: Plan, metrics: Optional[Path], progress: bool, t0: float,
-                 total: int, epochs: int) -> None:
-        self.ex, self.plan, self.t0, self.total, self.epochs = ex, plan, t0, total, epochs
-        self.file = None
-        if metrics is not None:
-            metrics.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(metrics, "w")
-        self.bar = None
-        if progress:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, desc="hetpipe VW 0", unit="mb", dynamic_ncols=True, mininterval=0.5)
-        self.seen = 0
-        self.wave = 0
-        self.samples = 0
-
-    def update(self) -> None:
-        losses = self.ex.losses
-        while self.seen in losses:
-            self.samples += self.ex.batch_sizes.get(self.seen, 0)
-            self.seen += 1
-            if self.bar is not None:
-                self.bar.update(1)
-        nm = self.plan.nm
-        while (self.wave + 1) * nm <= self.seen or (self.seen == self.total and self.wave * nm < self.total):
-            mbs = range(self.wave * nm, min((self.wave + 1) * nm, self.total))
-            loss = float(np.mean([losses[p] for p in mbs]))
-            now = time.perf_counter() - self.t0
-            rate = self.samples * len(self.plan.virtual_workers) / now if now > 0 else 0.0
-            if self.file is not None:
-                self.file.write(json.dumps({"event": "wave", "vw": 0, "wave": self.wave, "loss": loss,
-                                            "time_s": now, "samples_per_s_est": rate,
-                                            "global_clock": self.ex.global_clock}) + "\n")
-                self.file.flush()
-            if self.bar is not None:
-                self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:.0f}", clock=self.ex.global_clock,
-                                     refresh=False)
-            self.wave += 1
-
-    def finish(self, result: TrainResult, trace_path: Optional[Path], transport_reason: str) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        if self.file is not None:
-            per_vw = {vw: sorted(l.items()) for vw, l in result.losses.items()}
-            epochs = max(1, self.epochs)
-            n = len(next(iter(per_vw.values()))) if per_vw else 0
-            per_epoch = max(1, n // epochs)
-            for e in range(epochs):
-                by_vw = {str(vw): float(np.mean([v for p, v in items if p // per_epoch == e]))
-                         for vw, items in per_vw.items()}
-                self.file.write(json.dumps({"event": "epoch", "epoch": e, "loss": float(np.mean(list(by_vw.values()))),
-                                            "loss_by_vw": by_vw}) + "\n")
-            clocks = {str(k): [c for c in log.clocks[-len(self.plan.virtual_workers):]]
-                      for k, log in result.shard_logs.items()}
-            self.file.write(json.dumps({"event": "summary", "samples": result.samples, "elapsed_s": result.elapsed_s,
-                                        "samples_per_s": result.samples_per_s, "emulated_devices": result.emulated,
-                                        "nm": self.plan.nm, "d": self.plan.d, "final_clocks": clocks,
-                                        "transport": result.transport, "transport_reason": transport_reason,
-                                        "ps_plane": result.ps_plane, "ps_plane_reason": result.ps_plane_reason})
-                            + "\n")
-            self.file.close()
-        if trace_path is not None:
-            trace_path.parent.mkdir(parents=True, exist_ok=True)
-            write_chrome_trace(result.trace, trace_path, emulated=result.emulated)

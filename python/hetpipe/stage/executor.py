@@ -27,6 +27,7 @@ from hetpipe.model.tree import Boundary, batch_of, check_message, flatten, pack,
 from hetpipe.schedule.ir import (Apply, Bwd, Fwd, Instr, Pull, Push, Recompute, RecvAct, RecvGrad, Schedule, SendAct,
                                  SendGrad)
 from hetpipe.schedule.trace import TraceEvent
+from hetpipe.stage.evaluate import EvalPass, Evaluation
 from hetpipe.stage.feed import MinibatchFeed
 from hetpipe.stage.grad_norm import NormExchange, clip_coef
 from hetpipe.stage.pacer import Pacer
@@ -34,7 +35,7 @@ from hetpipe.stage.params import StageModel
 from hetpipe.stage.ps_client import PSClient
 from hetpipe.transport.codec import StageError, to_wire, value_header
 from hetpipe.transport.link import StageLink
-from hetpipe.transport.protocol import ACT, GRAD, KIND_NAMES, TIED, Header
+from hetpipe.transport.protocol import ACT, EVAL, GRAD, KIND_NAMES, TIED, Header
 
 
 @dataclass
@@ -62,7 +63,7 @@ class StageExecutor:
                  expect_out: Optional[Boundary] = None, pacer: Optional[Pacer] = None,
                  fwd_time: float = 0.0, bwd_time: float = 0.0, trace: Optional[List[TraceEvent]] = None,
                  t0: float = 0.0, d: int = 0, layout: Optional[Schedule] = None,
-                 clip_grad_norm: Optional[float] = None) -> None:
+                 clip_grad_norm: Optional[float] = None, evaluation: Optional[Evaluation] = None) -> None:
         self.ctx, self.stream, self.model = ctx, list(stream), model
         # Micro-batch arithmetic of the stream (split start-up); None: micro-batch j is minibatch j.
         self.layout = layout
@@ -81,6 +82,7 @@ class StageExecutor:
         self.pc = 0
         self.losses: Dict[int, float] = {}          # last stage: minibatch -> loss (set once all its halves ran)
         self.batch_sizes: Dict[int, int] = {}       # minibatch -> samples (set on every stage)
+        self.lrs: Dict[int, float] = {}             # last stage: minibatch -> its step's learning rate
         self._partial_loss: Dict[int, float] = {}   # split minibatch -> weighted loss of its first half
         self._shares: Dict[int, float] = {}         # last stage: micro-batch -> its share of its minibatch
         self.ps = PSClient(ctx, model, link, d)
@@ -106,6 +108,12 @@ class StageExecutor:
                                    link.transport) if clip_grad_norm is not None and ctx.num_stages > 1 else None)
         self._gathered: Optional[Tuple[int, float]] = None
         self.grad_norms: Dict[int, float] = {}      # minibatch -> the VW's gradient norm (with clipping)
+        # VW 0's evaluation points (stage.evaluate): the pass in progress, the last stage's results, and
+        # an early stop's last wave once known (from the verdict, or from a STOPPED pull reply).
+        self.evaluation = evaluation if ctx.vw == 0 else None
+        self._eval: Optional[EvalPass] = None
+        self.eval_results: List[Dict[str, float]] = []
+        self.stopped_after: Optional[int] = None
 
     @property
     def global_clock(self) -> int:
@@ -123,6 +131,12 @@ class StageExecutor:
         progressed = self.link.progress()
         progressed = self._send_tied() or progressed
         while self.pc < len(self.stream):
+            if self._eval is not None:
+                progressed = self._eval.step() or progressed
+                if not self._eval.done:
+                    return self.link.progress() or progressed
+                self._end_eval()
+                continue
             instr = self.stream[self.pc]
             started = time.perf_counter()
             if not self._execute(instr):
@@ -131,6 +145,10 @@ class StageExecutor:
                 self._record(instr, started)
             self.pc += 1
             progressed = True
+            if isinstance(instr, Push) and self.evaluation is not None and self.evaluation.due(instr.wave):
+                self._eval = EvalPass(self, self.evaluation, instr.wave)
+            elif isinstance(instr, Pull) and self.ps.stopped:
+                self._stop_after(instr.wave - 1)
             self.link.progress()
         if self.link.copies_pending():
             self.blocked_on = "its device copies"
@@ -238,6 +256,10 @@ class StageExecutor:
         if not math.isfinite(value):
             raise StageError(f"hetpipe: {self.ctx.who()}: the loss of VW {self.ctx.vw}'s minibatch {p} (wave "
                              f"{p // self.model.nm}) is {value}; stopping before its gradient reaches the weights")
+        opt = self.model.optimizer
+        if opt is not None and opt.param_groups:
+            # The rate minibatch p's step takes (the scheduler stepped after the previous Apply).
+            self.lrs[p] = float(opt.param_groups[0]["lr"])
         if self._shares[mb] == 1.0:
             self.losses[p] = value
         elif p in self._partial_loss:
@@ -328,6 +350,28 @@ class StageExecutor:
         self.model.step(wave)
         return True
 
+    # --- evaluation and early stopping ------------------------------------------------------------
+    def _end_eval(self) -> None:
+        done, self._eval = self._eval, None
+        if done.result is not None:
+            self.eval_results.append(done.result)
+        if done.stop_after is not None:
+            self.ps.stop_after = done.stop_after
+            self._stop_after(done.stop_after)
+
+    def _stop_after(self, last: int) -> None:
+        """End the stream after wave ``last``: drop what belongs to later waves (every stage of every
+        VW drops the same minibatches, so no message is left unsent or unreceived)."""
+        self.stopped_after = last
+
+        def kept(instr: Instr) -> bool:
+            if isinstance(instr, (Push, Pull)):
+                return instr.wave <= last
+            mb = getattr(instr, "mb", None)
+            return mb is None or self._minibatch(mb) // self.model.nm <= last
+
+        self.stream = self.stream[:self.pc] + [i for i in self.stream[self.pc:] if kept(i)]
+
     # --- stage-to-stage traffic -------------------------------------------------------------------
     def _send_value(self, kind: int, peer: int, mb: int, leaves: Sequence[torch.Tensor]) -> bool:
         """Start sending the tensor ``leaves`` of a value to stage ``peer`` as one message (see
@@ -364,7 +408,7 @@ class StageExecutor:
             raise StageError(f"hetpipe: shape mismatch between {self.ctx.who(peer)} and {self.ctx.who()}: the "
                              f"{what} of minibatch {mb} {problem}")
         leaves = unpack(buf, expect, h.shape[0] if len(expect.leaves) == 1 else h.aux)
-        into[mb] = pytree.tree_unflatten(leaves, expect.spec) if kind == ACT else leaves
+        into[mb] = pytree.tree_unflatten(leaves, expect.spec) if kind in (ACT, EVAL) else leaves
         return True
 
     # --- parameter servers ------------------------------------------------------------------------

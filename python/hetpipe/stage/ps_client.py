@@ -16,7 +16,7 @@ import torch
 from hetpipe.stage.params import StageModel
 from hetpipe.transport.codec import TORCH_DTYPE_NAME, StageError
 from hetpipe.transport.link import StageLink
-from hetpipe.transport.protocol import DONE, PULL, PUSH, WEIGHTS, Header
+from hetpipe.transport.protocol import DONE, PULL, PUSH, STOPPED, WEIGHTS, Header
 
 
 class PSClient:
@@ -29,6 +29,10 @@ class PSClient:
         self.blocked_on = ""
         self._pull: Optional[Dict[int, Tuple[int, torch.Tensor]]] = None
         self._push_sent: Set[int] = set()           # shards the Push in progress already sent to
+        # An early stop: the last wave trained. VW 0's stages announce it on their pushes once decided;
+        # a stage of another VW learns it from the STOPPED replies to its pull of the next wave.
+        self.stop_after: Optional[int] = None
+        self.stopped = False                        # a pull was answered STOPPED: the stream ends here
 
     def push(self, wave: int) -> bool:
         """Send this stage's wave delta (and synced buffers), shard by shard; the copies and sends overlap
@@ -42,7 +46,8 @@ class PSClient:
                 continue
             rank = self.ctx.all_shard_ranks[k]
             payload = self.model.push_payload(wave, k)
-            header = Header(PUSH, self.ctx.vw, self.ctx.stage, -1, wave, TORCH_DTYPE_NAME[payload.dtype],
+            announce = self.stop_after if self.stop_after is not None and self.ctx.vw == 0 else -1
+            header = Header(PUSH, self.ctx.vw, self.ctx.stage, announce, wave, TORCH_DTYPE_NAME[payload.dtype],
                             tuple(payload.shape), payload.numel() * payload.element_size())
             if not self.link.send(rank, header, payload):
                 self.blocked_on = f"{self.link.waiting_for} to push wave {wave} to PS shard {k} (rank {rank})"
@@ -73,6 +78,9 @@ class PSClient:
             if h.mb != wave or h.vw != self.ctx.vw or h.stage != self.ctx.stage:
                 raise StageError(f"hetpipe: {self.ctx.who()} pulled wave {wave} from PS shard {k}, got a reply "
                                  f"for wave {h.mb} addressed to VW {h.vw} stage {h.stage}")
+            if h.aux == STOPPED:
+                self._pull[k] = (STOPPED, reply)
+                continue
             want = sum(self.model.pull_sizes(k))
             if h.shape != (want,) or h.dtype != "float32":
                 raise StageError(f"hetpipe: PS shard {k} sent {h.dtype}{list(h.shape)} weights, "
@@ -85,6 +93,14 @@ class PSClient:
             if self.link.waiting_for:
                 self.blocked_on += f", blocked on {self.link.waiting_for}"
             return False
+        stopped = [k for k, (g, _) in self._pull.items() if g == STOPPED]
+        if stopped:
+            if len(stopped) != len(self._pull):
+                raise StageError(f"hetpipe: {self.ctx.who()} pulled wave {wave}: PS shard(s) {stopped} answered "
+                                 f"that the run stopped, shard(s) {sorted(set(self._pull) - set(stopped))} did not")
+            self._pull = None
+            self.stopped = True
+            return True
         if any(wave - self.d > g for g, _ in self._pull.values()):
             raise StageError(f"hetpipe: {self.ctx.who()} pulled wave {wave} with D = {self.d} but got "
                              f"global clocks {[g for g, _ in self._pull.values()]}")

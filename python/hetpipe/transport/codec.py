@@ -53,5 +53,7 @@ def value_header(kind: int, vw: int, stage: int, mb: int, leaves: Sequence[torch
 
 def payload_tensor(payload: np.ndarray, dtype: str, shape: Sequence[int], device: torch.device) -> torch.Tensor:
     """A received payload viewed as a ``dtype`` tensor of ``shape`` (no copy on the CPU), on ``device``."""
+    if payload.size == 0:           # an empty message (numpy gives its view stride 0, which torch refuses)
+        return torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=device)
     t = torch.from_numpy(payload).view(getattr(torch, dtype)).reshape(tuple(shape))
     return t.to(device) if device.type != "cpu" else t

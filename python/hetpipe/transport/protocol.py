@@ -31,8 +31,15 @@ DONE = 6        # stage -> PS shard: the stage finished its stream (no payload)
 TIED = 7        # stage -> stage of its VW: the gradients of the tied parameters both hold, for minibatch mb
 NORM = 8        # stage -> stage of its VW: its share of minibatch mb's squared gradient norm (aux = the
                 # float64's bits; no payload)
+EVAL = 9        # stage s -> s + 1 of VW 0: output activation of evaluation minibatch mb (aux as ACT's)
+VERDICT = 10    # last stage of VW 0 -> its other stages: an evaluation point's outcome (mb = the wave, aux =
+                # the wave after which the run stops, or -1; no payload)
 KIND_NAMES = {ACT: "activation", GRAD: "gradient", PUSH: "push", PULL: "pull", WEIGHTS: "weights", DONE: "done",
-              TIED: "tied gradient", NORM: "gradient-norm share"}
+              TIED: "tied gradient", NORM: "gradient-norm share", EVAL: "evaluation activation",
+              VERDICT: "evaluation verdict"}
+# A PUSH's ``mb`` word: -1, or the wave after which the run stops (an early stop, set by VW 0's stages);
+# a WEIGHTS reply whose ``aux`` is STOPPED (no payload) answers a pull of a wave after that one.
+STOPPED = -2
 
 # Wire dtypes, by torch's names (``getattr(torch, name)``); a header carries the index + 1.
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8", "bool")

@@ -1,0 +1,168 @@
+"""Evaluation points of VW 0: a forward-only pipelined pass over the evaluation data on VW 0's live
+weights, and the verdict (go on, or stop early) that every stage of VW 0 waits for.
+
+Contract (docs/design.md, "Evaluation and early stopping"). After Push(w) of each wave ``w`` with
+``(w + 1) % every == 0`` (the last wave excepted), every stage of VW 0 runs an :class:`EvalPass`
+before its next instruction: the stages that read inputs (stage 0, and stages taking side inputs)
+read the evaluation minibatches; each stage runs its layers forward on its live weights (no
+gradient, modules in eval mode, the run's precision) and sends the output to the next stage as an
+EVAL message; the last stage computes the loss (and the metric) of each minibatch, then asks
+``decide`` (the run's callbacks) and sends the VERDICT to the other stages of VW 0: the wave after
+which the run stops, or -1. A stop after wave ``w`` takes effect after wave ``w + D + 1``: under the
+staleness bound another VW may have started waves up to that one, and every VW trains the same waves.
+
+No wait cycle: a stage reaches its evaluation point after its Push(w), which needs from its
+neighbours only what they send before their own Push(w) (activations, gradients, tied gradients and
+norm shares of wave ``w``'s minibatches); evaluation messages flow forward only, and the verdict
+flows from the last stage, which waits for nobody once its evaluation activations arrived.
+Thread role: the stage's executor thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, Optional
+
+import torch
+
+from hetpipe.loader.source import INPUTS, LABELS
+from hetpipe.model.tree import batch_of, flatten, to_device
+from hetpipe.transport.codec import StageError, to_wire
+from hetpipe.transport.protocol import EVAL, VERDICT, Header
+
+
+@dataclass
+class Evaluation:
+    """How VW 0 evaluates: every ``every`` waves, on ``source`` (a DataSource; None: the evaluation
+    point only decides), with ``metric(output, labels) -> float`` besides the loss; ``decide(wave,
+    result) -> bool`` (on the last stage) says whether to stop; ``last_wave`` is the run's last wave."""
+
+    every: int
+    source: Any
+    last_wave: int
+    d: int
+    metric: Optional[Callable] = None
+    decide: Optional[Callable[[int, Dict[str, float]], bool]] = None
+
+    def due(self, wave: int) -> bool:
+        return (wave + 1) % self.every == 0 and wave < self.last_wave
+
+
+class EvalPass:
+    """One evaluation point of one stage of VW 0 (see the module docstring); ``step()`` never blocks."""
+
+    def __init__(self, ex, evaluation: Evaluation, wave: int) -> None:
+        self.ex, self.ev, self.wave = ex, evaluation, wave
+        src = evaluation.source
+        self.count = src.minibatches_per_epoch() if src is not None else 0
+        self.inputs: Optional[Iterator[Any]] = src.vw_stream(0, 1, 1, part=INPUTS) \
+            if src is not None and ex.inputs is not None else None
+        self.labels: Optional[Iterator[Any]] = src.vw_stream(0, 1, 1, part=LABELS) \
+            if src is not None and ex.is_last else None
+        self.next = 0                               # the next evaluation minibatch to run
+        self._received: Dict[int, Any] = {}
+        self._data: Any = None                      # the inputs read for minibatch ``next``
+        self._unsent: Optional[Any] = None          # leaves of minibatch next - 1 waiting for a slot
+        self.loss_sum = self.metric_sum = 0.0
+        self.samples = 0
+        self.result: Optional[Dict[str, float]] = None
+        self.stop_after: Optional[int] = None       # the verdict: the last wave trained, None: go on
+        self.done = False
+        self._was_training = [m.training for layer in ex.model.layers for m in layer.modules()]
+
+    def step(self) -> bool:
+        ex = self.ex
+        progressed = False
+        if self._unsent is not None:
+            if not ex._send_value(EVAL, ex.ctx.stage + 1, self.next - 1, self._unsent):
+                return False
+            self._unsent, progressed = None, True
+        while self.next < self.count:
+            got = self._input()
+            if got is None:
+                return progressed
+            out = self._forward(*got)
+            if ex.is_last:
+                self._score(out)
+            else:
+                leaves, _ = flatten(out, f"layer {ex.model.stop - 1}")
+                if ex.model.precision == "bf16" and ex.expect_out is not None:
+                    leaves = to_wire(leaves, ex.expect_out)
+                self.next += 1
+                if not ex._send_value(EVAL, ex.ctx.stage + 1, self.next - 1, leaves):
+                    self._unsent = leaves
+                    return True
+                progressed = True
+                continue
+            self.next += 1
+            progressed = True
+        return self._conclude() or progressed
+
+    def _input(self) -> Any:
+        """``(x, side inputs)`` of minibatch ``next``, or None while its activation has not arrived."""
+        ex, i = self.ex, self.next
+        if self.inputs is not None and self._data is None:
+            self._data = to_device(next(self.inputs), ex.model.device)
+        if ex.is_first:
+            x = self._data
+        elif i in self._received or ex._recv(EVAL, ex.ctx.stage - 1, i, self._received, ex.expect_in,
+                                            "evaluation activation"):
+            x = self._received.pop(i)
+        else:
+            return None
+        side = self._data if isinstance(self._data, dict) else {}
+        self._data = None
+        return x, side
+
+    def _forward(self, x: Any, side: Dict[str, Any]) -> Any:
+        model = self.ex.model
+        for layer in model.layers:
+            layer.eval()
+        try:
+            with torch.no_grad(), model.compute_context():
+                for i, layer in enumerate(model.layers):
+                    x = layer(x, **{k: side[k] for k in model.side_inputs[i]})
+        finally:
+            for m, training in zip((m for layer in model.layers for m in layer.modules()), self._was_training):
+                m.train(training)
+        return x
+
+    def _score(self, out: Any) -> None:
+        ex = self.ex
+        y = to_device(next(self.labels), ex.model.device)
+        n = batch_of(y)
+        with torch.no_grad(), ex.model.compute_context():
+            loss = float(ex.loss_fn(out, y))
+            metric = float(self.ev.metric(out, y)) if self.ev.metric is not None else 0.0
+        self.loss_sum += loss * n
+        self.metric_sum += metric * n
+        self.samples += n
+
+    def _conclude(self) -> bool:
+        """After the last minibatch: the last stage decides and tells the others; they wait for it."""
+        ex = self.ex
+        last = ex.ctx.num_stages - 1
+        if ex.is_last:
+            self.result = {"wave": self.wave, "samples": self.samples}
+            if self.samples:
+                self.result["loss"] = self.loss_sum / self.samples
+                if self.ev.metric is not None:
+                    self.result["metric"] = self.metric_sum / self.samples
+            stop = bool(self.ev.decide(self.wave, self.result)) if self.ev.decide is not None else False
+            after = self.wave + self.ev.d + 1
+            self.stop_after = after if stop and after < self.ev.last_wave else None
+            for s in range(last):
+                ex.link.send_header(ex.ctx.rank_of_stage(s), Header(VERDICT, ex.ctx.vw, ex.ctx.stage, self.wave,
+                                                                    -1 if self.stop_after is None else self.stop_after))
+            self.done = True
+            return True
+        msg = ex.link.transport.try_recv(ex.ctx.rank_of_stage(last), VERDICT)
+        if msg is None:
+            ex.blocked_on = f"the evaluation verdict of wave {self.wave} from {ex.ctx.who(last)}"
+            return False
+        if msg.header.mb != self.wave:
+            raise StageError(f"hetpipe: {ex.ctx.who()} waits for the evaluation verdict of wave {self.wave}, got "
+                             f"one of wave {msg.header.mb}")
+        self.stop_after = msg.header.aux if msg.header.aux >= 0 else None
+        self.done = True
+        return True
