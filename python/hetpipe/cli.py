@@ -44,8 +44,9 @@ def _add_plan_command(sub) -> None:
     p.add_argument("--recompute", choices=("none", "fit", "all"), default="none",
                    help="recompute activations: never, only to fit memory, or on every stage")
     p.add_argument("--ps-shards", type=int, help="number of parameter-server shards (default: one per node)")
-    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                   help="bf16: autocast compute and bfloat16 activations on the wire (half the transfer bytes)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="bf16/fp16: autocast compute and half-precision activations on the wire (half the "
+                        "transfer bytes; fp16 with dynamic loss scaling)")
     p.add_argument("-o", "--output", help="write the plan as JSON to this file")
 
 

@@ -1,4 +1,5 @@
-"""Training precision: "fp32", or "bf16" (autocast compute, float32 master weights, bfloat16 on the wire).
+"""Training precision: "fp32", "bf16" or "fp16" (autocast compute to the half type, float32 master
+weights, the half type on the wire; "fp16" adds dynamic loss scaling, :mod:`hetpipe.stage.loss_scale`).
 
 The names and the planner's wire factor live here, free of torch, so the planner and the runtime
 agree on them; what the runtime does with each is in docs/design.md ("Mixed precision").
@@ -6,7 +7,9 @@ agree on them; what the runtime does with each is in docs/design.md ("Mixed prec
 
 from __future__ import annotations
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
+# The half dtype (torch's name) a mixed precision computes and sends in.
+HALF_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
 
 # Bytes per element of the floating dtypes a profile's activations may be measured in.
 _ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -21,9 +24,9 @@ def check_precision(precision: str, where: str) -> str:
 
 
 def wire_factor(precision: str, activation_dtype: str = "float32") -> float:
-    """Stage-to-stage bytes per profiled activation byte: under "bf16" the float32 activations and
-    their gradients cross as bfloat16 (half the bytes); activations already profiled in a 2-byte
-    dtype, and every activation under "fp32", cross as profiled."""
+    """Stage-to-stage bytes per profiled activation byte: under "bf16"/"fp16" the float32 activations
+    and their gradients cross in the half type (half the bytes); activations already profiled in a
+    2-byte dtype, and every activation under "fp32", cross as profiled."""
     check_precision(precision, "wire_factor")
     if activation_dtype not in _ELEMENT_BYTES:
         raise ValueError(f"wire_factor: activation dtype must be one of {list(ACTIVATION_DTYPES)}, "

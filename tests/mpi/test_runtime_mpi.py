@@ -20,7 +20,8 @@ VARIANTS = [{"cuts": [2, 4], "nm": 2, "d": 0, "recompute": [[1], [], [4, 5]]},
             {"cuts": [3], "nm": 2, "d": 0, "split": 2},
             {"cuts": [2, 4], "nm": 3, "d": 0, "copy_stream": True},
             {"cuts": [3], "nm": 2, "d": 0, "precision": "bf16"},
-            {"cuts": [2, 4], "nm": 2, "d": 0, "clip": 0.3, "lr_step": 3}]
+            {"cuts": [2, 4], "nm": 2, "d": 0, "clip": 0.3, "lr_step": 3},
+            {"cuts": [2, 4], "nm": 2, "d": 0, "precision": "fp16"}]
 
 
 def _key(cfg):

@@ -153,7 +153,7 @@ def test_the_plan_records_its_precision():
     del old["precision"]
     assert Plan.from_dict(old).precision == "fp32"
     with pytest.raises(ValueError, match="precision must be one of"):
-        dataclasses.replace(plan, precision="fp16")
+        dataclasses.replace(plan, precision="fp8")
     with pytest.raises(ValueError, match="precision must be one of"):
         Trainer(mlp(), cross_entropy, sgd(), synthetic(), precision="half")
 
@@ -215,3 +215,66 @@ def test_overriding_a_plans_precision_drops_its_prediction():
     assert (bf16.precision, bf16.throughput) == ("bf16", 0.0) and "precision fp32" in bf16.meta["prediction"]
     kept = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=bf16)._make_plan()
     assert kept.precision == "bf16"
+
+
+# --- fp16 with dynamic loss scaling ---------------------------------------------------------------
+
+def _fp16_reference(model, init_scale, growth_interval, clip=None):
+    """Plain PyTorch's fp16 recipe in one process: autocast, GradScaler, unscale before clipping."""
+    opt = sgd()(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+    data, losses, scales = synthetic(), [], []
+    for e in range(EPOCHS):
+        data.set_epoch(e)
+        for x, y in data:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = cross_entropy(model(x), y)
+            scales.append(scaler.get_scale())
+            scaler.scale(loss).backward()
+            if clip is not None:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            scaler.step(opt)
+            scaler.update()
+            losses.append(float(loss.detach()))
+    weights = {l: torch.cat([p.detach().reshape(-1) for p in layer.parameters()]).numpy()
+               for l, layer in enumerate(model) if list(layer.parameters())}
+    return losses, weights, scales + [scaler.get_scale()]
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_fp16_loss_scaling_skips_the_steps_plain_gradscaler_skips(clip):
+    """A 2**40 initial scale overflows float16 gradients: the first steps are skipped and the scale
+    halves until they fit, then grows every 3 good steps; one VW of three stages (Nm = 1, D = 0, no PS
+    round trip) skips the same steps and trains like GradScaler in one process."""
+    plan = _no_ps(one_vw_plan([2, 4], nm=1, d=0))
+    ref_losses, ref_weights, scales = _fp16_reference(mlp(), 2.0 ** 40, 3, clip)
+    ref_skipped = [p for p in range(len(scales) - 1) if scales[p + 1] < scales[p]]     # the scale halved after p
+    r = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=EPOCHS, precision="fp16",
+                clip_grad_norm=clip, loss_scale={"init_scale": 2.0 ** 40, "growth_interval": 3}).replay()
+    got = [v for _, v in sorted(r.losses[0].items())]
+    assert len(ref_skipped) >= 5
+    assert r.loss_scale[0]["skipped_minibatches"] == ref_skipped
+    assert r.loss_scale[0]["scale"] == scales[-1]
+    assert max(abs(a - b) for a, b in zip(got, ref_losses)) <= 1e-5
+    assert max(float(np.abs(r.weights[l] - w).max()) for l, w in ref_weights.items()) <= 1e-5
+    moved = _run(mlp(), plan, "fp32")
+    assert max(float(np.abs(moved[1][l] - w).max()) for l, w in ref_weights.items()) > 1e-4
+
+
+def test_fp16_sends_float16_on_the_wire(monkeypatch):
+    headers = _wire_headers(monkeypatch, "fp16")
+    acts = {h.dtype for h in headers if h.kind in (1, 2)}
+    assert acts == {"float16"}, acts
+
+
+def test_a_diverging_fp16_run_stops_naming_the_vw():
+    from hetpipe.transport.codec import StageError
+
+    def nan_loss(out, y):
+        return cross_entropy(out, y) * float("nan")
+
+    with pytest.raises(StageError, match=r"VW 0's gradients overflowed at every loss scale"):
+        Trainer(mlp(), nan_loss, sgd(), synthetic(), plan=one_vw_plan([3], nm=1, d=0), precision="fp16",
+                loss_scale={"init_scale": 2.0 ** -20}).replay()

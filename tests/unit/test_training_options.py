@@ -171,3 +171,37 @@ def test_named_parameter_groups_reach_the_optimizer_factory():
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6 and _diff(model, ref) <= 1e-6
     decayed_everywhere, _ = _run(mlp, [2, 4], opt_factory=lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.5))
     assert _diff(decayed_everywhere, ref) > 1e-4
+
+
+@pytest.mark.parametrize("k, clip", [(2, None), (4, 0.3)])
+def test_gradient_accumulation_equals_plain_pytorch(k, clip):
+    """A step every k minibatches with their mean gradient (clipped as a whole), against a plain loop
+    that divides each loss by k; 16 minibatches, so every group is full."""
+    model, got = _run(mlp, [2, 4], accumulate=k, clip_grad_norm=clip,
+                      lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5))
+    ref = mlp()
+    opt = sgd()(ref.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    data, want = synthetic(), []
+    for e in range(2):
+        data.set_epoch(e)
+        for i, (x, y) in enumerate(data):
+            loss = cross_entropy(ref(x), y)
+            (loss / k).backward()
+            want.append(float(loss.detach()))
+            if (len(want)) % k == 0:
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+    assert len(want) % k == 0
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5 and _diff(model, ref) <= 1e-5
+    every_step, _ = _run(mlp, [2, 4], clip_grad_norm=clip,
+                         lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5))
+    assert _diff(every_step, ref) > 1e-4
+
+
+def test_bad_accumulate_is_named():
+    with pytest.raises(ValueError, match="accumulate must be a whole number of minibatches >= 1"):
+        Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=one_vw_plan([3], 1, 0), accumulate=0)

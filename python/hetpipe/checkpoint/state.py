@@ -347,6 +347,16 @@ class Resume:
                     buf.copy_(saved.to(buf.device, buf.dtype))
 
 
+    def loss_scale(self, vw: int, stage: int) -> Optional[Dict[str, Any]]:
+        """The saved fp16 loss scale of VW ``vw`` (its own stage's with the same plan, else VW
+        ``vw % num_old_vws``'s: every stage of a VW holds the same), None if the checkpoint has none."""
+        if self.same_plan:
+            return self.checkpoint.stage_part(vw, stage)[0].get("loss_scale")
+        old = vw % len(self.checkpoint.manifest["plan"]["virtual_workers"])
+        return next((p["loss_scale"] for p in self.checkpoint.parts.values()
+                     if p["role"] == "stage" and p["vw"] == old and "loss_scale" in p), None)
+
+
 def param_keys(model, layout) -> List[str]:
     """``layer.name`` of each parameter of a stage, in its flat order (a replica by its owner's key)."""
     owned = [f"{l}.{n}" for l in range(model.start, model.stop) for n, _ in layout.owned[l]]

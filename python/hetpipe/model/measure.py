@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from hetpipe.precision import HALF_DTYPE
 from hetpipe.profile import LayerProfile, ModelProfile, layer_names
 
 
@@ -132,7 +133,7 @@ def _measure(layers: List[Any], sample_input: Any, loss_fn: Optional[Callable], 
             params = {p.data_ptr() for p in layer.parameters()}
             device = _device_of(layer, xin)
             cuda = device.type == "cuda"
-            compute = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
+            compute = (torch.autocast(device.type, dtype=getattr(torch, HALF_DTYPE[precision])) if precision != "fp32"
                        else contextlib.nullcontext())
             saved: List[int] = []
 

@@ -18,6 +18,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch.utils import _pytree as pytree
 
+from hetpipe.precision import HALF_DTYPE
+
 ALIGN = 16
 
 
@@ -65,11 +67,13 @@ class Boundary:
 
 
 def on_wire(boundary: Boundary, precision: str) -> Boundary:
-    """``boundary`` as it crosses the wire under ``precision``: with "bf16" its float32 leaves travel as
-    bfloat16 (and so do their gradients); other leaves, and every leaf with "fp32", keep their dtype."""
-    if precision != "bf16":
+    """``boundary`` as it crosses the wire under ``precision``: with "bf16"/"fp16" its float32 leaves
+    travel in the half type (and so do their gradients); other leaves, and every leaf with "fp32",
+    keep their dtype."""
+    if precision not in HALF_DTYPE:
         return boundary
-    leaves = tuple(Leaf(l.shape, torch.bfloat16) if l.dtype == torch.float32 else l for l in boundary.leaves)
+    half = getattr(torch, HALF_DTYPE[precision])
+    leaves = tuple(Leaf(l.shape, half) if l.dtype == torch.float32 else l for l in boundary.leaves)
     return Boundary(boundary.spec, leaves)
 
 

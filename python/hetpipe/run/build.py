@@ -20,6 +20,7 @@ from hetpipe.run.spec import RunSpec
 from hetpipe.schedule.trace import TraceEvent
 from hetpipe.stage.evaluate import Evaluation
 from hetpipe.stage.executor import StageContext, StageExecutor
+from hetpipe.stage.loss_scale import LossScale
 from hetpipe.loader.check import Reading, reading
 from hetpipe.loader.source import CHECKED, INPUTS, LABELS
 from hetpipe.stage.feed import MinibatchFeed
@@ -110,6 +111,11 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
     emulated = spec.emulated.get(rank, False) and spec.emulation_scale is not None
     pacer = Pacer(spec.emulation_scale if emulated else None)
     link = StageLink(transport, pool, device, CopyStager(pool, device) if staged else None)
+    scaler = LossScale(**spec.loss_scale) if plan.precision == "fp16" else None
+    if scaler is not None and spec.resume is not None:
+        saved = spec.resume.loss_scale(vw, stage)
+        if saved is not None:
+            scaler.load(saved)
     evaluation = None
     if spec.eval_every is not None and vw == 0:
         evaluation = Evaluation(spec.eval_every, spec.eval_data, layout.num_waves - 1, plan.d, spec.eval_metric,
@@ -120,7 +126,8 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
                          expect_out=on_wire(spec.boundaries[st.stop], plan.precision) if stage < num_stages - 1
                          else None,
                          pacer=pacer, fwd_time=st.fwd_time, bwd_time=st.bwd_time, trace=trace, t0=t0, d=plan.d,
-                         layout=layout, clip_grad_norm=spec.clip_grad_norm, evaluation=evaluation)
+                         layout=layout, clip_grad_norm=spec.clip_grad_norm, evaluation=evaluation,
+                         loss_scale=scaler, accumulate=spec.accumulate)
 
 
 def tied_stages(spec: RunSpec, vw: int) -> Dict[TiedKey, Tuple[int, ...]]:

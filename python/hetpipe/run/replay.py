@@ -45,6 +45,7 @@ class ReplayResult:
     local_buffers: Dict[str, torch.Tensor] = field(default_factory=dict)
     evals: List[Dict[str, Any]] = field(default_factory=list)          # VW 0's evaluation points
     stopped_after: Optional[int] = None                                 # an early stop's last wave
+    loss_scale: Dict[int, Dict[str, Any]] = field(default_factory=dict)  # "fp16": vw -> final scale, skips
 
 
 def _endpoint(hub: LoopbackHub, rank: int, pool):
@@ -96,4 +97,4 @@ def replay_run(spec: RunSpec, record: Optional[RunRecord] = None, reporter: Any 
     outcome = merge_outcomes(part_outcome(part, plan, spec.layout) for _, part in parts)
     reproduced = record.matches(outcome.losses, outcome.weights) if record is not None else None
     return ReplayResult(outcome.losses, outcome.weights, outcome.shard_logs, outcome.buffers, reproduced,
-                        outcome.local_buffers, outcome.evals, outcome.stopped_after)
+                        outcome.local_buffers, outcome.evals, outcome.stopped_after, outcome.loss_scale)

@@ -53,6 +53,8 @@ class RunSpec:
     eval_every: Optional[int] = None
     eval_data: Any = None
     eval_metric: Optional[Callable] = None
+    loss_scale: Dict[str, Any] = field(default_factory=dict)   # "fp16": stage.loss_scale.LossScale's options
+    accumulate: int = 1                         # a step every `accumulate` minibatches (their mean gradient)
 
     def __post_init__(self) -> None:
         if self.layout is None:
@@ -71,6 +73,7 @@ class Outcome:
     local_buffers: Dict[str, torch.Tensor] = field(default_factory=dict)  # "layer.name" -> VW 0's value
     evals: List[Dict[str, Any]] = field(default_factory=list)            # VW 0's evaluation points
     stopped_after: Optional[int] = None                                  # an early stop's last wave
+    loss_scale: Dict[int, Dict[str, Any]] = field(default_factory=dict)  # "fp16": vw -> final scale, skipped steps
 
 
 def part_outcome(part: Steppable, plan: Plan, layout: ModelLayout) -> Dict[str, Any]:
@@ -81,6 +84,8 @@ def part_outcome(part: Steppable, plan: Plan, layout: ModelLayout) -> Dict[str, 
             mine["losses"] = (part.ctx.vw, dict(part.losses))
             if part.ctx.vw == 0:
                 mine["evals"] = list(part.eval_results)
+            if part.scaler is not None:
+                mine["loss_scale"] = (part.ctx.vw, {**part.scaler.state(), "skipped_minibatches": part.scaler.skipped})
         if part.stopped_after is not None:
             mine["stopped_after"] = part.stopped_after
         if part.is_first:
@@ -115,6 +120,8 @@ def merge_outcomes(parts: Iterable[Dict[str, Any]]) -> Outcome:
         if "log" in m:
             out.shard_logs[m["log"][0]] = m["log"][1]
         out.evals.extend(m.get("evals", []))
+        if "loss_scale" in m:
+            out.loss_scale[m["loss_scale"][0]] = m["loss_scale"][1]
         if "stopped_after" in m:
             out.stopped_after = m["stopped_after"]
     return out

@@ -51,6 +51,7 @@ from hetpipe.run.spec import RunSpec, merge_outcomes, part_outcome
 from hetpipe.schedule.registry import ScheduleOptions, generate, get_schedule
 from hetpipe.schedule.trace import TraceEvent
 from hetpipe.stage.executor import StageExecutor
+from hetpipe.stage.loss_scale import LossScale
 from hetpipe.transport import registry as transports
 
 
@@ -82,6 +83,8 @@ class TrainResult:
     evals: List[Dict[str, Any]] = field(default_factory=list)
     # An early stop: {"after_wave": the last wave trained, "asked_by": which callback, when}; {} without.
     stopped: Dict[str, Any] = field(default_factory=dict)
+    # "fp16": per VW, the final loss scale, its growth tracker, and the minibatches whose step was skipped.
+    loss_scale: Dict[int, Dict[str, Any]] = field(default_factory=dict)
 
     @property
     def samples_per_s(self) -> float:
@@ -172,11 +175,18 @@ class Trainer:
         "mean"). With "mean" a wave moves the weights by the VWs' average change, so learning rates
         tuned on one GPU carry over (as with DDP); "sum" is HetPipe's rule, which with N VWs takes
         N times the step: scale the learning rate by 1/N to get the same.
-    precision: "fp32" or "bf16" (None: the plan's; a plan made here is "fp32"). With "bf16" each stage
-        computes its forward and the loss under ``torch.autocast`` to bfloat16 while its weights, the
-        optimizer and the PS stay float32, and float32 activations and their gradients cross stages as
-        bfloat16 (docs/design.md, "Mixed precision"); a plan made here then predicts half the transfer
-        bytes. Overriding a given plan's precision drops its prediction (:func:`with_precision`).
+    precision: "fp32", "bf16" or "fp16" (None: the plan's; a plan made here is "fp32"). With "bf16" or
+        "fp16" each stage computes its forward and the loss under ``torch.autocast`` to that half type
+        while its weights, the optimizer and the PS stay float32, and float32 activations and their
+        gradients cross stages in the half type (docs/design.md, "Mixed precision"); a plan made here
+        then predicts half the transfer bytes. "fp16" adds dynamic loss scaling, one scale per VW
+        (:mod:`hetpipe.stage.loss_scale`; ``TrainResult.loss_scale`` counts the skipped steps).
+        Overriding a given plan's precision drops its prediction (:func:`with_precision`).
+    accumulate: gradient accumulation: each stage steps every ``accumulate`` minibatches of its VW (and
+        after its last one) with the mean of their gradients, as a one-process loop dividing each loss
+        by ``accumulate``; clipping, the loss-scale verdict and the LR scheduler act at those steps.
+    loss_scale: "fp16"'s options, as ``torch.amp.GradScaler``'s: init_scale (2**16), growth_factor
+        (2), backoff_factor (0.5), growth_interval (2000 steps).
     checkpoint_dir, checkpoint_every: write a checkpoint every ``checkpoint_every`` waves (default 1)
         into ``checkpoint_dir`` (seen by every rank), and on SIGTERM; asynchronous and atomic, see
         :mod:`hetpipe.checkpoint.state` and docs/design.md, "Checkpoints and restart". Default:
@@ -228,7 +238,8 @@ class Trainer:
                  transport: Optional[str] = None, lr_scheduler: Optional[Callable] = None,
                  clip_grad_norm: Optional[float] = None, eval_data: Any = None, eval_every: Optional[int] = None,
                  eval_metric: Optional[Callable] = None, callbacks: Sequence[object] = (),
-                 tensorboard: Union[str, Path, None] = None):
+                 tensorboard: Union[str, Path, None] = None, loss_scale: Optional[Dict[str, Any]] = None,
+                 accumulate: int = 1):
         self.model = model
         self.layers = as_layers(model)
         self.names = model_names(model, self.layers)
@@ -278,6 +289,11 @@ class Trainer:
         self.callbacks = list(callbacks)
         Callbacks(self.callbacks, eval_every is not None)       # checks them now, on every rank
         self.tensorboard = Path(tensorboard) if tensorboard else None
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(f"hetpipe: accumulate must be a whole number of minibatches >= 1, got {accumulate!r}")
+        self.accumulate = accumulate
+        self.loss_scale = dict(loss_scale or {})
+        LossScale(**self.loss_scale)                            # checks the options now
         self._describe = "rank ?"
 
     # --- planning ----------------------------------------------------------------------------
@@ -343,7 +359,8 @@ class Trainer:
                        infer_boundaries(self.layers, x), batch_of(x), copy_stream=self.copy_stream, audit=self.audit,
                        seed=self.seed, resume=resume, lr_scheduler=self.lr_scheduler,
                        clip_grad_norm=self.clip_grad_norm, param_names=param_names(self.names),
-                       eval_every=self.eval_every, eval_data=self.eval_data, eval_metric=self.eval_metric)
+                       eval_every=self.eval_every, eval_data=self.eval_data, eval_metric=self.eval_metric,
+                       loss_scale=self.loss_scale, accumulate=self.accumulate)
 
     # --- checkpoints -------------------------------------------------------------------------
     def _resume(self, plan: Plan) -> Optional[ckpt.Resume]:
@@ -420,6 +437,8 @@ class Trainer:
         part: Dict[str, Any] = {"role": "stage", "vw": role.vw, "stage": role.stage, "optimizer": opt}
         if model.scheduler is not None:
             part["lr_scheduler"] = ckpt.scheduler_snapshot(model.scheduler)
+        if ex.scaler is not None:
+            part["loss_scale"] = ex.scaler.state()
         if ex.is_last:
             resume = spec.resume
             q0 = resume.minibatches if resume is not None else 0
@@ -584,7 +603,8 @@ class Trainer:
                              "+".join(sorted({m["ps_plane"][0] for m in everyone} - {""})),
                              "; ".join(sorted({m["ps_plane"][1] for m in everyone} - {""})),
                              outcome.evals, stopped_of(outcome, comm.allgather(
-                                 reporter.callbacks.stop_asked if reporter is not None else None)))
+                                 reporter.callbacks.stop_asked if reporter is not None else None)),
+                             outcome.loss_scale)
         load_layer_weights(self.layers, result.weights, result.buffers, result.local_buffers)
         if reporter is not None:
             reporter.finish(result, self.trace_path, reason)

@@ -86,7 +86,7 @@ class EvalPass:
                 self._score(out)
             else:
                 leaves, _ = flatten(out, f"layer {ex.model.stop - 1}")
-                if ex.model.precision == "bf16" and ex.expect_out is not None:
+                if ex.model.precision != "fp32" and ex.expect_out is not None:
                     leaves = to_wire(leaves, ex.expect_out)
                 self.next += 1
                 if not ex._send_value(EVAL, ex.ctx.stage + 1, self.next - 1, leaves):

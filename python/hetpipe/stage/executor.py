@@ -30,6 +30,7 @@ from hetpipe.schedule.trace import TraceEvent
 from hetpipe.stage.evaluate import EvalPass, Evaluation
 from hetpipe.stage.feed import MinibatchFeed
 from hetpipe.stage.grad_norm import NormExchange, clip_coef
+from hetpipe.stage.loss_scale import TINY, LossScale
 from hetpipe.stage.pacer import Pacer
 from hetpipe.stage.params import StageModel
 from hetpipe.stage.ps_client import PSClient
@@ -63,7 +64,8 @@ class StageExecutor:
                  expect_out: Optional[Boundary] = None, pacer: Optional[Pacer] = None,
                  fwd_time: float = 0.0, bwd_time: float = 0.0, trace: Optional[List[TraceEvent]] = None,
                  t0: float = 0.0, d: int = 0, layout: Optional[Schedule] = None,
-                 clip_grad_norm: Optional[float] = None, evaluation: Optional[Evaluation] = None) -> None:
+                 clip_grad_norm: Optional[float] = None, evaluation: Optional[Evaluation] = None,
+                 loss_scale: Optional[LossScale] = None, accumulate: int = 1) -> None:
         self.ctx, self.stream, self.model = ctx, list(stream), model
         # Micro-batch arithmetic of the stream (split start-up); None: micro-batch j is minibatch j.
         self.layout = layout
@@ -104,9 +106,17 @@ class StageExecutor:
         # Clipping by the VW's global gradient norm (stage.grad_norm); every Apply checks its gradients
         # are finite. _gathered: (minibatch, this stage's sum of squares) gathered, awaiting its step.
         self.clip_grad_norm = clip_grad_norm
+        # "fp16": the VW's loss scale (stage.loss_scale); its overflow verdicts ride on the norm shares.
+        self.scaler = loss_scale
+        self._scaled_by: Dict[int, float] = {}     # last stage: minibatch -> the scale its loss was multiplied by
+        exchange = clip_grad_norm is not None or loss_scale is not None
         self.norms = (NormExchange(ctx.vw, ctx.stage, [ctx.rank_of_stage(k) for k in range(ctx.num_stages)],
-                                   link.transport) if clip_grad_norm is not None and ctx.num_stages > 1 else None)
+                                   link.transport) if exchange and ctx.num_stages > 1 else None)
         self._gathered: Optional[Tuple[int, float]] = None
+        # Gradient accumulation: a step every ``accumulate`` minibatches (and after the last one) with the
+        # mean of their gradients; _group: minibatches gathered since the last step.
+        self.accumulate, self._group = accumulate, 0
+        self._last_minibatch = layout.num_minibatches - 1 if layout is not None else None
         self.grad_norms: Dict[int, float] = {}      # minibatch -> the VW's gradient norm (with clipping)
         # VW 0's evaluation points (stage.evaluate): the pass in progress, the last stage's results, and
         # an early stop's last wave once known (from the verdict, or from a STOPPED pull reply).
@@ -196,7 +206,7 @@ class StageExecutor:
             if self.expect_out is not None and spec != self.expect_out.spec:
                 raise StageError(f"hetpipe: {self.ctx.who()}: layer {self.model.stop - 1} returned {spec} for "
                                  f"minibatch {instr.mb}, but {self.expect_out.spec} on the first minibatch")
-            if self.model.precision == "bf16" and self.expect_out is not None:
+            if self.model.precision != "fp32" and self.expect_out is not None:
                 leaves = to_wire(leaves, self.expect_out)
             if not self._send_value(ACT, instr.peer, instr.mb, leaves):
                 return False
@@ -253,7 +263,7 @@ class StageExecutor:
 
     def _record_loss(self, mb: int, p: int, loss: torch.Tensor) -> None:
         value = float(loss.detach())
-        if not math.isfinite(value):
+        if not math.isfinite(value) and self.scaler is None:
             raise StageError(f"hetpipe: {self.ctx.who()}: the loss of VW {self.ctx.vw}'s minibatch {p} (wave "
                              f"{p // self.model.nm}) is {value}; stopping before its gradient reaches the weights")
         opt = self.model.optimizer
@@ -281,6 +291,9 @@ class StageExecutor:
             if mb not in self._losses_t:
                 raise StageError(f"hetpipe: {self.ctx.who()}: Recompute({mb}) must precede Bwd({mb})")
             root, grad = self._losses_t.pop(mb), None
+            if self.scaler is not None:
+                self._scaled_by[self._minibatch(mb)] = self.scaler.scale
+                root = root * self.scaler.scale
             self._labels.pop(mb, None)
             self._shares.pop(mb, None)
         else:
@@ -327,28 +340,64 @@ class StageExecutor:
         wave = p // self.model.nm
         if self._gathered is None:
             peer_grads = {peer: [self._tied_in.pop((peer, m)) for m in micros] for peer in self._tied_peers}
-            self.model.gather(micros, wave, peer_grads)
+            self.model.gather(micros, wave, peer_grads, accumulate=self._group > 0)
+            self._group += 1
+            if (p + 1) % self.accumulate and p != self._last_minibatch:
+                return True                     # accumulating: the step comes with a later minibatch
+            if self._group > 1:
+                self.model.scale_grads(1.0 / self._group)
+            self._group = 0
             own = self.model.grad_sumsq()
-            if not math.isfinite(own):
+            if self.scaler is None and not math.isfinite(own):
                 raise StageError(f"hetpipe: {self.ctx.who()}: the gradient of VW {self.ctx.vw}'s minibatch {p} "
                                  f"(wave {wave}) is not finite (its squared norm on this stage is {own}); the "
                                  "weights were not updated with it")
+            if self.scaler is not None and self.is_last and not math.isfinite(self.losses.get(p, 0.0)):
+                own = math.inf                  # an overflowed loss skips the step even if its gradients look finite
             self._gathered = (p, own)
             if self.norms is not None:
                 self.norms.send(p, own)
-        if self.clip_grad_norm is not None:
+        if self.clip_grad_norm is not None or self.scaler is not None:
             own = self._gathered[1]
             norm = self.norms.norm(p, own) if self.norms is not None else math.sqrt(own)
             if norm is None:
                 self.blocked_on = self.norms.waiting_for(p)
                 return False
-            self.grad_norms[p] = norm
-            coef = clip_coef(self.clip_grad_norm, norm)
-            if coef < 1.0:
-                self.model.scale_grads(coef)
+            if self.scaler is not None:
+                scale = self._verdict(p, wave, norm)
+                if scale is None:
+                    return True                 # skipped on every stage of the VW
+                norm /= scale
+            if self.clip_grad_norm is not None:
+                self.grad_norms[p] = norm
+                coef = clip_coef(self.clip_grad_norm, norm)
+                if coef < 1.0:
+                    self.model.scale_grads(coef)
         self._gathered = None
         self.model.step(wave)
         return True
+
+    def _verdict(self, p: int, wave: int, norm: float) -> Optional[float]:
+        """fp16: minibatch ``p``'s verdict from the VW's (scaled) gradient norm. Overflow: the step is
+        skipped (None); else the gradients are unscaled and the scale they had is returned. Either way
+        the scale then follows GradScaler's rule."""
+        scale = self.scaler.scale
+        used = self._scaled_by.pop(p, scale)
+        if used != scale:
+            raise StageError(f"hetpipe: {self.ctx.who()}: minibatch {p}'s loss was scaled by {used}, but the VW's "
+                             f"verdicts give {scale}")
+        finite = math.isfinite(norm)
+        self.scaler.update(p, finite)
+        if finite:
+            self.model.scale_grads(1.0 / scale)
+            return scale
+        self._gathered = None
+        self.model.skip_step(wave)
+        if self.scaler.scale < TINY:
+            raise StageError(f"hetpipe: {self.ctx.who()}: VW {self.ctx.vw}'s gradients overflowed at every loss "
+                             f"scale down to {self.scaler.scale} (minibatch {p}, wave {wave}, "
+                             f"{len(self.scaler.skipped)} steps skipped): the model diverged, not only fp16's range")
+        return None
 
     # --- evaluation and early stopping ------------------------------------------------------------
     def _end_eval(self) -> None:
@@ -363,6 +412,8 @@ class StageExecutor:
         """End the stream after wave ``last``: drop what belongs to later waves (every stage of every
         VW drops the same minibatches, so no message is left unsent or unreceived)."""
         self.stopped_after = last
+        self._last_minibatch = min(self._last_minibatch, (last + 1) * self.model.nm - 1) \
+            if self._last_minibatch is not None else None
 
         def kept(instr: Instr) -> bool:
             if isinstance(instr, (Push, Pull)):

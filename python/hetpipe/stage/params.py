@@ -59,7 +59,7 @@ from torch.utils import _pytree as pytree
 from hetpipe.model.layout import ModelLayout
 from hetpipe.model.names import NAMED_ATTR
 from hetpipe.model.swap import SwapCall
-from hetpipe.precision import check_precision
+from hetpipe.precision import HALF_DTYPE, check_precision
 
 TiedKey = Tuple[int, str]          # (owner layer, the owner's parameter name)
 
@@ -259,8 +259,8 @@ class StageModel:
     def compute_context(self) -> ContextManager[Any]:
         """Where forwards and the loss run: autocast to bfloat16 under "bf16"; under "fp32" no context
         at all, so the float32 path is exactly what it was."""
-        if self.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        if self.precision in HALF_DTYPE:
+            return torch.autocast(self.device.type, dtype=getattr(torch, HALF_DTYPE[self.precision]))
         return contextlib.nullcontext()
 
     def _run(self, stash: List[Dict[str, torch.Tensor]], x: Any, layers: range, side: Dict[str, Any],
@@ -415,9 +415,10 @@ class StageModel:
         self.step(wave)
 
     def gather(self, micros: Sequence[int], wave: int,
-               peer_grads: Optional[Dict[int, List[torch.Tensor]]] = None) -> None:
+               peer_grads: Optional[Dict[int, List[torch.Tensor]]] = None, accumulate: bool = False) -> None:
         """Set each parameter's ``.grad`` to the summed stashed gradients of ``micros`` (the micro-batches
-        of one minibatch, in order), for the :meth:`step` of ``wave`` that follows. ``peer_grads[s]``:
+        of one minibatch, in order), for the :meth:`step` of ``wave`` that follows; with ``accumulate``,
+        add them to the ``.grad`` earlier minibatches left (gradient accumulation). ``peer_grads[s]``:
         per micro-batch, the flat gradients of the tied parameters this stage shares with stage ``s``
         (:meth:`keys_shared_with`); each tied gradient becomes the sum, in stage order, of every
         holding stage's micro-batch sum, so every holder takes the same step."""
@@ -445,9 +446,12 @@ class StageModel:
         for i, layer in enumerate(self.layers):
             for name, p in layer.named_parameters():
                 grads = [s[i][name].grad for s in stashes if s[i][name].grad is not None]
-                p.grad = sum(grads[1:], grads[0]) if grads else None
+                g = sum(grads[1:], grads[0]) if grads else None
+                p.grad = p.grad + g if accumulate and p.grad is not None and g is not None else \
+                    (p.grad if accumulate and g is None else g)
         for key, p in zip(self.tied_keys, self._tied_params):
-            p.grad = tied[key].view_as(p)
+            g = tied[key].view_as(p)
+            p.grad = p.grad + g if accumulate and p.grad is not None else g
         del stashes
         self._spare_snapshots.extend(snapshots)
 
@@ -466,6 +470,15 @@ class StageModel:
         grads = [p.grad for p in self.params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, coef)
+
+    def skip_step(self, wave: int) -> None:
+        """A skipped step (fp16 overflow): the gathered gradients are dropped, the weights and the delta
+        of ``wave`` stay as they are; the LR scheduler steps, as in PyTorch's loss-scaling recipe."""
+        if self.optimizer is None:
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
 
     def step(self, wave: int) -> None:
         """One optimizer step with the gathered gradients, then the LR scheduler's step; accumulate the

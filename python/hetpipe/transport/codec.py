@@ -33,9 +33,9 @@ def tensor_to_slot(pool, t: torch.Tensor):
 
 
 def to_wire(leaves: Sequence[torch.Tensor], boundary: Boundary) -> List[torch.Tensor]:
-    """The float32 leaves that ``boundary`` (a wire boundary, see ``tree.on_wire``) carries as
-    bfloat16, rounded to it; every other leaf as it is (a mismatch is still the receiver's error)."""
-    return [t.to(torch.bfloat16) if t.dtype == torch.float32 and leaf.dtype == torch.bfloat16 else t
+    """The float32 leaves that ``boundary`` (a wire boundary, see ``tree.on_wire``) carries in a half
+    type, rounded to it; every other leaf as it is (a mismatch is still the receiver's error)."""
+    return [t.to(leaf.dtype) if t.dtype == torch.float32 and leaf.dtype in (torch.bfloat16, torch.float16) else t
             for t, leaf in zip(leaves, boundary.leaves)]
 
 
