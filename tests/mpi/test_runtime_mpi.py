@@ -65,7 +65,9 @@ def test_multiprocess_equals_replay(equal_runs, cfg):
     if cfg.get("split"):
         assert r["unmodified_max_diff"] <= 1e-6, r
     if cfg.get("precision"):
-        assert r["plan_precision"] == cfg["precision"] and r["fp32_max_diff"] > 1e-4, r
+        # The half type shows against fp32 (float16 keeps 3 more mantissa bits than bfloat16).
+        assert r["plan_precision"] == cfg["precision"] and r["fp32_max_diff"] > {"bf16": 1e-4, "fp16": 1e-5}[
+            cfg["precision"]], r
 
 
 def test_one_stage_equals_plain_pytorch(equal_runs):
