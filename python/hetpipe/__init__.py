@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 # stays light (the planner, schedules and the CLI work without torch).
 _LAZY = {
     "Trainer": "hetpipe.run.trainer",
-    "TrainResult": "hetpipe.run.trainer",
+    "TrainResult": "hetpipe.run.result",
     "Batches": "hetpipe.run.data",
     "DatasetSource": "hetpipe.loader.source",
     "StreamSource": "hetpipe.loader.source",

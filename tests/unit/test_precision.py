@@ -213,7 +213,7 @@ def test_overriding_a_plans_precision_drops_its_prediction():
     assert with_precision(plan, "fp32") is plan
     bf16 = with_precision(plan, "bf16")
     assert (bf16.precision, bf16.throughput) == ("bf16", 0.0) and "precision fp32" in bf16.meta["prediction"]
-    kept = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=bf16)._make_plan()
+    kept = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=bf16).resolve_plan()
     assert kept.precision == "bf16"
 
 

@@ -230,7 +230,7 @@ def test_aggregate_round_trips_and_old_plans_read_as_mean():
     with pytest.raises(ValueError, match="plan: aggregate must be one of \\['mean', 'sum'\\], got 'max'"):
         dataclasses.replace(plan, aggregate="max")
     got = Trainer(copy.deepcopy(rm.dropout_mlp()), cross_entropy, sgd(), synthetic(), plan=plan,
-                  aggregate="mean")._make_plan()
+                  aggregate="mean").resolve_plan()
     assert got.aggregate == "mean"
 
 

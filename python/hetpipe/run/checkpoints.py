@@ -1,0 +1,166 @@
+"""A run's checkpoints: what it resumes from, each checkpoint's manifest, each rank's snapshot at its
+wave boundaries, and SIGTERM (docs/design.md, "Checkpoints and restart"). The format on disk and the
+writer are :mod:`hetpipe.checkpoint`; this module decides what a run of hetpipe puts in them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from hetpipe.checkpoint import format as ckfmt
+from hetpipe.checkpoint import state as ckpt
+from hetpipe.job import failure
+from hetpipe.job.roles import LaunchError, Role
+from hetpipe.job.rundir import RUN_DIR_ENV
+from hetpipe.model.layout import ModelLayout, local_buffers
+from hetpipe.model.weights import load_layer_weights
+from hetpipe.plan.types import Plan
+from hetpipe.run.spec import RunSpec
+from hetpipe.stage.executor import StageExecutor
+
+
+@dataclass
+class RunCheckpoints:
+    """The checkpoint settings of a Trainer, and what a run does with them.
+
+    directory / every: where and every how many waves (None: no checkpoints); resume_from: the
+    checkpoint (directory) the run resumes from, or None; keep_on_sigterm: keep the last D + 2 wave
+    boundaries' snapshots so that SIGTERM writes the newest clock every rank holds."""
+
+    layers: List[nn.Module]
+    data: Any
+    epochs: int
+    seed: int
+    split_startup: int
+    names: Dict[str, Any]
+    directory: Optional[Path]
+    every: int
+    resume_from: Optional[Path]
+    keep_on_sigterm: bool
+
+    def resume(self, plan: Plan) -> Optional[ckpt.Resume]:
+        """What this run resumes from (None: from the start); loads the global weights into the model."""
+        if self.resume_from is None:
+            return None
+        found = ckpt.Checkpoint.find(self.resume_from)
+        old = Plan.from_dict(found.manifest["plan"])
+        if old.num_layers != plan.num_layers:
+            raise LaunchError(f"hetpipe: the checkpoint {found.path} is of a model of {old.num_layers} layers, "
+                              f"this run's has {plan.num_layers}")
+        weights, buffers = found.global_weights()
+        lay = ModelLayout(self.layers)
+        for l, w in weights.items():
+            if w.size != lay.numel(l):
+                raise LaunchError(f"hetpipe: the checkpoint {found.path} holds {w.size} weights of layer {l}, "
+                                  f"the model's layer {l} has {lay.numel(l)}")
+        load_layer_weights(self.layers, weights, buffers)
+        data = found.manifest["data"]
+        q = int(data["minibatches_per_vw"])
+        same = same_layout(old, plan)
+        split = int(found.manifest.get("split_startup", 0))
+        return ckpt.Resume(found, same, ckfmt.DataPosition(**data["position"]), q + min(split, q) if same else 0,
+                           q if same else 0)
+
+    def manifest(self, plan: Plan, spec: RunSpec, clock: int) -> Dict[str, Any]:
+        """The manifest of the checkpoint at ``clock`` (identical on every rank)."""
+        resume = spec.resume
+        clock0 = resume.checkpoint.clock if resume is not None else 0
+        start = resume.start if resume is not None else ckfmt.DataPosition()
+        total = spec.schedules[0].num_minibatches
+        k = min(total, (clock - clock0) * plan.nm)
+        per_epoch = self.data.minibatches_per_epoch(len(plan.virtual_workers))
+        pos = start.advance(k, per_epoch, len(plan.virtual_workers))
+        return {"format": ckfmt.FORMAT, "clock": clock, "plan": plan.to_dict(),
+                "parts": [ckfmt.part_name(r) for r in range(plan.num_ranks)],
+                "data": {"position": {"epoch": pos.epoch, "index": pos.index},
+                         "minibatches_per_vw": (resume.minibatches if resume is not None else 0) + k,
+                         "minibatches_per_epoch": per_epoch, "epochs": self.epochs},
+                "rng": {"seed": self.seed, "rule": "micro-batch j of stage s of VW v draws from a generator "
+                                                  "seeded by (seed, v, s, j); no other random state"},
+                "split_startup": self.split_startup, "checkpoint_every": self.every,
+                "names": self.names,
+                "resumed_from": {"path": str(resume.checkpoint.path), "clock": clock0} if resume else None}
+
+    def checkpointer(self, plan: Plan, spec: RunSpec, role: Role, part) -> Optional[ckpt.Checkpointer]:
+        """This rank's checkpointer, hooked to its part's wave boundaries (None: no checkpoints)."""
+        if self.directory is None:
+            return None
+        run_dir = os.environ.get(RUN_DIR_ENV)
+        progress = Path(run_dir, f"clock-of-rank-{role.rank}") if run_dir else None
+        writer = ckpt.Checkpointer(self.directory, self.every, role.rank,
+                                   lambda clock: self.manifest(plan, spec, clock),
+                                   keep=plan.d + 2 if self.keep_on_sigterm else 0,
+                                   progress=progress)
+        clock0 = spec.resume.checkpoint.clock if spec.resume is not None else 0
+        if role.kind == "stage":
+            part.model.on_pushed = lambda wave: writer.boundary(clock0 + wave,
+                                                                lambda: self.stage_snapshot(plan, spec, part, role))
+        else:
+            state = part.state
+            state.on_applied = lambda applied: writer.boundary(clock0 + applied,
+                                                               lambda: self.shard_snapshot(state, role, clock0))
+        return writer
+
+    def stage_snapshot(self, plan: Plan, spec: RunSpec, ex: StageExecutor, role: Role) -> ckpt.Snapshot:
+        model = ex.model
+        tensors, opt = ckpt.optimizer_snapshot(model.optimizer, ckpt.param_keys(model, spec.layout))
+        for name, b in local_buffers(model, spec.layout).items():
+            tensors[f"buf/{name}"] = b.detach().to("cpu", copy=True)
+        if not plan.ps_shards and role.vw == 0:
+            for l, (w, b) in model.layer_weights(spec.layout).items():
+                tensors.update({f"w/{l}": torch.from_numpy(w), f"b/{l}": torch.from_numpy(b)})
+        part: Dict[str, Any] = {"role": "stage", "vw": role.vw, "stage": role.stage, "optimizer": opt}
+        if model.scheduler is not None:
+            part["lr_scheduler"] = ckpt.scheduler_snapshot(model.scheduler)
+        if ex.scaler is not None:
+            part["loss_scale"] = ex.scaler.state()
+        if ex.is_last:
+            resume = spec.resume
+            q0 = resume.minibatches if resume is not None else 0
+            before = resume.checkpoint.losses().get(role.vw, {}) if resume is not None and resume.same_plan else {}
+            part["losses"] = {**{str(p): v for p, v in before.items()},
+                              **{str(q0 + p): v for p, v in ex.losses.items()}}
+        return tensors, part
+
+    @staticmethod
+    def shard_snapshot(state, role: Role, clock0: int) -> ckpt.Snapshot:
+        tensors = {}
+        for l in state.layers:
+            for kind, values in (("w", state.W), ("b", state.B)):
+                if values[l].size:
+                    tensors[f"{kind}/{l}"] = torch.from_numpy(values[l].copy())
+        clocks = [clock0 + int(state.clock.clock(v)) for v in range(state.num_vws)]
+        return tensors, {"role": "ps", "shard": role.shard, "clocks": clocks, "applied": clock0 + state.applied}
+
+    def on_sigterm(self, writer: Optional[ckpt.Checkpointer], describe: Callable[[], str]):
+        """On SIGTERM, write the kept wave-boundary snapshots not yet on disk, wait until a clock this
+        rank holds is complete (every rank's part; at most ``HETPIPE_TERM_GRACE``), then exit 128 + 15;
+        returns the previous handler (None: nothing installed)."""
+        if writer is None or threading.current_thread() is not threading.main_thread():
+            return None
+
+        def handler(sig, _frame) -> None:
+            writer.on_signal(failure.signal_grace_s())
+            sys.stderr.write(f"hetpipe: {describe()}: SIGTERM; checkpoint(s) at clock(s) {writer.written} in "
+                             f"{self.directory}\n")
+            sys.stderr.flush()
+            os._exit(128 + sig)
+
+        return signal.signal(signal.SIGTERM, handler)
+
+
+def same_layout(a: Plan, b: Plan) -> bool:
+    """Whether two plans run the same VWs, stages, Nm, D and shards (devices and predictions aside)."""
+    def shape(p: Plan):
+        return (p.nm, p.d, p.aggregate, tuple(tuple((s.start, s.stop, tuple(s.recompute)) for s in vw.stages)
+                                              for vw in p.virtual_workers),
+                tuple(tuple(sh.layers) for sh in p.ps_shards))
+    return shape(a) == shape(b)

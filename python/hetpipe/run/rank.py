@@ -1,0 +1,172 @@
+"""One rank's part of a multi-process run: the plan from rank 0, this rank's role (a stage or a PS
+shard), its transport, data check, checkpoints and reporter, the stepping loop, and the result every
+rank receives. The Trainer (:mod:`hetpipe.run.trainer`) is the user API; this is what its ``fit`` runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, List, Optional
+
+import torch
+
+from hetpipe.checkpoint import format as ckfmt
+from hetpipe.job.roles import LaunchError, Role, check_world, resolve_device, role_of
+from hetpipe.job.rundir import RUN_DIR_ENV, register_rank
+from hetpipe.job.world import gather_hosts
+from hetpipe.loader.check import DataMismatch, compare
+from hetpipe.model.weights import load_layer_weights
+from hetpipe.outputs import check_file
+from hetpipe.plan.types import Plan
+from hetpipe.ps.core_plane import choose_plane
+from hetpipe.run.build import build_shard, build_stage, data_reading, shard_pool, stage_pairs, stage_pool
+from hetpipe.run.drive import drive
+from hetpipe.run.record import RunRecord
+from hetpipe.run.result import TrainResult, resumed_losses, stopped_of
+from hetpipe.run.spec import RunSpec, merge_outcomes, part_outcome
+from hetpipe.schedule.trace import TraceEvent
+from hetpipe.transport import registry as transports
+
+
+class RankRun:
+    """``trainer``'s run on this rank; ``describe`` names the rank (its role once known) for failures."""
+
+    def __init__(self, trainer: Any, rank: int) -> None:
+        self.t = trainer
+        self.describe = f"rank {rank}"
+
+    def run(self, comm, rank: int, size: int) -> TrainResult:
+        """Plan on rank 0, take this rank's role, train, gather the result (see :meth:`Trainer.fit`)."""
+        hosts = gather_hosts(comm)
+        plan_text, error = None, None
+        if rank == 0:
+            try:
+                if self.t.record_path is not None:
+                    self.t.record_path.parent.mkdir(parents=True, exist_ok=True)
+                    check_file("record", self.t.record_path)
+                plan_text = self.t.resolve_plan().to_json()
+            except Exception as e:  # noqa: BLE001 - relayed to every rank below
+                error = f"planning on rank 0 failed: {type(e).__name__}: {e}"
+        plan_text, error = comm.bcast((plan_text, error), root=0)
+        if error:
+            raise LaunchError(f"hetpipe: {error}")
+        plan = Plan.from_json(plan_text)
+        if self.t.plan_callback is not None and rank == 0:
+            self.t.plan_callback(plan)
+        if rank == 0 and os.environ.get(RUN_DIR_ENV):
+            # For a restarting launcher: which device each rank ran, and where the checkpoints are.
+            plan.save(Path(os.environ[RUN_DIR_ENV], "plan.json"))
+            if self.t.checkpoints.directory is not None:
+                Path(os.environ[RUN_DIR_ENV], "checkpoints.txt").write_text(f"{self.t.checkpoints.directory.resolve()}\n")
+        check_world(plan, size)
+        role = role_of(plan, rank)
+        self.describe = role.describe()
+        register_rank(rank, self.describe)
+        spec, problem = None, None
+        try:
+            spec = self.t.spec(plan, self.t.checkpoints.resume(plan))
+            if role.kind == "stage":
+                st = plan.virtual_workers[role.vw].stages[role.stage]
+                dev, emulated = resolve_device(st, emulate=self.t.emulate, cuda_count=hosts[rank]["cuda_count"])
+                spec.devices[rank], spec.emulated[rank] = dev, emulated
+                spec.emulation_scale = self.t.emulation_scale
+        except (LaunchError, ValueError, TypeError, ckfmt.CheckpointError) as e:
+            problem = f"{role.describe()}: {e}"
+        problems = [p for p in comm.allgather(problem) if p]
+        if problems:
+            raise LaunchError("; ".join(problems))
+        emulated_any = any(comm.allgather(spec.emulated.get(rank, False)))
+        return self._run_role(comm, plan, spec, role, emulated_any)
+
+    def _run_role(self, comm, plan: Plan, spec: RunSpec, role: Role, emulated: bool) -> TrainResult:
+        trace: Optional[List[TraceEvent]] = [] if self.t.trace_path else None
+        if role.kind == "stage":
+            device = spec.devices[role.rank]
+            if device.type == "cuda":
+                torch.cuda.set_device(device)    # before this rank's first CUDA call: nothing lands on GPU 0
+            pool = stage_pool(spec, role.vw, role.stage)
+            plane, plane_reason = "", ""
+        else:
+            plane, plane_reason = choose_plane(comm)
+            pool = shard_pool(spec, role.shard, plane)
+        try:
+            opened = transports.open_rank(comm, pool, device if role.kind == "stage" else None, stage_pairs(spec),
+                                          forced=self.t.transport, timeout_s=self.t.timeout, who=role.describe())
+        except transports.TransportChoiceError as e:
+            raise LaunchError(str(e)) from None
+        transport, reason = opened.transport, opened.reason
+        comm.Barrier()
+        t0 = time.perf_counter()
+        reporter = None
+        if role.kind == "stage":
+            if role.vw == 0 and role.stage == len(plan.virtual_workers[0].stages) - 1:
+                reporter = self.t.reporter(plan, spec)
+            part = build_stage(spec, role.vw, role.stage, transport, pool, trace=trace, t0=t0,
+                               decide=reporter.evaluated if reporter is not None else None)
+            if reporter is not None:
+                reporter.attach(part, t0)
+        else:
+            part = build_shard(spec, role.shard, transport, pool, trace=trace, t0=t0,
+                               comm=comm if plane == "core" else None)
+        self._check_data(comm, spec, part, role)
+        writer = self.t.checkpoints.checkpointer(plan, spec, role, part)
+        previous = self.t.checkpoints.on_sigterm(writer, lambda: self.describe)
+        # A shard idles legitimately while stages compute; it waits twice as long, so that a stuck
+        # peer is reported by the stage that waits on it directly.
+        limit = self.t.timeout if role.kind == "stage" else 2 * self.t.timeout
+        try:
+            drive(part, limit, f"hetpipe: {role.describe()}", reporter.update if reporter else None)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        if writer is not None:
+            writer.close()
+        elapsed = time.perf_counter() - t0
+        transport.close()
+        mine = {**part_outcome(part, plan, spec.layout), "elapsed": elapsed, "trace": trace or [],
+                "transport": opened.name, "ps_plane": (plane, plane_reason)}
+        everyone = comm.allgather(mine)
+        if self.t.record_path is not None and role.rank == 0:
+            RunRecord.of_run(spec, merge_outcomes(everyone)).save(self.t.record_path)
+        outcome = merge_outcomes(everyone)
+        losses, resumed = outcome.losses, {}
+        if spec.resume is not None:
+            losses = resumed_losses(outcome.losses, spec.resume)
+            resumed = {"path": str(spec.resume.checkpoint.path), "clock": spec.resume.checkpoint.clock,
+                       "same_plan": spec.resume.same_plan, "losses": spec.resume.checkpoint.losses()}
+        result = TrainResult(plan, role.rank, role.describe(), losses, outcome.weights, outcome.shard_logs,
+                             max(m["elapsed"] for m in everyone), outcome.samples,
+                             [e for m in everyone for e in m["trace"]], emulated, outcome.buffers, resumed,
+                             "+".join(sorted({m["transport"] for m in everyone})), outcome.local_buffers,
+                             "+".join(sorted({m["ps_plane"][0] for m in everyone} - {""})),
+                             "; ".join(sorted({m["ps_plane"][1] for m in everyone} - {""})),
+                             outcome.evals, stopped_of(outcome, comm.allgather(
+                                 reporter.callbacks.stop_asked if reporter is not None else None)),
+                             outcome.loss_scale)
+        load_layer_weights(self.t.layers, result.weights, result.buffers, result.local_buffers)
+        if reporter is not None:
+            reporter.finish(result, self.t.trace_path, reason)
+        return result
+
+
+    @staticmethod
+    def _check_data(comm, spec: RunSpec, part, role: Role) -> None:
+        """Every rank reads the same data (hetpipe.loader.check); a mismatch is one verdict on every rank."""
+        mine, problem = None, None
+        try:
+            mine = data_reading(spec, part, role.describe())
+        except Exception as e:  # noqa: BLE001 - relayed to every rank below
+            problem = f"{role.describe()}: reading the first minibatches failed: {type(e).__name__}: {e}"
+        everyone = comm.allgather((mine, problem))
+        problems = [p for _, p in everyone if p]
+        if problems:
+            raise LaunchError("hetpipe: " + "; ".join(problems))
+        try:
+            compare([r for r, _ in everyone])
+        except DataMismatch as e:
+            raise LaunchError(str(e)) from None
+
+
