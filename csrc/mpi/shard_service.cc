@@ -238,6 +238,13 @@ void ShardService::on_push_header(const std::array<std::int64_t, 16>& w, int src
                                 " (rank " + std::to_string(src) + ") holds none of its layers but pushed wave " +
                                 std::to_string(wave));
   }
+  if (wave > plane_.clock(vw) + plane_.d() + 1) {
+    std::ostringstream msg;
+    msg << where() << ": " << who.str() << " is beyond VW " << vw << "'s clock " << plane_.clock(vw) << " + D + 1 = "
+        << plane_.clock(vw) + plane_.d() + 1 << ": no stage can push it under the staleness bound (a corrupt header, "
+        << "or a stage that ran ahead of its pulls)";
+    throw std::invalid_argument(msg.str());
+  }
   const std::size_t want = plane_.stage_numel(vw, stage);
   if (w[5] != kFloat32 || w[7] != static_cast<std::int64_t>(4 * want)) {
     std::ostringstream msg;

@@ -1,6 +1,6 @@
 """The data path under mpiexec (tests/mpi/scripts/data_path.py): a shuffled DataLoader trains every
-sample on its own label and equals plain PyTorch; ranks whose data differ stop at start-up with one
-error, long before the peer timeout."""
+sample on its own label and equals plain PyTorch; ranks whose data, or whose initial weights, differ
+stop at start-up with one error, long before the peer timeout."""
 
 import pytest
 
@@ -25,3 +25,12 @@ def test_ranks_reading_different_data_stop_at_start_up_naming_them():
     assert len(lines) == 1, proc.stderr
     assert "minibatch 0 of epoch 0 is not the same on rank 0 (vw 0 stage 0) and rank 1 (vw 0 stage 1)" in lines[0]
     assert "timeout" not in proc.stderr.lower() and "RESULT" not in proc.stdout
+
+
+def test_ranks_built_with_different_initial_weights_stop_at_start_up_naming_the_layer():
+    proc = run_mpi(3, "data_path.py", "weights_differ", timeout=120, env={"HETPIPE_TIMEOUT": "60"})
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if "the initial weights differ between ranks" in ln]
+    assert len(lines) == 1, proc.stderr
+    assert "layer 0 is not the same on rank 0 (vw 0 stage 0) and rank 2 (ps shard 0)" in lines[0], lines[0]
+    assert "RESULT" not in proc.stdout

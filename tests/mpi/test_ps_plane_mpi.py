@@ -62,7 +62,10 @@ def test_service_stops_without_hanging(service_cases):
 
 def test_core_thread_failure_is_a_python_exception_naming_the_culprit(service_cases):
     assert service_cases["wrong_size"]["error"] == (
-        "WSPViolation: PS shard 0: push from VW 0 stage 0 wave 3 (rank 1) is float32[999] (3996 bytes), "
+        "WSPViolation: PS shard 0: push from VW 0 stage 0 wave 1 (rank 1) is float32[999] (3996 bytes), "
         "expected float32[1000] (4000 bytes)")
     assert service_cases["duplicate"]["error"] == (
         "WSPViolation: PS shard 0: duplicate push of wave 0 from VW 0 stage 0")
+    assert service_cases["beyond_window"]["error"] == (
+        "WSPViolation: PS shard 0: push from VW 0 stage 0 wave 5 (rank 1) is beyond VW 0's clock 0 + D + 1 = 1: "
+        "no stage can push it under the staleness bound (a corrupt header, or a stage that ran ahead of its pulls)")

@@ -66,6 +66,14 @@ def test_duplicate_push_and_clock_bound_are_enforced():
         s.push(0, 0, 1, np.ones(5, np.float32))     # VW 0 two waves ahead of VW 1 with D = 0
 
 
+def test_a_push_beyond_the_staleness_window_names_its_sender():
+    s = _shard(1)
+    with pytest.raises(WSPViolation, match=r"PS shard 0: push of wave 3 from VW 1 stage 0 \(rank 7\) is beyond VW 1's "
+                                           r"clock 0 \+ D \+ 1 = 2"):
+        s.push(1, 0, 3, np.ones(3, np.float32), src=7)
+    s.push(1, 0, 2, np.ones(3, np.float32), src=7)     # the window's last wave is taken
+
+
 def test_missing_cuda_device_is_a_launch_error():
     st = StagePlan("cuda:3", "gpu", 0, 1, 0.0, 0.0)
     with pytest.raises(LaunchError, match="the plan asks for cuda:3 but this host has no CUDA device"):

@@ -140,6 +140,12 @@ class ShardPlane {
   void release(std::int64_t applied);
 
   std::int64_t clock(int vw) const { return clocks_.clock(vw); }
+  // A push of ``wave`` by VW ``vw`` is possible only within [clock(vw), clock(vw) + D + 1]: a stage pushes
+  // wave c after its pull of c was answered (c - D <= global clock <= clock(vw)).
+  bool push_in_window(int vw, std::int64_t wave) const {
+    const std::int64_t c = clocks_.clock(vw);
+    return wave >= c && wave <= c + d_ + 1;
+  }
   std::int64_t global_clock() const noexcept { return clocks_.global_clock(); }
   std::int64_t applied() const { return applied_.clock(0); }
   std::int64_t pushed_bytes() const noexcept { return pushed_bytes_.load(std::memory_order_relaxed); }

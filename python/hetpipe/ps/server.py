@@ -85,7 +85,7 @@ class ShardServer(ShardServerBase):
             started, applied = time.perf_counter(), self.state.applied
             if h.mb >= 0:
                 self.state.announce_stop(h.vw, h.stage, h.mb)
-            self.state.push(h.vw, h.stage, h.aux, msg.payload.view(np.float32))
+            self.state.push(h.vw, h.stage, h.aux, msg.payload.view(np.float32), src=msg.src)
             self.received[(h.vw, h.stage)] += 1
             if self.trace is not None:
                 label = f"push w{h.aux} VW {h.vw}.{h.stage}"

@@ -160,8 +160,15 @@ class ShardState:
         return stage in self.stage_layers[vw] or (vw, stage) in self.replicas
 
     # --- pushes ----------------------------------------------------------------------------------
-    def push(self, vw: int, stage: int, wave: int, delta: np.ndarray) -> None:
+    def push(self, vw: int, stage: int, wave: int, delta: np.ndarray, src: Optional[int] = None) -> None:
+        """Take VW ``vw`` stage ``stage``'s delta of ``wave`` (from rank ``src``, for messages)."""
         key = (vw, stage, wave)
+        clock = int(self.clock.clock(vw)) if 0 <= vw < self.num_vws else 0
+        if 0 <= vw < self.num_vws and wave > clock + self.d + 1:
+            sender = f" (rank {src})" if src is not None else ""
+            raise WSPViolation(f"PS shard {self.index}: push of wave {wave} from VW {vw} stage {stage}{sender} is "
+                               f"beyond VW {vw}'s clock {clock} + D + 1 = {clock + self.d + 1}: no stage can push it "
+                               "under the staleness bound (a corrupt header, or a stage that ran ahead of its pulls)")
         if key in self.seen:
             raise WSPViolation(f"PS shard {self.index}: duplicate push of wave {wave} from VW {vw} stage {stage}")
         if stage not in self.stage_layers[vw]:

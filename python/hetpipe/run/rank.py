@@ -18,6 +18,7 @@ from hetpipe.job.roles import LaunchError, Role, check_world, resolve_device, ro
 from hetpipe.job.rundir import RUN_DIR_ENV, register_rank
 from hetpipe.job.world import gather_hosts
 from hetpipe.loader.check import DataMismatch, compare
+from hetpipe.model.fingerprint import first_difference, layer_digests
 from hetpipe.model.weights import load_layer_weights
 from hetpipe.outputs import check_file
 from hetpipe.plan.types import Plan
@@ -111,7 +112,7 @@ class RankRun:
         else:
             part = build_shard(spec, role.shard, transport, pool, trace=trace, t0=t0,
                                comm=comm if plane == "core" else None)
-        self._check_data(comm, spec, part, role)
+        self._check_agreement(comm, spec, part, role)
         writer = self.t.checkpoints.checkpointer(plan, spec, role, part)
         previous = self.t.checkpoints.on_sigterm(writer, lambda: self.describe)
         # A shard idles legitimately while stages compute; it waits twice as long, so that a stuck
@@ -153,19 +154,30 @@ class RankRun:
 
 
     @staticmethod
-    def _check_data(comm, spec: RunSpec, part, role: Role) -> None:
-        """Every rank reads the same data (hetpipe.loader.check); a mismatch is one verdict on every rank."""
-        mine, problem = None, None
+    def _check_agreement(comm, spec: RunSpec, part, role: Role) -> None:
+        """Every rank holds the same initial weights of the layers it holds (model.fingerprint) and reads
+        the same data (loader.check); a mismatch is one verdict on every rank, before training."""
+        plan = spec.plan
+        if role.kind == "stage":
+            st = plan.virtual_workers[role.vw].stages[role.stage]
+            held = range(st.start, st.stop)
+        else:
+            held = plan.ps_shards[role.shard].layers
+        mine, digests, problem = None, layer_digests(spec.layout, held), None
         try:
             mine = data_reading(spec, part, role.describe())
         except Exception as e:  # noqa: BLE001 - relayed to every rank below
             problem = f"{role.describe()}: reading the first minibatches failed: {type(e).__name__}: {e}"
-        everyone = comm.allgather((mine, problem))
-        problems = [p for _, p in everyone if p]
+        everyone = comm.allgather((mine, digests, problem))
+        problems = [p for _, _, p in everyone if p]
         if problems:
             raise LaunchError("hetpipe: " + "; ".join(problems))
+        who = [role_of(plan, r).describe() for r in range(len(everyone))]
+        differ = first_difference(list(zip(who, (d for _, d, _ in everyone))), plan.layer_names or None)
+        if differ:
+            raise LaunchError(differ)
         try:
-            compare([r for r, _ in everyone])
+            compare([r for r, _, _ in everyone])
         except DataMismatch as e:
             raise LaunchError(str(e)) from None
 

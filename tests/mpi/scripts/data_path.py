@@ -8,6 +8,8 @@ Usage: mpiexec -n 3 python data_path.py MODE
       input rides through layer 0 unchanged to the label check).
   rank_dependent: an iterable whose order depends on the rank: every rank must stop at start-up
       with one error naming the ranks (no training, no peer timeout).
+  weights_differ: rank 0 builds the model from another seed: every rank stops at start-up with one
+      error naming the layer and the two ranks.
 """
 
 import json
@@ -103,6 +105,13 @@ def main() -> int:
             print("RESULT " + json.dumps({"minibatches": len(got), "mispaired": sum(mispaired),
                                           "max_diff": max(abs(a - b) for a, b in zip(got, want)),
                                           "same_count": len(got) == len(want)}), flush=True)
+        return 0
+    if mode == "weights_differ":
+        m = model()
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            torch.manual_seed(123)
+            m[0].lin.reset_parameters()
+        Trainer(m, loss_fn, opt, DataLoader(dataset(), batch_size=BATCH), plan=plan, epochs=1, progress=False).fit()
         return 0
     Trainer(model(), loss_fn, opt, RankOrdered(dataset()), plan=plan, epochs=1, progress=False).fit()
     return 0

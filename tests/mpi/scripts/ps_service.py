@@ -94,7 +94,7 @@ def main() -> int:
         srv.step()
     COMM.Barrier()
     if rank == 1:
-        send_push(transport, pool, 3, NUMEL - 1, payload=False)
+        send_push(transport, pool, 1, NUMEL - 1, payload=False)
     if rank == 0:
         results.append({"case": "wrong_size", "error": expect_failure(srv)})
         close(srv)
@@ -109,6 +109,17 @@ def main() -> int:
         send_push(transport, pool, 0, NUMEL)
     if rank == 0:
         results.append({"case": "duplicate", "error": expect_failure(srv)})
+        close(srv)
+    COMM.Barrier()
+    # 5. A push beyond the staleness window (wave 5 at clock 0, D = 0).
+    if rank == 0:
+        srv = server(COMM)
+        srv.step()
+    COMM.Barrier()
+    if rank == 1:
+        send_push(transport, pool, 5, NUMEL, payload=False)
+    if rank == 0:
+        results.append({"case": "beyond_window", "error": expect_failure(srv)})
         close(srv)
         for r in results:
             print("RESULT " + json.dumps(r), flush=True)
