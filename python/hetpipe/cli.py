@@ -4,6 +4,8 @@ import argparse
 import math
 import sys
 
+from hetpipe.numbers import arg_fraction, arg_seconds, arg_whole
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hetpipe", description=__doc__)
@@ -39,11 +41,11 @@ def _add_plan_command(sub) -> None:
     p.add_argument("--cluster", required=True, help="cluster preset name or JSON file")
     p.add_argument("--profile", required=True, help="model profile preset name or JSON file")
     p.add_argument("--policy", default="auto", help="VW formation: NP, ED, HD or auto (default)")
-    p.add_argument("--nm", type=int, help="minibatches in flight per VW (default: chosen by the planner)")
-    p.add_argument("--d", type=int, default=0, help="WSP staleness bound D (default 0)")
+    p.add_argument("--nm", type=arg_whole("--nm"), help="minibatches in flight per VW (default: chosen by the planner)")
+    p.add_argument("--d", type=arg_whole("--d", 0), default=0, help="WSP staleness bound D (default 0)")
     p.add_argument("--recompute", choices=("none", "fit", "all"), default="none",
                    help="recompute activations: never, only to fit memory, or on every stage")
-    p.add_argument("--ps-shards", type=int, help="number of parameter-server shards (default: one per node)")
+    p.add_argument("--ps-shards", type=arg_whole("--ps-shards"), help="number of parameter-server shards (default: one per node)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="bf16/fp16: autocast compute and half-precision activations on the wire (half the "
                         "transfer bytes; fp16 with dynamic loss scaling)")
@@ -209,19 +211,19 @@ def _run_reproduce(args) -> int:
 
 def _add_launch_command(sub) -> None:
     p = sub.add_parser("launch", help="run a training script on N MPI ranks (mpiexec from this environment)")
-    p.add_argument("-n", "--np", dest="n", type=int, required=True, help="number of ranks")
-    p.add_argument("--timeout", type=float, help="seconds a rank may wait for a peer (sets HETPIPE_TIMEOUT); "
+    p.add_argument("-n", "--np", dest="n", type=arg_whole("-n"), required=True, help="number of ranks")
+    p.add_argument("--timeout", type=arg_seconds("--timeout"), help="seconds a rank may wait for a peer (sets HETPIPE_TIMEOUT); "
                                                  "a rank stopped for half of it is declared unresponsive")
-    p.add_argument("--term-grace", type=float, metavar="SECONDS",
+    p.add_argument("--term-grace", type=arg_seconds("--term-grace", inclusive=True), metavar="SECONDS",
                    help="when the launcher is interrupted (SIGINT/SIGTERM/SIGHUP), how long the ranks get to write "
                         "their SIGTERM checkpoint and exit before SIGKILL (sets HETPIPE_TERM_GRACE; default 60)")
     p.add_argument("--run-dir", help="directory for the ranks' pids and the run's outcome.json (default: a "
                                      "temporary one, kept only if the run fails)")
     p.add_argument("--checkpoint-dir", help="checkpoint every --checkpoint-every waves into this directory (for a "
                                             "script whose Trainer sets no checkpoint_dir)")
-    p.add_argument("--checkpoint-every", type=int, help="waves between checkpoints (default 1)")
+    p.add_argument("--checkpoint-every", type=arg_whole("--checkpoint-every"), help="waves between checkpoints (default 1)")
     p.add_argument("--resume", metavar="DIR", help="resume from the latest complete checkpoint in DIR")
-    p.add_argument("--max-restarts", type=int, default=0,
+    p.add_argument("--max-restarts", type=arg_whole("--max-restarts", 0), default=0,
                    help="after a rank dies or stops answering, restart the job up to this many times without "
                         "its device, from the latest checkpoint (attempt k runs in RUN_DIR/attempt-k)")
     p.add_argument("--exclude-device", action="append", default=[], metavar="ID",
@@ -271,19 +273,19 @@ def _run_launch(args) -> int:
 def _add_demo_command(sub) -> None:
     p = sub.add_parser("demo", help="plan and train on an emulated heterogeneous cluster on this machine")
     p.add_argument("--out", default="hetpipe-demo-out", help="output directory (default ./hetpipe-demo-out)")
-    p.add_argument("--epochs", type=int, default=12, help="training epochs (default 12)")
+    p.add_argument("--epochs", type=arg_whole("--epochs"), default=12, help="training epochs (default 12)")
     p.add_argument("--cluster", default="cpu-emulated", help="cluster preset to plan for (default cpu-emulated)")
     p.add_argument("--policy", default="auto", help="VW formation policy (default auto)")
-    p.add_argument("--nm", type=int, default=2, help="minibatches in flight per VW (default 2)")
-    p.add_argument("--d", type=int, default=1, help="WSP staleness bound D (default 1)")
-    p.add_argument("--batch", type=int, default=32, help="minibatch size (default 32)")
+    p.add_argument("--nm", type=arg_whole("--nm"), default=2, help="minibatches in flight per VW (default 2)")
+    p.add_argument("--d", type=arg_whole("--d", 0), default=1, help="WSP staleness bound D (default 1)")
+    p.add_argument("--batch", type=arg_whole("--batch"), default=32, help="minibatch size (default 32)")
     p.add_argument("--plan", help="use this plan JSON instead of planning")
-    p.add_argument("--slowdown", type=float, default=12.0,
+    p.add_argument("--slowdown", type=arg_seconds("--slowdown"), default=12.0,
                    help="plan for emulated devices this many times slower than the preset, so that device "
                         "time dominates host overheads (default 12)")
-    p.add_argument("--emulation-scale", type=float, default=1.0,
+    p.add_argument("--emulation-scale", type=arg_seconds("--emulation-scale"), default=1.0,
                    help="multiply emulated device times at run time only (the plan's predictions do not follow)")
-    p.add_argument("--min-accuracy", type=float, default=0.9, help="fail below this test accuracy")
+    p.add_argument("--min-accuracy", type=arg_fraction("--min-accuracy"), default=0.9, help="fail below this test accuracy")
 
 
 def _run_demo(args) -> int:

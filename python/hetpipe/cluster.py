@@ -237,4 +237,7 @@ def load_cluster(spec: Union[str, Path, Mapping, ClusterSpec]) -> ClusterSpec:
         raise ValueError(f"cluster: cannot read {path}: {e}") from e
     except json.JSONDecodeError as e:
         raise ValueError(f"cluster: {path} is not valid JSON: {e}") from e
+    except UnicodeDecodeError as e:
+        raise ValueError(f"cluster: {path} is not a text (JSON) file: byte {e.object[e.start]:#04x} at offset "
+                         f"{e.start}") from None
     return cluster_from_dict(data)

@@ -245,6 +245,9 @@ class ModelProfile:
             text = p.read_text()
         except OSError as e:
             raise ValueError(f"profile: cannot read {p}: {e}") from e
+        except UnicodeDecodeError as e:
+            raise ValueError(f"profile: {p} is not a text (JSON) file: byte {e.object[e.start]:#04x} at offset "
+                             f"{e.start}") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:

@@ -155,7 +155,7 @@ def test_metrics_and_tensorboard_carry_waves_and_evaluations(tmp_path):
 
 
 @pytest.mark.parametrize("bad, match", [
-    ({"eval_every": 0}, "eval_every must be a whole number of waves >= 1"),
+    ({"eval_every": 0}, r"eval_every \(waves\) must be a whole number >= 1"),
     ({"eval_data": [1]}, "eval_data needs eval_every"),
     ({"eval_every": 1, "eval_metric": 3}, "eval_metric must be a function"),
     ({"callbacks": [object()]}, "has neither on_wave_end nor on_eval"),

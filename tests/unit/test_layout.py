@@ -17,7 +17,7 @@ PKG = Path(__file__).resolve().parents[2] / "python" / "hetpipe"
 # Lower first. A package may import itself and any package of a lower level; packages of one level
 # are independent of each other.
 LEVELS = [
-    ("precision", "outputs", "cluster"),
+    ("precision", "outputs", "cluster", "numbers"),
     ("profile", "schedule"),
     ("plan",),
     ("model", "loader", "reproduce"),

@@ -203,5 +203,5 @@ def test_gradient_accumulation_equals_plain_pytorch(k, clip):
 
 
 def test_bad_accumulate_is_named():
-    with pytest.raises(ValueError, match="accumulate must be a whole number of minibatches >= 1"):
+    with pytest.raises(ValueError, match=r"accumulate \(minibatches\) must be a whole number >= 1"):
         Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=one_vw_plan([3], 1, 0), accumulate=0)

@@ -16,6 +16,7 @@ import traceback
 from typing import Callable, Optional
 
 from hetpipe.job.rundir import mark_aborted
+from hetpipe.numbers import seconds
 
 DEFAULT_TIMEOUT_S = 120.0
 # mpiexec forwards each rank's stderr asynchronously, and Abort tears its proxies down at once, which
@@ -29,9 +30,9 @@ _reported = ""      # the last one-line failure message of this process, kept in
 def timeout_s(explicit: Optional[float] = None) -> float:
     """The run's peer timeout: ``explicit``, else ``HETPIPE_TIMEOUT``, else 120 s."""
     if explicit is not None:
-        return float(explicit)
+        return seconds("timeout", explicit)
     env = os.environ.get("HETPIPE_TIMEOUT")
-    return float(env) if env else DEFAULT_TIMEOUT_S
+    return seconds("HETPIPE_TIMEOUT", env) if env else DEFAULT_TIMEOUT_S
 
 
 def signal_grace_s() -> float:

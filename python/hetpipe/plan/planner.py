@@ -129,6 +129,8 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     table = LayerTable(profile, used_types, d, wire_factor(check_precision(precision, "make_plan"),
                                                           profile.activation_dtype))
     check_fits_cluster(table, cluster, profile)
+    if not isinstance(policy, str):
+        raise ValueError(f"make_plan: policy must be one of {', '.join(POLICIES)} or auto, got {policy!r}")
     if policy.lower() == "auto":
         policies = list(POLICIES)
     elif policy.upper() in POLICIES:

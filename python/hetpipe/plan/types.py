@@ -182,6 +182,9 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Plan":
+        if not isinstance(d, dict):
+            raise ValueError(f"plan: a plan is a JSON object (virtual_workers, ps_shards, ...), got a "
+                             f"{type(d).__name__}: {str(d)[:60]}")
         d = dict(d)
         fmt = d.pop("format", PLAN_FORMAT)
         if fmt != PLAN_FORMAT:
@@ -220,4 +223,10 @@ class Plan:
             text = p.read_text()
         except OSError as e:
             raise ValueError(f"plan: cannot read {p}: {e}") from e
-        return cls.from_json(text)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"plan: {p} is not a text (JSON) file: byte {e.object[e.start]:#04x} at offset "
+                             f"{e.start}") from None
+        try:
+            return cls.from_json(text)
+        except ValueError as e:
+            raise ValueError(f"{e} (in {p})") from None

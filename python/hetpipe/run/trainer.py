@@ -29,6 +29,7 @@ from hetpipe.model.names import model_names, param_names
 from hetpipe.model.tree import batch_of
 from hetpipe.model.weights import load_layer_weights
 from hetpipe.plan.types import Plan
+from hetpipe.numbers import seconds, whole
 from hetpipe.precision import check_precision
 from hetpipe.run.callbacks import Callbacks
 from hetpipe.run.checkpoints import RunCheckpoints
@@ -194,8 +195,12 @@ class Trainer:
         self.loss_fn, self.optimizer = loss_fn, optimizer
         self.data = as_source(data, seed)
         self.plan_arg, self.policy, self.cluster = plan, policy, cluster
-        self.nm, self.d, self.epochs = nm, d, epochs
-        self.split_startup = split_startup
+        self.nm = whole("nm", nm) if nm is not None else None
+        self.d = whole("d", d, 0) if d is not None else None
+        self.epochs = whole("epochs", epochs)
+        self.split_startup = whole("split_startup", split_startup, 0)
+        whole("seed", seed, 0)
+        emulation_scale = seconds("emulation_scale", emulation_scale)
         self.schedule = get_schedule(schedule).name
         self.timeout = failure.timeout_s(timeout)
         self.emulate, self.emulation_scale = emulate, emulation_scale
@@ -226,8 +231,8 @@ class Trainer:
                                            or not clip_grad_norm > 0 or clip_grad_norm == float("inf")):
             raise ValueError(f"hetpipe: clip_grad_norm must be a finite number > 0, got {clip_grad_norm!r}")
         self.clip_grad_norm = float(clip_grad_norm) if clip_grad_norm is not None else None
-        if eval_every is not None and (isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1):
-            raise ValueError(f"hetpipe: eval_every must be a whole number of waves >= 1, got {eval_every!r}")
+        if eval_every is not None:
+            whole("eval_every (waves)", eval_every)
         if eval_data is not None and eval_every is None:
             raise ValueError("hetpipe: eval_data needs eval_every (how many waves between evaluation points)")
         if eval_metric is not None and not callable(eval_metric):
@@ -237,9 +242,7 @@ class Trainer:
         self.callbacks = list(callbacks)
         Callbacks(self.callbacks, eval_every is not None)       # checks them now, on every rank
         self.tensorboard = Path(tensorboard) if tensorboard else None
-        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-            raise ValueError(f"hetpipe: accumulate must be a whole number of minibatches >= 1, got {accumulate!r}")
-        self.accumulate = accumulate
+        self.accumulate = whole("accumulate (minibatches)", accumulate)
         self.loss_scale = dict(loss_scale or {})
         LossScale(**self.loss_scale)                            # checks the options now
 

@@ -1,0 +1,64 @@
+"""Checks of the numbers a user passes (Trainer arguments, CLI options, environment variables): each
+bad one is one line naming the argument and the value, never a traceback or a silent surprise
+(``--timeout nan`` turning the peer timeout off, ``--timeout -5`` failing every rank at once).
+
+``whole(name, value, least)`` and ``seconds(name, value, least)`` check Python values; the ``arg_*``
+functions are argparse ``type=`` converters built on them. Torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any, Callable
+
+
+def whole(name: str, value: Any, least: int = 1) -> int:
+    """``value`` as an int >= ``least`` (a bool or a float is refused); else ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"hetpipe: {name} must be a whole number >= {least}, got {value!r}")
+    return value
+
+
+def seconds(name: str, value: Any, least: float = 0.0, inclusive: bool = False) -> float:
+    """``value`` as a finite float > ``least`` (>= with ``inclusive``); else ValueError naming ``name``."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"hetpipe: {name} must be a number of seconds, got {value!r}") from None
+    if isinstance(value, bool) or not math.isfinite(x) or x < least or (x == least and not inclusive):
+        bound = f">= {least:g}" if inclusive else f"> {least:g}"
+        raise ValueError(f"hetpipe: {name} must be a finite number {bound}, got {value!r}")
+    return x
+
+
+def _converter(check: Callable[[str], Any]) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return check(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix("hetpipe: ")) from None
+    return convert
+
+
+def arg_whole(name: str, least: int = 1) -> Callable[[str], int]:
+    def check(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"{name} must be a whole number >= {least}, got {text!r}") from None
+        return whole(name, value, least)
+    return _converter(check)
+
+
+def arg_seconds(name: str, least: float = 0.0, inclusive: bool = False) -> Callable[[str], float]:
+    return _converter(lambda text: seconds(name, text, least, inclusive))
+
+
+def arg_fraction(name: str) -> Callable[[str], float]:
+    def check(text: str) -> float:
+        x = seconds(name, text, 0.0, inclusive=True)
+        if x > 1:
+            raise ValueError(f"{name} must be between 0 and 1, got {text!r}")
+        return x
+    return _converter(check)
