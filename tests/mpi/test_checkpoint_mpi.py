@@ -175,3 +175,22 @@ def test_max_restarts_goes_on_without_the_killed_device(tmp_path):
     assert [v for _, v in sorted((int(p), v) for p, v in res["losses"]["0"].items())] == \
         [v for _, v in sorted(ref.losses[0].items())]
     assert torch.is_tensor(full.x)
+
+
+def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(tmp_path):
+    """A second run given the first one's checkpoint directory without --resume stops at start-up with
+    one line naming the directory and the other run, and deletes nothing of it."""
+    from hetpipe.checkpoint.format import run_ids
+
+    ckpt = tmp_path / "ckpt"
+    cfg = {**CFG, "epochs": 1, "time": 0.0}
+    rc, err = _finish(_launch("-n", "3", "--checkpoint-dir", str(ckpt), "ckpt_run.py", str(tmp_path / "first"),
+                              json.dumps(cfg)))
+    assert rc == 0, err
+    before = run_ids(ckpt)
+    rc, err = _finish(_launch("-n", "3", "--checkpoint-dir", str(ckpt), "ckpt_run.py", str(tmp_path / "second"),
+                              json.dumps(cfg)))
+    assert rc != 0
+    lines = [ln for ln in err.splitlines() if "holds checkpoints of another run" in ln]
+    assert len(lines) == 1 and str(ckpt) in lines[0], err
+    assert run_ids(ckpt) == before and not (tmp_path / "second" / "result.json").exists()

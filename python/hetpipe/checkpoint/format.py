@@ -14,11 +14,12 @@ are written and read back: :mod:`hetpipe.checkpoint.state`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -91,6 +92,39 @@ def find(directory: Path) -> Path:
     if path is None:
         raise CheckpointError(f"hetpipe: no complete checkpoint in {directory}")
     return path
+
+
+def complete_clocks(directory: Path) -> List[Path]:
+    """The complete checkpoints in ``directory``, newest first."""
+    found = sorted(Path(directory).glob("clock-*")) if Path(directory).is_dir() else []
+    return [p for p in reversed(found) if is_complete(p)]
+
+
+def file_digest(path: Path) -> str:
+    """A digest of a file's bytes (BLAKE2b, 128 bits), read in 1 MiB pieces."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(1 << 20), b""):
+            h.update(piece)
+    return h.hexdigest()
+
+
+def manifest_digest(manifest: Dict[str, Any]) -> str:
+    """A digest of a manifest's content (its JSON with sorted keys), which every part records."""
+    return hashlib.blake2b(json.dumps(manifest, sort_keys=True, allow_nan=True).encode(), digest_size=16).hexdigest()
+
+
+def run_ids(directory: Path) -> Dict[str, List[int]]:
+    """The runs whose checkpoints (complete or not) lie in ``directory``: run id -> their clocks
+    (checkpoints written before run ids existed count as run ""); unreadable manifests are skipped."""
+    out: Dict[str, List[int]] = {}
+    for path in sorted(Path(directory).glob("clock-*")) if Path(directory).is_dir() else []:
+        try:
+            rid = str(json.loads((path / MANIFEST).read_text()).get("run_id", ""))
+        except (OSError, ValueError, AttributeError):
+            continue
+        out.setdefault(rid, []).append(int(path.name.split("-")[1]))
+    return out
 
 
 def read_manifest(path: Path) -> Dict[str, Any]:

@@ -22,6 +22,7 @@ import collections
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,8 +32,9 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from hetpipe.checkpoint.format import (MANIFEST, CheckpointError, DataPosition, commit, find, read_manifest, clock_dir, is_complete,
-                                       latest, part_name, write_json)
+from hetpipe.checkpoint.format import (MANIFEST, CheckpointError, DataPosition, clock_dir, commit, complete_clocks,
+                                       file_digest, find, is_complete, manifest_digest, part_name,
+                                       read_manifest, write_json)
 from hetpipe.model.layout import local_buffers
 
 Snapshot = Tuple[Dict[str, torch.Tensor], Dict[str, Any]]      # (tensors on the CPU, JSON part)
@@ -52,6 +54,27 @@ def read_tensors(path: Path) -> Dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
+def _verify_part(path: Path, name: str, part: Dict[str, Any], manifest: Dict[str, Any], digest: str) -> None:
+    """Raise :class:`CheckpointError` naming the file and field where ``part`` disagrees with its tensors
+    or with the manifest (see :meth:`Checkpoint.read`). Parts written before digests existed pass."""
+    clock = manifest.get("clock")
+    if part.get("clock") != clock:
+        raise CheckpointError(f"hetpipe: the checkpoint {path}: {name}.json is of clock {part.get('clock')}, the "
+                              f"manifest's clock is {clock}: the manifest or the part was altered")
+    if part.get("role") == "ps" and "applied" in part and part["applied"] != clock:
+        raise CheckpointError(f"hetpipe: the checkpoint {path}: {name}.json applied waves up to {part.get('applied')}, "
+                              f"the manifest's clock is {clock}: the manifest or the part was altered")
+    if "manifest_digest" in part and part["manifest_digest"] != digest:
+        raise CheckpointError(f"hetpipe: the checkpoint {path}: {MANIFEST} does not match the manifest {name} was "
+                              "written with (a field of it was altered: clock, data position, plan, ...)")
+    if "tensors_digest" in part:
+        file = path / f"{name}.safetensors"
+        got = file_digest(file)
+        if got != part["tensors_digest"]:
+            raise CheckpointError(f"hetpipe: the checkpoint part {file} is corrupt: its digest {got} is not the "
+                                  f"{part['tensors_digest']} recorded in {name}.json when it was written")
+
+
 @dataclass
 class Checkpoint:
     """A complete checkpoint, read back: its manifest and each rank's part (JSON and tensors)."""
@@ -63,21 +86,51 @@ class Checkpoint:
 
     @classmethod
     def read(cls, path: Path) -> "Checkpoint":
+        """The complete checkpoint in ``path``, verified: each part's tensors against the digest its JSON
+        recorded, and every part against the manifest (its digest, clock and, for a PS part, the
+        version it applied); the first mismatch is one :class:`CheckpointError` naming the file."""
         path = Path(path)
         if not is_complete(path):
             raise CheckpointError(f"hetpipe: the checkpoint {path} is incomplete (a part or its manifest is missing)")
         manifest = read_manifest(path)
+        want = manifest_digest(manifest)
         parts, tensors = {}, {}
         for name in manifest["parts"]:
-            part = json.loads((path / f"{name}.json").read_text())
+            file = path / f"{name}.json"
+            try:
+                part = json.loads(file.read_text())
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"hetpipe: the checkpoint part {file} is unreadable: {e}") from None
+            _verify_part(path, name, part, manifest, want)
             parts[part["rank"]] = part
-            tensors[part["rank"]] = read_tensors(path / f"{name}.safetensors")
+            try:
+                tensors[part["rank"]] = read_tensors(path / f"{name}.safetensors")
+            except Exception as e:  # noqa: BLE001 - an unreadable file is named, whatever the library raised
+                raise CheckpointError(f"hetpipe: the checkpoint part {path / name}.safetensors is unreadable: "
+                                      f"{type(e).__name__}: {e}") from None
         return cls(path, manifest, parts, tensors)
 
     @classmethod
-    def find(cls, directory: Path) -> "Checkpoint":
-        """The latest complete checkpoint in ``directory`` (a checkpoint directory or one clock of it)."""
-        return cls.read(find(directory))
+    def find(cls, directory: Path, fallback: bool = False) -> "Checkpoint":
+        """The latest complete checkpoint in ``directory`` (a checkpoint directory or one clock of it);
+        with ``fallback``, a checkpoint that fails verification is reported on stderr and the previous
+        complete one is tried instead."""
+        directory = Path(directory)
+        if (directory / MANIFEST).exists() or not fallback:
+            return cls.read(find(directory))
+        errors = []
+        for path in complete_clocks(directory):
+            try:
+                found = cls.read(path)
+            except CheckpointError as e:
+                errors.append(str(e))
+                sys.stderr.write(f"{e}; falling back to the previous complete checkpoint\n")
+                continue
+            return found
+        if errors:
+            raise CheckpointError(f"hetpipe: no complete checkpoint in {directory} passes verification: "
+                                  + "; ".join(errors))
+        raise CheckpointError(f"hetpipe: no complete checkpoint in {directory}")
 
     @property
     def clock(self) -> int:
@@ -119,7 +172,7 @@ class Checkpointer:
     ``manifest(clock)`` gives the manifest of a clock (identical on every rank)."""
 
     def __init__(self, directory: Path, every: int, rank: int, manifest: Callable[[int], Dict[str, Any]],
-                 keep: int = 2, progress: Optional[Path] = None) -> None:
+                 keep: int = 2, progress: Optional[Path] = None, run_id: str = "", keep_last: int = 1) -> None:
         if every < 1:
             raise ValueError(f"hetpipe: checkpoint_every must be >= 1 wave, got {every}")
         self.directory, self.every, self.rank = Path(directory), every, rank
@@ -127,6 +180,7 @@ class Checkpointer:
         self.manifest = manifest
         self.progress = progress                        # a file to record the latest clock in (launcher's)
         self.keep = keep
+        self.run_id, self.keep_last = run_id, keep_last        # this run's id; complete checkpoints kept
         self.ring: Deque[Tuple[int, Snapshot]] = collections.deque(maxlen=max(1, keep))
         self.written: List[int] = []
         self.waited_s = 0.0
@@ -216,23 +270,28 @@ class Checkpointer:
         tensors, part = snapshot
         path = clock_dir(self.directory, clock)
         path.mkdir(parents=True, exist_ok=True)
+        manifest = self.manifest(clock)
         if not (path / MANIFEST).exists():
-            write_json(path / MANIFEST, self.manifest(clock))
+            write_json(path / MANIFEST, manifest)
         name = part_name(self.rank)
         write_tensors(path / f"{name}.safetensors", tensors)
-        write_json(path / f"{name}.json", {**part, "rank": self.rank, "clock": clock})
+        write_json(path / f"{name}.json", {**part, "rank": self.rank, "clock": clock,
+                                           "tensors_digest": file_digest(path / f"{name}.safetensors"),
+                                           "manifest_digest": manifest_digest(manifest)})
         self.written.append(clock)
 
     def _collect(self) -> None:
-        """Remove this rank's parts of checkpoints older than the newest complete one."""
-        newest = latest(self.directory)
-        if newest is None:
+        """Remove this rank's parts of this run's checkpoints older than the newest ``keep_last``
+        complete ones (another run's checkpoints are never touched)."""
+        mine = [p for p in complete_clocks(self.directory) if _run_of(p) == self.run_id]
+        if len(mine) < self.keep_last:
             return
-        keep = int(newest.name.split("-")[1])
+        oldest_kept = mine[self.keep_last - 1]
+        keep = int(oldest_kept.name.split("-")[1])
         name = part_name(self.rank)
-        ranks = len(json.loads((newest / MANIFEST).read_text())["parts"])
+        ranks = len(json.loads((mine[0] / MANIFEST).read_text())["parts"])
         for path in self.directory.glob("clock-*"):
-            if int(path.name.split("-")[1]) >= keep:
+            if int(path.name.split("-")[1]) >= keep or _run_of(path) != self.run_id:
                 continue
             for suffix in (".json", ".safetensors"):
                 (path / f"{name}{suffix}").unlink(missing_ok=True)
@@ -243,6 +302,14 @@ class Checkpointer:
                             f.unlink(missing_ok=True)
             if not any(path.glob("rank-*")):
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def _run_of(path: Path) -> Optional[str]:
+    """The run id in a checkpoint's manifest ("" before run ids; None: unreadable)."""
+    try:
+        return str(json.loads((path / MANIFEST).read_text()).get("run_id", ""))
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 # --- what a rank saves ---------------------------------------------------------------------------

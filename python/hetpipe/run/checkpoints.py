@@ -33,7 +33,10 @@ class RunCheckpoints:
 
     directory / every: where and every how many waves (None: no checkpoints); resume_from: the
     checkpoint (directory) the run resumes from, or None; keep_on_sigterm: keep the last D + 2 wave
-    boundaries' snapshots so that SIGTERM writes the newest clock every rank holds."""
+    boundaries' snapshots so that SIGTERM writes the newest clock every rank holds; keep_last: how many
+    complete checkpoints of the run stay on disk; resume_fallback: resume from the previous complete
+    checkpoint when the latest fails verification. run_id: the run's identity in every manifest (set
+    at start-up: rank 0's, or the resumed checkpoint's, so that a resumed run continues its run)."""
 
     layers: List[nn.Module]
     data: Any
@@ -45,12 +48,16 @@ class RunCheckpoints:
     every: int
     resume_from: Optional[Path]
     keep_on_sigterm: bool
+    keep_last: int = 1
+    resume_fallback: bool = False
+    run_id: str = ""
 
     def resume(self, plan: Plan) -> Optional[ckpt.Resume]:
         """What this run resumes from (None: from the start); loads the global weights into the model."""
         if self.resume_from is None:
             return None
-        found = ckpt.Checkpoint.find(self.resume_from)
+        found = ckpt.Checkpoint.find(self.resume_from, fallback=self.resume_fallback)
+        self.run_id = str(found.manifest.get("run_id") or self.run_id)
         old = Plan.from_dict(found.manifest["plan"])
         if old.num_layers != plan.num_layers:
             raise LaunchError(f"hetpipe: the checkpoint {found.path} is of a model of {old.num_layers} layers, "
@@ -78,7 +85,7 @@ class RunCheckpoints:
         k = min(total, (clock - clock0) * plan.nm)
         per_epoch = self.data.minibatches_per_epoch(len(plan.virtual_workers))
         pos = start.advance(k, per_epoch, len(plan.virtual_workers))
-        return {"format": ckfmt.FORMAT, "clock": clock, "plan": plan.to_dict(),
+        return {"format": ckfmt.FORMAT, "run_id": self.run_id, "clock": clock, "plan": plan.to_dict(),
                 "parts": [ckfmt.part_name(r) for r in range(plan.num_ranks)],
                 "data": {"position": {"epoch": pos.epoch, "index": pos.index},
                          "minibatches_per_vw": (resume.minibatches if resume is not None else 0) + k,
@@ -89,6 +96,19 @@ class RunCheckpoints:
                 "names": self.names,
                 "resumed_from": {"path": str(resume.checkpoint.path), "clock": clock0} if resume else None}
 
+    def claim(self) -> None:
+        """Refuse a checkpoint directory that holds another run's checkpoints (call after :meth:`resume`):
+        a run never deletes from, nor mixes its clocks with, a run it does not continue."""
+        if self.directory is None:
+            return
+        others = {rid: clocks for rid, clocks in ckfmt.run_ids(self.directory).items() if rid != self.run_id}
+        if others:
+            what = "; ".join(f"run {rid or '(no id)'}: clock(s) {clocks[0]}..{clocks[-1]}" for rid, clocks in
+                             sorted(others.items()))
+            raise LaunchError(f"hetpipe: the checkpoint directory {self.directory} holds checkpoints of another run "
+                              f"({what}): resume it (resume= / --resume {self.directory}) to continue that run, or "
+                              "give this run a directory of its own")
+
     def checkpointer(self, plan: Plan, spec: RunSpec, role: Role, part) -> Optional[ckpt.Checkpointer]:
         """This rank's checkpointer, hooked to its part's wave boundaries (None: no checkpoints)."""
         if self.directory is None:
@@ -98,7 +118,7 @@ class RunCheckpoints:
         writer = ckpt.Checkpointer(self.directory, self.every, role.rank,
                                    lambda clock: self.manifest(plan, spec, clock),
                                    keep=plan.d + 2 if self.keep_on_sigterm else 0,
-                                   progress=progress)
+                                   progress=progress, run_id=self.run_id, keep_last=self.keep_last)
         clock0 = spec.resume.checkpoint.clock if spec.resume is not None else 0
         if role.kind == "stage":
             part.model.on_pushed = lambda wave: writer.boundary(clock0 + wave,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import uuid
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -51,7 +52,10 @@ class RankRun:
                 plan_text = self.t.resolve_plan().to_json()
             except Exception as e:  # noqa: BLE001 - relayed to every rank below
                 error = f"planning on rank 0 failed: {type(e).__name__}: {e}"
-        plan_text, error = comm.bcast((plan_text, error), root=0)
+        # The run's identity (checkpoint ownership): rank 0's; a resumed run takes its checkpoint's.
+        plan_text, error, run_id = comm.bcast((plan_text, error, uuid.uuid4().hex[:16] if rank == 0 else None),
+                                              root=0)
+        self.t.checkpoints.run_id = run_id
         if error:
             raise LaunchError(f"hetpipe: {error}")
         plan = Plan.from_json(plan_text)
@@ -69,6 +73,7 @@ class RankRun:
         spec, problem = None, None
         try:
             spec = self.t.spec(plan, self.t.checkpoints.resume(plan))
+            self.t.checkpoints.claim()
             if role.kind == "stage":
                 st = plan.virtual_workers[role.vw].stages[role.stage]
                 dev, emulated = resolve_device(st, emulate=self.t.emulate, cuda_count=hosts[rank]["cuda_count"])

@@ -145,6 +145,12 @@ class Trainer:
         the run goes on exactly (bitwise at D = 0); with another plan (VW count, cuts, Nm) it starts
         from the checkpoint's global weights, each stage's optimizer state taken per parameter from
         the stages of VW ``v % old VW count``, the data going on from the cut.
+    checkpoint_keep: how many complete checkpoints of the run stay on disk (default 1; 2 or more lets
+        ``resume_fallback`` go back one). A checkpoint directory holding another run's checkpoints is
+        refused at start-up (a resumed run continues its checkpoint's run); every part records digests
+        of its tensors and of the manifest, and resuming verifies them, naming the file that differs.
+    resume_fallback: when the latest checkpoint fails verification, resume from the previous
+        complete one (said on stderr) instead of stopping.
     checkpoint_on_sigterm: keep a host copy of this rank's state at each of the last D + 2 wave
         boundaries, so that SIGTERM writes the newest clock every rank holds (the cost: one copy of
         the optimizer state, or of a shard's weights, per wave; bench/checkpoint.py). False: copies
@@ -188,7 +194,7 @@ class Trainer:
                  clip_grad_norm: Optional[float] = None, eval_data: Any = None, eval_every: Optional[int] = None,
                  eval_metric: Optional[Callable] = None, callbacks: Sequence[object] = (),
                  tensorboard: Union[str, Path, None] = None, loss_scale: Optional[Dict[str, Any]] = None,
-                 accumulate: int = 1):
+                 accumulate: int = 1, checkpoint_keep: int = 1, resume_fallback: bool = False):
         self.model = model
         self.layers = as_layers(model)
         self.names = model_names(model, self.layers)
@@ -214,7 +220,8 @@ class Trainer:
         resume = resume or os.environ.get(ckfmt.RESUME_ENV) or None
         self.checkpoints = RunCheckpoints(self.layers, self.data, epochs, seed, split_startup, self.names,
                                           Path(checkpoint_dir) if checkpoint_dir else None, every,
-                                          Path(resume) if resume else None, checkpoint_on_sigterm)
+                                          Path(resume) if resume else None, checkpoint_on_sigterm,
+                                          whole("checkpoint_keep", checkpoint_keep), bool(resume_fallback))
         self.metrics = Path(metrics) if metrics else None
         self.trace_path = Path(trace) if trace else None
         self.progress = progress
