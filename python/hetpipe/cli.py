@@ -228,6 +228,9 @@ def _add_launch_command(sub) -> None:
                         "its device, from the latest checkpoint (attempt k runs in RUN_DIR/attempt-k)")
     p.add_argument("--exclude-device", action="append", default=[], metavar="ID",
                    help="mark a device of the plan failed: resume (--resume) without the VW holding it")
+    p.add_argument("--plan-cache", metavar="DIR", help="reuse the plan, profile and cluster kept in DIR when the "
+                                                      "model, cluster and settings match, else plan and keep them "
+                                                      "there (sets HETPIPE_PLAN_CACHE)")
     p.add_argument("--transport", help="the stage ranks' transport backend, e.g. torch-p2p or mpi-host (sets "
                                        "HETPIPE_TRANSPORT; default: chosen per pair of stages, reported in the metrics)")
     p.add_argument("script", help="the Python script every rank runs")
@@ -236,6 +239,7 @@ def _add_launch_command(sub) -> None:
 
 def _run_launch(args) -> int:
     import os
+    from pathlib import Path
 
     from hetpipe.checkpoint.format import CheckpointError
     from hetpipe.job.world import MPIUnavailable
@@ -253,6 +257,10 @@ def _run_launch(args) -> int:
         os.environ[TRANSPORT_ENV] = args.transport
     if args.term_grace is not None:
         os.environ["HETPIPE_TERM_GRACE"] = str(args.term_grace)
+    if args.plan_cache is not None:
+        from hetpipe.run.plan_cache import PLAN_CACHE_ENV
+
+        os.environ[PLAN_CACHE_ENV] = str(Path(args.plan_cache).resolve())
     try:
         if args.max_restarts or args.resume or args.checkpoint_dir or args.exclude_device or \
                 args.checkpoint_every is not None:

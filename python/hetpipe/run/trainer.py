@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Union
 
@@ -33,6 +34,7 @@ from hetpipe.numbers import seconds, whole
 from hetpipe.precision import check_precision
 from hetpipe.run.callbacks import Callbacks
 from hetpipe.run.checkpoints import RunCheckpoints
+from hetpipe.run.plan_cache import PLAN_CACHE_ENV, PlanCache, model_key, sample_key
 from hetpipe.run.rank import RankRun
 from hetpipe.run.record import RunRecord
 from hetpipe.run.report import Reporter
@@ -103,6 +105,11 @@ class Trainer:
         or a factory ``(vw, num_vws, epoch) -> iterable`` of a VW's own minibatches.
     plan: a :class:`Plan` or a plan JSON path; else rank 0 plans with ``policy`` on ``cluster``
         (default: the ``cpu-emulated`` preset) from a profile of the model.
+    plan_cache: a directory where that plan, its profile and cluster are kept and reused by the next run
+        of the same model (structure), sample shapes, cluster, precision, policy, Nm and D, so that
+        identical launches train identical cuts; rank 0 says whether it reuses or re-plans, and why
+        (:mod:`hetpipe.run.plan_cache`; default ``HETPIPE_PLAN_CACHE``, set by ``hetpipe launch
+        --plan-cache``).
     nm, d: minibatches in flight per VW and the staleness bound (override the plan's when given: the
         plan's predicted throughput is then dropped, and an nm larger than that of a plan sized
         against device memory is refused; see :func:`override`).
@@ -194,13 +201,16 @@ class Trainer:
                  clip_grad_norm: Optional[float] = None, eval_data: Any = None, eval_every: Optional[int] = None,
                  eval_metric: Optional[Callable] = None, callbacks: Sequence[object] = (),
                  tensorboard: Union[str, Path, None] = None, loss_scale: Optional[Dict[str, Any]] = None,
-                 accumulate: int = 1, checkpoint_keep: int = 1, resume_fallback: bool = False):
+                 accumulate: int = 1, checkpoint_keep: int = 1, resume_fallback: bool = False,
+                 plan_cache: Union[str, Path, None] = None):
         self.model = model
         self.layers = as_layers(model)
         self.names = model_names(model, self.layers)
         self.loss_fn, self.optimizer = loss_fn, optimizer
         self.data = as_source(data, seed)
         self.plan_arg, self.policy, self.cluster = plan, policy, cluster
+        plan_cache = plan_cache or os.environ.get(PLAN_CACHE_ENV) or None
+        self.plan_cache = Path(plan_cache) if plan_cache else None
         self.nm = whole("nm", nm) if nm is not None else None
         self.d = whole("d", d, 0) if d is not None else None
         self.epochs = whole("epochs", epochs)
@@ -281,9 +291,20 @@ class Trainer:
             if isinstance(cluster, str):
                 cluster = load_cluster(cluster)
             x, y = self.data.sample()
+            cache, key = None, None
+            if self.plan_cache is not None:
+                cache = PlanCache(self.plan_cache)
+                key = {"model": model_key(self.layers), "sample": sample_key((x, y)), "cluster": cluster.to_dict(),
+                       "precision": self.precision or "fp32", "policy": self.policy, "nm": self.nm, "d": self.d or 0}
+                cached, why = cache.lookup(key)
+                sys.stderr.write(f"hetpipe: plan cache: {why}\n")
+                if cached is not None:
+                    return self._check_layers(cached)
             profile = profile_model(self.model, x, cluster, loss_fn=lambda out: self.loss_fn(out, y))
             plan = make_plan(cluster, profile, policy=self.policy, nm=self.nm, d=self.d or 0,
                              minibatch_size=batch_of(x), precision=self.precision or "fp32")
+            if cache is not None:
+                cache.store(key, plan, profile, cluster)
             return self._check_layers(plan)
         return self._check_layers(override(plan, self.nm, self.d))
 
