@@ -214,6 +214,9 @@ def _add_launch_command(sub) -> None:
     p.add_argument("-n", "--np", dest="n", type=arg_whole("-n"), required=True, help="number of ranks")
     p.add_argument("--timeout", type=arg_seconds("--timeout"), help="seconds a rank may wait for a peer (sets HETPIPE_TIMEOUT); "
                                                  "a rank stopped for half of it is declared unresponsive")
+    p.add_argument("--start-timeout", type=arg_seconds("--start-timeout"), metavar="SECONDS",
+                   help="seconds every rank gets to reach MPI start-up before the launcher names the ones that did "
+                        "not and ends the job (sets HETPIPE_START_TIMEOUT; default: the peer timeout, at least 60)")
     p.add_argument("--term-grace", type=arg_seconds("--term-grace", inclusive=True), metavar="SECONDS",
                    help="when the launcher is interrupted (SIGINT/SIGTERM/SIGHUP), how long the ranks get to write "
                         "their SIGTERM checkpoint and exit before SIGKILL (sets HETPIPE_TERM_GRACE; default 60)")
@@ -257,6 +260,8 @@ def _run_launch(args) -> int:
         os.environ[TRANSPORT_ENV] = args.transport
     if args.term_grace is not None:
         os.environ["HETPIPE_TERM_GRACE"] = str(args.term_grace)
+    if args.start_timeout is not None:
+        os.environ["HETPIPE_START_TIMEOUT"] = str(args.start_timeout)
     if args.plan_cache is not None:
         from hetpipe.run.plan_cache import PLAN_CACHE_ENV
 

@@ -168,3 +168,31 @@ def test_rank_that_raises_is_named_from_its_own_report(tmp_path):
     assert out["message"] == "hetpipe: rank 1 (vw 0 stage 1) failed: RuntimeError: deliberate failure in the " \
                              "forward pass"
     assert run.proc.returncode == out["exit_status"] != 0
+
+
+@pytest.mark.parametrize("mode, cause", [("sleep", "unregistered"), ("stop", "stopped")])
+def test_a_rank_that_never_reaches_mpi_start_up_is_named_and_nothing_survives(tmp_path, monkeypatch, mode, cause):
+    """A rank stalled (asleep, or stopped) before MPI_Init: the others wait in MPI start-up. The launcher
+    names it, by its MPI rank, within the start-up timeout (stopped: half the peer timeout) plus a few
+    seconds, and every process of the run is gone."""
+    monkeypatch.setenv("HETPIPE_START_TIMEOUT", "6")
+    at = time.monotonic()
+    run = Run(tmp_path, "stall_start.py", mode, "1")
+    try:
+        run.proc.wait(timeout=6 + BOUND_S + 30)
+        took = time.monotonic() - at
+        deadline = time.monotonic() + 10
+        while _run_processes(run.run_dir) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _run_processes(run.run_dir)
+    finally:
+        run.clean_up()
+    out = run.outcome()
+    assert (out["status"], out["cause"], out["rank"]) == ("failed", cause, 1), out
+    assert run.proc.returncode != 0
+    assert took < 6 + BOUND_S + 20, took
+    if mode == "sleep":
+        assert out["message"].startswith("hetpipe: rank(s) [1] did not reach MPI start-up within"), out
+        assert "(rank 1: process" in out["message"] and "rank(s) [0, 2] waited for them in MPI_Init" in out["message"]
+    else:
+        assert out["message"].startswith("hetpipe: rank 1 failed: it stopped responding"), out

@@ -63,6 +63,28 @@ def processes_with(marker: bytes, exclude: Iterable[int] = ()) -> List[int]:
     return found
 
 
+RANK_ENVS = (b"PMI_RANK=", b"PMIX_RANK=", b"OMPI_COMM_WORLD_RANK=")   # what MPI launchers tell a rank
+
+
+def rank_processes(marker: bytes, exclude: Iterable[int] = ()) -> Dict[int, int]:
+    """pid -> MPI rank of the running processes whose environment holds ``marker`` and a rank number
+    from the MPI launcher (``PMI_RANK`` and kin): the ranks, found before they have done anything."""
+    out = {}
+    for pid in processes_with(marker, exclude):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        for entry in env.split(b"\0"):
+            if entry.startswith(RANK_ENVS):
+                try:
+                    out[pid] = int(entry.split(b"=", 1)[1])
+                except ValueError:
+                    pass
+                break
+    return out
+
+
 def send(pid: int, sig: int, pidfds: Optional[Dict[int, int]] = None) -> None:
     """Send ``sig`` to ``pid``, through its pidfd when one is held (immune to pid reuse); ignores the vanished."""
     fd = (pidfds or {}).get(pid)

@@ -42,6 +42,23 @@ def register_rank(rank: int, describe: str) -> None:
         atexit.register(_mark, run_dir, f"exited-{pid}")
 
 
+LAUNCHER_RANK_ENVS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")    # set by MPI launchers before MPI_Init
+
+
+def mark_starting() -> None:
+    """Record, before MPI start-up, that this rank (by its MPI launcher's rank number) reached it: a rank
+    without this mark when start-up stalls is the one that never got there (the others wait in MPI_Init)."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    rank = next((os.environ[k] for k in LAUNCHER_RANK_ENVS if k in os.environ), None)
+    if run_dir and rank is not None and rank.isdigit():
+        _mark(run_dir, f"starting-{int(rank)}", f"{os.getpid()}\n")
+
+
+def starting_ranks(run_dir: str) -> Set[int]:
+    """The MPI ranks that reached MPI start-up (:func:`mark_starting`)."""
+    return {int(f.name.split("-", 1)[1]) for f in Path(run_dir).glob("starting-*")}
+
+
 def mark_aborted(message: str = "") -> None:
     """Record that this process reported its own failure (``message``) and is aborting the job."""
     run_dir = os.environ.get(RUN_DIR_ENV)

@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 from typing import Any, Dict, List
 
-from hetpipe.job.rundir import RUN_DIR_ENV, register_rank
+from hetpipe.job.rundir import RUN_DIR_ENV, mark_starting, register_rank
 
 # hetpipe sends host memory only over MPI (pinned slots; device-to-device traffic has its own
 # backends), so MPI's GPU layer is switched off before MPI_Init: an MPICH built with it would query,
@@ -35,6 +35,7 @@ def world():
     MPI is initialised here (mpi4py's import), after :data:`MPI_GPU_ENV` is set where unset, unless
     the program imported mpi4py.MPI earlier."""
     disable_mpi_gpu()
+    mark_starting()
     try:
         from mpi4py import MPI
     except ImportError as e:

@@ -7,6 +7,12 @@ that a terminal's Ctrl-C reaches the launcher alone, and ends the run itself:
   has not within ``END_GRACE_S``, the launcher does;
 * a rank is stopped (state ``T``: SIGSTOP, SIGTSTP) for ``STOP_FRACTION`` of the peer timeout: its
   peers would only time out later, naming whom they waited for, so the launcher names it and ends the run;
+  the rank processes are found from the moment mpiexec starts them (their environment carries the
+  run's marker and the MPI launcher's rank number), not only once they registered;
+* not every rank registered (reached MPI start-up, ``job.world``) within the start-up timeout (the
+  peer timeout, at least ``START_MIN_S``: importing torch and building a model on a loaded host takes
+  tens of seconds; ``HETPIPE_START_TIMEOUT`` overrides it): the ranks that did not are named and the
+  run ends (before, one rank stalled before MPI_Init left the others waiting in it forever);
 * the launcher gets SIGINT, SIGTERM or SIGHUP: it ends the run and exits with 128 + the signal; the
   ranks then get up to :func:`signal_grace_s` (``hetpipe launch --term-grace``) to write their
   SIGTERM checkpoint and exit, since a real model's state takes longer to write than a fault's teardown;
@@ -34,8 +40,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from hetpipe.job.failure import ABORT_GRACE_S, signal_grace_s
 from hetpipe.job.guard import LAUNCHER_PID_ENV
-from hetpipe.job.procs import environment_marker, processes_with, send, signal_name, stopped
-from hetpipe.job.rundir import RUN_DIR_ENV, marked, recorded_ranks
+from hetpipe.job.procs import environment_marker, processes_with, rank_processes, send, signal_name, stopped
+from hetpipe.job.rundir import RUN_DIR_ENV, marked, recorded_ranks, starting_ranks
+from hetpipe.numbers import seconds
 from hetpipe.launch.deaths import DeathWatcher
 
 OUTCOME_FILE = "outcome.json"
@@ -47,6 +54,8 @@ END_GRACE_S = 3.0       # after a rank died or reported, the time mpiexec gets t
 TERM_GRACE_S = 2.0      # after a fault: SIGTERM, then SIGKILL after this long
 GONE_WAIT_S = 5.0       # after SIGKILL, how long to wait for the processes to disappear
 TICK_S = 0.1
+START_MIN_S = 60.0      # the least time the ranks get to register (see the module docstring)
+START_TIMEOUT_ENV = "HETPIPE_START_TIMEOUT"
 _HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -56,8 +65,9 @@ class Outcome:
 
     status: ``ok``, ``failed`` or ``interrupted``. cause (when not ok): ``reported`` (a rank raised
     and said why), ``died`` (a rank vanished without reporting), ``stopped`` (a rank stopped
-    responding), ``mpiexec`` (mpiexec itself was killed), ``signal`` (the launcher was interrupted) or
-    ``exit`` (mpiexec failed and no rank is to blame). rank, role, pid: the culprit rank, if any.
+    responding), ``unregistered`` (ranks did not reach MPI start-up in time), ``mpiexec`` (mpiexec
+    itself was killed), ``signal`` (the launcher was interrupted) or ``exit`` (mpiexec failed and no
+    rank is to blame). rank, role, pid: the culprit rank, if any.
     """
 
     status: str
@@ -90,9 +100,12 @@ class Supervisor:
     def __init__(self, command: List[str], ranks: int, run_dir: str, peer_timeout_s: float) -> None:
         self.command, self.ranks, self.run_dir = command, ranks, run_dir
         self.stop_after_s = max(STOP_MIN_S, STOP_FRACTION * peer_timeout_s)
+        start = os.environ.get(START_TIMEOUT_ENV)
+        self.start_timeout_s = seconds(START_TIMEOUT_ENV, start) if start else max(START_MIN_S, peer_timeout_s)
         self.marker = environment_marker(RUN_DIR_ENV, run_dir)
         self._signal: Optional[int] = None
         self.signal_grace_s = signal_grace_s()
+        self.seen: Dict[int, int] = {}          # pid -> MPI rank of every rank process seen, registered or not
 
     def run(self) -> Outcome:
         previous = self._install_handlers()
@@ -117,7 +130,7 @@ class Supervisor:
         env = {**os.environ, RUN_DIR_ENV: self.run_dir, LAUNCHER_PID_ENV: str(os.getpid())}
         watcher = DeathWatcher(self.run_dir, self.ranks).start()
         proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_die_with_parent)
         Path(self.run_dir, MPIEXEC_PID_FILE).write_text(f"{proc.pid}\n")
         relays = [_relay(proc.stdout, sys.stdout.buffer), _relay(proc.stderr, sys.stderr.buffer)]
         verdict = self._watch(proc, watcher)
@@ -125,7 +138,7 @@ class Supervisor:
         # What happened before the launcher stepped in decides the culprit; the teardown's deaths do not.
         vanished = [(pid, watcher.vanished_at[pid]) for pid in list(watcher.vanished)]
         aborted = _reports(self.run_dir)
-        stuck = [pid for pid in recorded_ranks(self.run_dir) if stopped(pid)]
+        stuck = [pid for pid in set(recorded_ranks(self.run_dir)) | set(self.seen) if stopped(pid)]
         ended = self._end_all(self.signal_grace_s if verdict is not None and verdict[0] == "signal" else TERM_GRACE_S)
         final_rc = proc.wait()
         watcher.stop()
@@ -142,11 +155,17 @@ class Supervisor:
         seconds), ("overdue", 0, 0) (mpiexec did not end the job after a failure). None: mpiexec exited."""
         since: Dict[int, float] = {}
         failed_at: Optional[float] = None
+        started = time.monotonic()
         while proc.poll() is None:
             if self._signal is not None:
                 return "signal", self._signal, 0.0
             now = time.monotonic()
-            for pid in recorded_ranks(self.run_dir):
+            recorded = recorded_ranks(self.run_dir)
+            self.seen.update(rank_processes(self.marker, [os.getpid()]))
+            registered = {rank for rank, _ in recorded.values()}
+            if len(registered) < self.ranks and now - started > self.start_timeout_s:
+                return "unregistered", 0, now - started
+            for pid in set(recorded) | set(self.seen):
                 if stopped(pid):
                     since.setdefault(pid, now)
                 else:
@@ -189,7 +208,7 @@ class Supervisor:
 
     def _verdict(self, verdict, rc: int, vanished: List[Tuple[int, float]], reports: List[Tuple[int, str, float]],
                  stuck: List[int]) -> Outcome:
-        who = recorded_ranks(self.run_dir)
+        who = {**{pid: (rank, f"rank {rank}") for pid, rank in self.seen.items()}, **recorded_ranks(self.run_dir)}
         messages = [text for _, text, _ in reports if text]
         done = marked(self.run_dir, "exited")
         died = next(((pid, at) for pid, at in vanished if pid not in done), None)
@@ -203,6 +222,19 @@ class Supervisor:
             name = signal_name(verdict[1])
             return Outcome("interrupted", 128 + verdict[1], "signal", message=f"hetpipe: interrupted by {name}",
                            reports=messages)
+        if verdict is not None and verdict[0] == "unregistered":
+            registered = {rank for rank, _ in recorded_ranks(self.run_dir).values()}
+            missing = [r for r in range(self.ranks) if r not in registered]
+            # The ranks that never reached MPI start-up are the cause; the others wait for them in MPI_Init.
+            culprits = [r for r in missing if r not in starting_ranks(self.run_dir)] or missing
+            pids = {rank: pid for pid, rank in self.seen.items()}
+            where = "; ".join(f"rank {r}: " + (f"process {pids[r]} running" if r in pids else "no process seen")
+                              for r in culprits)
+            waiting = sorted(set(missing) - set(culprits))
+            return Outcome("failed", 1, "unregistered", culprits[0], f"rank {culprits[0]}", pids.get(culprits[0]),
+                           f"hetpipe: rank(s) {culprits} did not reach MPI start-up within {verdict[2]:.1f} s "
+                           f"({where}" + (f"; rank(s) {waiting} waited for them in MPI_Init" if waiting else "")
+                           + "); the launcher ended the job", messages)
         if verdict is not None and verdict[0] == "stopped":
             return blame("stopped", verdict[1], lambda role: f"hetpipe: {role} failed: it stopped responding (its "
                                                              f"process was stopped, state T, for {verdict[2]:.1f} "
@@ -228,6 +260,18 @@ class Supervisor:
             return blame("reported", pid, lambda role: text or f"hetpipe: {role} failed (it reported an error)")
         return Outcome("failed", rc if rc > 0 else 1, "exit", message=f"hetpipe: mpiexec exited with status {rc}",
                        reports=messages)
+
+
+def _die_with_parent() -> None:
+    """In mpiexec's process, before it runs: SIGTERM it if the launcher dies (Linux), so that a
+    launcher killed with SIGKILL does not orphan the job (mpiexec then ends its ranks itself, the
+    ranks that never registered included; registered ranks also watch the launcher themselves)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _reports(run_dir: str) -> List[Tuple[int, str, float]]:
