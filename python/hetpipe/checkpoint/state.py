@@ -175,6 +175,10 @@ class Checkpointer:
                  keep: int = 2, progress: Optional[Path] = None, run_id: str = "", keep_last: int = 1) -> None:
         if every < 1:
             raise ValueError(f"hetpipe: checkpoint_every must be >= 1 wave, got {every}")
+        # Imported now, not at the first write: a SIGTERM write runs in a signal handler, which must not
+        # interrupt (or run) a first import of the module (a second signal mid-import saw it half made).
+        import safetensors.torch  # noqa: F401
+
         self.directory, self.every, self.rank = Path(directory), every, rank
         self.directory.mkdir(parents=True, exist_ok=True)
         self.manifest = manifest

@@ -168,6 +168,9 @@ class RunCheckpoints:
             return None
 
         def handler(sig, _frame) -> None:
+            # A second SIGTERM (the launcher's and mpiexec's both arrive) while the first is being handled
+            # must not start a second write over the first's half-written files: it is ignored.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             writer.on_signal(failure.signal_grace_s())
             sys.stderr.write(f"hetpipe: {describe()}: SIGTERM; checkpoint(s) at clock(s) {writer.written} in "
                              f"{self.directory}\n")
