@@ -194,3 +194,42 @@ def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(tmp_pa
     lines = [ln for ln in err.splitlines() if "holds checkpoints of another run" in ln]
     assert len(lines) == 1 and str(ckpt) in lines[0], err
     assert run_ids(ckpt) == before and not (tmp_path / "second" / "result.json").exists()
+
+
+def test_a_vw_that_loses_a_device_goes_on_over_the_others(tmp_path):
+    """One VW of three emulated devices, planned by the Trainer; its middle stage's rank is SIGKILLed
+    mid-run. `--max-restarts 1` re-plans the two surviving devices (one VW of two stages) from the
+    profile the run saved and resumes from the last checkpoint. Every minibatch is trained once, and the
+    final weights equal a replay of the first plan up to the cut followed by a replay of the new plan
+    from those weights over the rest (plain SGD: no optimizer state to carry)."""
+    from replan_run import data
+
+    from common import cross_entropy, mlp, sgd
+    from hetpipe.plan.types import Plan
+    from hetpipe.run.data import Batches
+    from hetpipe.run.trainer import Trainer
+
+    metrics, ckpt, run, out = tmp_path / "metrics.jsonl", tmp_path / "ckpt", tmp_path / "run", tmp_path / "out"
+    proc = _launch("-n", "4", "--max-restarts", "1", "--timeout", "20", "--run-dir", str(run), "--checkpoint-dir",
+                   str(ckpt), "replan_run.py", str(out), str(metrics))
+    _kill_at_wave(proc, metrics, ckpt, run, 3, 1)
+    rc, err = _finish(proc)
+    assert rc == 0, err
+    assert "device n0.g1 of rank 1 (vw 0 stage 1) is left out; 1 VW(s) on 3 ranks (re-planned the 2 remaining " \
+           "device(s): 1 VW(s) of [2] stage(s), predicted" in err, err
+    first, second = Plan.load(run / "attempt-0" / "plan.json"), Plan.load(run / "plan-1.json")
+    assert [len(vw.stages) for vw in first.virtual_workers] == [3]
+    assert [[st.device for st in vw.stages] for vw in second.virtual_workers] == [["n0.g0", "n0.g2"]]
+    res, weights = _result(out)
+    clock = res["resumed"]["clock"]
+    assert not res["resumed"]["same_plan"] and clock >= 1
+    before = sum(len(per) for per in res["resumed"]["losses"].values())
+    assert before == 2 * clock and before + len(res["losses"]["0"]) == 32     # every minibatch once
+
+    full, cut = data(), before * 16
+    model = mlp()
+    Trainer(model, cross_entropy, sgd(momentum=0.0), Batches(full.x[:cut], full.y[:cut], 16, shuffle=False),
+            plan=first, epochs=1).replay()
+    ref = Trainer(model, cross_entropy, sgd(momentum=0.0), Batches(full.x[cut:], full.y[cut:], 16, shuffle=False),
+                  plan=second, epochs=1).replay()
+    assert all(np.array_equal(weights[l], ref.weights[l]) for l in ref.weights), "weights differ from the replays"

@@ -63,6 +63,56 @@ def plan_without(plan: Plan, devices: Iterable[str]) -> Plan:
     return dataclasses.replace(plan, virtual_workers=vws, throughput=0.0, meta=meta)
 
 
+def replan(plan: Plan, devices: Iterable[str], planning: Dict) -> Plan:
+    """A new plan of the devices left after ``devices`` failed: the planner run again on the run's own
+    cluster without them, with its profile and settings (``planning``, saved by the run that planned),
+    so that a VW that lost a device can go on over the others. Device ids are kept (a GPU stays the
+    GPU it was: ``n0.g2`` does not become ``n0.g1``). Raises ValueError when nothing fits."""
+    from hetpipe.plan import make_plan
+
+    out = set(devices)
+    cluster = dict(planning["cluster"])
+    nodes, ids = [], {}
+    for node in cluster["nodes"]:
+        kept = [(j, t) for j, t in enumerate(node["devices"]) if f"{node['name']}.g{j}" not in out]
+        if kept:
+            nodes.append({"name": node["name"], "devices": [t for _, t in kept]})
+            ids.update({f"{node['name']}.g{k}": f"{node['name']}.g{j}" for k, (j, _) in enumerate(kept)})
+    if not nodes:
+        raise ValueError(f"hetpipe: without device(s) {sorted(out)} no device of the cluster is left")
+    cluster["nodes"] = nodes
+    new = make_plan(cluster, planning["profile"], policy=planning["policy"], nm=planning["nm"], d=planning["d"],
+                    minibatch_size=planning["minibatch_size"], precision=planning["precision"])
+    vws = tuple(dataclasses.replace(vw, stages=tuple(dataclasses.replace(st, device=ids.get(st.device, st.device))
+                                                     for st in vw.stages)) for vw in new.virtual_workers)
+    meta = {**new.meta, "replanned_without": sorted(out)}
+    return dataclasses.replace(new, virtual_workers=vws, aggregate=plan.aggregate, meta=meta)
+
+
+def _next_plan(plan: Plan, failed: Set[str], here: Path) -> "tuple[Plan, str]":
+    """The plan of the next attempt and how it was chosen: re-planned over the surviving devices when
+    the run saved its planning inputs (and the planner fits the model on them), else the plan without
+    the VWs that held a failed device."""
+    gone = failed & {st.device for vw in plan.virtual_workers for st in vw.stages}
+    dropped = plan_without(plan, gone) if gone and any(not gone & set(vw.devices) for vw in plan.virtual_workers) \
+        else None
+    if gone and (here / "planning.json").exists():
+        import json
+
+        try:
+            new = replan(plan, gone, json.loads((here / "planning.json").read_text()))
+        except (ValueError, OSError) as e:
+            if dropped is None:
+                raise
+            return dropped, f"re-planning failed ({e}); dropped the VW(s) that held them"
+        return new, (f"re-planned the {sum(len(vw.stages) for vw in new.virtual_workers)} remaining device(s): "
+                     f"{len(new.virtual_workers)} VW(s) of {[len(vw.stages) for vw in new.virtual_workers]} "
+                     f"stage(s), predicted {new.throughput:.3g} minibatches/s (before: {plan.throughput:.3g})")
+    if dropped is None:
+        dropped = plan_without(plan, gone)          # raises, naming the devices
+    return dropped, "dropped the VW(s) that held them (the run saved no planning inputs to re-plan with)"
+
+
 def answers(device: str) -> bool:
     """Whether ``device`` works again: a CUDA device (``cuda:i``, or a cluster id ``...g<i>`` on a GPU
     host) if a fresh process can compute on it within ``PROBE_TIMEOUT_S``; an emulated device never
@@ -174,10 +224,11 @@ def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max
         else:
             left = "the rank that stopped answering is not known: restarting with the same devices"
         try:
-            new_plan = plan_without(plan, failed & {st.device for vw in plan.virtual_workers for st in vw.stages})
+            new_plan, chosen = _next_plan(plan, failed, here)
         except ValueError as e:
             _say(f"not restarting: {e}")
             return rc
+        how = f" ({chosen})" if failed & {st.device for vw in plan.virtual_workers for st in vw.stages} else ""
         reached = _reached(here)
         found = ckpt.latest(Path(directory)) if directory else None
         if found is not None:
@@ -194,7 +245,7 @@ def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max
         attempt += 1
         n = _use_plan(new_plan, base / f"plan-{attempt}.json", env, n)
         _say(f"restart {attempt} of {max_restarts}: {why}; {left}; {len(new_plan.virtual_workers)} VW(s) on "
-             f"{n} ranks; {lost}")
+             f"{n} ranks{how}; {lost}")
 
 
 def _use_plan(plan: Plan, path: Path, env: Dict[str, str], n: int) -> int:

@@ -5,6 +5,7 @@ rank receives. The Trainer (:mod:`hetpipe.run.trainer`) is the user API; this is
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -64,6 +65,8 @@ class RankRun:
         if rank == 0 and os.environ.get(RUN_DIR_ENV):
             # For a restarting launcher: which device each rank ran, and where the checkpoints are.
             plan.save(Path(os.environ[RUN_DIR_ENV], "plan.json"))
+            if self.t.planning is not None:
+                Path(os.environ[RUN_DIR_ENV], "planning.json").write_text(json.dumps(self.t.planning))
             if self.t.checkpoints.directory is not None:
                 Path(os.environ[RUN_DIR_ENV], "checkpoints.txt").write_text(f"{self.t.checkpoints.directory.resolve()}\n")
         check_world(plan, size)

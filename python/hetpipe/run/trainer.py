@@ -209,6 +209,7 @@ class Trainer:
         self.loss_fn, self.optimizer = loss_fn, optimizer
         self.data = as_source(data, seed)
         self.plan_arg, self.policy, self.cluster = plan, policy, cluster
+        self.planning: Optional[Dict[str, Any]] = None      # the inputs of the plan made here, if one was
         plan_cache = plan_cache or os.environ.get(PLAN_CACHE_ENV) or None
         self.plan_cache = Path(plan_cache) if plan_cache else None
         self.nm = whole("nm", nm) if nm is not None else None
@@ -305,6 +306,10 @@ class Trainer:
                              minibatch_size=batch_of(x), precision=self.precision or "fp32")
             if cache is not None:
                 cache.store(key, plan, profile, cluster)
+            # What a restarting launcher re-plans the surviving devices with (run/rank.py saves it).
+            self.planning = {"cluster": cluster.to_dict(), "profile": profile.to_dict(), "policy": self.policy,
+                             "nm": self.nm, "d": self.d or 0, "minibatch_size": batch_of(x),
+                             "precision": self.precision or "fp32"}
             return self._check_layers(plan)
         return self._check_layers(override(plan, self.nm, self.d))
 

@@ -1,0 +1,46 @@
+"""A run the Trainer plans itself, on an emulated node of three devices (one VW of three stages), for
+the restart-by-re-planning test. Usage: replan_run.py OUT (under `hetpipe launch`); rank 0 writes
+OUT/result.json (losses, what it resumed from, its plan) and OUT/weights.npz (final global weights)."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common import cross_entropy, mlp, sgd
+from hetpipe.run.data import Batches
+from hetpipe.run.trainer import Trainer
+
+CLUSTER = {"name": "three", "emulated": True, "device_types": {"emu": {"memory_bytes": 1 << 26, "speed": 0.002}},
+           "nodes": [{"name": "n0", "type": "emu", "count": 3}],
+           "intra_node": {"bandwidth": 2e9, "latency": 2e-5}, "inter_node": {"bandwidth": 2.5e8, "latency": 1e-4}}
+
+
+def data(minibatches: int = 32) -> Batches:
+    g = torch.Generator().manual_seed(1)
+    n = 16 * minibatches
+    return Batches(torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g), 16, shuffle=False)
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    metrics = sys.argv[2] if len(sys.argv) > 2 else None
+    from hetpipe.cluster import cluster_from_dict
+
+    run = Trainer(mlp(), cross_entropy, sgd(momentum=0.0), data(), cluster=cluster_from_dict(CLUSTER), policy="NP",
+                  nm=2, d=0, progress=False, emulate=True, metrics=metrics).fit()
+    if run.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        np.savez(out / "weights.npz", **{str(l): w for l, w in run.weights.items()})
+        resumed = {k: v for k, v in run.resumed.items() if k != "losses"}
+        resumed["losses"] = {str(vw): {str(p): v for p, v in per.items()} for vw, per in run.resumed.get("losses", {}).items()}
+        (out / "result.json").write_text(json.dumps({
+            "losses": {str(vw): {str(p): v for p, v in per.items()} for vw, per in run.losses.items()},
+            "plan": run.plan.to_dict(), "resumed": resumed}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

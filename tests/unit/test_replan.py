@@ -1,0 +1,33 @@
+"""Restart by re-planning (launch/restart.py): the planner runs again on the cluster without the failed
+devices, and the new plan names the surviving devices by their own ids (a GPU stays the GPU it was)."""
+
+import pytest
+
+from hetpipe.cluster import load_cluster
+from hetpipe.launch.restart import replan
+from hetpipe.plan import make_plan
+from hetpipe.profile import load_profile
+
+
+def _planning():
+    cluster, profile = load_cluster("hetpipe-testbed"), load_profile("resnet152")
+    planning = {"cluster": cluster.to_dict(), "profile": profile.to_dict(), "policy": "ED", "nm": 4, "d": 0,
+                "minibatch_size": 32, "precision": "fp32"}
+    return make_plan(cluster, profile, policy="ED", nm=4, d=0, minibatch_size=32), planning
+
+
+def test_the_survivors_keep_their_device_ids():
+    plan, planning = _planning()
+    new = replan(plan, ["n0.g0", "n2.g3"], planning)
+    devices = {st.device for vw in new.virtual_workers for st in vw.stages}
+    everyone = {st.device for vw in plan.virtual_workers for st in vw.stages}
+    assert devices <= everyone - {"n0.g0", "n2.g3"}
+    assert {"n0.g1", "n0.g2", "n0.g3", "n2.g0"} & devices            # not renumbered down to n0.g0
+    assert new.meta["replanned_without"] == ["n0.g0", "n2.g3"] and new.throughput > 0
+
+
+def test_nothing_left_is_named():
+    plan, planning = _planning()
+    everyone = [st.device for vw in plan.virtual_workers for st in vw.stages]
+    with pytest.raises(ValueError, match="no device of the cluster is left"):
+        replan(plan, everyone, planning)
