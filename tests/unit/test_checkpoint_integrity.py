@@ -90,3 +90,21 @@ def test_a_fresh_run_refuses_a_directory_holding_another_run(tmp_path):
     with pytest.raises(LaunchError, match=r"holds checkpoints of another run \(run earlier: clock\(s\) 4\.\.4\): "
                                           r"resume it"):
         run.claim()
+
+
+def test_a_failed_write_names_the_file_and_leaves_no_temporary(tmp_path, monkeypatch):
+    """A disk that fills up mid-write (simulated: the rename fails with ENOSPC): the error names the
+    file and its size, and no temporary file is left behind."""
+    import errno
+    import os
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    w = ckpt.Checkpointer(tmp_path, 1, 0, _manifest("a"), keep=0, run_id="a")
+    w.boundary(1, lambda: ({"w/0": torch.ones(1000)}, {"role": "ps", "applied": 1}))
+    with pytest.raises(ckfmt.CheckpointError, match=r"^hetpipe: writing .*clock-000001/manifest\.json failed: OSError: "
+                                                    r"\[Errno 28\] No space left on device"):
+        w.close()
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]

@@ -59,8 +59,12 @@ def commit(tmp: Path, final: Path) -> None:
 
 def write_json(path: Path, value: Any) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, indent=1, allow_nan=True) + "\n")
-    commit(tmp, path)
+    try:
+        tmp.write_text(json.dumps(value, indent=1, allow_nan=True) + "\n")
+        commit(tmp, path)
+    except OSError as e:        # disk full, quota, I/O error: named, and nothing half-written left
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"hetpipe: writing {path} failed: {type(e).__name__}: {e}") from e
 
 
 def is_complete(path: Path) -> bool:

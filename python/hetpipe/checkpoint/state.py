@@ -44,8 +44,14 @@ def write_tensors(path: Path, tensors: Dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp))
-    commit(tmp, path)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    try:
+        save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp))
+        commit(tmp, path)
+    except Exception as e:  # noqa: BLE001 - disk full, quota, I/O error: named, and nothing half-written left
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"hetpipe: writing {path} ({nbytes} bytes of tensors) failed: "
+                              f"{type(e).__name__}: {e}") from e
 
 
 def read_tensors(path: Path) -> Dict[str, torch.Tensor]:
@@ -249,6 +255,8 @@ class Checkpointer:
         self._collect()
 
     def _raise(self) -> None:
+        if isinstance(self.error, CheckpointError):
+            raise self.error
         if self.error is not None:
             raise CheckpointError(f"hetpipe: writing a checkpoint failed: {self.error}") from self.error
 
