@@ -85,9 +85,14 @@ def epoch_range(per_epoch: int, num_vws: int, vw: int, first: int) -> range:
     return range(first + vw, end, num_vws)
 
 
-def _check_share(per_epoch: int, num_vws: int) -> None:
+def vw_epochs(per_epoch: int, num_vws: int, vw: int, epochs: int, start_epoch: int, start_index: int
+              ) -> List[Tuple[int, range]]:
+    """Per epoch from ``start_epoch`` on, the global minibatch indices VW ``vw`` trains in it (the first
+    epoch from ``start_index``); a ValueError now when an epoch has fewer minibatches than VWs."""
     if per_epoch // num_vws == 0:
         raise ValueError(f"hetpipe: one epoch has {per_epoch} minibatch(es), fewer than the {num_vws} virtual workers")
+    return [(epoch, epoch_range(per_epoch, num_vws, vw, start_index if epoch == start_epoch else 0))
+            for epoch in range(start_epoch, epochs)]
 
 
 class VWStream:
@@ -194,12 +199,10 @@ class DatasetSource(DataSource):
 
     def vw_stream(self, vw: int, num_vws: int, epochs: int, start_epoch: int = 0, start_index: int = 0,
                   part: str = BOTH) -> VWStream:
-        per_epoch = self.minibatches_per_epoch()
-        _check_share(per_epoch, num_vws)
+        shares = vw_epochs(self.minibatches_per_epoch(), num_vws, vw, epochs, start_epoch, start_index)
 
         def items(stream: VWStream) -> Iterator[Any]:
-            for epoch in range(start_epoch, epochs):
-                mine = epoch_range(per_epoch, num_vws, vw, start_index if epoch == start_epoch else 0)
+            for epoch, mine in shares:
                 batches = self.indices(epoch, mine)
                 for i, idx in zip(mine, batches):
                     stream.note(epoch, i, torch.tensor(idx))
@@ -254,12 +257,10 @@ class StreamSource(DataSource):
 
     def vw_stream(self, vw: int, num_vws: int, epochs: int, start_epoch: int = 0, start_index: int = 0,
                   part: str = BOTH) -> VWStream:
-        per_epoch = self.minibatches_per_epoch()
-        _check_share(per_epoch, num_vws)
+        shares = vw_epochs(self.minibatches_per_epoch(), num_vws, vw, epochs, start_epoch, start_index)
 
         def items(stream: VWStream) -> Iterator[Any]:
-            for epoch in range(start_epoch, epochs):
-                mine = epoch_range(per_epoch, num_vws, vw, start_index if epoch == start_epoch else 0)
+            for epoch, mine in shares:
                 if not mine:
                     continue
                 wanted = iter(mine)
@@ -304,12 +305,10 @@ class PerVWSource(DataSource):
 
     def vw_stream(self, vw: int, num_vws: int, epochs: int, start_epoch: int = 0, start_index: int = 0,
                   part: str = BOTH) -> VWStream:
-        per_epoch = self.minibatches_per_epoch(num_vws)
-        _check_share(per_epoch, num_vws)
+        shares = vw_epochs(self.minibatches_per_epoch(num_vws), num_vws, vw, epochs, start_epoch, start_index)
 
         def items(stream: VWStream) -> Iterator[Any]:
-            for epoch in range(start_epoch, epochs):
-                mine = epoch_range(per_epoch, num_vws, vw, start_index if epoch == start_epoch else 0)
+            for epoch, mine in shares:
                 skip = mine.start // num_vws
                 own = itertools.islice(self.factory(vw, num_vws, epoch), skip, skip + len(mine))
                 for i, batch in zip(mine, own):
