@@ -54,3 +54,11 @@ def test_an_unreadable_cache_re_plans_and_says_why(tmp_path, capsys):
     capsys.readouterr()
     _plan(tmp_path)
     assert f"re-planning: the cache in {tmp_path} is unreadable (plan: not valid JSON" in capsys.readouterr().err
+
+
+def test_a_reused_plan_keeps_what_a_restart_re_plans_with(tmp_path):
+    made = Trainer(mlp(), cross_entropy, sgd(), synthetic(), cluster="cpu-emulated", plan_cache=tmp_path)
+    made.resolve_plan()
+    reused = Trainer(mlp(), cross_entropy, sgd(), synthetic(), cluster="cpu-emulated", plan_cache=tmp_path)
+    reused.resolve_plan()
+    assert reused.planning == made.planning and reused.planning["profile"]["layers"]

@@ -71,6 +71,10 @@ class PlanCache:
             return None, f"re-planning: {why} (cache {self.directory})"
         return plan, f"reusing the cached plan in {self.directory} (model, cluster and settings match)"
 
+    def profile(self) -> Dict[str, Any]:
+        """The cached profile (JSON data), what a restart re-plans the surviving devices with."""
+        return json.loads((self.directory / "profile.json").read_text())
+
     def store(self, key: Dict[str, Any], plan: Plan, profile: Any, cluster: Any) -> None:
         """Write the cache (each file whole: a temporary name, then a rename)."""
         self.directory.mkdir(parents=True, exist_ok=True)

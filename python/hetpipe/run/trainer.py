@@ -292,22 +292,24 @@ class Trainer:
             if isinstance(cluster, str):
                 cluster = load_cluster(cluster)
             x, y = self.data.sample()
-            cache, key = None, None
+            cache, key, plan = None, None, None
             if self.plan_cache is not None:
                 cache = PlanCache(self.plan_cache)
                 key = {"model": model_key(self.layers), "sample": sample_key((x, y)), "cluster": cluster.to_dict(),
                        "precision": self.precision or "fp32", "policy": self.policy, "nm": self.nm, "d": self.d or 0}
-                cached, why = cache.lookup(key)
+                plan, why = cache.lookup(key)
                 sys.stderr.write(f"hetpipe: plan cache: {why}\n")
-                if cached is not None:
-                    return self._check_layers(cached)
-            profile = profile_model(self.model, x, cluster, loss_fn=lambda out: self.loss_fn(out, y))
-            plan = make_plan(cluster, profile, policy=self.policy, nm=self.nm, d=self.d or 0,
-                             minibatch_size=batch_of(x), precision=self.precision or "fp32")
-            if cache is not None:
-                cache.store(key, plan, profile, cluster)
+            if plan is not None:
+                profile_data = cache.profile()
+            else:
+                profile = profile_model(self.model, x, cluster, loss_fn=lambda out: self.loss_fn(out, y))
+                plan = make_plan(cluster, profile, policy=self.policy, nm=self.nm, d=self.d or 0,
+                                 minibatch_size=batch_of(x), precision=self.precision or "fp32")
+                if cache is not None:
+                    cache.store(key, plan, profile, cluster)
+                profile_data = profile.to_dict()
             # What a restarting launcher re-plans the surviving devices with (run/rank.py saves it).
-            self.planning = {"cluster": cluster.to_dict(), "profile": profile.to_dict(), "policy": self.policy,
+            self.planning = {"cluster": cluster.to_dict(), "profile": profile_data, "policy": self.policy,
                              "nm": self.nm, "d": self.d or 0, "minibatch_size": batch_of(x),
                              "precision": self.precision or "fp32"}
             return self._check_layers(plan)

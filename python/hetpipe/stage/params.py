@@ -447,8 +447,10 @@ class StageModel:
             for name, p in layer.named_parameters():
                 grads = [s[i][name].grad for s in stashes if s[i][name].grad is not None]
                 g = sum(grads[1:], grads[0]) if grads else None
-                p.grad = p.grad + g if accumulate and p.grad is not None and g is not None else \
-                    (p.grad if accumulate and g is None else g)
+                if not (accumulate and p.grad is not None):
+                    p.grad = g
+                elif g is not None:
+                    p.grad = p.grad + g
         for key, p in zip(self.tied_keys, self._tied_params):
             g = tied[key].view_as(p)
             p.grad = p.grad + g if accumulate and p.grad is not None else g

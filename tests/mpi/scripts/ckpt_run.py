@@ -11,10 +11,9 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from common import cross_entropy, mlp, sgd
+from common import cross_entropy, mlp, save_run, sgd
 from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
 from hetpipe.run.data import Batches
 from hetpipe.run.trainer import Trainer
@@ -47,13 +46,7 @@ def main() -> int:
                   epochs=cfg["epochs"], progress=False, metrics=cfg.get("metrics"), emulate=True,
                   lr_scheduler=scheduler).fit()
     if run.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        np.savez(out / "weights.npz", **{str(l): w for l, w in run.weights.items()})
-        resumed = {k: v for k, v in run.resumed.items() if k != "losses"}
-        resumed["losses"] = {str(vw): {str(p): v for p, v in per.items()} for vw, per in run.resumed.get("losses", {}).items()}
-        (out / "result.json").write_text(json.dumps({
-            "losses": {str(vw): {str(p): v for p, v in per.items()} for vw, per in run.losses.items()},
-            "samples": run.samples, "vws": len(run.plan.virtual_workers), "resumed": resumed}))
+        save_run(out, run)
     return 0
 
 

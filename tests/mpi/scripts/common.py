@@ -82,3 +82,19 @@ def same_outcome(a: Any, b: Any) -> bool:
     return (a.losses == b.losses and sorted(a.weights) == sorted(b.weights)
             and all(np.array_equal(a.weights[l], b.weights[l]) for l in a.weights)
             and all(np.array_equal(a.buffers[l], b.buffers[l]) for l in a.buffers))
+
+
+def save_run(out, run) -> None:
+    """Rank 0's record of a run for the checkpoint tests: OUT/weights.npz (final global weights) and
+    OUT/result.json (losses, samples, VWs, plan, and what it resumed from)."""
+    import json
+    from pathlib import Path
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez(out / "weights.npz", **{str(l): w for l, w in run.weights.items()})
+    by_vw = lambda losses: {str(vw): {str(p): v for p, v in per.items()} for vw, per in losses.items()}  # noqa: E731
+    resumed = {**{k: v for k, v in run.resumed.items() if k != "losses"}, "losses": by_vw(run.resumed.get("losses", {}))}
+    (out / "result.json").write_text(json.dumps({"losses": by_vw(run.losses), "samples": run.samples,
+                                                 "vws": len(run.plan.virtual_workers), "plan": run.plan.to_dict(),
+                                                 "resumed": resumed}))

@@ -2,14 +2,12 @@
 the restart-by-re-planning test. Usage: replan_run.py OUT (under `hetpipe launch`); rank 0 writes
 OUT/result.json (losses, what it resumed from, its plan) and OUT/weights.npz (final global weights)."""
 
-import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from common import cross_entropy, mlp, sgd
+from common import cross_entropy, mlp, save_run, sgd
 from hetpipe.run.data import Batches
 from hetpipe.run.trainer import Trainer
 
@@ -32,13 +30,7 @@ def main() -> int:
     run = Trainer(mlp(), cross_entropy, sgd(momentum=0.0), data(), cluster=cluster_from_dict(CLUSTER), policy="NP",
                   nm=2, d=0, progress=False, emulate=True, metrics=metrics).fit()
     if run.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        np.savez(out / "weights.npz", **{str(l): w for l, w in run.weights.items()})
-        resumed = {k: v for k, v in run.resumed.items() if k != "losses"}
-        resumed["losses"] = {str(vw): {str(p): v for p, v in per.items()} for vw, per in run.resumed.get("losses", {}).items()}
-        (out / "result.json").write_text(json.dumps({
-            "losses": {str(vw): {str(p): v for p, v in per.items()} for vw, per in run.losses.items()},
-            "plan": run.plan.to_dict(), "resumed": resumed}))
+        save_run(out, run)
     return 0
 
 
