@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Tuple, Union
 
@@ -42,6 +42,7 @@ class DeviceType:
     memory_bytes: int
     speed: float
     peak_flops: float = 0.0     # FLOP/s, 0 when unknown (emulated types)
+    hardware: str = ""          # what the device reported itself as (discovered clusters)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,9 @@ class ClusterSpec:
     intra_node: Link
     inter_node: Link
     emulated: bool = False
+    # The kind of the link between two devices (``"a|b"`` -> nvlink, pcie) where discovery read it;
+    # informational: the planner models one intra-node and one inter-node link.
+    links: Dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -113,12 +117,17 @@ class ClusterSpec:
             types[t.name] = {"memory_bytes": t.memory_bytes, "speed": t.speed}
             if t.peak_flops:
                 types[t.name]["peak_flops"] = t.peak_flops
-        return {
+            if t.hardware:
+                types[t.name]["hardware"] = t.hardware
+        out = {
             "name": self.name, "emulated": self.emulated, "device_types": types,
             "nodes": [{"name": n, "devices": [d.type for d in self.devices_of(n)]} for n in self.nodes],
             "intra_node": {"bandwidth": self.intra_node.bandwidth, "latency": self.intra_node.latency},
             "inter_node": {"bandwidth": self.inter_node.bandwidth, "latency": self.inter_node.latency},
         }
+        if self.links:
+            out["links"] = dict(self.links)
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -147,7 +156,7 @@ def _device_type(cname: str, tname: str, data: Any) -> DeviceType:
     where = f"cluster {cname!r}: device type {tname!r}"
     if not isinstance(data, Mapping):
         raise ValueError(f"{where} must be an object, got {data!r}")
-    unknown = set(data) - {"memory_bytes", "speed", "peak_flops"}
+    unknown = set(data) - {"memory_bytes", "speed", "peak_flops", "hardware"}
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}")
     if "memory_bytes" not in data:
@@ -162,7 +171,7 @@ def _device_type(cname: str, tname: str, data: Any) -> DeviceType:
         raise ValueError(f"{where}: needs speed or peak_flops")
     if mem < 1:
         raise ValueError(f"{where}: memory_bytes must be at least 1 byte, got {data['memory_bytes']!r}")
-    return DeviceType(tname, int(mem), speed, flops)
+    return DeviceType(tname, int(mem), speed, flops, str(data.get("hardware", "")))
 
 
 def cluster_from_dict(data: Any) -> ClusterSpec:
@@ -170,7 +179,8 @@ def cluster_from_dict(data: Any) -> ClusterSpec:
     if not isinstance(data, Mapping):
         raise ValueError(f"cluster: a spec must be a JSON object, got {type(data).__name__}")
     name = str(data.get("name", "cluster"))
-    unknown = set(data) - {"name", "emulated", "device_types", "nodes", "intra_node", "inter_node", "description"}
+    unknown = set(data) - {"name", "emulated", "device_types", "nodes", "intra_node", "inter_node", "description",
+                           "links"}
     if unknown:
         raise ValueError(f"cluster {name!r}: unknown field(s) {sorted(unknown)}")
     for key in ("device_types", "nodes", "intra_node", "inter_node"):
@@ -205,8 +215,11 @@ def cluster_from_dict(data: Any) -> ClusterSpec:
             devices.append(Device(f"{nname}.g{j}", t, nname))
     if not devices:
         raise ValueError(f"cluster {name!r}: no devices (empty cluster)")
+    links = data.get("links", {})
+    if not isinstance(links, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in links.items()):
+        raise ValueError(f"cluster {name!r}: links must be an object mapping \"a|b\" to a link kind, got {links!r}")
     return ClusterSpec(name, types, tuple(devices), _link(name, "intra_node", data["intra_node"]),
-                       _link(name, "inter_node", data["inter_node"]), bool(data.get("emulated", False)))
+                       _link(name, "inter_node", data["inter_node"]), bool(data.get("emulated", False)), dict(links))
 
 
 def presets() -> List[str]:

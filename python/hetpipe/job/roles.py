@@ -22,18 +22,23 @@ class Role:
     vw: int = -1
     stage: int = -1
     shard: int = -1
+    world: int = -1         # the MPI world rank running it, when not ``rank`` (a discovered world)
 
     def describe(self) -> str:
+        who = self.rank if self.world < 0 else self.world
         if self.kind == "stage":
-            return f"rank {self.rank} (vw {self.vw} stage {self.stage})"
-        return f"rank {self.rank} (ps shard {self.shard})"
+            return f"rank {who} (vw {self.vw} stage {self.stage})"
+        return f"rank {who} (ps shard {self.shard})"
 
 
-def role_of(plan: Plan, rank: int) -> Role:
+def role_of(plan: Plan, rank: int, world: int = -1) -> Role:
+    """The part of ``plan`` its rank ``rank`` runs; ``world``: the MPI world rank running it, when the
+    ranks were put in plan order (:mod:`hetpipe.run.world_plan`)."""
     kind, a, b = plan.role_of(rank)
+    w = -1 if world == rank else world
     if kind == "stage":
-        return Role(rank, "stage", vw=a, stage=b)
-    return Role(rank, "ps", shard=a)
+        return Role(rank, "stage", vw=a, stage=b, world=w)
+    return Role(rank, "ps", shard=a, world=w)
 
 
 def check_world(plan: Plan, size: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from hetpipe.precision import HALF_DTYPE
@@ -27,8 +28,6 @@ def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional
     ``precision="bf16"`` runs each forward and the loss under ``torch.autocast`` to bfloat16, as a
     bf16 run does (:mod:`hetpipe.precision`), so the stash holds what such a run keeps.
     """
-    import torch
-
     from hetpipe.precision import check_precision
 
     check_precision(precision, "profile_model")
@@ -48,14 +47,70 @@ def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional
                          f"(cluster types: {sorted(cluster.device_types)})")
     else:
         ref_speed = cluster.device_types[reference_type].speed
+    measured = measure_layers(model, sample_input, loss_fn=loss_fn, repeats=repeats, precision=precision)
+    out = []
+    for m in measured.layers:
+        f = {t: m.fwd_s * ref_speed / dt.speed for t, dt in cluster.device_types.items()}
+        b = {t: m.bwd_s * ref_speed / dt.speed for t, dt in cluster.device_types.items()}
+        derived = {t: cluster.emulated or t != reference_type for t in cluster.device_types}
+        out.append(m.profile(f, b, derived, optimizer_factor))
+    src = "measured on this host, " + ("emulated types derived by speed" if cluster.emulated
+                                       else f"as {reference_type}, other types derived by speed")
+    return ModelProfile(name=name, minibatch_size=measured.minibatch_size, layers=tuple(out),
+                        input_bytes=measured.input_bytes, source=src)
+
+
+@dataclass(frozen=True)
+class LayerMeasure:
+    """One layer measured on one device: median forward and backward seconds per minibatch, and bytes."""
+
+    name: str
+    fwd_s: float
+    bwd_s: float
+    activation_bytes: int
+    stash_bytes: int
+    param_bytes: int
+    workspace_bytes: int
+    tied: Tuple[Tuple[int, str, int], ...]
+
+    def profile(self, fwd: Dict[str, float], bwd: Dict[str, float], derived: Dict[str, bool],
+                optimizer_factor: float) -> LayerProfile:
+        """This layer's profile entry, with times per device type."""
+        return LayerProfile(name=self.name, fwd_time=fwd, bwd_time=bwd, activation_bytes=self.activation_bytes,
+                            param_bytes=self.param_bytes, optimizer_bytes=int(optimizer_factor * self.param_bytes),
+                            workspace_bytes=self.workspace_bytes, derived=derived, stash_bytes=self.stash_bytes,
+                            tied=self.tied)
+
+
+@dataclass(frozen=True)
+class ModelMeasure:
+    """Every layer of a model measured on one device, and the device's peak allocated bytes (CUDA; 0 elsewhere)."""
+
+    layers: Tuple[LayerMeasure, ...]
+    minibatch_size: int
+    input_bytes: int
+    peak_bytes: int = 0
+
+
+def measure_layers(model: Any, sample_input: Any, loss_fn: Optional[Callable] = None, repeats: int = 5,
+                   precision: str = "fp32", speed: Optional[float] = None, device: Any = None) -> ModelMeasure:
+    """Measure each layer of ``model`` where its parameters are (see :func:`profile_model`), on one
+    thread, leaving the model's buffers and the random state as they were. ``speed``: the device
+    is emulated at ``speed`` times this host's speed (each timed section is stretched to match).
+    ``device``: measure on this device instead, moving one layer there at a time (the model and
+    ``sample_input`` stay on the CPU); the loss function must accept outputs on that device."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    from hetpipe.model.layout import ModelLayout
+    from hetpipe.model.tree import batch_of, flatten
+
+    if repeats < 1:
+        raise ValueError(f"measure_layers: repeats must be >= 1, got {repeats}")
     names = layer_names(model)
     layers = list(model)
     if not layers:
         raise ValueError("profile_model: the model has no layers")
-    from torch.utils import _pytree as pytree
-
-    from hetpipe.model.layout import ModelLayout
-    from hetpipe.model.tree import flatten
 
     def nbytes(t: Any) -> int:
         return sum(x.numel() * x.element_size() for x in pytree.tree_leaves(t) if isinstance(x, torch.Tensor))
@@ -72,10 +127,17 @@ def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional
     saved_buffers = [b.detach().clone() for layer in layers for b in layer.buffers()]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    peak = [0]
+    stage = None if device is None else torch.device(device)
+    if stage is not None and stage.type == "cpu":
+        stage = None
+    if stage is not None:
+        sample_input = pytree.tree_map(lambda t: t.to(stage) if isinstance(t, torch.Tensor) else t, sample_input)
     try:
         with torch.random.fork_rng(devices=[]):
             fwd_s, bwd_s, out_bytes, stash_bytes, work_bytes = _measure(layers, sample_input, loss_fn, repeats,
-                                                                        nbytes, detach, side_of, flatten, precision)
+                                                                        nbytes, detach, side_of, flatten, precision,
+                                                                        speed, stage, peak)
     finally:
         torch.set_num_threads(threads)
         with torch.no_grad():
@@ -86,37 +148,30 @@ def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional
         s = sorted(v)
         return s[len(s) // 2]
 
-    out = []
     layout = ModelLayout(layers)
     owned = [dict(layout.owned[l]) for l in range(len(layers))]
 
     def tied_of(i: int) -> Tuple[Tuple[int, str, int], ...]:
         return tuple((r.owner, r.owner_name, r.numel * owned[r.owner][r.owner_name].element_size())
                      for r in layout.replicas[i])
-    for i, layer in enumerate(layers):
-        pb = sum(p.numel() * p.element_size() for _, p in layout.owned[i])      # a tied parameter counts once
-        fm, bm = median(fwd_s[i]), median(bwd_s[i])
-        f = {t: fm * ref_speed / dt.speed for t, dt in cluster.device_types.items()}
-        b = {t: bm * ref_speed / dt.speed for t, dt in cluster.device_types.items()}
-        derived = {t: cluster.emulated or t != reference_type for t in cluster.device_types}
-        out.append(LayerProfile(name=names[i] if names else f"{i}:{type(layer).__name__}", fwd_time=f, bwd_time=b,
-                                activation_bytes=out_bytes[i], param_bytes=pb,
-                                optimizer_bytes=int(optimizer_factor * pb), workspace_bytes=work_bytes[i],
-                                derived=derived, stash_bytes=stash_bytes[i], tied=tied_of(i)))
-    from hetpipe.model.tree import batch_of
-    batch = batch_of(sample_input)
-    src = "measured on this host, " + ("emulated types derived by speed" if cluster.emulated
-                                       else f"as {reference_type}, other types derived by speed")
-    return ModelProfile(name=name, minibatch_size=batch, layers=tuple(out), input_bytes=nbytes(sample_input),
-                        source=src)
-
+    out = [LayerMeasure(name=names[i] if names else f"{i}:{type(layer).__name__}", fwd_s=median(fwd_s[i]),
+                        bwd_s=median(bwd_s[i]), activation_bytes=out_bytes[i], stash_bytes=stash_bytes[i],
+                        param_bytes=sum(p.numel() * p.element_size() for _, p in layout.owned[i]),
+                        workspace_bytes=work_bytes[i], tied=tied_of(i))
+           for i, layer in enumerate(layers)]
+    return ModelMeasure(tuple(out), batch_of(sample_input), nbytes(sample_input), int(peak[0]))
 
 
 def _measure(layers: List[Any], sample_input: Any, loss_fn: Optional[Callable], repeats: int, nbytes: Callable,
-             detach: Callable, side_of: Callable, flatten: Callable, precision: str = "fp32"):
+             detach: Callable, side_of: Callable, flatten: Callable, precision: str = "fp32",
+             speed: Optional[float] = None, stage: Any = None, peak: Optional[List[int]] = None):
     """Per layer: forward and backward times of each repeat, output bytes (every leaf of a pytree
     output), bytes saved for backward, and (on CUDA) transient bytes above those. A layer that
-    raises is named in the error."""
+    raises is named in the error. ``speed``: this host emulates a device ``speed`` times as fast as
+    itself, so each timed section is stretched to its time divided by ``speed`` (as a pacer would).
+    ``stage``: a device each layer is moved to for its own measurement only (and back to the CPU
+    after), so a device too small for the whole model still measures every layer. ``peak[0]`` is
+    raised to the largest allocated bytes seen on a CUDA device."""
     import contextlib
     import time
 
@@ -129,6 +184,9 @@ def _measure(layers: List[Any], sample_input: Any, loss_fn: Optional[Callable], 
     for r in range(repeats + 1):
         x = sample_input
         for i, layer in enumerate(layers):
+            if stage is not None:
+                layer.to(stage)
+                x = pytree.tree_map(lambda t: t.to(stage) if isinstance(t, torch.Tensor) else t, x)
             xin = detach(x)
             params = {p.data_ptr() for p in layer.parameters()}
             device = _device_of(layer, xin)
@@ -147,6 +205,13 @@ def _measure(layers: List[Any], sample_input: Any, loss_fn: Optional[Callable], 
                     torch.cuda.synchronize(device)
                 return time.perf_counter()
 
+            def paced(started: float) -> float:
+                end = now()
+                if speed is None:
+                    return end
+                sleep_until(started + (end - started) / speed)
+                return time.perf_counter()
+
             if cuda:
                 held = torch.cuda.memory_allocated(device)
                 torch.cuda.reset_peak_memory_stats(device)
@@ -157,7 +222,7 @@ def _measure(layers: List[Any], sample_input: Any, loss_fn: Optional[Callable], 
             except Exception as e:
                 raise ValueError(f"profile_model: layer {i} ({type(layer).__name__}) failed: "
                                  f"{type(e).__name__}: {e}") from e
-            t1 = now()
+            t1 = paced(t0)
             leaves, _ = flatten(y, f"layer {i} ({type(layer).__name__})")
             outs = [t for t in leaves if t.requires_grad]
             if outs:
@@ -172,7 +237,7 @@ def _measure(layers: List[Any], sample_input: Any, loss_fn: Optional[Callable], 
                     t1 = now()
                     torch.autograd.backward(outs, grads)
                     del grads
-            t2 = now()
+            t2 = paced(t1)
             if r > 0:
                 fwd_s[i].append(t1 - t0)
                 bwd_s[i].append(t2 - t1)
@@ -182,9 +247,25 @@ def _measure(layers: List[Any], sample_input: Any, loss_fn: Optional[Callable], 
                 # so the peak holds the transients alone beyond the output and the stash.
                 peak = torch.cuda.max_memory_allocated(device) - held - out_bytes[i] - stash_bytes[i]
                 work_bytes[i] = max(work_bytes[i], peak, 0)
+            if cuda and peak is not None:
+                peak[0] = max(peak[0], torch.cuda.max_memory_allocated(device))
+            if stage is not None:
+                layer.to("cpu")
             x = pytree.tree_map(lambda t: t.detach(), y)
     return fwd_s, bwd_s, out_bytes, stash_bytes, work_bytes
 
+
+
+def sleep_until(deadline: float) -> None:
+    """Sleep until ``time.perf_counter()`` reaches ``deadline``: most of the gap at once, then in short
+    slices, since ``sleep()`` alone overshoots by about 0.1 ms."""
+    import time
+
+    while True:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            return
+        time.sleep(left if left > 2e-3 else left / 2 if left > 1e-4 else 0)
 
 
 def _device_of(layer: Any, inputs: Any) -> Any:

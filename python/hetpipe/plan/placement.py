@@ -40,11 +40,16 @@ def holders(num_layers: int, nodes: Sequence[str], vw_stages: Sequence[Sequence[
 
 
 def place_layers(param_bytes: Sequence[float], nodes: Sequence[str],
-                 vw_stages: Sequence[Sequence[Tuple[int, int, str]]], num_shards: Optional[int] = None
-                 ) -> Tuple[ShardPlan, ...]:
-    """Assign every layer to a shard (see the module docstring)."""
+                 vw_stages: Sequence[Sequence[Tuple[int, int, str]]], num_shards: Optional[int] = None,
+                 shard_at: Optional[Sequence[str]] = None) -> Tuple[ShardPlan, ...]:
+    """Assign every layer to a shard (see the module docstring). ``shard_at``: the node of each
+    shard, when the shards' ranks are already placed (a node may be one without devices)."""
     L = len(param_bytes)
-    where = shard_nodes(list(nodes), num_shards)
+    if shard_at is not None:
+        where = list(shard_at)
+        nodes = list(nodes) + [n for n in dict.fromkeys(where) if n not in nodes]
+    else:
+        where = shard_nodes(list(nodes), num_shards)
     h = holders(L, nodes, vw_stages)
     node_idx = {n: i for i, n in enumerate(nodes)}
     col = np.array([node_idx[n] for n in where])

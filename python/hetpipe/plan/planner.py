@@ -94,7 +94,7 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
               minibatch_size: Optional[int] = None, num_ps_shards: Optional[int] = None, recompute: Any = False,
               *, vw_size: Optional[int] = None, objective: str = "throughput", horizon: Optional[int] = None,
               exhaustive_max: int = 8, derive_missing: bool = False, max_nm: Optional[int] = None,
-              precision: str = "fp32") -> Plan:
+              precision: str = "fp32", ps_nodes: Optional[Sequence[str]] = None) -> Plan:
     """The HetPipe plan for ``profile`` (a ModelProfile, preset name or path) on ``cluster`` (a
     ClusterSpec, preset name, path or dict).
 
@@ -108,6 +108,8 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     A VW that fits nowhere is left out (``meta["left_out"]``: its devices and why, in bytes).
     precision: "fp32" or "bf16"; under "bf16" float32 activations and their gradients cross stages
     as bfloat16, so the transfers cost half the profiled bytes (``meta["wire_factor"]``).
+    ps_nodes: the node of each PS shard, when the shards' ranks are already placed (discovery's PS
+    slots); a node may be a host without devices. Excludes ``num_ps_shards``.
     Raises ValueError naming the device, layer and bytes when nothing fits.
     """
     cluster = load_cluster(cluster)
@@ -119,6 +121,12 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
                   f"a shard owns whole layers and the model has {profile.num_layers}")
     check_integer("make_plan", "vw_size", vw_size, 1, profile.num_layers,
                   f"every stage needs a layer and the model has {profile.num_layers}")
+    if ps_nodes is not None:
+        ps_nodes = [str(n) for n in ps_nodes]
+        if num_ps_shards is not None and num_ps_shards != len(ps_nodes):
+            raise ValueError(f"make_plan: num_ps_shards={num_ps_shards} but ps_nodes names {len(ps_nodes)} shards")
+        if not ps_nodes:
+            ps_nodes = None
     if vw_size is None and default_vw_size(cluster) > profile.num_layers:
         vw_size = profile.num_layers     # nodes with more devices than layers: VWs of one stage per layer
     if objective not in OBJECTIVES:
@@ -151,6 +159,7 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     single = single_device_throughput(table, used_types)
     by_id = {dv.id: dv for dv in cluster.devices}
     nodes = cluster.nodes
+    all_nodes = list(nodes) + [n for n in dict.fromkeys(ps_nodes or ()) if n not in nodes]
     pb = [float(x) for x in table.param_bytes]
     best: Optional[_Candidate] = None
     errors: Dict[str, str] = {}
@@ -192,12 +201,12 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
                 stage_nodes = [_stage_nodes(p) for p in parts]
                 # shards go to the nodes the VWs use (all of them unless a VW was left out)
                 used = {n for sn in stage_nodes for _, _, n in sn}
-                shards = place_layers(pb, [n for n in nodes if n in used], stage_nodes, num_ps_shards)
+                shards = place_layers(pb, [n for n in nodes if n in used], stage_nodes, num_ps_shards, ps_nodes)
                 waves = [cost_model.vw_wave_time(p.bottleneck, p.round_trip,
                                                  cost_model.vw_sync_time(sn, pb, shards, cluster.node_link), m, d,
                                                  len(p.stages))
                          for p, sn in zip(parts, stage_nodes)]
-                period = max(cost_model.shard_times(stage_nodes, pb, shards, nodes,
+                period = max(cost_model.shard_times(stage_nodes, pb, shards, all_nodes,
                                                     cluster.inter_node.bandwidth), default=0.0)
                 thr = cost_model.cluster_throughput(waves, m, d, period, horizon)
                 mem = sum(st.memory for p in parts for st in p.stages)

@@ -30,6 +30,7 @@ from hetpipe.run.drive import drive
 from hetpipe.run.record import RunRecord
 from hetpipe.run.result import TrainResult, resumed_losses, stopped_of
 from hetpipe.run.spec import RunSpec, merge_outcomes, part_outcome
+from hetpipe.run.world_plan import on_world, plan_on_world
 from hetpipe.schedule.trace import TraceEvent
 from hetpipe.transport import registry as transports
 
@@ -40,10 +41,23 @@ class RankRun:
     def __init__(self, trainer: Any, rank: int) -> None:
         self.t = trainer
         self.describe = f"rank {rank}"
+        self.order: List[int] = []          # the world rank of each plan rank (empty: the same)
+        self.emulated_world = False         # the world's devices were discovered as emulated types
 
     def run(self, comm, rank: int, size: int) -> TrainResult:
-        """Plan on rank 0, take this rank's role, train, gather the result (see :meth:`Trainer.fit`)."""
+        """Plan on rank 0, take this rank's role, train, gather the result (see :meth:`Trainer.fit`).
+
+        On a world planned from its own devices (:mod:`hetpipe.run.world_plan`) the ranks are first
+        renumbered in plan order (``comm.Split``), so that the rank holding each stage's device runs it."""
         hosts = gather_hosts(comm)
+        if on_world(self.t.cluster):
+            plan, self.order, discovery = plan_on_world(self.t, comm)
+            self.emulated_world = discovery.cluster.emulated
+            world_rank = rank
+            rank = self.order.index(world_rank)
+            comm = comm.Split(0, rank)
+            hosts = [hosts[w] for w in self.order]
+            return self._run_plan(comm, rank, size, hosts, plan.to_json(), None, world_rank)
         plan_text, error = None, None
         if rank == 0:
             try:
@@ -53,6 +67,13 @@ class RankRun:
                 plan_text = self.t.resolve_plan().to_json()
             except Exception as e:  # noqa: BLE001 - relayed to every rank below
                 error = f"planning on rank 0 failed: {type(e).__name__}: {e}"
+        return self._run_plan(comm, rank, size, hosts, plan_text, error, rank)
+
+    def _role(self, plan: Plan, rank: int) -> Role:
+        return role_of(plan, rank, self.order[rank] if self.order else rank)
+
+    def _run_plan(self, comm, rank: int, size: int, hosts: List[Any], plan_text: Optional[str],
+                  error: Optional[str], world_rank: int) -> TrainResult:
         # The run's identity (checkpoint ownership): rank 0's; a resumed run takes its checkpoint's.
         plan_text, error, run_id = comm.bcast((plan_text, error, uuid.uuid4().hex[:16] if rank == 0 else None),
                                               root=0)
@@ -70,16 +91,17 @@ class RankRun:
             if self.t.checkpoints.directory is not None:
                 Path(os.environ[RUN_DIR_ENV], "checkpoints.txt").write_text(f"{self.t.checkpoints.directory.resolve()}\n")
         check_world(plan, size)
-        role = role_of(plan, rank)
+        role = self._role(plan, rank)
         self.describe = role.describe()
-        register_rank(rank, self.describe)
+        register_rank(world_rank, self.describe)
         spec, problem = None, None
         try:
             spec = self.t.spec(plan, self.t.checkpoints.resume(plan))
             self.t.checkpoints.claim()
             if role.kind == "stage":
                 st = plan.virtual_workers[role.vw].stages[role.stage]
-                dev, emulated = resolve_device(st, emulate=self.t.emulate, cuda_count=hosts[rank]["cuda_count"])
+                dev, emulated = resolve_device(st, emulate=True if self.emulated_world else self.t.emulate,
+                                              cuda_count=hosts[rank]["cuda_count"])
                 spec.devices[rank], spec.emulated[rank] = dev, emulated
                 spec.emulation_scale = self.t.emulation_scale
         except (LaunchError, ValueError, TypeError, ckfmt.CheckpointError) as e:
@@ -161,8 +183,7 @@ class RankRun:
         return result
 
 
-    @staticmethod
-    def _check_agreement(comm, spec: RunSpec, part, role: Role) -> None:
+    def _check_agreement(self, comm, spec: RunSpec, part, role: Role) -> None:
         """Every rank holds the same initial weights of the layers it holds (model.fingerprint) and reads
         the same data (loader.check); a mismatch is one verdict on every rank, before training."""
         plan = spec.plan
@@ -180,7 +201,7 @@ class RankRun:
         problems = [p for _, _, p in everyone if p]
         if problems:
             raise LaunchError("hetpipe: " + "; ".join(problems))
-        who = [role_of(plan, r).describe() for r in range(len(everyone))]
+        who = [self._role(plan, r).describe() for r in range(len(everyone))]
         differ = first_difference(list(zip(who, (d for _, d, _ in everyone))), plan.layer_names or None)
         if differ:
             raise LaunchError(differ)

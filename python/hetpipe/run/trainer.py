@@ -41,6 +41,7 @@ from hetpipe.run.report import Reporter
 from hetpipe.run.replay import ReplayResult, replay_run
 from hetpipe.run.result import TrainResult, resumed_losses
 from hetpipe.run.spec import RunSpec
+from hetpipe.run.world_plan import on_world
 from hetpipe.schedule.registry import ScheduleOptions, generate, get_schedule
 from hetpipe.stage.loss_scale import LossScale
 from hetpipe.transport import registry as transports
@@ -105,6 +106,12 @@ class Trainer:
         or a factory ``(vw, num_vws, epoch) -> iterable`` of a VW's own minibatches.
     plan: a :class:`Plan` or a plan JSON path; else rank 0 plans with ``policy`` on ``cluster``
         (default: the ``cpu-emulated`` preset) from a profile of the model.
+    cluster: a preset, cluster JSON path, dict or ClusterSpec; ``"auto"`` discovers the world's devices
+        (every rank's host, GPU or ``HETPIPE_EMULATE`` type; :mod:`hetpipe.job.discovery`). Under
+        ``"auto"`` or a cluster of real devices (not emulated), each device type is profiled on a rank
+        that holds it, ranks without a device serve the PS shards, and each rank runs the part of
+        the plan on the device it holds (:mod:`hetpipe.run.world_plan`); the cluster is printed and
+        written as ``cluster.json`` to the run directory and the plan cache.
     plan_cache: a directory where that plan, its profile and cluster are kept and reused by the next run
         of the same model (structure), sample shapes, cluster, precision, policy, Nm and D, so that
         identical launches train identical cuts; rank 0 says whether it reuses or re-plans, and why
@@ -275,14 +282,23 @@ class Trainer:
             plan = with_precision(plan, self.precision)
         return plan
 
-    def _plan(self) -> Plan:
+    def given_plan(self) -> Optional[Plan]:
+        """The plan this Trainer was given (or a restarting launcher's), None when it makes one."""
         if os.environ.get(ckfmt.PLAN_ENV):
             # A restarting launcher replanned without a failed device: its plan replaces the script's.
             return self._check_layers(Plan.load(os.environ[ckfmt.PLAN_ENV]))
-        if isinstance(self.plan_arg, Plan):
-            plan = self.plan_arg
-        elif self.plan_arg is not None:
-            plan = Plan.load(self.plan_arg)
+        if self.plan_arg is None:
+            return None
+        plan = self.plan_arg if isinstance(self.plan_arg, Plan) else Plan.load(self.plan_arg)
+        return self._check_layers(override(plan, self.nm, self.d))
+
+    def _plan(self) -> Plan:
+        given = self.given_plan()
+        if given is not None:
+            return given
+        if on_world(self.cluster):
+            raise LaunchError(f"hetpipe: cluster={self.cluster!r} is planned on the devices of an MPI world "
+                              f"(Trainer.fit under mpiexec); give an emulated cluster or a plan to replay")
         else:
             from hetpipe.cluster import load_cluster
             from hetpipe.plan import make_plan
@@ -313,7 +329,6 @@ class Trainer:
                              "nm": self.nm, "d": self.d or 0, "minibatch_size": batch_of(x),
                              "precision": self.precision or "fp32"}
             return self._check_layers(plan)
-        return self._check_layers(override(plan, self.nm, self.d))
 
     def _check_layers(self, plan: Plan) -> Plan:
         if plan.num_layers != len(self.layers):

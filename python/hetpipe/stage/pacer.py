@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from hetpipe.model.measure import sleep_until
+
 
 class Pacer:
     """Pads timed sections to a target duration.
@@ -39,9 +41,4 @@ class Pacer:
             self.overrun_s += now - deadline
             return
         self.padded_s += deadline - now
-        # Sleep most of the gap, then yield in short slices: sleep() alone overshoots by ~0.1 ms.
-        while True:
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                return
-            time.sleep(left if left > 2e-3 else left / 2 if left > 1e-4 else 0)
+        sleep_until(deadline)

@@ -1,0 +1,130 @@
+"""Planning on the world's own devices: discover them (``cluster="auto"``) or match a given real cluster
+onto the ranks, profile each device type on a rank that holds it, plan with the ranks that hold no
+device as PS slots, and say which world rank runs each part of the plan.
+
+A collective: every rank calls :func:`plan_on_world`. Every decision that can fail (discovery, the
+match, the rank assignment) is computed from allgathered facts on every rank alike, so every rank
+raises the same :class:`LaunchError` and none waits on another; what only rank 0 does (the plan cache,
+the planner) is broadcast with its error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, List, Optional, Tuple
+
+from hetpipe.cluster import ClusterSpec, load_cluster
+from hetpipe.job.discovery import Discovery, DiscoveryError, assign_ranks, discover, match
+from hetpipe.job.inventory import rank_facts
+from hetpipe.job.roles import LaunchError
+from hetpipe.job.rundir import RUN_DIR_ENV
+from hetpipe.model.tree import batch_of
+from hetpipe.plan.types import Plan
+from hetpipe.run.plan_cache import PlanCache, model_key, sample_key
+from hetpipe.run.profiling import ProfilingError, profile_on_devices
+
+CLUSTER_FILE = "cluster.json"       # the discovered (or matched) cluster, in the run directory
+
+
+def on_world(cluster: Any) -> bool:
+    """Whether a Trainer's ``cluster`` is planned on the world's devices: ``"auto"``, or a cluster whose
+    devices are real (not emulated on this host), since each type must be measured where it is."""
+    if isinstance(cluster, str) and cluster == "auto":
+        return True
+    if cluster is None:
+        return False
+    return not load_cluster(cluster).emulated
+
+
+def discovery_of(comm: Any, cluster: Any) -> Discovery:
+    """The world's cluster and who holds what, the same on every rank (a collective)."""
+    facts = comm.allgather(rank_facts(comm.Get_rank(), comm.Get_size()))
+    try:
+        if isinstance(cluster, str) and cluster == "auto":
+            return discover(facts)
+        return match(facts, load_cluster(cluster))
+    except DiscoveryError as e:
+        raise LaunchError(f"hetpipe: {e}") from None
+
+
+def plan_on_world(trainer: Any, comm: Any) -> Tuple[Plan, List[int], Discovery]:
+    """The plan every rank runs, the world rank of each plan rank, and the discovery they came from."""
+    rank = comm.Get_rank()
+    discovery = discovery_of(comm, trainer.cluster)
+    if rank == 0:
+        sys.stderr.write(discovery.table() + "\n")
+        _save_cluster(discovery.cluster, trainer.plan_cache)
+    given = trainer.given_plan()
+    if given is not None:
+        plan = given
+    else:
+        plan = _planned(trainer, comm, discovery)
+    try:
+        order = assign_ranks(plan, discovery)
+    except DiscoveryError as e:
+        raise LaunchError(f"hetpipe: {e}") from None
+    return plan, order, discovery
+
+
+def _planned(trainer: Any, comm: Any, discovery: Discovery) -> Plan:
+    from hetpipe.plan import make_plan
+    from hetpipe.profile import ModelProfile
+
+    rank = comm.Get_rank()
+    cluster = discovery.cluster
+    x, y = trainer.data.sample()
+    precision = trainer.precision or "fp32"
+    ps_nodes = [h.host for h in discovery.ps_slots()] or None
+    key = {"model": model_key(trainer.layers), "sample": sample_key((x, y)), "cluster": cluster.to_dict(),
+           "precision": precision, "policy": trainer.policy, "nm": trainer.nm, "d": trainer.d or 0,
+           "ps_nodes": ps_nodes}
+    cached = None
+    if rank == 0 and trainer.plan_cache is not None:
+        plan, why = PlanCache(trainer.plan_cache).lookup(key)
+        sys.stderr.write(f"hetpipe: plan cache: {why}\n")
+        if plan is not None:
+            cached = (plan.to_json(), PlanCache(trainer.plan_cache).profile())
+    cached = comm.bcast(cached, root=0)
+    if cached is not None:
+        plan_text, profile_data = cached
+    else:
+        try:
+            profile = profile_on_devices(comm, trainer.model, (x, y), trainer.loss_fn, discovery, precision)
+        except ProfilingError as e:
+            raise LaunchError(str(e)) from None
+        plan_text, error = None, None
+        if rank == 0:
+            try:
+                plan = make_plan(cluster, profile, policy=trainer.policy, nm=trainer.nm, d=trainer.d or 0,
+                                 minibatch_size=batch_of(x), precision=precision, ps_nodes=ps_nodes)
+                if trainer.plan_cache is not None:
+                    PlanCache(trainer.plan_cache).store(key, plan, profile, cluster)
+                plan_text = plan.to_json()
+            except Exception as e:  # noqa: BLE001 - relayed to every rank below
+                error = f"planning on rank 0 failed: {type(e).__name__}: {e}"
+        plan_text, error = comm.bcast((plan_text, error), root=0)
+        if error:
+            raise LaunchError(f"hetpipe: {error}")
+        profile_data = profile.to_dict()
+    if rank == 0:
+        sys.stderr.write(f"hetpipe: profile: {ModelProfile.from_dict(profile_data).source}\n")
+    # What a restarting launcher re-plans the surviving devices with (plan rank 0 saves it).
+    trainer.planning = {"cluster": cluster.to_dict(), "profile": profile_data, "policy": trainer.policy,
+                        "nm": trainer.nm, "d": trainer.d or 0, "minibatch_size": batch_of(x),
+                        "precision": precision, "ps_nodes": ps_nodes}
+    return Plan.from_json(plan_text)
+
+
+def _save_cluster(cluster: ClusterSpec, plan_cache: Optional[Path]) -> None:
+    """Write the cluster JSON (editable, accepted back as ``cluster=``) where this run keeps its files."""
+    text = json.dumps(cluster.to_dict(), indent=2)
+    places = [Path(os.environ[RUN_DIR_ENV])] if os.environ.get(RUN_DIR_ENV) else []
+    if plan_cache is not None:
+        places.append(Path(plan_cache))
+    for place in places:
+        place.mkdir(parents=True, exist_ok=True)
+        (place / CLUSTER_FILE).write_text(text)
+        sys.stderr.write(f"hetpipe: cluster written to {place / CLUSTER_FILE}\n")
