@@ -72,6 +72,7 @@ class LayerMeasure:
     param_bytes: int
     workspace_bytes: int
     tied: Tuple[Tuple[int, str, int], ...]
+    host_s: float = 0.0     # forward + backward on the bare host, when the device was emulated
 
     def profile(self, fwd: Dict[str, float], bwd: Dict[str, float], derived: Dict[str, bool],
                 optimizer_factor: float) -> LayerProfile:
@@ -96,7 +97,10 @@ def measure_layers(model: Any, sample_input: Any, loss_fn: Optional[Callable] = 
                    precision: str = "fp32", speed: Optional[float] = None, device: Any = None) -> ModelMeasure:
     """Measure each layer of ``model`` where its parameters are (see :func:`profile_model`), on one
     thread, leaving the model's buffers and the random state as they were. ``speed``: the device
-    is emulated at ``speed`` times this host's speed (each timed section is stretched to match).
+    is emulated at ``speed`` times this host's speed: the layers are measured on the host, then
+    measured again under a pacer padding each section to its host time / ``speed``, as an emulated
+    stage is padded in training (:mod:`hetpipe.stage.pacer`); the padded times are returned. (A
+    proportional stretch would multiply the cold-cache slowdown after each sleep by 1 / speed.)
     ``device``: measure on this device instead, moving one layer there at a time (the model and
     ``sample_input`` stay on the CPU); the loss function must accept outputs on that device."""
     import torch
@@ -127,6 +131,10 @@ def measure_layers(model: Any, sample_input: Any, loss_fn: Optional[Callable] = 
     saved_buffers = [b.detach().clone() for layer in layers for b in layer.buffers()]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    def median(v: Sequence[float]) -> float:
+        s = sorted(v)
+        return s[len(s) // 2]
+
     peak = [0]
     stage = None if device is None else torch.device(device)
     if stage is not None and stage.type == "cpu":
@@ -137,16 +145,17 @@ def measure_layers(model: Any, sample_input: Any, loss_fn: Optional[Callable] = 
         with torch.random.fork_rng(devices=[]):
             fwd_s, bwd_s, out_bytes, stash_bytes, work_bytes = _measure(layers, sample_input, loss_fn, repeats,
                                                                         nbytes, detach, side_of, flatten, precision,
-                                                                        speed, stage, peak)
+                                                                        None, stage, peak)
+            host_s = [median(f) + median(b) for f, b in zip(fwd_s, bwd_s)]
+            if speed is not None:
+                targets = [(median(f) / speed, median(b) / speed) for f, b in zip(fwd_s, bwd_s)]
+                fwd_s, bwd_s = _measure(layers, sample_input, loss_fn, repeats, nbytes, detach, side_of, flatten,
+                                        precision, targets, stage, peak)[:2]
     finally:
         torch.set_num_threads(threads)
         with torch.no_grad():
             for b, v in zip((b for layer in layers for b in layer.buffers()), saved_buffers):
                 b.copy_(v)
-
-    def median(v: Sequence[float]) -> float:
-        s = sorted(v)
-        return s[len(s) // 2]
 
     layout = ModelLayout(layers)
     owned = [dict(layout.owned[l]) for l in range(len(layers))]
@@ -157,18 +166,20 @@ def measure_layers(model: Any, sample_input: Any, loss_fn: Optional[Callable] = 
     out = [LayerMeasure(name=names[i] if names else f"{i}:{type(layer).__name__}", fwd_s=median(fwd_s[i]),
                         bwd_s=median(bwd_s[i]), activation_bytes=out_bytes[i], stash_bytes=stash_bytes[i],
                         param_bytes=sum(p.numel() * p.element_size() for _, p in layout.owned[i]),
-                        workspace_bytes=work_bytes[i], tied=tied_of(i))
+                        workspace_bytes=work_bytes[i], tied=tied_of(i),
+                        host_s=host_s[i] if speed is not None else 0.0)
            for i, layer in enumerate(layers)]
     return ModelMeasure(tuple(out), batch_of(sample_input), nbytes(sample_input), int(peak[0]))
 
 
 def _measure(layers: List[Any], sample_input: Any, loss_fn: Optional[Callable], repeats: int, nbytes: Callable,
              detach: Callable, side_of: Callable, flatten: Callable, precision: str = "fp32",
-             speed: Optional[float] = None, stage: Any = None, peak: Optional[List[int]] = None):
+             targets: Optional[List[Tuple[float, float]]] = None, stage: Any = None,
+             peak: Optional[List[int]] = None):
     """Per layer: forward and backward times of each repeat, output bytes (every leaf of a pytree
     output), bytes saved for backward, and (on CUDA) transient bytes above those. A layer that
-    raises is named in the error. ``speed``: this host emulates a device ``speed`` times as fast as
-    itself, so each timed section is stretched to its time divided by ``speed`` (as a pacer would).
+    raises is named in the error. ``targets``: per layer, the forward and backward seconds a pacer
+    pads each section to (an emulated device); the times measured are then the padded ones.
     ``stage``: a device each layer is moved to for its own measurement only (and back to the CPU
     after), so a device too small for the whole model still measures every layer. ``peak[0]`` is
     raised to the largest allocated bytes seen on a CUDA device."""
@@ -205,11 +216,11 @@ def _measure(layers: List[Any], sample_input: Any, loss_fn: Optional[Callable], 
                     torch.cuda.synchronize(device)
                 return time.perf_counter()
 
-            def paced(started: float) -> float:
+            def paced(started: float, section: int) -> float:
                 end = now()
-                if speed is None:
+                if targets is None:
                     return end
-                sleep_until(started + (end - started) / speed)
+                sleep_until(started + targets[i][section])
                 return time.perf_counter()
 
             if cuda:
@@ -222,7 +233,7 @@ def _measure(layers: List[Any], sample_input: Any, loss_fn: Optional[Callable], 
             except Exception as e:
                 raise ValueError(f"profile_model: layer {i} ({type(layer).__name__}) failed: "
                                  f"{type(e).__name__}: {e}") from e
-            t1 = paced(t0)
+            t1 = paced(t0, 0)
             leaves, _ = flatten(y, f"layer {i} ({type(layer).__name__})")
             outs = [t for t in leaves if t.requires_grad]
             if outs:
@@ -237,7 +248,7 @@ def _measure(layers: List[Any], sample_input: Any, loss_fn: Optional[Callable], 
                     t1 = now()
                     torch.autograd.backward(outs, grads)
                     del grads
-            t2 = paced(t1)
+            t2 = paced(t1, 1)
             if r > 0:
                 fwd_s[i].append(t1 - t0)
                 bwd_s[i].append(t2 - t1)
@@ -257,15 +268,15 @@ def _measure(layers: List[Any], sample_input: Any, loss_fn: Optional[Callable], 
 
 
 def sleep_until(deadline: float) -> None:
-    """Sleep until ``time.perf_counter()`` reaches ``deadline``: most of the gap at once, then in short
-    slices, since ``sleep()`` alone overshoots by about 0.1 ms."""
+    """Sleep until ``time.perf_counter()`` reaches ``deadline``: all but the last millisecond at once,
+    then in short slices, since ``sleep()`` overshoots (0.1 ms idle, more on a busy host)."""
     import time
 
     while True:
         left = deadline - time.perf_counter()
         if left <= 0:
             return
-        time.sleep(left if left > 2e-3 else left / 2 if left > 1e-4 else 0)
+        time.sleep(left - 1e-3 if left > 2e-3 else left / 2 if left > 1e-4 else 0)
 
 
 def _device_of(layer: Any, inputs: Any) -> Any:

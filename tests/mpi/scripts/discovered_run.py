@@ -1,5 +1,5 @@
 """A run planned on the world's own devices. Usage: discovered_run.py CLUSTER [PLAN_CACHE]: CLUSTER is
-``auto`` or a cluster JSON; every rank prints ``RESULT`` with its world rank, its role and host, and
+``auto`` or a cluster JSON; world rank 0 prints a ``RESULT`` per rank with its world rank, its role and host, and
 rank 0 also the plan, the losses and whether they equal a one-process replay of the same plan."""
 
 import json
@@ -27,7 +27,10 @@ def main() -> int:
             np.array_equal(run.weights[l], replay.weights[l]) for l in replay.weights)
         out.update(plan=run.plan.to_dict(), losses={str(v): l for v, l in run.losses.items()},
                    replay_equal=(run.losses == replay.losses) and weights_equal)
-    print("RESULT " + json.dumps(out), flush=True)
+    everyone = comm.gather(out, root=0)     # one writer: lines of several ranks would interleave
+    if rank == 0:
+        for entry in everyone:
+            print("RESULT " + json.dumps(entry), flush=True)
     return 0
 
 

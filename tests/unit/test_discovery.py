@@ -1,0 +1,163 @@
+"""Discovery: the cluster built from what ranks report, a given cluster matched onto them, the ranks
+given the parts of a plan, and the per-rank environment (hetpipe.job.inventory, hetpipe.job.discovery)."""
+
+import pytest
+
+from hetpipe.cluster import cluster_from_dict, load_cluster
+from hetpipe.job.discovery import DiscoveryError, assign_ranks, discover, gpu_type_name, match, peak_fp32
+from hetpipe.job.inventory import EMULATE_ENV, HOST_ENV, emulated_type, host_name, parse_topology, rank_facts
+from hetpipe.plan import make_plan
+from hetpipe.profile import analytic_profile
+
+TOPO = """\
+\tGPU0\tGPU1\tGPU2\tGPU3\tCPU Affinity\tNUMA Affinity
+GPU0\t X \tNV12\tPIX\tSYS\t0-15\t0
+GPU1\tNV12\t X \tPXB\tSYS\t0-15\t0
+GPU2\tPIX\tPXB\t X \tNODE\t16-31\t1
+GPU3\tSYS\tSYS\tNODE\t X \t16-31\t1
+
+Legend:
+  X    = Self
+"""
+
+
+def gpu(index, name="NVIDIA A100-SXM4-40GB", mib=40960):
+    return {"index": index, "name": name, "memory_bytes": mib << 20, "compute_capability": "8.0",
+            "bus_id": f"0000:{index:02x}:00.0"}
+
+
+def fact(rank, host, gpus=(), emulate=None, links=()):
+    return {"rank": rank, "pid": 100 + rank, "host": host, "error": "", "emulate": emulate, "gpus": list(gpus),
+            "links": [list(x) for x in links]}
+
+
+def lab_world():
+    """The lab of the README: 2 A100-40GB on node a (NVLink), 4 RTX 3090 on node b (PCIe), one rank
+    beyond the GPUs on each node (PS slots)."""
+    a = [gpu(0), gpu(1)]
+    b = [gpu(i, "NVIDIA GeForce RTX 3090", 24576) for i in range(4)]
+    links_b = [(i, j, "pcie") for i in range(4) for j in range(i + 1, 4)]
+    return ([fact(r, "a", a, links=[(0, 1, "nvlink")]) for r in range(3)]
+            + [fact(3 + r, "b", b, links=links_b) for r in range(5)])
+
+
+def test_topology_kinds_by_position():
+    kinds = parse_topology(TOPO, [0, 1, 2, 3])
+    assert kinds == {(0, 1): "nvlink", (0, 2): "pcie", (0, 3): "pcie", (1, 2): "pcie", (1, 3): "pcie",
+                     (2, 3): "pcie"}
+    # CUDA_VISIBLE_DEVICES=3,1: positions follow the visible order
+    assert parse_topology(TOPO, [3, 1]) == {(0, 1): "pcie"}
+
+
+def test_gpu_names_and_peaks():
+    assert gpu_type_name("NVIDIA A100-SXM4-40GB") == "a100_sxm4_40gb"
+    assert gpu_type_name("NVIDIA GeForce RTX 3090") == "rtx_3090"
+    assert peak_fp32("NVIDIA GeForce RTX 3090") == 35.6e12
+    assert peak_fp32("NVIDIA H100 80GB HBM3") == 67e12
+    assert peak_fp32("Some New Accelerator") == 0.0
+
+
+def test_discover_real_cluster():
+    d = discover(lab_world())
+    c = d.cluster
+    assert c.nodes == ("a", "b")
+    assert [x.id for x in c.devices] == ["a.g0", "a.g1", "b.g0", "b.g1", "b.g2", "b.g3"]
+    assert c.device_types["a100_sxm4_40gb"].memory_bytes == 40960 << 20
+    assert c.device_types["rtx_3090"].peak_flops == 35.6e12
+    assert "compute capability 8.0" in c.device_types["a100_sxm4_40gb"].hardware
+    assert [h.rank for h in d.ps_slots()] == [2, 7]
+    assert d.holder_of("b.g2").rank == 5 and d.holder_of("b.g2").gpu == 2
+    assert d.links["a.g0|a.g1"] == "nvlink" and d.links["b.g0|b.g3"] == "pcie"
+    assert c.intra_node.bandwidth == 12e9          # node b has PCIe only: the slowest intra-node link
+    assert d.type_holders() == {"a100_sxm4_40gb": [0, 1], "rtx_3090": [3, 4, 5, 6]}
+    again = cluster_from_dict(c.to_dict())           # the saved JSON loads back as it was
+    assert again.to_dict() == c.to_dict() and again.links == c.links
+
+
+def test_discover_emulated_and_errors():
+    world = [fact(0, "h0", emulate={"name": "emu_fast", "speed": 0.125, "memory_bytes": 1 << 26}),
+             fact(1, "h1", emulate={"name": "emu_slow", "speed": 0.0625, "memory_bytes": 1 << 24}),
+             fact(2, "h1", emulate={})]
+    d = discover(world)
+    assert d.cluster.emulated and [x.id for x in d.cluster.devices] == ["h0.g0", "h1.g0"]
+    assert [h.rank for h in d.ps_slots()] == [2]
+    with pytest.raises(DiscoveryError, match="none of the 2 rank"):
+        discover([fact(0, "h0"), fact(1, "h0", emulate={})])
+    with pytest.raises(DiscoveryError, match="rank 1 holds A100"):
+        discover([world[0], fact(1, "h1", [gpu(0, "A100")])])
+    bad = dict(world[1], error="HETPIPE_EMULATE of rank 1: unknown emulated type 'emu_x'")
+    with pytest.raises(DiscoveryError, match=r"rank 1 \(h1\): HETPIPE_EMULATE of rank 1: unknown"):
+        discover([world[0], bad])
+
+
+def test_emulate_and_host_environment(monkeypatch):
+    monkeypatch.setenv(EMULATE_ENV, "emu_fast,big:speed=2:memory=1GiB,ps")
+    monkeypatch.setenv(HOST_ENV, "x,y,y")
+    assert emulated_type(0, 3) == {"name": "emu_fast", "speed": 0.125, "memory_bytes": 268435456}
+    assert emulated_type(1, 3) == {"name": "big", "speed": 2.0, "memory_bytes": 1 << 30}
+    assert emulated_type(2, 3) == {}
+    assert host_name(2, 3) == "y"
+    with pytest.raises(ValueError, match="lists 3 values but the world has 4 ranks"):
+        emulated_type(0, 4)
+    for spec, why in (("emu_nope", "unknown emulated type 'emu_nope'"), ("q:speed=0:memory=1", "speed must be"),
+                      ("q:speed=1", "needs both"), ("q:speed=1:memory=lots", "memory must be"),
+                      ("q:fast=1:memory=1", "is not speed=S")):
+        monkeypatch.setenv(EMULATE_ENV, spec)
+        with pytest.raises(ValueError, match=why):
+            emulated_type(0, 1)
+    monkeypatch.setenv(EMULATE_ENV, "emu_nope")
+    monkeypatch.setenv(HOST_ENV, "x")
+    facts = rank_facts(0, 1)
+    assert "unknown emulated type 'emu_nope'" in facts["error"] and facts["host"] == "x"
+
+
+def test_match_given_cluster():
+    lab = {"name": "lab", "device_types": {"a100_40g": {"memory_bytes": 40 << 30, "peak_flops": 19.5e12},
+                                           "rtx3090": {"memory_bytes": 24 << 30, "peak_flops": 35.6e12}},
+           "nodes": [{"name": "a", "type": "a100_40g", "count": 2}, {"name": "b", "type": "rtx3090", "count": 4}],
+           "intra_node": {"bandwidth": 1e11}, "inter_node": {"bandwidth": 1.25e10}}
+    d = match(lab_world(), cluster_from_dict(lab))
+    assert d.holder_of("b.g3").rank == 6 and d.holder_of("a.g1").type == "a100_40g"
+    assert [h.rank for h in d.ps_slots()] == [2, 7]
+    short = dict(lab, nodes=[{"name": "a", "type": "a100_40g", "count": 4}])
+    with pytest.raises(DiscoveryError, match="node a has 4 device.*but 2 rank"):
+        match(lab_world(), cluster_from_dict(short))
+    elsewhere = dict(lab, nodes=[{"name": "n7", "type": "a100_40g", "count": 1}])
+    with pytest.raises(DiscoveryError, match=r"node n7 .*\(hosts of the world: a, b\)"):
+        match(lab_world(), cluster_from_dict(elsewhere))
+    big = dict(lab, device_types={**lab["device_types"], "rtx3090": {"memory_bytes": 48 << 30, "speed": 1}})
+    with pytest.raises(DiscoveryError, match=r"rank 3 on host b: GPU 0 .* 25769803776 bytes .* b.g0"):
+        match(lab_world(), cluster_from_dict(big))
+
+
+def test_assign_ranks_follows_devices_and_slots():
+    d = discover(lab_world())
+    profile = analytic_profile("vgg19", d.cluster.device_types)
+    ps_nodes = [h.host for h in d.ps_slots()]
+    plan = make_plan(d.cluster, profile, policy="ED", nm=2, ps_nodes=ps_nodes)
+    assert [sh.node for sh in plan.ps_shards] == ps_nodes
+    order = assign_ranks(plan, d)
+    assert sorted(order) == list(range(len(d.holders)))
+    for r, w in enumerate(order):
+        kind, a, b = plan.role_of(r)
+        held = d.holders[w]
+        if kind == "stage":
+            assert held.device == plan.virtual_workers[a].stages[b].device
+        else:
+            assert held.device is None and held.host == plan.ps_shards[a].node
+    # one more rank than the plan needs: named, with what it holds
+    extra = discover(lab_world() + [fact(8, "b", [gpu(i, "NVIDIA GeForce RTX 3090", 24576) for i in range(4)])])
+    with pytest.raises(DiscoveryError, match="without a part: rank 8 on host b, no device"):
+        assign_ranks(plan, extra)
+    no_slot = discover([f for f in lab_world() if f["rank"] != 7])
+    with pytest.raises(DiscoveryError, match="PS shard 1 belongs on node b but no rank there is free"):
+        assign_ranks(plan, no_slot)
+
+
+def test_ps_nodes_may_be_hosts_without_devices():
+    c = load_cluster("hetpipe-testbed")
+    plan = make_plan(c, "vgg19", policy="ED", nm=2, ps_nodes=["storage-host"])
+    assert [sh.node for sh in plan.ps_shards] == ["storage-host"]
+    assert sorted(plan.ps_shards[0].layers) == list(range(plan.num_layers))
+    with pytest.raises(ValueError, match="num_ps_shards=2 but ps_nodes names 1"):
+        make_plan(c, "vgg19", ps_nodes=["x"], num_ps_shards=2)
