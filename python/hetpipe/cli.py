@@ -211,7 +211,17 @@ def _run_reproduce(args) -> int:
 
 def _add_launch_command(sub) -> None:
     p = sub.add_parser("launch", help="run a training script on N MPI ranks (mpiexec from this environment)")
-    p.add_argument("-n", "--np", dest="n", type=arg_whole("-n"), required=True, help="number of ranks")
+    p.add_argument("-n", "--np", dest="n", type=arg_whole("-n"), help="number of ranks (default: the --plan's)")
+    p.add_argument("--hostfile", help="hosts to run on, one per line: host, host:slots or host slots=N; ranks fill "
+                                      "the slots in order (default: -H, else the Slurm allocation, else this host)")
+    p.add_argument("-H", "--hosts", dest="hosts", metavar="HOST:SLOTS,...", help="hosts to run on, as host:slots,...")
+    p.add_argument("--plan", metavar="PLAN", help="train this plan (sets HETPIPE_PLAN) and put each rank on the host "
+                                                  "its node names; each node of the plan must be a host of the list")
+    p.add_argument("--emulate-hosts", action="store_true",
+                   help="run every rank on this machine, each counting as the host the list gives it (HETPIPE_HOST): "
+                        "multi-node placement and supervision tested on one machine")
+    p.add_argument("--mpi-arg", action="append", default=[], metavar="ARG",
+                   help="pass ARG to mpiexec as it is (repeat for several, e.g. --mpi-arg=-genv --mpi-arg=X --mpi-arg=1)")
     p.add_argument("--timeout", type=arg_seconds("--timeout"), help="seconds a rank may wait for a peer (sets HETPIPE_TIMEOUT); "
                                                  "a rank stopped for half of it is declared unresponsive")
     p.add_argument("--start-timeout", type=arg_seconds("--start-timeout"), metavar="SECONDS",
@@ -267,6 +277,7 @@ def _run_launch(args) -> int:
 
         os.environ[PLAN_CACHE_ENV] = str(Path(args.plan_cache).resolve())
     try:
+        placement = _placement(args)
         if args.max_restarts or args.resume or args.checkpoint_dir or args.exclude_device or \
                 args.checkpoint_every is not None:
             from hetpipe.launch.restart import launch_with_restarts
@@ -276,11 +287,50 @@ def _run_launch(args) -> int:
             return launch_with_restarts(args.n, [args.script, *args.args], run_dir=args.run_dir,
                                         max_restarts=args.max_restarts, resume=args.resume,
                                         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                                        exclude=args.exclude_device)
-        return launch(args.n, [args.script, *args.args], run_dir=args.run_dir)
+                                        exclude=args.exclude_device, placement=placement, mpi_args=args.mpi_arg)
+        return launch(args.n, [args.script, *args.args], run_dir=args.run_dir, placement=placement,
+                      mpi_args=args.mpi_arg)
     except (MPIUnavailable, ValueError, CheckpointError) as e:
         print(e, file=sys.stderr)
         return 2
+
+
+def _placement(args):
+    """The launch's :class:`~hetpipe.launch.hosts.Placement` (None: every rank on this host); sets
+    ``args.n`` from ``--plan`` when not given."""
+    import os
+    from pathlib import Path
+
+    from hetpipe.checkpoint.format import PLAN_ENV
+    from hetpipe.job.placement import node_of
+    from hetpipe.launch.hosts import HostsError, Placement, choose
+    from hetpipe.plan.types import Plan
+
+    slots = choose(args.hostfile, args.hosts)
+    nodes = None
+    if args.plan is not None:
+        if args.max_restarts:
+            raise ValueError("hetpipe launch: --plan places the ranks of one plan; --max-restarts re-plans, so "
+                             "they do not go together (use a plan cache instead)")
+        plan = Plan.load(args.plan)
+        os.environ[PLAN_ENV] = str(Path(args.plan).resolve())
+        args.n = args.n or plan.num_ranks
+        if args.n != plan.num_ranks:
+            raise ValueError(f"hetpipe launch: the plan {args.plan} needs {plan.num_ranks} ranks, -n is {args.n}")
+        nodes = tuple(node_of(plan, r) for r in range(plan.num_ranks))
+        if slots is not None and None in nodes:
+            r = nodes.index(None)
+            raise HostsError(f"hetpipe launch: rank {r} of the plan {args.plan} runs on a bare device "
+                             f"({plan.role_of(r)}), which names no node to put it on")
+    if args.n is None:
+        raise ValueError("hetpipe launch: give -n (the number of ranks) or --plan")
+    if args.emulate_hosts and slots is None:
+        raise ValueError("hetpipe launch: --emulate-hosts needs the hosts (--hostfile or -H)")
+    if slots is None:
+        return None
+    placement = Placement(slots, bool(args.emulate_hosts), nodes)
+    placement.rank_hosts(args.n)        # too few slots, or a node not listed: said now, before anything starts
+    return placement
 
 
 def _add_demo_command(sub) -> None:

@@ -31,7 +31,8 @@ LEVELS = [
 LEVEL = {name: i for i, names in enumerate(LEVELS) for name in names}
 TORCH_FREE = ["hetpipe.launch.supervisor", "hetpipe.launch.restart", "hetpipe.launch.mpiexec", "hetpipe.cli",
               "hetpipe.job.world", "hetpipe.job.roles", "hetpipe.job.failure", "hetpipe.checkpoint.format",
-              "hetpipe.plan", "hetpipe.schedule", "hetpipe.ps.gate", "hetpipe.transport.protocol"]
+              "hetpipe.plan", "hetpipe.schedule", "hetpipe.ps.gate", "hetpipe.transport.protocol",
+              "hetpipe.launch.hosts", "hetpipe.job.placement", "hetpipe.job.inventory", "hetpipe.job.discovery"]
 
 
 def _unit(path: Path) -> str:

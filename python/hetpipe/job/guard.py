@@ -18,20 +18,33 @@ import time
 from hetpipe.job.procs import running
 
 LAUNCHER_PID_ENV = "HETPIPE_LAUNCHER_PID"
+LAUNCHER_HOST_ENV = "HETPIPE_LAUNCHER_HOST"      # the host the launcher counts as
 _POLL_S = 0.5       # only without pidfd support
 _started = False
 _lock = threading.Lock()
 
 
-def watch_launcher() -> None:
+def watches(host: str) -> bool:
+    """Whether a rank on ``host`` can watch the launcher's pid: it runs under ``hetpipe launch`` on the
+    launcher's host (``HETPIPE_LAUNCHER_HOST``; no host said counts as the same). On another host the
+    pid names nothing (or another process): those ranks end with their MPI proxy, which ends when it
+    loses mpiexec, which the launcher's death ends (PDEATHSIG)."""
+    if not os.environ.get(LAUNCHER_PID_ENV):
+        return False
+    launcher_host = os.environ.get(LAUNCHER_HOST_ENV, "")
+    return not (host and launcher_host and host != launcher_host)
+
+
+def watch_launcher(host: str = "") -> None:
     """Start (once per process) a daemon thread that SIGKILLs this process when the launcher exits.
 
     Thread role: the thread only waits (on the launcher's pidfd, else by polling /proc) and then kills
-    its own process; it touches no state of the rank. Does nothing outside ``hetpipe launch``."""
+    its own process; it touches no state of the rank. Does nothing outside ``hetpipe launch``, nor on
+    another host than the launcher's (:func:`watches`)."""
     global _started
-    pid = os.environ.get(LAUNCHER_PID_ENV)
-    if not pid:
+    if not watches(host):
         return
+    pid = os.environ[LAUNCHER_PID_ENV]
     with _lock:
         if _started:
             return

@@ -23,22 +23,24 @@ class Role:
     stage: int = -1
     shard: int = -1
     world: int = -1         # the MPI world rank running it, when not ``rank`` (a discovered world)
+    host: str = ""          # where it runs, in a world of several hosts
 
     def describe(self) -> str:
         who = self.rank if self.world < 0 else self.world
+        where = f" on {self.host}" if self.host else ""
         if self.kind == "stage":
-            return f"rank {who} (vw {self.vw} stage {self.stage})"
-        return f"rank {who} (ps shard {self.shard})"
+            return f"rank {who} (vw {self.vw} stage {self.stage}{where})"
+        return f"rank {who} (ps shard {self.shard}{where})"
 
 
-def role_of(plan: Plan, rank: int, world: int = -1) -> Role:
+def role_of(plan: Plan, rank: int, world: int = -1, host: str = "") -> Role:
     """The part of ``plan`` its rank ``rank`` runs; ``world``: the MPI world rank running it, when the
-    ranks were put in plan order (:mod:`hetpipe.run.world_plan`)."""
+    ranks were put in plan order (:mod:`hetpipe.run.world_plan`); ``host``: where, to name it by."""
     kind, a, b = plan.role_of(rank)
     w = -1 if world == rank else world
     if kind == "stage":
-        return Role(rank, "stage", vw=a, stage=b, world=w)
-    return Role(rank, "ps", shard=a, world=w)
+        return Role(rank, "stage", vw=a, stage=b, world=w, host=host)
+    return Role(rank, "ps", shard=a, world=w, host=host)
 
 
 def check_world(plan: Plan, size: int) -> None:

@@ -19,23 +19,28 @@ from typing import Dict, Set, Tuple
 
 RUN_DIR_ENV = "HETPIPE_RUN_DIR"
 _exit_marked = False
+_host = ""
 
 
-def register_rank(rank: int, describe: str) -> None:
-    """Record this rank's pid and role (when started by ``hetpipe launch``), and mark a normal exit.
+def register_rank(rank: int, describe: str, host: str = "") -> None:
+    """Record this rank's pid, role and host (when started by ``hetpipe launch``), and mark a normal exit.
 
     May be called again with a better description; the record is replaced atomically (readers never
-    see half a file). Also starts the guard that ends this rank if the launcher dies."""
+    see half a file). Also starts the guard that ends this rank if the launcher dies (on the
+    launcher's host only: a pid means nothing on another host). The host is remembered from the
+    first call."""
     global _exit_marked
     run_dir = os.environ.get(RUN_DIR_ENV)
     if not run_dir:
         return
     from hetpipe.job.guard import watch_launcher
 
-    watch_launcher()
+    global _host
+    _host = host or _host
+    watch_launcher(_host)
     pid = os.getpid()
     tmp = Path(run_dir, f".rank-{rank}.{pid}.tmp")
-    tmp.write_text(f"{pid}\n{describe}\n")
+    tmp.write_text(f"{pid}\n{describe}\n{_host}\n")
     os.replace(tmp, Path(run_dir, f"rank-{rank}.txt"))
     if not _exit_marked:
         _exit_marked = True
@@ -73,9 +78,21 @@ def _mark(run_dir: str, name: str, text: str = "") -> None:
         pass  # the launcher's directory is gone: nobody is left to read the mark
 
 
-def ranks_by_pid(run_dir: str) -> Dict[int, str]:
-    """pid -> role of every rank recorded in ``run_dir``."""
-    return {pid: role for pid, (_, role) in recorded_ranks(run_dir).items()}
+def ranks_by_pid(run_dir: str, host: str = "") -> Dict[int, str]:
+    """pid -> role of every rank recorded in ``run_dir``; with ``host``, only of the ranks on that host
+    (or that did not say where they run): pids of other hosts cannot be watched from here."""
+    hosts = rank_hosts(run_dir) if host else {}
+    return {pid: role for pid, (_, role) in recorded_ranks(run_dir).items() if hosts.get(pid, host) in (host, "")}
+
+
+def rank_hosts(run_dir: str) -> Dict[int, str]:
+    """pid -> the host each recorded rank said it runs on ("" when it did not say)."""
+    out = {}
+    for f in Path(run_dir).glob("rank-*.txt"):
+        lines = f.read_text().splitlines()
+        if len(lines) >= 2:
+            out[int(lines[0])] = lines[2] if len(lines) >= 3 else ""
+    return out
 
 
 def recorded_ranks(run_dir: str) -> Dict[int, Tuple[int, str]]:

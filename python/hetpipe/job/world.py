@@ -7,6 +7,7 @@ import socket
 from pathlib import Path
 from typing import Any, Dict, List
 
+from hetpipe.job.inventory import host_name
 from hetpipe.job.rundir import RUN_DIR_ENV, mark_starting, register_rank
 
 # hetpipe sends host memory only over MPI (pinned slots; device-to-device traffic has its own
@@ -43,14 +44,15 @@ def world():
             f"hetpipe: mpi4py is not importable ({e}); install it (pip install mpi4py mpich) and start the "
             "program with mpiexec -n N or `hetpipe launch -n N`") from None
     if os.environ.get(RUN_DIR_ENV):
-        rank = MPI.COMM_WORLD.Get_rank()
+        rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
         if not Path(os.environ[RUN_DIR_ENV], f"rank-{rank}.txt").exists():
-            register_rank(rank, f"rank {rank}")
+            register_rank(rank, f"rank {rank}", host_info(rank, size)["host"])
     return MPI.COMM_WORLD
 
 
-def host_info() -> Dict[str, Any]:
-    """This rank's host name, pid, number of visible CUDA devices and emulated type (HETPIPE_EMULATE).
+def host_info(rank: int = 0, size: int = 1) -> Dict[str, Any]:
+    """This rank's host name (``HETPIPE_HOST`` overrides it, :mod:`hetpipe.job.inventory`), pid, number
+    of visible CUDA devices and emulated type (HETPIPE_EMULATE).
 
     Contract: no CUDA context and no torch CUDA state. Every rank runs this before it knows its role,
     so it only counts devices (``torch.cuda.device_count()``: NVML where available, else
@@ -62,12 +64,16 @@ def host_info() -> Dict[str, Any]:
         count = torch.cuda.device_count()
     except ImportError:
         pass
-    return {"host": socket.gethostname(), "pid": os.getpid(), "cuda_count": count,
+    try:
+        host = host_name(rank, size)
+    except ValueError:
+        host = socket.gethostname()     # a malformed HETPIPE_HOST is reported by discovery, naming the rank
+    return {"host": host, "pid": os.getpid(), "cuda_count": count,
             "emulate": os.environ.get("HETPIPE_EMULATE", "")}
 
 
 def gather_hosts(comm) -> List[Dict[str, Any]]:
     """Every rank's :func:`host_info`, indexed by rank (a collective: every rank calls it)."""
-    return comm.allgather(host_info())
+    return comm.allgather(host_info(comm.Get_rank(), comm.Get_size()))
 
 

@@ -12,7 +12,8 @@ from hetpipe.job.rundir import marked, ranks_by_pid
 
 
 class DeathWatcher:
-    """Watches the pids recorded in a run directory and keeps the order in which they vanished.
+    """Watches the pids recorded in a run directory by ranks on ``host`` (the launcher's; a pid of
+    another host means nothing here) and keeps the order in which they vanished.
 
     Thread role: one daemon thread polls the pidfds (blocking in ``poll`` with a short timeout so it
     also picks up ranks that register later); ``vanished`` (and ``vanished_at``, the wall-clock time
@@ -23,8 +24,8 @@ class DeathWatcher:
 
     POLL_MS = 20
 
-    def __init__(self, run_dir: str, ranks: int) -> None:
-        self.run_dir, self.ranks = run_dir, ranks
+    def __init__(self, run_dir: str, ranks: int, host: str = "") -> None:
+        self.run_dir, self.ranks, self.host = run_dir, ranks, host
         self.supported = hasattr(os, "pidfd_open") and hasattr(select, "poll")
         self.vanished: List[int] = []
         self.vanished_at: Dict[int, float] = {}
@@ -57,7 +58,7 @@ class DeathWatcher:
         seen: Set[int] = set()
         try:
             while not self._stop.is_set():
-                for pid in ranks_by_pid(self.run_dir) if len(seen) < self.ranks else ():
+                for pid in ranks_by_pid(self.run_dir, self.host) if len(seen) < self.ranks else ():
                     if pid in seen:
                         continue
                     seen.add(pid)

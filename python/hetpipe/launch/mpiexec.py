@@ -6,9 +6,10 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from hetpipe.job.world import MPIUnavailable, disable_mpi_gpu
+from hetpipe.launch.hosts import Placement
 
 
 def mpiexec_path() -> str:
@@ -22,26 +23,28 @@ def mpiexec_path() -> str:
     return found
 
 
-def mpiexec_command(n: int, argv: List[str]) -> List[str]:
-    """The command line that runs ``argv`` (a Python script and its arguments) on ``n`` ranks."""
+def mpiexec_command(n: int, argv: List[str], options: Sequence[str] = ()) -> List[str]:
+    """The command line that runs ``argv`` (a Python script and its arguments) on ``n`` ranks, with
+    mpiexec ``options`` (host placement, and what the user passed through) before ``-n``."""
     if n < 1:
         raise ValueError(f"hetpipe launch: -n must be >= 1, got {n}")
-    return [mpiexec_path(), "-n", str(n), sys.executable, *argv]
+    return [mpiexec_path(), *options, "-n", str(n), sys.executable, *argv]
 
 
-def launch(n: int, argv: List[str], run_dir: Optional[str] = None) -> int:
+def launch(n: int, argv: List[str], run_dir: Optional[str] = None, placement: Optional[Placement] = None,
+           mpi_args: Sequence[str] = ()) -> int:
     """Run ``argv`` on ``n`` ranks under mpiexec, relaying its output; return the run's exit status.
 
     Supervised by :class:`hetpipe.launch.supervisor.Supervisor`: on any fault every process of the run
     ends and the failed rank is named, on stderr and in ``<run_dir>/outcome.json``. ``run_dir`` (made
     if missing, must hold no earlier run) is kept; by default a temporary one is used, removed after a
-    successful run and kept after a failure."""
+    successful run and kept after a failure. ``placement``: the hosts the ranks run on
+    (:mod:`hetpipe.launch.hosts`); ``mpi_args``: options passed to mpiexec as they are."""
     import tempfile
 
     from hetpipe.job.failure import timeout_s
     from hetpipe.launch.supervisor import OUTCOME_FILE, Supervisor
 
-    command = mpiexec_command(n, argv)
     keep = run_dir is not None
     if run_dir is None:
         run_dir = tempfile.mkdtemp(prefix="hetpipe-run-")
@@ -50,6 +53,10 @@ def launch(n: int, argv: List[str], run_dir: Optional[str] = None) -> int:
         os.makedirs(run_dir, exist_ok=True)
         if any(Path(run_dir).iterdir()):
             raise ValueError(f"hetpipe launch: the run directory {run_dir} is not empty (it holds an earlier run?)")
+    options = list(mpi_args)
+    if placement is not None:
+        options += placement.apply(n, run_dir, mpiexec_path(), os.environ)
+    command = mpiexec_command(n, argv, options)
     disable_mpi_gpu()
     outcome = Supervisor(command, n, run_dir, timeout_s()).run()
     if outcome.status != "ok":

@@ -150,7 +150,7 @@ def _say(text: str) -> None:
 
 def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max_restarts: int,
                          resume: Optional[str], checkpoint_dir: Optional[str], checkpoint_every: Optional[int],
-                         exclude: Iterable[str] = ()) -> int:
+                         exclude: Iterable[str] = (), placement=None, mpi_args: Iterable[str] = ()) -> int:
     """Run ``argv`` on ``n`` ranks (see :func:`hetpipe.job.world.launch`), restarting it up to
     ``max_restarts`` times after a rank died or stopped answering; returns the last run's exit status.
 
@@ -183,7 +183,7 @@ def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            rc = launch(n, argv, run_dir=str(here))
+            rc = launch(n, argv, run_dir=str(here), placement=placement, mpi_args=list(mpi_args))
         finally:
             for k, v in saved.items():
                 if v is None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -39,9 +40,9 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from hetpipe.job.failure import ABORT_GRACE_S, signal_grace_s
-from hetpipe.job.guard import LAUNCHER_PID_ENV
+from hetpipe.job.guard import LAUNCHER_HOST_ENV, LAUNCHER_PID_ENV
 from hetpipe.job.procs import environment_marker, processes_with, rank_processes, send, signal_name, stopped
-from hetpipe.job.rundir import RUN_DIR_ENV, marked, recorded_ranks, starting_ranks
+from hetpipe.job.rundir import RUN_DIR_ENV, marked, rank_hosts, ranks_by_pid, recorded_ranks, starting_ranks
 from hetpipe.numbers import seconds
 from hetpipe.launch.deaths import DeathWatcher
 
@@ -65,7 +66,8 @@ class Outcome:
 
     status: ``ok``, ``failed`` or ``interrupted``. cause (when not ok): ``reported`` (a rank raised
     and said why), ``died`` (a rank vanished without reporting), ``stopped`` (a rank stopped
-    responding), ``unregistered`` (ranks did not reach MPI start-up in time), ``mpiexec`` (mpiexec
+    responding), ``lost`` (ranks on another host ended without a word, and ranks here with them: a
+    host lost), ``unregistered`` (ranks did not reach MPI start-up in time), ``mpiexec`` (mpiexec
     itself was killed), ``signal`` (the launcher was interrupted) or ``exit`` (mpiexec failed and no
     rank is to blame). rank, role, pid: the culprit rank, if any.
     """
@@ -106,6 +108,8 @@ class Supervisor:
         self._signal: Optional[int] = None
         self.signal_grace_s = signal_grace_s()
         self.seen: Dict[int, int] = {}          # pid -> MPI rank of every rank process seen, registered or not
+        # The host this launcher counts as: only the ranks recorded on it are watched by pid.
+        self.host = os.environ.get(LAUNCHER_HOST_ENV) or socket.gethostname()
 
     def run(self) -> Outcome:
         previous = self._install_handlers()
@@ -127,8 +131,9 @@ class Supervisor:
 
     def _run(self) -> Outcome:
         Path(self.run_dir, LAUNCHER_PID_FILE).write_text(f"{os.getpid()}\n")
-        env = {**os.environ, RUN_DIR_ENV: self.run_dir, LAUNCHER_PID_ENV: str(os.getpid())}
-        watcher = DeathWatcher(self.run_dir, self.ranks).start()
+        env = {**os.environ, RUN_DIR_ENV: self.run_dir, LAUNCHER_PID_ENV: str(os.getpid()),
+               LAUNCHER_HOST_ENV: self.host}
+        watcher = DeathWatcher(self.run_dir, self.ranks, self.host).start()
         proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True, preexec_fn=_die_with_parent)
         Path(self.run_dir, MPIEXEC_PID_FILE).write_text(f"{proc.pid}\n")
@@ -138,7 +143,7 @@ class Supervisor:
         # What happened before the launcher stepped in decides the culprit; the teardown's deaths do not.
         vanished = [(pid, watcher.vanished_at[pid]) for pid in list(watcher.vanished)]
         aborted = _reports(self.run_dir)
-        stuck = [pid for pid in set(recorded_ranks(self.run_dir)) | set(self.seen) if stopped(pid)]
+        stuck = [pid for pid in set(ranks_by_pid(self.run_dir, self.host)) | set(self.seen) if stopped(pid)]
         ended = self._end_all(self.signal_grace_s if verdict is not None and verdict[0] == "signal" else TERM_GRACE_S)
         final_rc = proc.wait()
         watcher.stop()
@@ -165,7 +170,7 @@ class Supervisor:
             registered = {rank for rank, _ in recorded.values()}
             if len(registered) < self.ranks and now - started > self.start_timeout_s:
                 return "unregistered", 0, now - started
-            for pid in set(recorded) | set(self.seen):
+            for pid in set(ranks_by_pid(self.run_dir, self.host)) | set(self.seen):
                 if stopped(pid):
                     since.setdefault(pid, now)
                 else:
@@ -252,14 +257,34 @@ class Supervisor:
         # with it (MPI errors) and report that. A report before any death is the cause: its rank calls
         # Abort, which kills the rest, ABORT_GRACE_S after writing its mark; deaths seen up to half
         # that after the mark cannot be Abort's, and allow for the watcher thread waking late.
+        elsewhere = self._silent_elsewhere()
+        if died is not None and elsewhere and not reports:
+            # Ranks on other hosts cannot be watched by pid, and MPI ends the ranks here when it loses
+            # them, so the first death seen here need not be the first death: both are named.
+            rank, role = who.get(died[0], (None, f"the process with pid {died[0]}"))
+            return Outcome("failed", rc if rc > 0 else 1, "lost", None, None, None,
+                           f"hetpipe: ranks ended without a word on another host and here (first seen here: "
+                           f"{role}){elsewhere}; the job was ended", messages)
         if died is not None and (not reports or died[1] < reports[0][2] + ABORT_GRACE_S / 2):
             return blame("died", died[0], lambda role: f"hetpipe: {role} failed: it died without reporting an "
                                                        "error (killed, or crashed in native code); the job was ended")
         if reports:
             pid, text, _ = reports[0]
             return blame("reported", pid, lambda role: text or f"hetpipe: {role} failed (it reported an error)")
-        return Outcome("failed", rc if rc > 0 else 1, "exit", message=f"hetpipe: mpiexec exited with status {rc}",
-                       reports=messages)
+        return Outcome("failed", rc if rc > 0 else 1, "exit", message=f"hetpipe: mpiexec exited with status {rc}"
+                       + elsewhere, reports=messages)
+
+    def _silent_elsewhere(self) -> str:
+        """The ranks on other hosts that ended with neither an exit nor a failure mark, by host: a host
+        lost (or its ranks killed there), which the launcher cannot watch by pid."""
+        done = marked(self.run_dir, "exited") | marked(self.run_dir, "aborted")
+        hosts = rank_hosts(self.run_dir)
+        lost: Dict[str, List[int]] = {}
+        for pid, (rank, _) in recorded_ranks(self.run_dir).items():
+            if hosts.get(pid, "") not in ("", self.host) and pid not in done:
+                lost.setdefault(hosts[pid], []).append(rank)
+        return "".join(f"; rank(s) {sorted(r)} on host {h} ended without a word (host lost, or killed there)"
+                       for h, r in sorted(lost.items()))
 
 
 def _die_with_parent() -> None:

@@ -17,6 +17,7 @@ import torch
 
 from hetpipe.checkpoint import format as ckfmt
 from hetpipe.job.roles import LaunchError, Role, check_world, resolve_device, role_of
+from hetpipe.job.placement import launcher_placement, placement_problems, plan_problems
 from hetpipe.job.rundir import RUN_DIR_ENV, register_rank
 from hetpipe.job.world import gather_hosts
 from hetpipe.loader.check import DataMismatch, compare
@@ -43,6 +44,7 @@ class RankRun:
         self.describe = f"rank {rank}"
         self.order: List[int] = []          # the world rank of each plan rank (empty: the same)
         self.emulated_world = False         # the world's devices were discovered as emulated types
+        self.hosts: List[str] = []          # the host of each plan rank
 
     def run(self, comm, rank: int, size: int) -> TrainResult:
         """Plan on rank 0, take this rank's role, train, gather the result (see :meth:`Trainer.fit`).
@@ -50,6 +52,9 @@ class RankRun:
         On a world planned from its own devices (:mod:`hetpipe.run.world_plan`) the ranks are first
         renumbered in plan order (``comm.Split``), so that the rank holding each stage's device runs it."""
         hosts = gather_hosts(comm)
+        problems = placement_problems([h["host"] for h in hosts], launcher_placement())
+        if problems:
+            raise LaunchError("hetpipe: " + "; ".join(problems))
         if on_world(self.t.cluster):
             plan, self.order, discovery = plan_on_world(self.t, comm)
             self.emulated_world = discovery.cluster.emulated
@@ -70,7 +75,8 @@ class RankRun:
         return self._run_plan(comm, rank, size, hosts, plan_text, error, rank)
 
     def _role(self, plan: Plan, rank: int) -> Role:
-        return role_of(plan, rank, self.order[rank] if self.order else rank)
+        host = self.hosts[rank] if len(set(self.hosts)) > 1 else ""
+        return role_of(plan, rank, self.order[rank] if self.order else rank, host)
 
     def _run_plan(self, comm, rank: int, size: int, hosts: List[Any], plan_text: Optional[str],
                   error: Optional[str], world_rank: int) -> TrainResult:
@@ -91,6 +97,12 @@ class RankRun:
             if self.t.checkpoints.directory is not None:
                 Path(os.environ[RUN_DIR_ENV], "checkpoints.txt").write_text(f"{self.t.checkpoints.directory.resolve()}\n")
         check_world(plan, size)
+        self.hosts = [h["host"] for h in hosts]
+        if not self.order:
+            # Ranks in plan order by number: in a world of several hosts each must sit on its part's node.
+            problems = plan_problems(plan, self.hosts, lambda r: self._role(plan, r).describe())
+            if problems:
+                raise LaunchError("hetpipe: " + "; ".join(problems))
         role = self._role(plan, rank)
         self.describe = role.describe()
         register_rank(world_rank, self.describe)
