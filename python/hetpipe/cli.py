@@ -38,8 +38,12 @@ def main(argv=None) -> int:
 
 def _add_plan_command(sub) -> None:
     p = sub.add_parser("plan", help="plan VWs, stages, Nm and PS shards for a model on a cluster")
-    p.add_argument("--cluster", required=True, help="cluster preset name or JSON file")
-    p.add_argument("--profile", required=True, help="model profile preset name or JSON file")
+    p.add_argument("--cluster", required=True, help="cluster preset name, JSON file, or auto: discover the devices "
+                                                     "of the MPI world this runs in (mpiexec -n N hetpipe plan ...)")
+    p.add_argument("--profile", required=True, help="model profile preset name or JSON file (types it lacks are "
+                                                     "modelled from peak FLOP/s or derived by speed ratio, and said so)")
+    p.add_argument("--save-cluster", metavar="FILE", help="write the cluster as JSON (default with --cluster auto: "
+                                                          "cluster.json)")
     p.add_argument("--policy", default="auto", help="VW formation: NP, ED, HD or auto (default)")
     p.add_argument("--nm", type=arg_whole("--nm"), help="minibatches in flight per VW (default: chosen by the planner)")
     p.add_argument("--d", type=arg_whole("--d", 0), default=0, help="WSP staleness bound D (default 0)")
@@ -58,16 +62,38 @@ def _run_plan(args) -> int:
     from hetpipe.plan import format_plan, make_plan
 
     try:
-        if args.output:
-            check_file("-o", args.output)
+        for flag, path in (("-o", args.output), ("--save-cluster", args.save_cluster)):
+            if path:
+                check_file(flag, path)
     except OutputError as e:
         print(f"hetpipe plan: {e}", file=sys.stderr)
         return 2
+    from pathlib import Path
+
+    from hetpipe.profile import profile_for_cluster
+
+    ps_nodes = None
     try:
-        cluster = load_cluster(args.cluster)
-        plan = make_plan(cluster, args.profile, policy=args.policy, nm=args.nm, d=args.d,
-                         num_ps_shards=args.ps_shards, recompute=args.recompute, precision=args.precision)
-    except ValueError as e:
+        if args.cluster == "auto":
+            discovery = _discover()
+            if discovery is None:
+                return 0            # not rank 0: rank 0 plans and reports
+            cluster = discovery.cluster
+            ps_nodes = [h.host for h in discovery.ps_slots()] or None
+            print(discovery.table())
+            args.save_cluster = args.save_cluster or "cluster.json"
+        else:
+            cluster = load_cluster(args.cluster)
+        profile, note = profile_for_cluster(args.profile, cluster)
+        if note:
+            print(note)
+        plan = make_plan(cluster, profile, policy=args.policy, nm=args.nm, d=args.d,
+                         num_ps_shards=args.ps_shards if ps_nodes is None else None, recompute=args.recompute,
+                         precision=args.precision, ps_nodes=ps_nodes)
+        if args.save_cluster:
+            write_file("--save-cluster", args.save_cluster, lambda p: Path(p).write_text(cluster.to_json() + "\n"))
+            print(f"cluster: {args.save_cluster}")
+    except (ValueError, OutputError) as e:
         print(f"hetpipe plan: {e}", file=sys.stderr)
         return 2
     print(format_plan(plan, cluster))
@@ -79,6 +105,23 @@ def _run_plan(args) -> int:
             return 2
         print(f"plan: {args.output}")
     return 0
+
+
+def _discover():
+    """Under mpiexec: every rank reports what it holds; rank 0 gets the discovery, the others None."""
+    from hetpipe.job.discovery import discover
+    from hetpipe.job.inventory import rank_facts
+    from hetpipe.job.world import world
+
+    comm = world()
+    facts = comm.allgather(rank_facts(comm.Get_rank(), comm.Get_size()))
+    try:
+        found = discover(facts)     # the same on every rank: a bad world fails them all alike
+    except ValueError:
+        if comm.Get_rank() != 0:
+            raise SystemExit(2) from None   # rank 0 says why, once
+        raise
+    return found if comm.Get_rank() == 0 else None
 
 
 def _add_simulate_command(sub) -> None:
@@ -217,6 +260,9 @@ def _add_launch_command(sub) -> None:
     p.add_argument("-H", "--hosts", dest="hosts", metavar="HOST:SLOTS,...", help="hosts to run on, as host:slots,...")
     p.add_argument("--plan", metavar="PLAN", help="train this plan (sets HETPIPE_PLAN) and put each rank on the host "
                                                   "its node names; each node of the plan must be a host of the list")
+    p.add_argument("--cluster", metavar="SPEC", help="the cluster a script's Trainer plans on when it names none: "
+                                                     "auto (discover the ranks' devices), a preset or a JSON file "
+                                                     "(sets HETPIPE_CLUSTER)")
     p.add_argument("--emulate-hosts", action="store_true",
                    help="run every rank on this machine, each counting as the host the list gives it (HETPIPE_HOST): "
                         "multi-node placement and supervision tested on one machine")
@@ -276,6 +322,8 @@ def _run_launch(args) -> int:
         from hetpipe.run.plan_cache import PLAN_CACHE_ENV
 
         os.environ[PLAN_CACHE_ENV] = str(Path(args.plan_cache).resolve())
+    if args.cluster is not None:
+        os.environ["HETPIPE_CLUSTER"] = args.cluster
     try:
         placement = _placement(args)
         if args.max_restarts or args.resume or args.checkpoint_dir or args.exclude_device or \

@@ -280,6 +280,40 @@ def load_profile(spec: Union[str, Path, Mapping, ModelProfile]) -> ModelProfile:
     return ModelProfile.load(path)
 
 
+def profile_for_cluster(spec: Union[str, Path, Mapping, "ModelProfile"], cluster: Any) -> Tuple["ModelProfile", str]:
+    """A profile with times for every device type ``cluster``'s devices have, and a note saying how the times of
+    types the profile did not measure were made ("" when none were).
+
+    A preset name (``resnet152``, ``vgg19``, ``gpt``) whose shipped file lacks some of the cluster's
+    types is rebuilt analytically for the cluster's types (each needs ``peak_flops``). Any other
+    profile keeps what it measured and derives the missing types by speed ratio, marked ``derived``."""
+    from hetpipe.cluster import load_cluster
+
+    cluster = load_cluster(cluster)
+    types = sorted({d.type for d in cluster.devices})      # the types a plan can use
+    if isinstance(spec, str) and not Path(spec).suffix and spec in PRESET_SHAPES:
+        profile = load_profile(spec)
+        if set(types) <= set(profile.device_types):
+            return profile, ""
+        flopless = [t for t in types if not cluster.device_types[t].peak_flops]
+        if flopless:
+            raise ValueError(f"profile {spec!r} is analytic: device type(s) {', '.join(flopless)} of cluster "
+                             f"{cluster.name!r} need peak_flops (FLOP/s) in the cluster JSON, or give a profile "
+                             f"measured on them (a profile.json that hetpipe wrote)")
+        return analytic_profile(spec, {t: cluster.device_types[t] for t in types}), (
+            f"profile {spec!r}: analytic for this cluster's types ({', '.join(types)}): layer FLOPs / "
+            f"(peak FLOP/s x {EFFICIENCY}); modelled, not measured")
+    profile = load_profile(spec)
+    missing = [t for t in types if t not in profile.device_types]
+    if not missing:
+        return profile, ""
+    speeds = {t: cluster.device_types[t].speed for t in types}
+    derived = profile.derive_types(speeds)
+    have = [t for t in profile.device_types if t in speeds]
+    return derived, (f"profile {profile.name!r}: {', '.join(missing)} derived by speed ratio from "
+                     f"{max(have, key=lambda t: speeds[t])} (not measured on them)")
+
+
 # --- measuring -------------------------------------------------------------------------------
 
 LAYER_NAMES_ATTR = "hetpipe_layer_names"

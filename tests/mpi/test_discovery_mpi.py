@@ -69,3 +69,33 @@ def test_bad_worlds_end_every_rank_with_one_line(env, message):
     assert proc.returncode != 0
     assert re.search(message, proc.stderr), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_plan_cli_discovers_the_world_and_derives_unmeasured_types(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from mpirun import mpiexec
+    from hetpipe.cluster import load_cluster
+    from hetpipe.plan.types import Plan
+    from hetpipe.profile import analytic_profile
+
+    # A profile measured on emu_fast only (modelled numbers standing in for a saved measurement).
+    fast = load_cluster("cpu-emulated").device_types["emu_fast"]
+    profile = analytic_profile("vgg19", {"emu_fast": type(fast)("emu_fast", fast.memory_bytes, 1.0, 1e9)})
+    profile.save(tmp_path / "fast.json")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("HETPIPE_")},
+           "HETPIPE_HOST": "hA,hA,hB,hB,hA", "HETPIPE_EMULATE": "emu_fast:speed=1:memory=64GiB,"
+           "emu_fast:speed=1:memory=64GiB,emu_slow:speed=0.5:memory=64GiB,emu_slow:speed=0.5:memory=64GiB,ps"}
+    proc = subprocess.run([mpiexec(), "-n", "5", sys.executable, "-m", "hetpipe.cli", "plan", "--cluster", "auto",
+                           "--profile", str(tmp_path / "fast.json"), "--nm", "2", "-o", str(tmp_path / "plan.json")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("cluster 'discovered' (discovered)") == 1       # rank 0 reports, once
+    assert "emu_slow derived by speed ratio from emu_fast" in proc.stdout
+    cluster = load_cluster(str(tmp_path / "cluster.json"))
+    assert cluster.nodes == ("hA", "hB") and cluster.device_types["emu_slow"].speed == 0.5
+    plan = Plan.load(tmp_path / "plan.json")
+    assert [sh.node for sh in plan.ps_shards] == ["hA"]
+    assert plan.num_ranks == 5

@@ -161,3 +161,34 @@ def test_ps_nodes_may_be_hosts_without_devices():
     assert sorted(plan.ps_shards[0].layers) == list(range(plan.num_layers))
     with pytest.raises(ValueError, match="num_ps_shards=2 but ps_nodes names 1"):
         make_plan(c, "vgg19", ps_nodes=["x"], num_ps_shards=2)
+
+
+LAB = {"name": "lab", "device_types": {"a100_40g": {"memory_bytes": 40 << 30, "peak_flops": 19.5e12},
+                                       "rtx3090": {"memory_bytes": 24 << 30, "peak_flops": 35.6e12}},
+       "nodes": [{"name": "a", "type": "a100_40g", "count": 2}, {"name": "b", "type": "rtx3090", "count": 4}],
+       "intra_node": {"bandwidth": 1e11}, "inter_node": {"bandwidth": 1.25e10}}
+
+
+def test_profiles_for_gpu_types_outside_the_presets():
+    from hetpipe.profile import analytic_profile, profile_for_cluster
+
+    lab = cluster_from_dict(LAB)
+    profile, note = profile_for_cluster("gpt", lab)
+    assert "analytic for this cluster's types (a100_40g, rtx3090)" in note
+    # against the analytic model computed directly: minibatch x FLOPs / (peak x efficiency)
+    direct = analytic_profile("gpt", lab.device_types)
+    assert profile.fwd("rtx3090") == direct.fwd("rtx3090")
+    block = profile.layers[1]
+    assert block.fwd_time["a100_40g"] == pytest.approx(block.flops / (19.5e12 * 0.5))
+    plan = make_plan(lab, profile, nm=2)
+    assert {st.device_type for vw in plan.virtual_workers for st in vw.stages} <= {"a100_40g", "rtx3090"}
+    emulated = load_cluster("cpu-emulated")
+    with pytest.raises(ValueError, match="emu_fast, emu_slow of cluster 'cpu-emulated' need peak_flops"):
+        profile_for_cluster("gpt", emulated)
+    # a measured profile keeps its own times and derives the rest, marked
+    measured = analytic_profile("vgg19", {"a100_40g": lab.device_types["a100_40g"]})
+    out, note = profile_for_cluster(measured, lab)
+    assert "rtx3090 derived by speed ratio from a100_40g" in note
+    assert out.layers[0].derived["rtx3090"] and out.fwd("a100_40g") == measured.fwd("a100_40g")
+    assert out.layers[0].fwd_time["rtx3090"] == pytest.approx(out.layers[0].fwd_time["a100_40g"] * 19.5 / 35.6)
+    assert profile_for_cluster(measured, cluster_from_dict(dict(LAB, nodes=LAB["nodes"][:1])))[1] == ""

@@ -55,7 +55,7 @@ class RankRun:
         problems = placement_problems([h["host"] for h in hosts], launcher_placement())
         if problems:
             raise LaunchError("hetpipe: " + "; ".join(problems))
-        if on_world(self.t.cluster):
+        if self.t.cluster == "auto" or (on_world(self.t.cluster) and self.t.given_plan() is None):
             plan, self.order, discovery = plan_on_world(self.t, comm)
             self.emulated_world = discovery.cluster.emulated
             world_rank = rank

@@ -41,7 +41,7 @@ from hetpipe.run.report import Reporter
 from hetpipe.run.replay import ReplayResult, replay_run
 from hetpipe.run.result import TrainResult, resumed_losses
 from hetpipe.run.spec import RunSpec
-from hetpipe.run.world_plan import on_world
+from hetpipe.run.world_plan import CLUSTER_ENV, on_world
 from hetpipe.schedule.registry import ScheduleOptions, generate, get_schedule
 from hetpipe.stage.loss_scale import LossScale
 from hetpipe.transport import registry as transports
@@ -111,7 +111,8 @@ class Trainer:
         ``"auto"`` or a cluster of real devices (not emulated), each device type is profiled on a rank
         that holds it, ranks without a device serve the PS shards, and each rank runs the part of
         the plan on the device it holds (:mod:`hetpipe.run.world_plan`); the cluster is printed and
-        written as ``cluster.json`` to the run directory and the plan cache.
+        written as ``cluster.json`` to the run directory and the plan cache. Default:
+        ``HETPIPE_CLUSTER`` (``hetpipe launch --cluster``), else the ``cpu-emulated`` preset.
     plan_cache: a directory where that plan, its profile and cluster are kept and reused by the next run
         of the same model (structure), sample shapes, cluster, precision, policy, Nm and D, so that
         identical launches train identical cuts; rank 0 says whether it reuses or re-plans, and why
@@ -215,7 +216,8 @@ class Trainer:
         self.names = model_names(model, self.layers)
         self.loss_fn, self.optimizer = loss_fn, optimizer
         self.data = as_source(data, seed)
-        self.plan_arg, self.policy, self.cluster = plan, policy, cluster
+        self.plan_arg, self.policy = plan, policy
+        self.cluster = cluster if cluster is not None else (os.environ.get(CLUSTER_ENV) or None)
         self.planning: Optional[Dict[str, Any]] = None      # the inputs of the plan made here, if one was
         plan_cache = plan_cache or os.environ.get(PLAN_CACHE_ENV) or None
         self.plan_cache = Path(plan_cache) if plan_cache else None

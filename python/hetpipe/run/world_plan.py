@@ -27,6 +27,7 @@ from hetpipe.run.plan_cache import PlanCache, model_key, sample_key
 from hetpipe.run.profiling import ProfilingError, profile_on_devices
 
 CLUSTER_FILE = "cluster.json"       # the discovered (or matched) cluster, in the run directory
+CLUSTER_ENV = "HETPIPE_CLUSTER"     # Trainer(cluster=) when the script gives none (hetpipe launch --cluster)
 
 
 def on_world(cluster: Any) -> bool:
