@@ -98,7 +98,7 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
     owning = {sh.index: plan.ps_rank(sh.index) for sh in plan.ps_shards
               if any(st.start <= l < st.stop for l in sh.layers)}
     ctx = StageContext(vw, stage, num_stages, lambda s: plan.rank_of(vw, s), owning,
-                       {sh.index: plan.ps_rank(sh.index) for sh in plan.ps_shards})
+                       {sh.index: plan.ps_rank(sh.index) for sh in plan.ps_shards}, spec.rank_names)
     inputs = labels = None
     layout = spec.schedules[vw]
     start = (spec.resume.start.epoch, spec.resume.start.index) if spec.resume is not None else (0, 0)

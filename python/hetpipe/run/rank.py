@@ -121,6 +121,8 @@ class RankRun:
         problems = [p for p in comm.allgather(problem) if p]
         if problems:
             raise LaunchError("; ".join(problems))
+        if self.order or len(set(self.hosts)) > 1:
+            spec.rank_names = {r: _name(self._role(plan, r)) for r in range(size)}
         emulated_any = any(comm.allgather(spec.emulated.get(rank, False)))
         return self._run_role(comm, plan, spec, role, emulated_any)
 
@@ -223,3 +225,7 @@ class RankRun:
             raise LaunchError(str(e)) from None
 
 
+def _name(role: Role) -> str:
+    """``rank W on host H``: how a peer is named in a world renumbered in plan order or of several hosts."""
+    who = role.rank if role.world < 0 else role.world
+    return f"rank {who}" + (f" on {role.host}" if role.host else "")

@@ -37,6 +37,7 @@ class RunSpec:
     emulation_scale: Optional[float] = None     # None: no padding
     devices: Dict[int, torch.device] = field(default_factory=dict)   # stage rank -> torch device
     emulated: Dict[int, bool] = field(default_factory=dict)          # stage rank -> pad to the profile?
+    rank_names: Dict[int, str] = field(default_factory=dict)         # rank -> "rank W on host H" (see StageContext)
     # Stage-to-stage tensors through a copy stream (transport.device_copy)? None: on CUDA devices only.
     copy_stream: Optional[bool] = None
     audit: bool = False                         # PS shards log float64 sums of the pushed deltas

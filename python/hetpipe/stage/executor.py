@@ -49,10 +49,14 @@ class StageContext:
     rank_of_stage: Callable[[int], int]         # stage index in this VW -> rank
     shard_ranks: Dict[int, int]                 # PS shard index -> rank (shards owning this stage's layers)
     all_shard_ranks: Dict[int, int] = field(default_factory=dict)   # every PS shard (DONE goes to all)
+    # How to name a rank in messages, where it is not just "rank R": its world rank and host, when
+    # ranks were renumbered in plan order or the world spans several hosts.
+    rank_names: Dict[int, str] = field(default_factory=dict)
 
     def who(self, stage: Optional[int] = None) -> str:
         s = self.stage if stage is None else stage
-        return f"VW {self.vw} stage {s} (rank {self.rank_of_stage(s)})"
+        r = self.rank_of_stage(s)
+        return f"VW {self.vw} stage {s} ({self.rank_names.get(r, f'rank {r}')})"
 
 
 class StageExecutor:
