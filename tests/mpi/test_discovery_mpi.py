@@ -3,6 +3,7 @@ emulated device types (HETPIPE_EMULATE per rank): the world's own cluster, each 
 rank that holds it, and each rank running the part of the plan on its own device."""
 
 import json
+import re
 
 import pytest
 
@@ -28,9 +29,10 @@ def test_auto_cluster_runs_each_stage_on_the_rank_holding_its_device_and_equals_
         if "ps shard" in r["role"]:
             assert r["world"] == 0
             continue
-        vw, stage = (int(x) for x in r["role"].split("(vw ")[1].rstrip(")").split(" stage "))
+        vw, stage = (int(x) for x in re.search(r"\(vw (\d+) stage (\d+) on ", r["role"]).groups())
         device = plan["virtual_workers"][vw]["stages"][stage]["device"]
         assert device.split(".")[0] == r["host"]
+        assert r["role"].endswith(f" on {r['host']})")
     assert sorted(out[w]["role"].split()[1] for w in out) == [str(w) for w in range(5)]     # world ranks named
     assert "cluster 'discovered' (discovered): 4 device(s) on 2 node(s), 1 PS slot(s)" in proc.stderr
     saved = json.loads((tmp_path / "cache" / "cluster.json").read_text())

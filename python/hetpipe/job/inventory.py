@@ -7,7 +7,7 @@ Emulation goes through the same path: ``HETPIPE_EMULATE`` names the device type 
 (``ps`` or ``none``: no device, the rank is a parameter-server slot), and ``HETPIPE_HOST`` overrides
 the host name, so several "hosts" can share one machine in tests. Each variable holds one value for
 every rank or a comma-separated list with one value per world rank (what one ``mpiexec -env`` can
-carry). An emulated type is a name from the shipped emulated presets (``emu_fast``, ``emu_mid``,
+carry). An emulated type is a type of the shipped ``cpu-emulated-6`` preset (``emu_fast``, ``emu_mid``,
 ``emu_slow``) or ``name:speed=S:memory=M`` (speed a fraction of the host's, memory in bytes or with a
 KiB/MiB/GiB suffix).
 """
@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 HOST_ENV = "HETPIPE_HOST"
 EMULATE_ENV = "HETPIPE_EMULATE"
 NO_DEVICE = ("ps", "none")
+EMULATED_TYPES = "cpu-emulated-6"     # the preset whose types HETPIPE_EMULATE may name
 _SUFFIX = {"": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 _QUERY = "index,name,memory.total,compute_cap,pci.bus_id"
 
@@ -90,14 +91,10 @@ def _bytes(text: str, where: str) -> int:
 
 
 def _shipped_emulated_types() -> Dict[str, Dict[str, Any]]:
-    """Every device type of the shipped emulated cluster presets (name -> speed, memory_bytes)."""
-    out: Dict[str, Dict[str, Any]] = {}
-    for path in sorted((Path(__file__).resolve().parents[1] / "data" / "clusters").glob("*.json")):
-        data = json.loads(path.read_text())
-        if data.get("emulated"):
-            for name, t in data["device_types"].items():
-                out.setdefault(name, {"speed": t["speed"], "memory_bytes": t["memory_bytes"]})
-    return out
+    """The device types of the shipped preset :data:`EMULATED_TYPES` (name -> speed, memory_bytes)."""
+    path = Path(__file__).resolve().parents[1] / "data" / "clusters" / f"{EMULATED_TYPES}.json"
+    types = json.loads(path.read_text())["device_types"]
+    return {name: {"speed": t["speed"], "memory_bytes": t["memory_bytes"]} for name, t in types.items()}
 
 
 def local_gpus() -> List[Dict[str, Any]]:

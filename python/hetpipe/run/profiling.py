@@ -41,7 +41,7 @@ def profile_on_devices(comm: Any, model: Any, sample: Tuple[Any, Any], loss_fn: 
             results.append((t, _measure_type(model, sample, loss_fn, discovery, t, rank, precision, repeats), ""))
         except Exception as e:  # noqa: BLE001 - relayed to every rank below
             results.append((t, None, f"{type(e).__name__}: {e}"))
-    _quiet_barrier(comm)
+    quiet_barrier(comm)
     everyone = [entry for part in comm.allgather(results) for entry in part]
     failed = [f"rank {profilers(discovery)[t]} could not profile {t}: {err}" for t, m, err in everyone if err]
     if failed:
@@ -49,7 +49,7 @@ def profile_on_devices(comm: Any, model: Any, sample: Tuple[Any, Any], loss_fn: 
     return merge(dict((t, m) for t, m, _ in everyone), discovery, name)
 
 
-def _quiet_barrier(comm: Any, poll_s: float = 0.005) -> None:
+def quiet_barrier(comm: Any, poll_s: float = 0.005) -> None:
     """Wait for every rank without spinning: MPI's blocking collectives busy-poll, and a waiting rank
     sharing cores with a measuring one (emulated types, PS slots) would slow the measurement."""
     import time

@@ -55,7 +55,8 @@ class RankRun:
         problems = placement_problems([h["host"] for h in hosts], launcher_placement())
         if problems:
             raise LaunchError("hetpipe: " + "; ".join(problems))
-        if self.t.cluster == "auto" or (on_world(self.t.cluster) and self.t.given_plan() is None):
+        emulating = any(h["emulate"] for h in hosts)
+        if self.t.cluster == "auto" or (on_world(self.t.cluster, emulating) and self.t.given_plan() is None):
             plan, self.order, discovery = plan_on_world(self.t, comm)
             self.emulated_world = discovery.cluster.emulated
             world_rank = rank

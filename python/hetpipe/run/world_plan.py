@@ -30,14 +30,16 @@ CLUSTER_FILE = "cluster.json"       # the discovered (or matched) cluster, in th
 CLUSTER_ENV = "HETPIPE_CLUSTER"     # Trainer(cluster=) when the script gives none (hetpipe launch --cluster)
 
 
-def on_world(cluster: Any) -> bool:
-    """Whether a Trainer's ``cluster`` is planned on the world's devices: ``"auto"``, or a cluster whose
-    devices are real (not emulated on this host), since each type must be measured where it is."""
+def on_world(cluster: Any, emulating: bool = False) -> bool:
+    """Whether a Trainer's ``cluster`` is planned on the world's devices: ``"auto"``; a cluster whose
+    devices are real (not emulated on this host), since each type must be measured where it is; or
+    an emulated cluster when the ranks say which type each emulates (``emulating``: some rank sets
+    ``HETPIPE_EMULATE``, known to all from the allgathered hosts, so every rank decides alike)."""
     if isinstance(cluster, str) and cluster == "auto":
         return True
     if cluster is None:
         return False
-    return not load_cluster(cluster).emulated
+    return emulating or not load_cluster(cluster).emulated
 
 
 def discovery_of(comm: Any, cluster: Any) -> Discovery:
