@@ -1,9 +1,12 @@
 """The C++ tests of the core (csrc/tests, run by ctest) build and pass under ThreadSanitizer and AddressSanitizer.
 
 They drive the pool, the clock table and the streams from many C++ threads at once, which no test
-through the GIL can; ThreadSanitizer reports any data race those threads hit. The test configures its
-own build of the core alone (no Python module, no CUDA) in a temporary directory, instrumented with
-ThreadSanitizer where the compiler can build and run it here, plain otherwise (one build: CI time).
+through the GIL can; ThreadSanitizer reports any data race those threads hit. With an MPI (the
+environment's MPICH), ``test_mpi_loopback`` also runs the MPI data planes in one process under
+mpiexec: a StageEndpoint sending to itself, and a ShardService serving an endpoint of the same rank,
+every thread of both live at once. The test configures its own build of the core alone (no Python
+module, no CUDA) in a temporary directory, instrumented with ThreadSanitizer where the compiler can
+build and run it here, plain otherwise (one build: CI time).
 """
 
 import os
@@ -38,12 +41,20 @@ def _build_and_ctest(build: Path, sanitize: str, env=None) -> subprocess.Complet
                  "-DCMAKE_CXX_FLAGS_RELEASE=-O1",
                  "-DHETPIPE_BUILD_TESTS=ON", "-DHETPIPE_BUILD_PYTHON=OFF", "-DHETPIPE_WITH_CUDA=OFF",
                  f"-DHETPIPE_SANITIZE={sanitize}"]
+    if (BIN / "mpiexec").exists():
+        configure.append(f"-DMPI_HOME={sys.prefix}")     # the environment's MPICH, as setup.py does
     proc = _run(configure, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    proc = _run([cmake, "--build", str(build), "--target", "test_core", "-j", "2"], timeout=300)
+    proc = _run([cmake, "--build", str(build), "-j", "2"], timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return _run([ctest, "--test-dir", str(build), "--output-on-failure", "--timeout", "120"], timeout=180,
                 env=env or {})
+
+
+def _check_loopback_ran(build: Path, out: str) -> None:
+    """With MPI built, the MPI loopback test must have run (and passed), not been left out."""
+    if "HETPIPE_MPI_BUILT:INTERNAL=ON" in (build / "CMakeCache.txt").read_text():
+        assert "test_mpi_loopback ...." in out and "Passed" in out.split("test_mpi_loopback ....", 1)[1][:80], out
 
 
 def _tsan_usable(tmp_path: Path) -> bool:
@@ -68,6 +79,7 @@ def test_ctest_passes(tmp_path):
     assert proc.returncode == 0, out[-8000:]
     assert "WARNING: ThreadSanitizer" not in out, out[-8000:]
     assert "100% tests passed" in proc.stdout
+    _check_loopback_ran(tmp_path / "build", proc.stdout)
 
 
 def _asan_usable(tmp_path: Path) -> bool:
@@ -93,3 +105,4 @@ def test_ctest_passes_under_address_sanitizer(tmp_path):
     assert proc.returncode == 0, out[-8000:]
     assert "ERROR: AddressSanitizer" not in out and "ERROR: LeakSanitizer" not in out, out[-8000:]
     assert "100% tests passed" in proc.stdout
+    _check_loopback_ran(tmp_path / "build", proc.stdout)
