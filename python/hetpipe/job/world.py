@@ -46,7 +46,7 @@ def world():
     if os.environ.get(RUN_DIR_ENV):
         rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
         if not Path(os.environ[RUN_DIR_ENV], f"rank-{rank}.txt").exists():
-            register_rank(rank, f"rank {rank}", host_info(rank, size)["host"])
+            register_rank(rank, f"rank {rank}", _host(rank, size))
     return MPI.COMM_WORLD
 
 
@@ -64,12 +64,16 @@ def host_info(rank: int = 0, size: int = 1) -> Dict[str, Any]:
         count = torch.cuda.device_count()
     except ImportError:
         pass
-    try:
-        host = host_name(rank, size)
-    except ValueError:
-        host = socket.gethostname()     # a malformed HETPIPE_HOST is reported by discovery, naming the rank
-    return {"host": host, "pid": os.getpid(), "cuda_count": count,
+    return {"host": _host(rank, size), "pid": os.getpid(), "cuda_count": count,
             "emulate": os.environ.get("HETPIPE_EMULATE", "")}
+
+
+def _host(rank: int, size: int) -> str:
+    """This rank's host (torch-free); a malformed HETPIPE_HOST is reported by discovery, naming the rank."""
+    try:
+        return host_name(rank, size)
+    except ValueError:
+        return socket.gethostname()
 
 
 def gather_hosts(comm) -> List[Dict[str, Any]]:

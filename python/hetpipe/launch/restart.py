@@ -82,7 +82,8 @@ def replan(plan: Plan, devices: Iterable[str], planning: Dict) -> Plan:
         raise ValueError(f"hetpipe: without device(s) {sorted(out)} no device of the cluster is left")
     cluster["nodes"] = nodes
     new = make_plan(cluster, planning["profile"], policy=planning["policy"], nm=planning["nm"], d=planning["d"],
-                    minibatch_size=planning["minibatch_size"], precision=planning["precision"])
+                    minibatch_size=planning["minibatch_size"], precision=planning["precision"],
+                    ps_nodes=planning.get("ps_nodes"))
     vws = tuple(dataclasses.replace(vw, stages=tuple(dataclasses.replace(st, device=ids.get(st.device, st.device))
                                                      for st in vw.stages)) for vw in new.virtual_workers)
     meta = {**new.meta, "replanned_without": sorted(out)}

@@ -123,11 +123,16 @@ def _planned(trainer: Any, comm: Any, discovery: Discovery) -> Plan:
 
 def _save_cluster(cluster: ClusterSpec, plan_cache: Optional[Path]) -> None:
     """Write the cluster JSON (editable, accepted back as ``cluster=``) where this run keeps its files."""
-    text = json.dumps(cluster.to_dict(), indent=2)
+    text = json.dumps(cluster.to_dict(), indent=1) + "\n"      # as the plan cache writes it
     places = [Path(os.environ[RUN_DIR_ENV])] if os.environ.get(RUN_DIR_ENV) else []
     if plan_cache is not None:
         places.append(Path(plan_cache))
     for place in places:
+        path = place / CLUSTER_FILE
+        if path.is_file() and path.read_text() == text:
+            continue            # as it is (the file may be the cluster= every rank is reading)
         place.mkdir(parents=True, exist_ok=True)
-        (place / CLUSTER_FILE).write_text(text)
-        sys.stderr.write(f"hetpipe: cluster written to {place / CLUSTER_FILE}\n")
+        tmp = place / f".{CLUSTER_FILE}.{os.getpid()}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, path)   # readers see the old file or the new one, never half of one
+        sys.stderr.write(f"hetpipe: cluster written to {path}\n")
