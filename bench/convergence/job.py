@@ -31,6 +31,9 @@ class Job:
     plan: str = ""               # hetpipe: plan JSON path
     d: int = 0                   # hetpipe: staleness bound
     aggregate: str = "sum"       # hetpipe: how the PS combines the VWs' wave deltas
+    outer: str = "sgd"           # hetpipe: the PS's outer optimizer (sgd with lr 1: the plain rule)
+    outer_lr: float = 1.0        # hetpipe: its learning rate
+    outer_momentum: float = 0.9  # hetpipe: nesterov's momentum
     minibatches: int = 0         # hetpipe: minibatches in the run (all VWs)
     snapshot_waves: int = 1      # hetpipe: record the global weights every this many waves
     timeout_s: float = 120.0     # hetpipe: seconds a rank may wait for a peer

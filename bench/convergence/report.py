@@ -18,7 +18,7 @@ def _fmt(x: Optional[float], spec: str = ".1f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def _table(cols: Sequence[str], body: List[List[str]]) -> str:
+def table(cols: Sequence[str], body: List[List[str]]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(cols, *body)]
     fmt = lambda row: " | ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip()  # noqa: E731
     return "\n".join([fmt(cols), "-+-".join("-" * w for w in widths)] + [fmt(b) for b in body])
@@ -38,7 +38,7 @@ def sweep_table(runs: List[dict], best: Dict[str, float], budget: float) -> str:
                 cell += " *"
             row.append(cell)
         body.append(row)
-    return _table(["system"] + [f"lr {lr:.3g}" for lr in lrs], body)
+    return table(["system"] + [f"lr {lr:.3g}" for lr in lrs], body)
 
 
 def summarize(runs: List[dict], target: float, budget: float) -> List[dict]:
@@ -71,7 +71,7 @@ def summary_table(rows: List[dict], budget: float) -> str:
         body.append([r["label"], f"{r['lr']:.3g}", f"{_fmt(r['ttt_mean'])} ± {_fmt(r['ttt_sd'])}", per_seed, speed,
                      f"{r['loss_mean']:.3f} ± {r['loss_sd']:.3f}", dloss, f"{r['samples_per_s']:.0f}",
                      f"{100 * r['overrun']:.1f}%", note])
-    return _table(["system", "lr", "time to target s (mean ± sd)", "per seed", "speed-up vs DDP",
+    return table(["system", "lr", "time to target s (mean ± sd)", "per seed", "speed-up vs DDP",
                    f"val loss at {budget:g} s", "vs DDP", "samples/s", "overrun", ""], body)
 
 

@@ -1,4 +1,4 @@
-"""hetpipe: the planned Plan under WSP (staleness D, the job's aggregation rule), emulated devices.
+"""hetpipe: the planned Plan under WSP (staleness D, the job's aggregation rule and outer optimizer), emulated devices.
 
 Started as ``mpiexec -n <plan ranks> python train_hetpipe.py job.json result.json``. The model of a
 HetPipe run is the parameter servers' global weights ``W_g``; each PS shard records its layers of
@@ -75,6 +75,13 @@ def train(job: Job, comm, rank: int) -> Optional[dict]:
         extra["aggregate"] = job.aggregate
     elif job.aggregate != "sum":
         raise SystemExit(f"hetpipe: this Trainer has no aggregate option (asked for {job.aggregate!r})")
+    rule = job.aggregate
+    if job.outer != "sgd" or job.outer_lr != 1.0:
+        if "outer" not in inspect.signature(Trainer).parameters:
+            raise SystemExit(f"hetpipe: this Trainer has no outer optimizer option (asked for {job.outer!r})")
+        extra.update(outer=job.outer, outer_lr=job.outer_lr, outer_momentum=job.outer_momentum)
+        rule += f" + {job.outer} lr {job.outer_lr:g}" + (f" momentum {job.outer_momentum:g}"
+                                                         if job.outer == "nesterov" else "")
     result = Trainer(build_layers(job.task, job.seed), loss_fn, lambda p: optimizer(p, job.lr), data, plan=plan,
                      emulate=True, progress=False, timeout=job.timeout_s, **extra).fit()
     pacers = e2e.RecordingPacer.instances
@@ -94,11 +101,11 @@ def train(job: Job, comm, rank: int) -> Optional[dict]:
     snapshots.save(job.snapshots, snapshots.merge(r.pop("snapshots") for r in ranks if r["snapshots"] is not None))
     for r in ranks:
         r.pop("snapshots", None)
-    return {"system": f"hetpipe D={plan.d} {job.aggregate}", "samples": result.samples,
+    return {"system": f"hetpipe D={plan.d} {rule}", "samples": result.samples,
             "wall_s": result.elapsed_s, "ranks": ranks, "emulated": result.emulated,
             "train_loss_last": result.final_loss(),
             "note": f"{nvw} VWs x {[len(v.stages) for v in plan.virtual_workers]} stages, "
-                    f"Nm={plan.nm}, {len(plan.ps_shards)} PS, aggregate {job.aggregate}"}
+                    f"Nm={plan.nm}, {len(plan.ps_shards)} PS, aggregate {rule}"}
 
 
 def main(jobs_path: str, out_path: str) -> None:

@@ -21,22 +21,47 @@ namespace py = pybind11;
 
 namespace hetpipe::bindings {
 
+namespace {
+
+// The outer optimizer's options from the keyword arguments; std::invalid_argument naming a bad name
+// (the numbers are checked by ShardPlane itself).
+OuterOptions outer_options(const std::string& outer, float lr, float momentum, const std::string& staleness) {
+  if (outer != "sgd" && outer != "nesterov") {
+    throw std::invalid_argument("ShardPlane: outer must be 'sgd' or 'nesterov', got '" + outer + "'");
+  }
+  if (staleness != "none" && staleness != "inverse") {
+    throw std::invalid_argument("ShardPlane: outer_staleness must be 'none' or 'inverse', got '" + staleness + "'");
+  }
+  OuterOptions options;
+  options.nesterov = outer == "nesterov";
+  options.lr = lr;
+  options.momentum = momentum;
+  options.inverse_staleness = staleness == "inverse";
+  return options;
+}
+
+}  // namespace
+
 void bind_shard_plane(py::module_& m) {
   py::class_<ShardPlane>(m, "ShardPlane",
                          "One PS shard's data plane: WSP pushes, wave application in VW order and staleness-gated\n"
                          "pulls, callable from many threads at once without the GIL (see shard_plane.h).\n"
                          "ShardPlane(layer_numels, stage_layers, d, num_threads=0, *, buffer_numels=[], replicas=[],\n"
-                         "aggregate='sum', log_sums=False): stage_layers[vw][stage] lists the indices of the shard's\n"
+                         "aggregate='sum', log_sums=False, outer='sgd', outer_lr=1.0, outer_momentum=0.9,\n"
+                         "outer_staleness='none'): stage_layers[vw][stage] lists the indices of the shard's\n"
                          "layers the stage holds; buffer_numels the synced buffers per layer; replicas[vw][stage] the\n"
-                         "(layer, offset, numel) slices of tied parameters the stage pulls without pushing them.")
+                         "(layer, offset, numel) slices of tied parameters the stage pulls without pushing them;\n"
+                         "outer* the PS's outer optimizer (hetpipe.outer).")
       .def(py::init([](std::vector<std::size_t> layer_numels, std::vector<std::vector<std::vector<int>>> stage_layers,
                        int d, int num_threads, std::vector<std::size_t> buffer_numels,
                        std::vector<std::vector<std::vector<std::tuple<int, std::size_t, std::size_t>>>> replicas,
-                       const std::string& aggregate, bool log_sums) {
+                       const std::string& aggregate, bool log_sums, const std::string& outer, float outer_lr,
+                       float outer_momentum, const std::string& outer_staleness) {
              if (aggregate != "sum" && aggregate != "mean") {
                throw std::invalid_argument("ShardPlane: aggregate must be 'sum' or 'mean', got '" + aggregate + "'");
              }
              ShardPlaneOptions options;
+             options.outer = outer_options(outer, outer_lr, outer_momentum, outer_staleness);
              options.buffer_numels = std::move(buffer_numels);
              for (const auto& vw : replicas) {
                auto& per_vw = options.replicas.emplace_back();
@@ -53,7 +78,8 @@ void bind_shard_plane(py::module_& m) {
            py::arg("layer_numels"), py::arg("stage_layers"), py::arg("d"), py::arg("num_threads") = 0,
            py::kw_only(), py::arg("buffer_numels") = std::vector<std::size_t>{},
            py::arg("replicas") = std::vector<std::vector<std::vector<std::tuple<int, std::size_t, std::size_t>>>>{},
-           py::arg("aggregate") = "sum", py::arg("log_sums") = false)
+           py::arg("aggregate") = "sum", py::arg("log_sums") = false, py::arg("outer") = "sgd",
+           py::arg("outer_lr") = 1.0f, py::arg("outer_momentum") = 0.9f, py::arg("outer_staleness") = "none")
       .def_property_readonly("num_layers", &ShardPlane::num_layers)
       .def_property_readonly("num_vws", &ShardPlane::num_vws)
       .def("stage_numel", &ShardPlane::stage_numel, py::arg("vw"), py::arg("stage"),
@@ -71,6 +97,16 @@ void bind_shard_plane(py::module_& m) {
             return py::array_t<float>({n}, {static_cast<py::ssize_t>(sizeof(float))}, p.buffers(layer), self);
           },
           py::arg("layer"), "A writable zero-copy view of layer `layer`'s synced buffers (as weights()).")
+      .def(
+          "momentum",
+          [](py::object self, int layer) {
+            ShardPlane& p = self.cast<ShardPlane&>();
+            const auto n = static_cast<py::ssize_t>(p.momentum_numel(layer));
+            return py::array_t<float>({n}, {static_cast<py::ssize_t>(sizeof(float))}, p.momentum(layer), self);
+          },
+          py::arg("layer"),
+          "A writable zero-copy view of layer `layer`'s outer momentum buffer (empty unless outer='nesterov'),\n"
+          "with the rules of weights(): set it before the first push, read it after the last or while held.")
       .def(
           "weights",
           [](py::object self, int layer) {

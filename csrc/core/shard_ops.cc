@@ -23,6 +23,22 @@ void axpy_divided(float* __restrict shard, const float* __restrict delta, std::s
   for (std::size_t i = 0; i < n; ++i) shard[i] = shard[i] + delta[i] / divisor;
 }
 
+void divide(float* x, std::size_t n, float divisor) {
+  for (std::size_t i = 0; i < n; ++i) x[i] = x[i] / divisor;
+}
+
+void nesterov(float* __restrict shard, float* __restrict momentum, float* __restrict aggregated, std::size_t n,
+              float lr, float mu) {
+  for (std::size_t i = 0; i < n; ++i) {
+    const float g = -aggregated[i];
+    const float m = mu * momentum[i] + g;
+    momentum[i] = m;
+    const float step = mu * m + g;
+    shard[i] = shard[i] - lr * step;
+    aggregated[i] = 0.0f;
+  }
+}
+
 // shard and delta are the same buffer.
 void axpy_self(float* shard, std::size_t n, float scale) {
   for (std::size_t i = 0; i < n; ++i) shard[i] = shard[i] + scale * shard[i];
@@ -88,6 +104,25 @@ void apply_delta_divided(float* shard, const float* delta, std::size_t n, float 
   }
   split(n, shard_threads(num_threads, n), [=](std::size_t begin, std::size_t end) {
     axpy_divided(shard + begin, delta + begin, end - begin, divisor);
+  });
+}
+
+void divide_in_place(float* x, std::size_t n, float divisor, int num_threads) {
+  if (n == 0) return;
+  split(n, shard_threads(num_threads, n), [=](std::size_t begin, std::size_t end) {
+    divide(x + begin, end - begin, divisor);
+  });
+}
+
+void outer_nesterov(float* shard, float* momentum, float* aggregated, std::size_t n, float lr, float mu,
+                    int num_threads) {
+  if (n == 0) return;
+  const std::size_t nbytes = n * sizeof(float);
+  if (overlap(shard, momentum, nbytes) || overlap(shard, aggregated, nbytes) || overlap(momentum, aggregated, nbytes)) {
+    throw std::invalid_argument("outer_nesterov: shard, momentum and aggregated overlap");
+  }
+  split(n, shard_threads(num_threads, n), [=](std::size_t begin, std::size_t end) {
+    nesterov(shard + begin, momentum + begin, aggregated + begin, end - begin, lr, mu);
   });
 }
 

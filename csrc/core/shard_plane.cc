@@ -1,5 +1,6 @@
 #include "hetpipe/shard_plane.h"
 
+#include <cmath>
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
@@ -14,6 +15,17 @@ namespace {
 
 std::string who(int vw, int stage) { return "VW " + std::to_string(vw) + " stage " + std::to_string(stage); }
 
+// std::invalid_argument naming the field unless lr is finite and > 0 and momentum lies in [0, 1).
+void check_outer(const OuterOptions& outer) {
+  if (!std::isfinite(outer.lr) || !(outer.lr > 0.0f)) {
+    throw std::invalid_argument("ShardPlane: outer_lr must be a finite number > 0, got " + std::to_string(outer.lr));
+  }
+  if (!(outer.momentum >= 0.0f && outer.momentum < 1.0f)) {
+    throw std::invalid_argument("ShardPlane: outer_momentum must be a number in [0, 1), got " +
+                                std::to_string(outer.momentum));
+  }
+}
+
 }  // namespace
 
 ShardPlane::ShardPlane(std::vector<std::size_t> layer_numels, std::vector<std::vector<std::vector<int>>> stage_layers,
@@ -21,11 +33,13 @@ ShardPlane::ShardPlane(std::vector<std::size_t> layer_numels, std::vector<std::v
     : d_(d),
       num_threads_(num_threads),
       mean_(options.mean),
+      outer_(options.outer),
       clocks_(stage_layers.empty() ? 1 : static_cast<int>(stage_layers.size())),
       applied_(1),
       log_sums_(options.log_sums) {
   if (stage_layers.empty()) throw std::invalid_argument("ShardPlane: stage_layers names no virtual worker");
   if (d < 0) throw std::invalid_argument("ShardPlane: staleness bound d must be >= 0, got " + std::to_string(d));
+  check_outer(outer_);
   const int layers = static_cast<int>(layer_numels.size());
   std::vector<std::size_t>& bufs = options.buffer_numels;
   if (bufs.empty()) bufs.assign(layer_numels.size(), 0);
@@ -89,6 +103,8 @@ ShardPlane::ShardPlane(std::vector<std::size_t> layer_numels, std::vector<std::v
     weights_.push_back({weight_store_.data() + off, layer_numels[l]});
     off += layer_numels[l];
     buffers_.emplace_back(bufs[l], 0.0f);
+    momentum_.emplace_back(outer_.nesterov ? layer_numels[l] : 0, 0.0f);
+    aggregated_.emplace_back(outer_.nesterov ? layer_numels[l] : 0, 0.0f);
   }
   spare_.resize(slots_.size());
   if (log_sums_) {
@@ -125,6 +141,16 @@ float* ShardPlane::weights(int layer) {
 float* ShardPlane::buffers(int layer) {
   layer_numel(layer);
   return buffers_[static_cast<std::size_t>(layer)].data();
+}
+
+float* ShardPlane::momentum(int layer) {
+  layer_numel(layer);
+  return momentum_[static_cast<std::size_t>(layer)].data();
+}
+
+std::size_t ShardPlane::momentum_numel(int layer) const {
+  layer_numel(layer);
+  return momentum_[static_cast<std::size_t>(layer)].size();
 }
 
 bool ShardPlane::pushes_from(int vw, int stage) const noexcept {
@@ -281,9 +307,10 @@ std::int64_t ShardPlane::apply_ready() {
         pending_.erase(it);
       }
     }
+    const std::vector<std::int64_t> versions = take_versions(a);
     {
       std::unique_lock<std::shared_mutex> exclusive(weights_mutex_);
-      apply_wave(a, wave);
+      apply_wave(a, wave, versions);
       applied_.advance(0);
     }
     ++count;
@@ -295,30 +322,78 @@ std::int64_t ShardPlane::apply_ready() {
   }
 }
 
-void ShardPlane::apply_wave(std::int64_t wave, std::vector<Buffer>& buffers) {
-  const float vws = static_cast<float>(num_vws());
+std::vector<std::int64_t> ShardPlane::take_versions(std::int64_t wave) {
+  std::vector<std::int64_t> versions(slots_.size(), wave);
+  if (!outer_.inverse_staleness) return versions;
+  std::lock_guard<std::mutex> lock(versions_mutex_);
+  for (std::size_t id = 0; id < slots_.size(); ++id) {
+    const auto it = versions_.find({static_cast<int>(id), wave});
+    if (it == versions_.end()) continue;
+    versions[id] = it->second;
+    versions_.erase(it);
+  }
+  return versions;
+}
+
+void ShardPlane::record_version(int vw, int stage, std::int64_t wave, std::int64_t version) {
+  if (!outer_.inverse_staleness || !pushes_from(vw, stage)) return;
+  std::lock_guard<std::mutex> lock(versions_mutex_);
+  versions_[{slot_id(vw, stage), wave}] = version;
+}
+
+float ShardPlane::push_divisor(int vw, int stage, std::int64_t wave, std::int64_t version) const {
+  const std::int64_t base = mean_ ? num_vws() : 1;
+  if (!outer_.inverse_staleness) return static_cast<float>(base);
+  if (version > wave) {
+    throw std::logic_error("ShardPlane: " + who(vw, stage) + " pulled wave " + std::to_string(wave) + " at version " +
+                           std::to_string(version) + ", after that wave was applied");
+  }
+  return static_cast<float>(base * (1 + wave - version));
+}
+
+void ShardPlane::apply_push(int layer, float* delta, float divisor) {
+  const LayerView& w = weights_[static_cast<std::size_t>(layer)];
+  if (outer_.plain()) {
+    if (divisor > 1.0f) {
+      apply_delta_divided(w.data(), delta, w.size(), divisor, num_threads_);
+    } else {
+      apply_delta(w.data(), delta, w.size(), 1.0f, num_threads_);
+    }
+    return;
+  }
+  if (divisor > 1.0f) divide_in_place(delta, w.size(), divisor, num_threads_);
+  if (outer_.nesterov) {
+    apply_delta(aggregated_[static_cast<std::size_t>(layer)].data(), delta, w.size(), 1.0f, num_threads_);
+  } else {
+    apply_delta(w.data(), delta, w.size(), outer_.lr, num_threads_);
+  }
+}
+
+void ShardPlane::apply_wave(std::int64_t wave, std::vector<Buffer>& buffers, const std::vector<std::int64_t>& versions) {
   std::vector<std::array<std::int64_t, 3>> applied;
   for (int vw = 0; vw < num_vws(); ++vw) {  // VW 0 first, then 1, ...; stages and layers in order
     for (int stage = 0; stage < num_stages_[static_cast<std::size_t>(vw)]; ++stage) {
       const std::size_t id = static_cast<std::size_t>(slot_id(vw, stage));
       const StageSlot& s = slots_[id];
       if (s.layers.empty()) continue;
-      const float* delta = buffers.size() > id ? buffers[id].get() : nullptr;
+      float* delta = buffers.size() > id ? buffers[id].get() : nullptr;
       if (delta == nullptr) {
         throw std::logic_error("ShardPlane: wave " + std::to_string(wave) + " of " + who(vw, stage) +
                                " is applied but never arrived");
       }
+      const float divisor = push_divisor(vw, stage, wave, versions[id]);
       std::size_t off = 0;
       for (int l : s.layers) {
-        const LayerView& w = weights_[static_cast<std::size_t>(l)];
-        if (mean_ && num_vws() > 1) {
-          apply_delta_divided(w.data(), delta + off, w.size(), vws, num_threads_);
-        } else {
-          apply_delta(w.data(), delta + off, w.size(), 1.0f, num_threads_);
-        }
-        off += w.size();
+        apply_push(l, delta + off, divisor);
+        off += weights_[static_cast<std::size_t>(l)].size();
       }
       applied.push_back({vw, stage, wave});
+    }
+  }
+  if (outer_.nesterov) {
+    for (std::size_t l = 0; l < weights_.size(); ++l) {
+      outer_nesterov(weights_[l].data(), momentum_[l].data(), aggregated_[l].data(), weights_[l].size(), outer_.lr,
+                     outer_.momentum, num_threads_);
     }
   }
   // Synced buffers: B <- B + (sum over VWs of (P - B)) / VWs, VWs summed in order (one VW: B <- P).
@@ -382,6 +457,7 @@ std::int64_t ShardPlane::serve(int vw, int stage, std::int64_t wave, float* out,
     throw std::logic_error(msg.str());
   }
   if (out != nullptr) copy_reply(s, out);
+  record_version(vw, stage, wave, a);
   std::lock_guard<std::mutex> log_lock(log_mutex_);
   log_.pulls.push_back({vw, stage, wave, a});
   log_.pull_clocks.push_back(clocks_.clock(vw));

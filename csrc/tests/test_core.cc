@@ -329,10 +329,33 @@ void apply_delta_thread_invariant() {
   CHECK(std::memcmp(one.data(), many.data(), n * sizeof(float)) == 0);
 }
 
+// The outer Nesterov step and the in-place division split across threads as apply_delta does: the
+// result is bitwise that of one thread, and the aggregated delta is left zeroed.
+void outer_nesterov_thread_invariant() {
+  const std::size_t n = (1 << 20) + 13;
+  std::vector<float> w(n), m(n), a(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    w[i] = static_cast<float>(i % 1000) * 0.001f;
+    m[i] = static_cast<float>((i * 5) % 991) * 0.01f - 4.0f;
+    a[i] = static_cast<float>((i * 7) % 997) * -0.37f;
+  }
+  std::vector<float> w1 = w, m1 = m, a1 = a, w4 = w, m4 = m, a4 = a;
+  hetpipe::divide_in_place(a1.data(), n, 3.0f, 1);
+  hetpipe::divide_in_place(a4.data(), n, 3.0f, 4);
+  CHECK(std::memcmp(a1.data(), a4.data(), n * sizeof(float)) == 0);
+  hetpipe::outer_nesterov(w1.data(), m1.data(), a1.data(), n, 0.7f, 0.9f, 1);
+  hetpipe::outer_nesterov(w4.data(), m4.data(), a4.data(), n, 0.7f, 0.9f, 4);
+  CHECK(std::memcmp(w1.data(), w4.data(), n * sizeof(float)) == 0);
+  CHECK(std::memcmp(m1.data(), m4.data(), n * sizeof(float)) == 0);
+  CHECK(std::all_of(a4.begin(), a4.end(), [](float x) { return x == 0.0f; }));
+  CHECK(std::memcmp(w1.data(), w.data(), n * sizeof(float)) != 0);
+}
+
 // One thread per stage (2 VWs x 2 stages, D = 1) pulls wave w, then pushes its wave-w delta: the
-// final weights equal a single thread's pushes in canonical order bit for bit (waves are applied in
-// VW order whatever the interleaving), and every pull saw at least w - D applied waves.
-void shard_plane_concurrent_equals_sequential() {
+// final weights (and the outer momentum, with nesterov) equal a single thread's pushes in canonical
+// order bit for bit (waves are applied in VW order whatever the interleaving), and every pull saw at
+// least w - D applied waves.
+void shard_plane_concurrent_equals_sequential_with(const hetpipe::ShardPlaneOptions& options) {
   const std::vector<std::size_t> numels{3000, 5000, 700};
   const std::vector<std::vector<std::vector<int>>> stages{{{0, 1}, {2}}, {{0}, {1, 2}}};
   constexpr int kWaves = 60;
@@ -342,7 +365,7 @@ void shard_plane_concurrent_equals_sequential() {
     for (std::size_t i = 0; i < n; ++i) d[i] = static_cast<float>((vw * 31 + stage * 7 + wave * 3 + i) % 97) * 1e-3f - 0.05f;
     return d;
   };
-  hetpipe::ShardPlane sequential(numels, stages, kD, 1), concurrent(numels, stages, kD, 2);
+  hetpipe::ShardPlane sequential(numels, stages, kD, 1, options), concurrent(numels, stages, kD, 2, options);
   for (int wave = 0; wave < kWaves; ++wave) {
     for (int vw = 0; vw < 2; ++vw) {
       for (int stage = 0; stage < 2; ++stage) {
@@ -371,6 +394,9 @@ void shard_plane_concurrent_equals_sequential() {
   CHECK(concurrent.applied() == kWaves && sequential.applied() == kWaves);
   for (int l = 0; l < 3; ++l) {
     CHECK(std::memcmp(concurrent.weights(l), sequential.weights(l), numels[l] * sizeof(float)) == 0);
+    CHECK(concurrent.momentum_numel(l) == (options.outer.nesterov ? numels[l] : 0));
+    CHECK(std::memcmp(concurrent.momentum(l), sequential.momentum(l), concurrent.momentum_numel(l) * sizeof(float)) ==
+          0);
   }
   bool duplicate = false;
   try {
@@ -380,6 +406,17 @@ void shard_plane_concurrent_equals_sequential() {
     duplicate = true;
   }
   CHECK(duplicate);
+}
+
+void shard_plane_concurrent_equals_sequential() { shard_plane_concurrent_equals_sequential_with({}); }
+
+void shard_plane_nesterov_concurrent_equals_sequential() {
+  hetpipe::ShardPlaneOptions options;
+  options.mean = true;
+  options.outer.nesterov = true;
+  options.outer.lr = 0.7f;
+  options.outer.momentum = 0.9f;
+  shard_plane_concurrent_equals_sequential_with(options);
 }
 
 // The shape of the MPI service (csrc/mpi/shard_service.h) without MPI: one receiver thread per stage
@@ -487,6 +524,8 @@ int main() {
   run("apply_delta_thread_invariant", apply_delta_thread_invariant);
   run("shard_plane_two_phase_with_holds", shard_plane_two_phase_with_holds);
   run("shard_plane_concurrent_equals_sequential", shard_plane_concurrent_equals_sequential);
+  run("outer_nesterov_thread_invariant", outer_nesterov_thread_invariant);
+  run("shard_plane_nesterov_concurrent_equals_sequential", shard_plane_nesterov_concurrent_equals_sequential);
   if (g_failures != 0) {
     std::fprintf(stderr, "%d check(s) failed\n", g_failures);
     return EXIT_FAILURE;

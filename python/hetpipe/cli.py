@@ -1,6 +1,7 @@
 """Command line: `hetpipe plan | simulate | reproduce | demo | launch | export`."""
 
 import argparse
+import dataclasses
 import math
 import sys
 
@@ -53,6 +54,16 @@ def _add_plan_command(sub) -> None:
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="bf16/fp16: autocast compute and half-precision activations on the wire (half the "
                         "transfer bytes; fp16 with dynamic loss scaling)")
+    p.add_argument("--aggregate", choices=("mean", "sum"), default="mean",
+                   help="how the PS combines the VWs' wave deltas: their mean (default) or their sum (HetPipe's)")
+    p.add_argument("--outer", choices=("sgd", "nesterov"), default="sgd",
+                   help="the PS's outer optimizer on each wave's aggregated delta: sgd (default; with lr 1 the plain "
+                        "rule) or nesterov (DiLoCo's outer step, a momentum buffer per shard)")
+    p.add_argument("--outer-lr", type=float, default=1.0, help="the outer optimizer's learning rate (default 1)")
+    p.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="nesterov's momentum, in [0, 1) (default 0.9)")
+    p.add_argument("--outer-staleness", choices=("none", "inverse"), default="none",
+                   help="inverse: divide a push computed on weights s waves old by 1 + s (default none)")
     p.add_argument("-o", "--output", help="write the plan as JSON to this file")
 
 
@@ -90,6 +101,8 @@ def _run_plan(args) -> int:
         plan = make_plan(cluster, profile, policy=args.policy, nm=args.nm, d=args.d,
                          num_ps_shards=args.ps_shards if ps_nodes is None else None, recompute=args.recompute,
                          precision=args.precision, ps_nodes=ps_nodes)
+        plan = dataclasses.replace(plan, aggregate=args.aggregate, outer=args.outer, outer_lr=args.outer_lr,
+                                   outer_momentum=args.outer_momentum, outer_staleness=args.outer_staleness)
         if args.save_cluster:
             write_file("--save-cluster", args.save_cluster, lambda p: Path(p).write_text(cluster.to_json() + "\n"))
             print(f"cluster: {args.save_cluster}")

@@ -1,6 +1,7 @@
 """ShardPlane (the PS shard's data plane in the core) against the Python shard, ShardState of
 hetpipe.ps.shard: the same pushes and pulls give bit-identical weights, clocks and pull replies,
-sequentially and with one thread per stage pushing and pulling at once (GIL released)."""
+sequentially and with one thread per stage pushing and pulling at once (GIL released), under the
+plain rule and under every outer optimizer (hetpipe.outer: nesterov, an outer lr, the staleness scale)."""
 
 import random
 import threading
@@ -8,7 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from hetpipe.ps.shard import ShardState
+from hetpipe.ps.shard import ShardLog, ShardState
+from hetpipe.run.record import ShardRecord, ShardScript
 from hetpipe_core import ShardPlane
 
 # The shard owns model layers 1, 4 and 5 (plane indices 0, 1, 2); VW 0 has 2 stages, VW 1 has 3.
@@ -22,12 +24,12 @@ def _plane_layout():
     return [LAYERS[l] for l in order], stage_layers
 
 
-def _pair(d: int, threads: int = 1):
+def _pair(d: int, threads: int = 1, **options):
     rng = np.random.default_rng(0)
     init = {l: rng.standard_normal(n).astype(np.float32) for l, n in LAYERS.items()}
-    ref = ShardState(0, init, CUTS, d)
+    ref = ShardState(0, init, CUTS, d, **options)
     numels, stage_layers = _plane_layout()
-    plane = ShardPlane(numels, stage_layers, d, threads)
+    plane = ShardPlane(numels, stage_layers, d, threads, **options)
     for i, l in enumerate(sorted(LAYERS)):
         plane.weights(i)[:] = init[l]
     return ref, plane
@@ -44,6 +46,26 @@ def _delta(vw: int, stage: int, wave: int, n: int) -> np.ndarray:
 def _assert_same_weights(ref: ShardState, plane: ShardPlane):
     for i, l in enumerate(sorted(LAYERS)):
         assert np.array_equal(plane.weights(i), ref.W[l]), f"layer {l}"
+        assert np.array_equal(plane.momentum(i), ref.M[l]), f"layer {l}"
+
+
+# The outer optimizers the plane must compute as the Python shard does (hetpipe.outer).
+OUTERS = {
+    "nesterov-mean": dict(aggregate="mean", outer="nesterov", outer_lr=0.7, outer_momentum=0.9),
+    "nesterov-sum-inverse": dict(aggregate="sum", outer="nesterov", outer_lr=1.3, outer_momentum=0.5,
+                                 outer_staleness="inverse"),
+    "sgd-lr-inverse": dict(aggregate="mean", outer="sgd", outer_lr=0.6, outer_staleness="inverse"),
+    "plain-inverse": dict(aggregate="mean", outer_staleness="inverse"),
+}
+
+
+def _ref_pull(ref: ShardState, vw: int, stage: int, wave: int) -> int:
+    """The Python shard answers the pull now (the staleness bound allows it), logging its version."""
+    ref.pull(0, vw, stage, wave)
+    ready = ref.ready_pulls()
+    assert [q[1:] for q in ready] == [(vw, stage, wave)]
+    ref.answered(ready)
+    return ref.log.pulls[-1][3]
 
 
 @pytest.mark.parametrize("d", [0, 1, 2])
@@ -70,6 +92,95 @@ def test_random_interleaving_matches_python_shard(d):
         next_wave[(vw, stage)] += 1
     assert plane.applied == waves
     _assert_same_weights(ref, plane)
+
+
+@pytest.mark.parametrize("d", [0, 2])
+@pytest.mark.parametrize("options", list(OUTERS.values()), ids=list(OUTERS))
+def test_outer_optimizers_match_python_shard(d, options):
+    ref, plane = _pair(d, **options)
+    stages = _stages(ref)
+    next_wave = {k: 0 for k in stages}
+    rnd = random.Random(10 + d)
+    waves = 10
+    while any(w < waves for w in next_wave.values()):
+        ready = [k for k, w in next_wave.items() if w < waves and w - d <= ref.global_clock]
+        vw, stage = rnd.choice(ready)
+        w = next_wave[(vw, stage)]
+        n = ref.stage_numel(vw, stage)
+        got = np.empty(n, np.float32)
+        assert plane.pull(vw, stage, w, got, timeout=5) == _ref_pull(ref, vw, stage, w)
+        delta = _delta(vw, stage, w, n)
+        ref.push(vw, stage, w, delta)
+        plane.push(vw, stage, w, delta)
+        next_wave[(vw, stage)] += 1
+    assert plane.applied == ref.applied == waves
+    if d:
+        assert any(g < w for _, _, w, g in ref.log.pulls), "no pull lagged: the staleness scale went untested"
+    _assert_same_weights(ref, plane)
+
+
+def _follow(ref: ShardState, plane: ShardPlane, waves: int) -> None:
+    """Drive the Python shard through what the plane did: each pull answered at the version the plane's
+    got, each wave applied in the plane's order (a run record's gate, hetpipe.run.record)."""
+    got = plane.log()
+    log = ShardLog(pushes=[tuple(p) for p in got["pushes"]], clocks=[tuple(c) for c in got["clocks"]],
+                   pulls=[tuple(p) for p in got["pulls"]], pull_clocks=list(got["pull_clocks"]),
+                   applied=[tuple(a) for a in got["applied"]])
+    ref.gate = ShardScript(ShardRecord.from_log(0, log), ref, "the plane's log")
+    state = {k: (0, "pull") for k in _stages(ref)}
+    while any(w < waves for w, _ in state.values()):
+        for (vw, stage), (w, what) in list(state.items()):
+            if w < waves and what == "pull":
+                ref.pull(0, vw, stage, w)
+                state[(vw, stage)] = (w, "waiting")
+            elif w < waves and what == "push":
+                ref.push(vw, stage, w, _delta(vw, stage, w, ref.stage_numel(vw, stage)))
+                state[(vw, stage)] = (w + 1, "pull")
+        ready = ref.ready_pulls()
+        ref.answered(ready)
+        for _, vw, stage, w in ready:
+            state[(vw, stage)] = (w, "push")
+
+
+@pytest.mark.parametrize("options", [OUTERS["nesterov-sum-inverse"], OUTERS["sgd-lr-inverse"]],
+                         ids=["nesterov-sum-inverse", "sgd-lr-inverse"])
+def test_threads_per_stage_with_an_outer_optimizer_match_python_shard(options):
+    d, waves = 2, 20
+    ref, plane = _pair(d, threads=2, **options)
+    stages = _stages(ref)
+    errors = []
+
+    def stage_thread(vw: int, stage: int) -> None:
+        try:
+            out = np.empty(plane.stage_numel(vw, stage), np.float32)
+            for w in range(waves):
+                plane.pull(vw, stage, w, out, timeout=30)
+                plane.push(vw, stage, w, _delta(vw, stage, w, out.size))
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=stage_thread, args=k) for k in stages]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    _follow(ref, plane, waves)
+    assert plane.applied == waves == ref.applied
+    _assert_same_weights(ref, plane)
+
+
+def test_bad_outer_options_name_the_field():
+    numels, stage_layers = _plane_layout()
+    for kwargs, message in [(dict(outer="adam"), "outer must be 'sgd' or 'nesterov', got 'adam'"),
+                            (dict(outer_lr=0.0), "outer_lr must be a finite number > 0"),
+                            (dict(outer_lr=float("inf")), "outer_lr must be a finite number > 0"),
+                            (dict(outer_momentum=1.0), "outer_momentum must be a number in \\[0, 1\\)"),
+                            (dict(outer_staleness="linear"), "outer_staleness must be 'none' or 'inverse'")]:
+        with pytest.raises(ValueError, match=message):
+            ShardPlane(numels, stage_layers, 0, **kwargs)
+    assert ShardPlane(numels, stage_layers, 0).momentum(0).size == 0
+    assert ShardPlane(numels, stage_layers, 0, outer="nesterov").momentum(0).size == numels[0]
 
 
 def test_threads_per_stage_match_python_shard():

@@ -78,11 +78,11 @@ def uninterrupted(tmp_path_factory):
     return _result(out)
 
 
-def _resume_and_compare(tmp_path, ckpt: Path, uninterrupted) -> int:
+def _resume_and_compare(tmp_path, ckpt: Path, uninterrupted, cfg=CFG) -> int:
     """Resume from ``ckpt`` with `--resume`; the result must be the uninterrupted run's, bitwise.
     Returns the clock it resumed from."""
     rc, err = _finish(_launch("-n", "3", "--resume", str(ckpt), "--run-dir", str(tmp_path / "run2"),
-                              "ckpt_run.py", str(tmp_path / "resumed"), json.dumps(CFG)))
+                              "ckpt_run.py", str(tmp_path / "resumed"), json.dumps(cfg)))
     assert rc == 0, err
     (want, w_want), (got, w_got) = uninterrupted, _result(tmp_path / "resumed")
     clock = got["resumed"]["clock"]
@@ -108,6 +108,31 @@ def test_run_killed_at_a_random_wave_resumes_bitwise_at_d0(tmp_path, uninterrupt
     rc, err = _finish(killed)
     assert rc != 0 and f"rank {victim}" in err, err
     assert _resume_and_compare(tmp_path, ckpt, uninterrupted) % 2 == 0
+
+
+# The PS's outer optimizer with a momentum buffer, which the PS part of each checkpoint holds.
+NESTEROV = {**CFG, "outer": {"outer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9}}
+
+
+def test_outer_momentum_resumes_bitwise(tmp_path):
+    """D = 0 with outer="nesterov": a run killed at a random wave and resumed from its checkpoint ends
+    with the uninterrupted run's weights and losses, bitwise (the PS's momentum buffer came back too)."""
+    rc, err = _finish(_launch("-n", "3", "ckpt_run.py", str(tmp_path / "ref"), json.dumps(NESTEROV)))
+    assert rc == 0, err
+    reference = _result(tmp_path / "ref")
+    rc, err = _finish(_launch("-n", "3", "ckpt_run.py", str(tmp_path / "plain"), json.dumps(CFG)))
+    assert rc == 0, err
+    plain = _result(tmp_path / "plain")[1]
+    assert not all(np.array_equal(plain[l], reference[1][l]) for l in plain), "nesterov changed nothing"
+    rng = random.Random(14)
+    wave, victim = rng.randint(3, 10), rng.randint(0, 2)
+    metrics, ckpt, run = tmp_path / "metrics.jsonl", tmp_path / "ckpt", tmp_path / "run"
+    killed = _launch("-n", "3", "--run-dir", str(run), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+                     "ckpt_run.py", str(tmp_path / "killed"), json.dumps({**NESTEROV, "metrics": str(metrics)}))
+    _kill_at_wave(killed, metrics, ckpt, run, wave, victim)
+    rc, err = _finish(killed)
+    assert rc != 0 and f"rank {victim}" in err, err
+    assert _resume_and_compare(tmp_path, ckpt, reference, NESTEROV) % 2 == 0
 
 
 def test_sigterm_writes_a_checkpoint_to_resume_from(tmp_path, uninterrupted):

@@ -108,3 +108,21 @@ def test_time_to_target_and_loss_at_budget_interpolate_linearly():
     assert time_to_target(curve, 1.9) is None
     assert loss_at(curve, 5.0) == pytest.approx(2.25)
     assert loss_at(curve, 9.0) == 2.5                     # ended before the budget: its last value
+
+
+def test_outer_comparison_runs_every_rule_at_every_d_and_its_jobs_round_trip(tmp_path):
+    import outer
+    from job import load_jobs, save_jobs
+
+    from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
+
+    stages = (StagePlan("n0.g0", "emu_fast", 0, 1, 0.01, 0.02), StagePlan("n0.g1", "emu_fast", 1, 2, 0.01, 0.02))
+    plan = Plan(2, 2, 0, "NP", (VirtualWorkerPlan(0, stages), VirtualWorkerPlan(1, stages)),
+                (ShardPlan(0, "n0", (0, 1)),), minibatch_size=4)
+    args = outer.parse_args(["--budget", "1", "--d", "0,4", "--outer-lr", "0.5", "--outer-momentum", "0.8"])
+    jobs = outer.jobs_of(args, SMALL, plan, tmp_path, 4)
+    assert [(j.d, j.aggregate, j.outer) for j in jobs] == [(d, a, o) for d in (0, 4) for a, o in outer.RULES]
+    assert {(j.outer, j.outer_lr) for j in jobs} == {("sgd", 1.0), ("nesterov", 0.5)}
+    assert outer.rule_of(jobs[3]) == "mean + nesterov (lr 0.5, momentum 0.8)" and outer.rule_of(jobs[1]) == "sum"
+    save_jobs(tmp_path / "jobs.json", jobs)
+    assert load_jobs(tmp_path / "jobs.json") == jobs

@@ -17,7 +17,7 @@ PKG = Path(__file__).resolve().parents[2] / "python" / "hetpipe"
 # Lower first. A package may import itself and any package of a lower level; packages of one level
 # are independent of each other.
 LEVELS = [
-    ("precision", "outputs", "cluster", "numbers"),
+    ("precision", "outer", "outputs", "cluster", "numbers"),
     ("profile", "schedule"),
     ("plan",),
     ("model", "loader", "reproduce"),
@@ -32,7 +32,8 @@ LEVEL = {name: i for i, names in enumerate(LEVELS) for name in names}
 TORCH_FREE = ["hetpipe.launch.supervisor", "hetpipe.launch.restart", "hetpipe.launch.mpiexec", "hetpipe.cli",
               "hetpipe.job.world", "hetpipe.job.roles", "hetpipe.job.failure", "hetpipe.checkpoint.format",
               "hetpipe.plan", "hetpipe.schedule", "hetpipe.ps.gate", "hetpipe.transport.protocol",
-              "hetpipe.launch.hosts", "hetpipe.job.placement", "hetpipe.job.inventory", "hetpipe.job.discovery"]
+              "hetpipe.launch.hosts", "hetpipe.job.placement", "hetpipe.job.inventory", "hetpipe.job.discovery",
+              "hetpipe.outer"]
 
 
 def _unit(path: Path) -> str:

@@ -1,4 +1,5 @@
-// Parameter-shard arithmetic of the parameter server: apply a pushed delta, snapshot for a pull.
+// Parameter-shard arithmetic of the parameter server: apply a pushed delta, the outer optimizer's
+// step, snapshot for a pull.
 //
 // Both operations split [0, n) statically into equal contiguous chunks (multiples of 16 elements),
 // one per thread; the caller's thread takes the first chunk. The operations are elementwise, so the
@@ -25,6 +26,18 @@ void apply_delta(float* shard, const float* delta, std::size_t n, float scale, i
 // `np.divide(delta, np.float32(divisor), out=delta); apply_delta(shard, delta)` bit for bit (delta is
 // left unchanged). Same threading and overlap rules as apply_delta.
 void apply_delta_divided(float* shard, const float* delta, std::size_t n, float divisor, int num_threads);
+
+// x[i] = x[i] / divisor over n elements, one float32 rounding: numpy's
+// `np.divide(x, np.float32(divisor), out=x)` bit for bit. Same threading as apply_delta.
+void divide_in_place(float* x, std::size_t n, float divisor, int num_threads);
+
+// The PS's outer Nesterov step (DiLoCo's) on a wave's aggregated delta `aggregated`, which it then zeroes:
+// g = -aggregated; momentum <- mu * momentum + g; shard <- shard - lr * (mu * momentum + g). Every
+// product, sum and difference is rounded to float32 once, in this order (no fused multiply-add), so it
+// equals the numpy steps of hetpipe.ps.shard.ShardState bit for bit. The three buffers must not overlap
+// (std::invalid_argument); same threading as apply_delta.
+void outer_nesterov(float* shard, float* momentum, float* aggregated, std::size_t n, float lr, float mu,
+                    int num_threads);
 
 // Synced buffers (BatchNorm running statistics) after a wave: b <- b + (sum over k of (pushed[k] - b)) / count,
 // float32 throughout and summed in k order (numpy's `change += p - b` per VW, then

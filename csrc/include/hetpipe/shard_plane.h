@@ -10,6 +10,12 @@
 //   deltas in VW then stage order, layers in order (apply_delta; with `mean` each delta is first
 //   divided by the VW count, as numpy's float32 division); then each synced buffer B becomes
 //   B + (sum over VWs of (P - B)) / VWs (one VW: P itself). The weights are always W_a, a = applied().
+// - The outer optimizer (options.outer; python/hetpipe/outer.py, docs/design.md "Outer optimizer"): each
+//   push's delta is divided by its k (the VW count with `mean`, else 1; times 1 + s with inverse
+//   staleness, s = wave - the version the stage's pull of that wave got; wave 0: s = 0). "sgd" adds it
+//   times lr (lr 1, no staleness scale: exactly the plain rule above, the same kernels); "nesterov"
+//   sums the wave's divided deltas into A, then takes outer_nesterov (shard_ops.h) with the layer's
+//   momentum buffer M, which is part of the shard's state (momentum(layer)).
 // - pull(vw, stage, wave, out): waits until applied() >= wave - D, then copies W_a of the stage's
 //   layers, its replica slices (tied parameters it holds but this shard's layer owns), then B_a of its
 //   layers into out and returns a.
@@ -29,6 +35,10 @@
 // whole waves only, at least up to the one it waited for, and the count it reads under that lock is
 // exactly the number of waves in what it copied. end_push publishes a buffer under state_mutex_,
 // which the applier takes before it reads the buffer: the bytes written before end_push are visible.
+// The momentum buffers and the aggregated deltas are written by the applier only, under the exclusive
+// side of weights_mutex_, as the weights. The versions pulls got (inverse staleness) are kept under
+// versions_mutex_, a leaf lock: serve records one before its reply leaves (so before the stage can push
+// that wave), the applier takes a wave's versions before applying it.
 // Hold: with set_hold(true) the applier stops after each wave until release(a) (a caller copying
 // the weights of every wave boundary, e.g. a checkpoint, reads them while nothing is applied).
 #pragma once
@@ -68,11 +78,23 @@ struct ShardPlaneLog {
   std::vector<std::vector<double>> pushed_sum;       // per layer (log_sums only): sum of pushed deltas
 };
 
+// The PS's outer optimizer (python/hetpipe/outer.py): "sgd" or "nesterov", its lr and momentum, and
+// whether a push is divided by 1 + its staleness ("inverse").
+struct OuterOptions {
+  bool nesterov = false;
+  float lr = 1.0f;
+  float momentum = 0.9f;
+  bool inverse_staleness = false;
+  // sgd, lr 1, no staleness scale: the plain WSP rule, applied with its own kernels.
+  bool plain() const noexcept { return !nesterov && lr == 1.0f && !inverse_staleness; }
+};
+
 struct ShardPlaneOptions {
   std::vector<std::size_t> buffer_numels;                        // per layer (empty: no synced buffers)
   std::vector<std::vector<std::vector<ReplicaSlice>>> replicas;  // [vw][stage] (empty: none)
   bool mean = false;      // aggregate "mean": each VW's delta is divided by the VW count
   bool log_sums = false;  // keep, per layer, the float64 sum of every pushed delta (as applied)
+  OuterOptions outer;     // the outer optimizer (default: the plain rule)
 };
 
 class ShardPlane {
@@ -108,6 +130,10 @@ class ShardPlane {
   // reading them after the last (or while held); not to be touched while pushes are applied.
   float* weights(int layer);
   float* buffers(int layer);
+  // The layer's outer momentum buffer (layer_numel floats with "nesterov", else none), with the
+  // weights' rules: set it before the first push (a checkpoint's), read it after the last or while held.
+  float* momentum(int layer);
+  std::size_t momentum_numel(int layer) const;
 
   // Copies `n` floats of delta (must equal stage_numel) and applies the waves it completes. Throws
   // std::invalid_argument for a stage holding none of the layers, a wrong size, a duplicate push or a
@@ -162,7 +188,16 @@ class ShardPlane {
 
   const StageSlot& slot(int vw, int stage, bool pulling) const;  // throws naming (vw, stage)
   int slot_id(int vw, int stage) const noexcept { return slot_base_[static_cast<std::size_t>(vw)] + stage; }
-  void apply_wave(std::int64_t wave, std::vector<std::unique_ptr<float[]>>& buffers);
+  void apply_wave(std::int64_t wave, std::vector<std::unique_ptr<float[]>>& buffers,
+                  const std::vector<std::int64_t>& versions);
+  // Applies (sgd) or sums into aggregated_ (nesterov) one pushed delta of a layer divided by divisor;
+  // the delta's buffer may be divided in place. Applier only.
+  void apply_push(int layer, float* delta, float divisor);
+  // k of the push of `wave` whose pull got `version` (see the header comment).
+  float push_divisor(int vw, int stage, std::int64_t wave, std::int64_t version) const;
+  // Per slot_id, the version the stage's pull of `wave` got (`wave` where none was recorded), removed.
+  std::vector<std::int64_t> take_versions(std::int64_t wave);
+  void record_version(int vw, int stage, std::int64_t wave, std::int64_t version);
   void copy_reply(const StageSlot& s, float* out) const;
 
   // A layer's weights: a view of weight_store_, where the layers lie back to back in order, so the
@@ -176,6 +211,8 @@ class ShardPlane {
   std::vector<float> weight_store_;
   std::vector<LayerView> weights_;
   std::vector<std::vector<float>> buffers_;  // synced buffers, per layer
+  std::vector<std::vector<float>> momentum_;    // outer momentum M, per layer (nesterov; else empty)
+  std::vector<std::vector<float>> aggregated_;  // the wave's aggregated delta A, per layer (nesterov)
   std::vector<StageSlot> slots_;             // by slot_id
   std::vector<int> slot_base_;               // per VW: slot_id of its stage 0
   std::vector<int> num_stages_;              // per VW
@@ -183,6 +220,7 @@ class ShardPlane {
   std::int64_t d_;
   int num_threads_;
   bool mean_;
+  OuterOptions outer_;
 
   ClockTable clocks_;   // per VW: waves whose pushes all arrived
   ClockTable applied_;  // one entry: waves applied to weights_
@@ -201,6 +239,9 @@ class ShardPlane {
   std::mutex apply_mutex_;           // one applier at a time
   std::shared_mutex weights_mutex_;  // exclusive: applying; shared: pulls copying
   std::atomic<std::int64_t> pushed_bytes_{0};
+
+  std::mutex versions_mutex_;  // leaf lock: guards versions_ only
+  std::map<std::pair<int, std::int64_t>, std::int64_t> versions_;  // (slot_id, wave) -> version its pull got
 
   mutable std::mutex log_mutex_;
   ShardPlaneLog log_;

@@ -154,6 +154,17 @@ class Checkpoint:
                     buffers[int(layer)] = value.numpy()
         return weights, buffers
 
+    def global_momentum(self) -> Dict[int, np.ndarray]:
+        """Per layer, the PS's outer momentum buffer at the cut (``m/<layer>``, flat float32; a checkpoint
+        of a run without one, or written before it existed, has none: the run continues from zeros)."""
+        out = {}
+        for t in self.tensors.values():
+            for key, value in t.items():
+                kind, _, layer = key.partition("/")
+                if kind == "m":
+                    out[int(layer)] = value.numpy()
+        return out
+
     def stage_part(self, vw: int, stage: int) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
         for rank, part in self.parts.items():
             if part["role"] == "stage" and part["vw"] == vw and part["stage"] == stage:

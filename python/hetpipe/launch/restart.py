@@ -87,7 +87,7 @@ def replan(plan: Plan, devices: Iterable[str], planning: Dict) -> Plan:
     vws = tuple(dataclasses.replace(vw, stages=tuple(dataclasses.replace(st, device=ids.get(st.device, st.device))
                                                      for st in vw.stages)) for vw in new.virtual_workers)
     meta = {**new.meta, "replanned_without": sorted(out)}
-    return dataclasses.replace(new, virtual_workers=vws, aggregate=plan.aggregate, meta=meta)
+    return dataclasses.replace(new, virtual_workers=vws, aggregate=plan.aggregate, meta=meta, **plan.outer_options)
 
 
 def _next_plan(plan: Plan, failed: Set[str], here: Path) -> "tuple[Plan, str]":

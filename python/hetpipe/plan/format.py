@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import List
 
+from hetpipe.outer import describe_outer, is_plain
 from hetpipe.plan.recompute import runs
 from hetpipe.plan.types import Plan
 
@@ -31,6 +32,8 @@ def format_plan(plan: Plan, cluster=None) -> str:
     head = (f"plan: policy {plan.policy}, {len(plan.virtual_workers)} VWs, Nm={plan.nm}, D={plan.d}, "
             f"{plan.num_layers} layers, minibatch {plan.minibatch_size}, aggregate {plan.aggregate}, "
             f"precision {plan.precision}")
+    if not is_plain(plan.outer_options):
+        head += f", outer {describe_outer(plan.outer_options)}"
     if meta.get("cluster"):
         head += f"; cluster {meta['cluster']}, profile {meta.get('profile', '?')}"
     lines: List[str] = [head]

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple, Union
 
+from hetpipe.outer import OUTER_FIELDS, check_outer
 from hetpipe.precision import check_precision
 
 PLAN_FORMAT = 1
@@ -98,6 +99,14 @@ class Plan:
     # "fp32", or "bf16": stages compute under autocast on float32 master weights and send bfloat16
     # activations (hetpipe.precision). Plans written before the field read as "fp32".
     precision: str = "fp32"
+    # The PS's outer optimizer (hetpipe.outer, docs/design.md "Outer optimizer"): "sgd" adds each
+    # aggregated push times outer_lr (lr 1: the plain rule); "nesterov" takes DiLoCo's outer step with
+    # momentum outer_momentum on the wave's aggregated delta. outer_staleness "inverse" divides a push
+    # whose pull lagged by s versions by 1 + s. Plans written before these fields read as the plain rule.
+    outer: str = "sgd"
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.9
+    outer_staleness: str = "none"
 
     def __post_init__(self) -> None:
         self.check()
@@ -111,6 +120,7 @@ class Plan:
         if self.aggregate not in AGGREGATES:
             raise ValueError(f"plan: aggregate must be one of {list(AGGREGATES)}, got {self.aggregate!r}")
         check_precision(self.precision, "plan")
+        check_outer("plan", **self.outer_options)
         if not self.virtual_workers:
             raise ValueError("plan: no virtual workers")
         for i, vw in enumerate(self.virtual_workers):
@@ -148,6 +158,12 @@ class Plan:
         owned = sorted(layer for sh in self.ps_shards for layer in sh.layers)
         if self.ps_shards and owned != list(range(self.num_layers)):
             raise ValueError(f"plan: PS shards must own every layer exactly once, they own {owned}")
+
+    @property
+    def outer_options(self) -> Dict[str, Any]:
+        """The outer optimizer's fields (``outer``, ``outer_lr``, ``outer_momentum``, ``outer_staleness``),
+        as the PS shards take them."""
+        return {name: getattr(self, name) for name in OUTER_FIELDS}
 
     @property
     def num_stage_ranks(self) -> int:

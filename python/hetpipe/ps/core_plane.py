@@ -27,7 +27,8 @@ import numpy as np
 
 import hetpipe_core
 from hetpipe.ps.server import ShardServerBase
-from hetpipe.ps.shard import ShardLog, WSPViolation, check_aggregate, held_layers
+from hetpipe.outer import check_outer
+from hetpipe.ps.shard import ShardLog, WSPViolation, check_aggregate, held_layers, initial_momentum
 from hetpipe.schedule.trace import PS_VW, TraceEvent
 from hetpipe.transport.base import Transport
 from hetpipe.transport.core import core_mpi_missing
@@ -57,15 +58,17 @@ def choose_plane(comm) -> Tuple[str, str]:
 
 class CoreShardState:
     """A shard's state in a ``hetpipe_core.ShardPlane``, read through :class:`ShardView`:
-    ``W``/``B`` are zero-copy views of the plane's memory (read them while the service is stopped or the
+    ``W``/``B``/``M`` are zero-copy views of the plane's memory (read them while the service is stopped or the
     plane holds at a wave boundary), ``log`` is filled when the service stops."""
 
     def __init__(self, index: int, weights: Dict[int, np.ndarray], stage_layers: Sequence[Sequence[Tuple[int, int]]],
                  d: int, *, log_sums: bool = False, buffers: Optional[Dict[int, np.ndarray]] = None,
                  replicas: Optional[Dict[Tuple[int, int], Sequence[Tuple[int, int, int]]]] = None,
-                 aggregate: str = "sum") -> None:
+                 aggregate: str = "sum", outer: str = "sgd", outer_lr: float = 1.0, outer_momentum: float = 0.9,
+                 outer_staleness: str = "none", momentum: Optional[Dict[int, np.ndarray]] = None) -> None:
         check_aggregate(index, aggregate)
         self.index, self.d, self.aggregate = index, d, aggregate
+        self.outer_options = check_outer(f"PS shard {index}", outer, outer_lr, outer_momentum, outer_staleness)
         self.layers = sorted(weights)
         buffers = buffers or {}
         w0 = {l: np.ascontiguousarray(weights[l], dtype=np.float32).reshape(-1) for l in self.layers}
@@ -81,12 +84,15 @@ class CoreShardState:
                            for s in range(num_stages[vw])] for vw in range(self.num_vws)]
         self.plane = hetpipe_core.ShardPlane([w0[l].size for l in self.layers], plane_layers, d, 0,
                                              buffer_numels=[b0[l].size for l in self.layers], replicas=plane_replicas,
-                                             aggregate=aggregate, log_sums=log_sums)
+                                             aggregate=aggregate, log_sums=log_sums, **self.outer_options)
         self.W = {l: self.plane.weights(i) for i, l in enumerate(self.layers)}
         self.B = {l: self.plane.buffers(i) for i, l in enumerate(self.layers)}
+        self.M = {l: self.plane.momentum(i) for i, l in enumerate(self.layers)}
+        m0 = initial_momentum(index, w0, momentum, outer == "nesterov")
         for l in self.layers:
             self.W[l][:] = w0[l]
             self.B[l][:] = b0[l]
+            self.M[l][:] = m0[l]
         self.clock = self.plane            # clock(vw), as ShardState.clock
         self.on_applied = None             # called with ``applied`` at each wave boundary (checkpoints)
         self.log = ShardLog()

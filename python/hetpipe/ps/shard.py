@@ -10,6 +10,13 @@ A shard owns some layers' weights ``W`` (float32, one flat array per layer). Pro
   ``W_g``, ``g`` = global clock (the version: every wave ``< g`` applied). The order is logged.
   ``aggregate="sum"`` adds every VW's delta (HetPipe's rule); ``"mean"`` adds each divided by the
   number of VWs (the step of one VW, as data-parallel SGD averages gradients).
+* The outer optimizer (:mod:`hetpipe.outer`) turns a wave's pushes into a step: ``outer="sgd"`` adds each
+  push's ``delta / k`` times ``outer_lr`` as above (lr 1, no staleness scale: exactly the plain rule);
+  ``"nesterov"`` sums the wave's ``delta / k`` into ``A`` (in apply order) and takes DiLoCo's outer step
+  on the pseudo-gradient ``g = -A`` with the momentum buffer ``M`` (float32, one per layer, part of the
+  shard's state). ``k`` is ``N`` with ``"mean"`` (else 1), times ``1 + s`` with
+  ``outer_staleness="inverse"``, ``s = c - v`` where ``v`` is the version the pushing stage's pull of
+  wave ``c`` got (wave 0 has no pull: ``s = 0``).
 * Synced buffers (BatchNorm running statistics) ride at the end of each push as the stage's current
   values ``P``; when wave ``c`` is applied, ``B`` becomes the VWs' average of their wave-``c`` values
   (computed as ``B + mean(P - B)``, so a buffer no VW changed stays bitwise the same).
@@ -39,6 +46,7 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Set, Tupl
 import numpy as np
 
 import hetpipe_core
+from hetpipe.outer import check_outer
 from hetpipe.ps.gate import Gate, WSPGate
 
 
@@ -80,6 +88,24 @@ def check_aggregate(index: int, aggregate: str) -> None:
         raise ValueError(f"PS shard {index}: aggregate must be 'sum' or 'mean', got {aggregate!r}")
 
 
+def initial_momentum(index: int, weights: Dict[int, np.ndarray], momentum: Optional[Dict[int, np.ndarray]],
+                     nesterov: bool) -> Dict[int, np.ndarray]:
+    """Per layer, the outer momentum buffer a shard starts with: ``momentum``'s (a checkpoint's) where it has
+    the layer, else zeros; empty arrays unless ``nesterov``. ValueError naming the layer for a wrong size."""
+    momentum = momentum or {}
+    out = {}
+    for l, w in weights.items():
+        if not nesterov or l not in momentum:
+            out[l] = np.zeros(w.size if nesterov else 0, dtype=np.float32)
+            continue
+        m = np.ascontiguousarray(momentum[l], dtype=np.float32).reshape(-1)
+        if m.size != w.size:
+            raise ValueError(f"PS shard {index}: the outer momentum of layer {l} has {m.size} elements, "
+                             f"its weights {w.size}")
+        out[l] = m.copy()
+    return out
+
+
 class ShardView(Protocol):
     """What a shard server, the checkpointer and a run's outcome read of a shard's state; both
     :class:`ShardState` and the core plane's :class:`~hetpipe.ps.core_plane.CoreShardState` provide it."""
@@ -88,6 +114,8 @@ class ShardView(Protocol):
     layers: List[int]
     W: Dict[int, np.ndarray]                         # layer -> global weights W_g (flat float32)
     B: Dict[int, np.ndarray]                         # layer -> synced buffers B_g
+    M: Dict[int, np.ndarray]                         # layer -> outer momentum (nesterov; else empty)
+    outer_options: Dict[str, object]                 # outer, outer_lr, outer_momentum, outer_staleness
     log: ShardLog
     on_applied: Optional[Callable[[int], None]]      # called with ``applied`` at each wave boundary
 
@@ -104,15 +132,22 @@ class ShardState:
     def __init__(self, index: int, weights: Dict[int, np.ndarray], stage_layers: Sequence[Sequence[Tuple[int, int]]],
                  d: int, *, log_sums: bool = False, buffers: Optional[Dict[int, np.ndarray]] = None,
                  replicas: Optional[Dict[Tuple[int, int], Sequence[Tuple[int, int, int]]]] = None,
-                 aggregate: str = "sum") -> None:
+                 aggregate: str = "sum", outer: str = "sgd", outer_lr: float = 1.0, outer_momentum: float = 0.9,
+                 outer_staleness: str = "none", momentum: Optional[Dict[int, np.ndarray]] = None) -> None:
         check_aggregate(index, aggregate)
         self.index = index
         self.d = d
         self.aggregate = aggregate
+        self.outer_options = check_outer(f"PS shard {index}", outer, outer_lr, outer_momentum, outer_staleness)
         self.layers = sorted(weights)
         self.W = {l: np.ascontiguousarray(weights[l], dtype=np.float32).copy() for l in self.layers}
         buffers = buffers or {}
         self.B = {l: np.ascontiguousarray(buffers.get(l, np.zeros(0)), dtype=np.float32).copy() for l in self.layers}
+        self.M = initial_momentum(index, self.W, momentum, outer == "nesterov")
+        # nesterov: per layer, the wave's aggregated delta A, summed before the outer step (reused).
+        self.aggregated = {l: np.zeros_like(self.M[l]) for l in self.layers}
+        # outer_staleness "inverse": (vw, stage, wave) -> the version its pull got, until the wave is applied.
+        self.pulled: Dict[Tuple[int, int, int], int] = {}
         self.num_vws = len(stage_layers)
         self.stage_layers = held_layers(self.W, self.B, stage_layers)
         # (vw, stage) -> (layer, offset, numel) slices of W it pulls as replicas of tied parameters.
@@ -144,8 +179,18 @@ class ShardState:
 
     @property
     def _scale(self) -> int:
-        """What each VW's delta is divided by before it is applied."""
+        """What each VW's delta is divided by before it is applied (without the staleness scale)."""
         return self.num_vws if self.aggregate == "mean" else 1
+
+    def _divisor(self, vw: int, stage: int, wave: int) -> int:
+        """``k`` of the push (module docstring): the aggregate's scale, times ``1 + s`` with "inverse" staleness."""
+        if self.outer_options["outer_staleness"] != "inverse":
+            return self._scale
+        version = self.pulled.pop((vw, stage, wave), wave)
+        if version > wave:
+            raise WSPViolation(f"PS shard {self.index}: VW {vw} stage {stage} pulled wave {wave} at version {version}, "
+                               "after that wave was applied")
+        return self._scale * (1 + wave - version)
 
     def stage_numel(self, vw: int, stage: int) -> int:
         """Elements of a push from the stage: its layers' weights, then their synced buffers."""
@@ -226,18 +271,45 @@ class ShardState:
                 return
             order = self.gate.order(c, self.apply_order())
             wave = self.pending.pop(c)
+            nesterov = self.outer_options["outer"] == "nesterov"
+            lr = self.outer_options["outer_lr"]
             for vw, stage in order:
+                k = self._divisor(vw, stage, c)
                 for l in self.stage_layers[vw][stage]:
                     delta = wave[vw][l]
-                    if self._scale > 1:
-                        np.divide(delta, np.float32(self._scale), out=delta)
-                    hetpipe_core.apply_delta(self.W[l], delta)
+                    if k > 1:
+                        np.divide(delta, np.float32(k), out=delta)
+                    if nesterov:
+                        self.aggregated[l] += delta
+                    else:
+                        hetpipe_core.apply_delta(self.W[l], delta, lr)
                     self.spare[l].append(delta)
                 self.log.applied.append((vw, stage, c))
+            if nesterov:
+                self._nesterov_step()
             self._average_buffers(self.pending_buffers.pop(c, {}), list(dict.fromkeys(vw for vw, _ in order)))
             self.applied += 1
             if self.on_applied is not None:
                 self.on_applied(self.applied)
+
+    def _nesterov_step(self) -> None:
+        """DiLoCo's outer step on each layer's aggregated delta ``A`` (then zeroed for the next wave):
+        ``g = -A``, ``M <- mu * M + g``, ``W <- W - lr * (g + mu * M)``, every operation one float32 rounding
+        in this order (the core's ``outer_nesterov`` computes the same bits)."""
+        mu = np.float32(self.outer_options["outer_momentum"])
+        lr = np.float32(self.outer_options["outer_lr"])
+        for l in self.layers:
+            a, m = self.aggregated[l], self.M[l]
+            if not a.size:
+                continue
+            g = np.negative(a)
+            np.multiply(m, mu, out=m)
+            m += g
+            step = np.multiply(m, mu)
+            step += g
+            step *= lr
+            self.W[l] -= step
+            a.fill(0)
 
     def apply_order(self) -> List[Tuple[int, int]]:
         """The (vw, stage) pushes of one wave, in the order this shard applies them on its own."""
@@ -287,9 +359,12 @@ class ShardState:
         g = self.global_clock
         ready = [q for q in self.queued if self.gate.due(q[1], q[2], q[3], self.applied, g, self.d)][:limit]
         self.queued = [q for q in self.queued if q not in ready]
+        inverse = self.outer_options["outer_staleness"] == "inverse"
         for (_, vw, stage, wave) in ready:
             self.log.pulls.append((vw, stage, wave, self.applied))
             self.log.pull_clocks.append(int(self.clock.clock(vw)))
+            if inverse and stage in self.stage_layers[vw]:
+                self.pulled[(vw, stage, wave)] = self.applied
         return ready
 
     def answered(self, pulls: Sequence[Tuple[int, int, int, int]]) -> None:

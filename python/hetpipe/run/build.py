@@ -166,14 +166,17 @@ def build_shard(spec: RunSpec, shard: int, transport: Transport, pool, *,
     replicas = {(vw.index, k): [(r.owner, r.offset, r.numel) for r in lay.stage_replicas(st.start, st.stop)
                                 if r.owner in owned]
                 for vw in plan.virtual_workers for k, st in enumerate(vw.stages)}
+    # The outer momentum a resumed run continues from (a checkpoint without it: zeros).
+    momentum = spec.resume.checkpoint.global_momentum() if spec.resume is not None else {}
+    momentum = {l: m for l, m in momentum.items() if l in owned}
     if comm is not None:
         from hetpipe.ps.core_plane import CoreShardServer, CoreShardState
 
         core = CoreShardState(shard, weights, stage_layers, plan.d, log_sums=spec.audit, buffers=buffers,
-                              replicas=replicas, aggregate=plan.aggregate)
+                              replicas=replicas, aggregate=plan.aggregate, momentum=momentum, **plan.outer_options)
         return CoreShardServer(core, transport, pool, plan.num_stage_ranks, comm, trace=trace, t0=t0)
     state = ShardState(shard, weights, stage_layers, plan.d, log_sums=spec.audit, buffers=buffers,
-                       replicas=replicas, aggregate=plan.aggregate)
+                       replicas=replicas, aggregate=plan.aggregate, momentum=momentum, **plan.outer_options)
     return ShardServer(state, transport, pool, plan.num_stage_ranks, trace=trace, t0=t0)
 
 

@@ -154,7 +154,7 @@ class RunCheckpoints:
     def shard_snapshot(state, role: Role, clock0: int) -> ckpt.Snapshot:
         tensors = {}
         for l in state.layers:
-            for kind, values in (("w", state.W), ("b", state.B)):
+            for kind, values in (("w", state.W), ("b", state.B), ("m", state.M)):
                 if values[l].size:
                     tensors[f"{kind}/{l}"] = torch.from_numpy(values[l].copy())
         clocks = [clock0 + int(state.clock.clock(v)) for v in range(state.num_vws)]

@@ -17,7 +17,8 @@ and cannot deadlock: docs/design.md, "Run records and the replay".
 File format (JSON, written once by rank 0 from the shard logs every rank gathers at the end)::
 
     {"format": "hetpipe-wsp-record", "version": 1,
-     "run": {"nm", "d", "aggregate", "seed", "vws": [[[start, stop] per stage] per VW],
+     "run": {"nm", "d", "aggregate", ["outer": {outer, outer_lr, outer_momentum, outer_staleness}, when not
+             the plain rule], "seed", "vws": [[[start, stop] per stage] per VW],
              "shards": [[layers] per shard], "minibatches": [per VW], "split": [per VW],
              "weights_crc32": crc of the initial global weights},
      "shards": [{"shard": k, "applied": [[[vw, stage], ...] per wave],
@@ -37,6 +38,7 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 
 import numpy as np
 
+from hetpipe.outer import is_plain
 from hetpipe.outputs import write_file
 from hetpipe.ps.shard import ShardLog, ShardState
 from hetpipe.run.spec import Outcome, RunSpec
@@ -53,8 +55,10 @@ class RecordMismatch(ValueError):
 def run_identity(spec: RunSpec) -> Dict[str, Any]:
     """What a record must agree on with the run replaying it (plan, schedules, seed, initial weights)."""
     plan = spec.plan
+    # The outer optimizer only where it is not the plain rule: records of plain runs stay as they were.
+    outer = {} if is_plain(plan.outer_options) else {"outer": plan.outer_options}
     return {
-        "nm": plan.nm, "d": plan.d, "aggregate": plan.aggregate, "seed": spec.seed,
+        "nm": plan.nm, "d": plan.d, "aggregate": plan.aggregate, **outer, "seed": spec.seed,
         "vws": [[[st.start, st.stop] for st in vw.stages] for vw in plan.virtual_workers],
         "shards": [list(sh.layers) for sh in plan.ps_shards],
         "minibatches": [s.num_minibatches for s in spec.schedules],
@@ -157,8 +161,9 @@ class RunRecord:
     def check(self, spec: RunSpec) -> None:
         """Raise :class:`RecordMismatch` naming the first field where this record and ``spec`` differ."""
         mine = run_identity(spec)
-        for key, want in mine.items():
-            got = self.run.get(key)
+        # "outer" is absent for the plain rule on both sides: compared either way, so neither side's is ignored.
+        for key in list(mine) + ([] if "outer" in mine else ["outer"]):
+            got, want = self.run.get(key), mine.get(key)
             if got != want:
                 what = ("the model's initial weights differ (another seed or model?)" if key == "weights_crc32"
                         else f"the record has {got!r}, this run {want!r}")

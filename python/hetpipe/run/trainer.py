@@ -31,6 +31,7 @@ from hetpipe.model.tree import batch_of
 from hetpipe.model.weights import load_layer_weights
 from hetpipe.plan.types import Plan
 from hetpipe.numbers import seconds, whole
+from hetpipe.outer import OUTER_DEFAULTS, check_outer
 from hetpipe.precision import check_precision
 from hetpipe.run.callbacks import Callbacks
 from hetpipe.run.checkpoints import RunCheckpoints
@@ -139,6 +140,14 @@ class Trainer:
         "mean"). With "mean" a wave moves the weights by the VWs' average change, so learning rates
         tuned on one GPU carry over (as with DDP); "sum" is HetPipe's rule, which with N VWs takes
         N times the step: scale the learning rate by 1/N to get the same.
+    outer, outer_lr, outer_momentum, outer_staleness: the PS's outer optimizer (:mod:`hetpipe.outer`;
+        docs/design.md, "Outer optimizer"); each None: the plan's (by default "sgd", 1.0, 0.9, "none",
+        the plain rule). ``outer="nesterov"`` treats each wave's aggregated delta as a pseudo-gradient
+        and takes a Nesterov momentum step with ``outer_lr`` and ``outer_momentum`` (DiLoCo's outer
+        step; the momentum buffer is in checkpoints); ``outer="sgd"`` with ``outer_lr`` scales the
+        aggregated delta. ``outer_staleness="inverse"`` divides a push computed on weights ``s`` waves
+        old by ``1 + s`` (nothing changes at D = 0). They are plan fields, so a run's record and its
+        checkpoints carry them.
     precision: "fp32", "bf16" or "fp16" (None: the plan's; a plan made here is "fp32"). With "bf16" or
         "fp16" each stage computes its forward and the loss under ``torch.autocast`` to that half type
         while its weights, the optimizer and the PS stay float32, and float32 activations and their
@@ -203,7 +212,9 @@ class Trainer:
                  resume: Union[str, Path, None] = None, checkpoint_on_sigterm: bool = True,
                  metrics: Union[str, Path, None] = None, trace: Union[str, Path, None] = None,
                  progress: bool = True, comm: Any = None, plan_callback: Optional[Callable[[Plan], None]] = None,
-                 aggregate: Optional[str] = None, seed: int = 0, precision: Optional[str] = None,
+                 aggregate: Optional[str] = None, outer: Optional[str] = None, outer_lr: Optional[float] = None,
+                 outer_momentum: Optional[float] = None, outer_staleness: Optional[str] = None,
+                 seed: int = 0, precision: Optional[str] = None,
                  record: Union[str, Path, None] = None, schedule: str = "hetpipe",
                  transport: Optional[str] = None, lr_scheduler: Optional[Callable] = None,
                  clip_grad_norm: Optional[float] = None, eval_data: Any = None, eval_every: Optional[int] = None,
@@ -248,6 +259,10 @@ class Trainer:
         self.comm = comm
         self.plan_callback = plan_callback
         self.aggregate, self.seed = aggregate, seed
+        given = {"outer": outer, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
+                 "outer_staleness": outer_staleness}
+        self.outer = {k: v for k, v in given.items() if v is not None}        # overrides of the plan's
+        check_outer("Trainer", **{**OUTER_DEFAULTS, **self.outer})
         self.precision = check_precision(precision, "Trainer") if precision is not None else None
         self.record_path = Path(record) if record else None
         self.transport = transport or os.environ.get(transports.TRANSPORT_ENV) or None
@@ -276,10 +291,13 @@ class Trainer:
     # --- planning ----------------------------------------------------------------------------
     def resolve_plan(self) -> Plan:
         """The plan this Trainer runs: the restarting launcher's, the given one, or one made now from a
-        profile of the model (what rank 0 broadcasts), with the Trainer's aggregate and precision."""
+        profile of the model (what rank 0 broadcasts), with the Trainer's aggregate, outer optimizer and
+        precision."""
         plan = self._plan()
         if self.aggregate is not None and self.aggregate != plan.aggregate:
             plan = dataclasses.replace(plan, aggregate=self.aggregate)
+        if any(plan.outer_options[k] != v for k, v in self.outer.items()):
+            plan = dataclasses.replace(plan, **self.outer)
         if self.precision is not None:
             plan = with_precision(plan, self.precision)
         return plan

@@ -3,7 +3,8 @@
 CONFIG keys: ``vws`` (1 or 2 VWs; VW v is stages on emulated devices n<v>.g<k> split at ``cuts``),
 ``nm``, ``d``, ``epochs``, ``minibatches`` (per epoch), ``shuffle``, ``momentum``, ``time`` (emulated
 seconds per forward, twice per backward: slow enough to be killed mid-run), ``metrics``, ``lr_step``
-(a StepLR halving the learning rate every ``lr_step`` minibatches: its state must survive a resume). Checkpoints
+(a StepLR halving the learning rate every ``lr_step`` minibatches: its state must survive a resume), ``outer``
+(the Trainer's outer optimizer arguments, e.g. {"outer": "nesterov"}: its momentum must survive a resume). Checkpoints
 and resuming come from the launcher (--checkpoint-dir, --resume, --max-restarts). Rank 0 writes
 OUT/result.json (losses, samples, what it resumed from) and OUT/weights.npz (final global weights)."""
 
@@ -44,7 +45,7 @@ def main() -> int:
     scheduler = (lambda opt: torch.optim.lr_scheduler.StepLR(opt, step, gamma=0.5)) if step else None
     run = Trainer(mlp(), cross_entropy, sgd(momentum=cfg.get("momentum", 0.9)), data_of(cfg), plan=plan_of(cfg),
                   epochs=cfg["epochs"], progress=False, metrics=cfg.get("metrics"), emulate=True,
-                  lr_scheduler=scheduler).fit()
+                  lr_scheduler=scheduler, **cfg.get("outer", {})).fit()
     if run.rank == 0:
         save_run(out, run)
     return 0

@@ -1,0 +1,288 @@
+"""The PS's outer optimizer (hetpipe.outer) in the Python shard, against references written here: plain
+PyTorch's Nesterov SGD on the pseudo-gradient, the explicit plain WSP rule, the explicit staleness
+scale; the plan fields, the Trainer's and the command line's options; the momentum buffer through a
+checkpoint and back."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hetpipe.checkpoint import state as ckpt
+from hetpipe.job.roles import Role
+from hetpipe.plan.types import Plan
+from hetpipe.ps.shard import ShardState
+from hetpipe.run.checkpoints import RunCheckpoints
+
+# One shard owning layers 0, 1, 2; VW 0 in one stage, VW 1 in two, VW 2 in two (another cut).
+LAYERS = {0: 50, 1: 33, 2: 17}
+CUTS = [[(0, 3)], [(0, 1), (1, 3)], [(0, 2), (2, 3)]]
+
+
+def _init(seed=0):
+    rng = np.random.default_rng(seed)
+    return {l: rng.standard_normal(n).astype(np.float32) for l, n in LAYERS.items()}
+
+
+def _layer_delta(vw, layer, wave):
+    rng = np.random.default_rng(10_000 * vw + 100 * layer + wave)
+    return (rng.standard_normal(LAYERS[layer]) * 0.05).astype(np.float32)
+
+
+def _push_wave(shard, wave, vws=None, offset=0):
+    """Every stage of every VW (or of ``vws``) pushes ``wave``: its layers' deltas (those of wave ``wave +
+    offset``), back to back; to a Python shard or a core plane's state alike."""
+    push = getattr(shard, "plane", shard).push
+    for vw in range(shard.num_vws) if vws is None else vws:
+        for stage, layers in sorted(shard.stage_layers[vw].items()):
+            push(vw, stage, wave, np.concatenate([_layer_delta(vw, l, wave + offset) for l in layers]))
+
+
+def _aggregated(wave, num_vws, mean):
+    """The wave's aggregated delta per layer: each VW's delta (divided by N with mean), summed in VW order."""
+    out = {}
+    for l in LAYERS:
+        acc = np.zeros(LAYERS[l], np.float32)
+        for vw in range(num_vws):
+            d = _layer_delta(vw, l, wave)
+            acc += d / np.float32(num_vws) if mean else d
+        out[l] = acc
+    return out
+
+
+# --- (a) nesterov against torch.optim.SGD(nesterov=True) on the pseudo-gradient --------------------------------
+@pytest.mark.parametrize("aggregate, lr, mu, vws", [("mean", 0.7, 0.9, 3), ("sum", 0.35, 0.6, 2), ("mean", 1.0, 0.0, 3)])
+def test_nesterov_equals_torch_sgd_on_the_pseudo_gradient(aggregate, lr, mu, vws):
+    init = _init()
+    shard = ShardState(0, init, CUTS[:vws], 0, aggregate=aggregate, outer="nesterov", outer_lr=lr, outer_momentum=mu)
+    params = {l: torch.nn.Parameter(torch.from_numpy(init[l].copy())) for l in LAYERS}
+    # torch refuses nesterov without momentum; with mu = 0 the outer step is plain SGD on g.
+    opt = torch.optim.SGD(list(params.values()), lr=lr, momentum=mu, nesterov=mu > 0)
+    for wave in range(6):
+        _push_wave(shard, wave)
+        assert shard.applied == wave + 1
+        for l, delta in _aggregated(wave, vws, aggregate == "mean").items():
+            params[l].grad = torch.from_numpy(-delta)
+        opt.step()
+        for l, p in params.items():
+            np.testing.assert_allclose(shard.W[l], p.detach().numpy(), rtol=1e-6, atol=1e-6, err_msg=f"layer {l}")
+            buf = opt.state[p]["momentum_buffer"].numpy() if mu > 0 else -_aggregated(wave, vws, aggregate == "mean")[l]
+            np.testing.assert_allclose(shard.M[l], buf, rtol=1e-6, atol=1e-7)
+    moved = sum(float(np.abs(shard.W[l] - init[l]).sum()) for l in LAYERS)
+    assert moved > 0.1
+
+
+def test_nesterov_differs_from_the_plain_rule():
+    plain = ShardState(0, _init(), CUTS, 0, aggregate="mean")
+    nesterov = ShardState(0, _init(), CUTS, 0, aggregate="mean", outer="nesterov", outer_lr=1.0, outer_momentum=0.9)
+    for wave in range(3):
+        _push_wave(plain, wave)
+        _push_wave(nesterov, wave)
+    assert not np.allclose(plain.W[0], nesterov.W[0], atol=1e-4)
+
+
+# --- (c) the default is the plain rule, bit for bit -------------------------------------------------------------
+@pytest.mark.parametrize("aggregate", ["mean", "sum"])
+def test_default_is_the_explicit_plain_rule_bitwise(aggregate):
+    init = _init(1)
+    shard = ShardState(0, init, CUTS, 0, aggregate=aggregate)
+    want = {l: w.copy() for l, w in init.items()}
+    for wave in range(5):
+        _push_wave(shard, wave)
+        for vw in range(3):                       # W <- W + delta (/ N), push by push in VW order
+            for l in LAYERS:
+                d = _layer_delta(vw, l, wave)
+                want[l] = want[l] + (d / np.float32(3) if aggregate == "mean" else d)
+    for l in LAYERS:
+        assert np.array_equal(shard.W[l], want[l]), f"layer {l}"
+        assert shard.M[l].size == 0
+
+
+def test_sgd_with_an_outer_lr_scales_each_aggregated_push():
+    init = _init(2)
+    lr = 0.55
+    shard = ShardState(0, init, CUTS, 0, aggregate="mean", outer="sgd", outer_lr=lr)
+    want = {l: w.copy() for l, w in init.items()}
+    for wave in range(3):
+        _push_wave(shard, wave)
+        for vw in range(3):
+            for l in LAYERS:
+                want[l] = want[l] + np.float32(lr) * (_layer_delta(vw, l, wave) / np.float32(3))
+    for l in LAYERS:
+        assert np.array_equal(shard.W[l], want[l]), f"layer {l}"
+
+
+# --- the staleness scale ----------------------------------------------------------------------------------------
+def _pull(shard, vw, stage, wave):
+    shard.pull(0, vw, stage, wave)
+    ready = shard.ready_pulls()
+    assert [(v, s, w) for _, v, s, w in ready] == [(vw, stage, wave)]
+    shard.answered(ready)
+    return shard.log.pulls[-1][3]
+
+
+@pytest.mark.parametrize("outer", ["sgd", "nesterov"])
+def test_inverse_staleness_divides_a_push_by_one_plus_its_lag(outer):
+    """Two VWs of one stage, D = 1, sum: VW 0 runs a wave ahead, so its pull of wave 1 gets version 0
+    (lag 1: its wave-1 push counts half) while VW 1's gets version 1 (lag 0)."""
+    cuts = [[(0, 3)], [(0, 3)]]
+    init = _init(3)
+    shard = ShardState(0, init, cuts, 1, aggregate="sum", outer=outer, outer_lr=0.8, outer_momentum=0.5,
+                       outer_staleness="inverse")
+    _push_wave(shard, 0, vws=[0])
+    assert _pull(shard, 0, 0, 1) == 0                 # VW 0 pulls wave 1 before VW 1 finished wave 0
+    _push_wave(shard, 0, vws=[1])
+    assert _pull(shard, 1, 0, 1) == 1
+    _push_wave(shard, 1)
+    assert shard.applied == 2
+    w = {l: x.copy() for l, x in init.items()}
+    m = {l: np.zeros_like(x) for l, x in init.items()}
+    for wave, divisors in ((0, (1, 1)), (1, (2, 1))):
+        for l in LAYERS:
+            parts = [_layer_delta(vw, l, wave) / np.float32(k) if k > 1 else _layer_delta(vw, l, wave)
+                     for vw, k in enumerate(divisors)]
+            if outer == "sgd":
+                for p in parts:
+                    w[l] = w[l] + np.float32(0.8) * p
+            else:
+                g = -(np.zeros_like(w[l]) + parts[0] + parts[1])
+                m[l] = np.float32(0.5) * m[l] + g
+                w[l] = w[l] - np.float32(0.8) * (np.float32(0.5) * m[l] + g)
+    for l in LAYERS:
+        assert np.array_equal(shard.W[l], w[l]), f"layer {l}"
+
+
+def test_inverse_staleness_changes_nothing_at_d0():
+    plain = ShardState(0, _init(), CUTS, 0, aggregate="mean")
+    scaled = ShardState(0, _init(), CUTS, 0, aggregate="mean", outer_staleness="inverse")
+    for wave in range(4):
+        for shard in (plain, scaled):
+            if wave:
+                for vw in range(3):
+                    for stage in shard.stage_layers[vw]:
+                        _pull(shard, vw, stage, wave)
+            _push_wave(shard, wave)
+    for l in LAYERS:
+        assert np.array_equal(plain.W[l], scaled.W[l])
+
+
+# --- options: checks, the plan, the Trainer, the command line ---------------------------------------------------
+def _plan(**fields):
+    from hetpipe.plan.types import ShardPlan, StagePlan, VirtualWorkerPlan
+
+    stage = StagePlan("n0.g0", "cpu", 0, 2, 0.0, 0.0)
+    return Plan(2, 1, 0, "NP", (VirtualWorkerPlan(0, (stage,)),), (ShardPlan(0, "n0", (0, 1)),), **fields)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("outer", "adam", "plan: outer must be one of \\['sgd', 'nesterov'\\], got 'adam'"),
+    ("outer_lr", 0.0, "plan: outer_lr must be a finite number > 0, got 0.0"),
+    ("outer_lr", -1, "plan: outer_lr must be a finite number > 0, got -1"),
+    ("outer_lr", float("nan"), "plan: outer_lr must be a finite number > 0, got nan"),
+    ("outer_lr", float("inf"), "plan: outer_lr must be a finite number > 0, got inf"),
+    ("outer_lr", "1", "plan: outer_lr must be a finite number > 0, got '1'"),
+    ("outer_momentum", 1.0, "plan: outer_momentum must be a number in \\[0, 1\\), got 1.0"),
+    ("outer_momentum", -0.1, "plan: outer_momentum must be a number in \\[0, 1\\), got -0.1"),
+    ("outer_staleness", "linear", "plan: outer_staleness must be one of \\['none', 'inverse'\\], got 'linear'"),
+])
+def test_bad_outer_fields_are_value_errors_naming_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        _plan(**{field: value})
+
+
+def test_outer_fields_round_trip_and_old_plans_read_as_the_plain_rule():
+    plan = _plan(outer="nesterov", outer_lr=0.7, outer_momentum=0.8, outer_staleness="inverse")
+    back = Plan.from_json(plan.to_json())
+    assert back == plan and back.outer_options == {"outer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.8,
+                                                   "outer_staleness": "inverse"}
+    old = json.loads(_plan().to_json())
+    for name in ("outer", "outer_lr", "outer_momentum", "outer_staleness"):
+        del old[name]
+    assert Plan.from_dict(old).outer_options == {"outer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.9,
+                                                 "outer_staleness": "none"}
+
+
+def test_shards_refuse_bad_options_naming_the_field():
+    with pytest.raises(ValueError, match="PS shard 0: outer_momentum must be a number in \\[0, 1\\), got 1.5"):
+        ShardState(0, _init(), CUTS, 0, outer="nesterov", outer_momentum=1.5)
+    with pytest.raises(ValueError, match="PS shard 0: outer must be one of"):
+        ShardState(0, _init(), CUTS, 0, outer="Nesterov")
+
+
+def test_trainer_overrides_the_plans_outer_fields():
+    from hetpipe.run.trainer import Trainer
+
+    data = [(torch.randn(4, 3), torch.randn(4, 2))]
+    model = [torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)]
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)     # noqa: E731
+    got = Trainer(model, torch.nn.functional.mse_loss, sgd, data, plan=_plan(), outer="nesterov",
+                  outer_lr=0.5).resolve_plan()
+    assert got.outer_options == {"outer": "nesterov", "outer_lr": 0.5, "outer_momentum": 0.9, "outer_staleness": "none"}
+    kept = Trainer(model, torch.nn.functional.mse_loss, sgd, data, plan=_plan(outer_staleness="inverse")).resolve_plan()
+    assert kept.outer_staleness == "inverse"
+    with pytest.raises(ValueError, match="Trainer: outer_lr must be a finite number > 0, got 0"):
+        Trainer(model, torch.nn.functional.mse_loss, sgd, data, plan=_plan(), outer_lr=0)
+
+
+def test_cli_plan_writes_the_outer_fields(tmp_path, capsys):
+    from hetpipe.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--cluster", "hetpipe-testbed", "--profile", "vgg19", "--aggregate", "sum", "--outer",
+                 "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.8", "--outer-staleness", "inverse",
+                 "-o", str(out)]) == 0
+    plan = Plan.load(out)
+    assert (plan.aggregate, plan.outer, plan.outer_lr, plan.outer_momentum, plan.outer_staleness) == \
+        ("sum", "nesterov", 0.7, 0.8, "inverse")
+    assert "outer nesterov (lr 0.7, momentum 0.8, inverse staleness)" in capsys.readouterr().out
+    assert main(["plan", "--cluster", "hetpipe-testbed", "--profile", "vgg19", "--outer-momentum", "1"]) == 2
+    assert "hetpipe plan: plan: outer_momentum must be a number in [0, 1), got 1.0" in capsys.readouterr().err
+
+
+# --- (d) the momentum buffer through a checkpoint ---------------------------------------------------------------
+def _checkpoint(tmp_path, shard, clock):
+    manifest = lambda c: {"format": 1, "run_id": "r", "clock": c, "parts": ["rank-00000"], "plan": {}}  # noqa: E731
+    writer = ckpt.Checkpointer(tmp_path, 1, 0, manifest, keep=0, run_id="r")
+    writer.boundary(clock, lambda: RunCheckpoints.shard_snapshot(shard, Role(0, "ps", shard=0), 0))
+    writer.close()
+    return ckpt.Checkpoint.find(tmp_path)
+
+
+@pytest.mark.parametrize("plane", ["python", "core"])
+def test_momentum_round_trips_through_a_checkpoint_and_the_run_continues_bitwise(tmp_path, plane):
+    from hetpipe.ps.core_plane import CoreShardState
+
+    options = dict(aggregate="mean", outer="nesterov", outer_lr=0.7, outer_momentum=0.9)
+    whole = ShardState(0, _init(), CUTS, 0, **options)
+    for wave in range(6):
+        _push_wave(whole, wave)
+    first = ShardState(0, _init(), CUTS, 0, **options)
+    for wave in range(3):
+        _push_wave(first, wave)
+    found = _checkpoint(tmp_path, first, 3)
+    weights, buffers = found.global_weights()
+    momentum = found.global_momentum()
+    assert sorted(momentum) == sorted(LAYERS)
+    for l in LAYERS:
+        assert np.array_equal(momentum[l], first.M[l]) and np.abs(momentum[l]).sum() > 0
+    make = ShardState if plane == "python" else CoreShardState
+    resumed = make(0, weights, CUTS, 0, buffers=buffers, momentum=momentum, **options)
+    for wave in range(3):                               # the resumed run's waves count from the cut
+        _push_wave(resumed, wave, offset=3)
+    for l in LAYERS:
+        assert np.array_equal(resumed.W[l], whole.W[l]), f"layer {l}"
+        assert np.array_equal(resumed.M[l], whole.M[l]), f"layer {l}"
+
+
+def test_a_checkpoint_without_momentum_resumes_from_zeros(tmp_path):
+    plain = ShardState(0, _init(), CUTS, 0)
+    _push_wave(plain, 0)
+    found = _checkpoint(tmp_path, plain, 1)
+    assert found.global_momentum() == {}
+    weights, _ = found.global_weights()
+    resumed = ShardState(0, weights, CUTS, 0, outer="nesterov", momentum=found.global_momentum())
+    assert all(np.array_equal(resumed.M[l], np.zeros(n, np.float32)) for l, n in LAYERS.items())
+    with pytest.raises(ValueError, match="PS shard 0: the outer momentum of layer 1 has 3 elements, its weights 33"):
+        ShardState(0, weights, CUTS, 0, outer="nesterov", momentum={1: np.zeros(3, np.float32)})
+
