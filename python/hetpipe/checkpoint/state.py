@@ -295,7 +295,7 @@ class Checkpointer:
     def _collect(self) -> None:
         """Remove this rank's parts of this run's checkpoints older than the newest ``keep_last``
         complete ones (another run's checkpoints are never touched)."""
-        mine = [p for p in complete_clocks(self.directory) if _run_of(p) == self.run_id]
+        mine = [p for p in complete_clocks(self.directory) if run_of(p) == self.run_id]
         if len(mine) < self.keep_last:
             return
         oldest_kept = mine[self.keep_last - 1]
@@ -303,7 +303,7 @@ class Checkpointer:
         name = part_name(self.rank)
         ranks = len(json.loads((mine[0] / MANIFEST).read_text())["parts"])
         for path in self.directory.glob("clock-*"):
-            if int(path.name.split("-")[1]) >= keep or _run_of(path) != self.run_id:
+            if int(path.name.split("-")[1]) >= keep or run_of(path) != self.run_id:
                 continue
             for suffix in (".json", ".safetensors"):
                 (path / f"{name}{suffix}").unlink(missing_ok=True)
@@ -316,7 +316,7 @@ class Checkpointer:
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def _run_of(path: Path) -> Optional[str]:
+def run_of(path: Path) -> Optional[str]:
     """The run id in a checkpoint's manifest ("" before run ids; None: unreadable)."""
     try:
         return str(json.loads((path / MANIFEST).read_text()).get("run_id", ""))

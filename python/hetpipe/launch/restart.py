@@ -8,12 +8,14 @@ again, drops the virtual worker that held it, and starts the job again on the re
 resuming from the latest complete checkpoint. A device is the plan's device id: a GPU of a host, or,
 for an emulated device, the rank process that emulates it; only a real CUDA device can be probed, so an
 emulated device whose rank failed stays out. A user marks devices failed with ``--exclude-device``.
+A run whose checkpoint write found its disk full is restarted too, with the same devices.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,12 +28,23 @@ from hetpipe.plan.types import Plan
 
 RESTARTABLE = ("died", "stopped")       # faults of a rank or its device; a rank that raised is a bug
 PROBE_TIMEOUT_S = 30.0
+# A checkpoint write that failed for lack of space (ENOSPC, EDQUOT; checkpoint.format / checkpoint.state
+# name the file and the OSError): a fault of the disk, not of the program or a device.
+NO_SPACE = re.compile(r"hetpipe: writing .* failed: OSError: \[Errno (28|122)\]")
+
+
+def out_of_space(outcome) -> bool:
+    """Whether a rank reported that a checkpoint write found no space left."""
+    return outcome.cause == "reported" and any(NO_SPACE.search(r) for r in (outcome.message, *outcome.reports))
 
 
 def restartable(outcome) -> bool:
-    """Whether a failed run is worth restarting: a rank died or stopped, or a peer gave up waiting on
-    one that never answered (its report is a ``PeerTimeout``). Any other error would happen again."""
-    if outcome.cause in RESTARTABLE:
+    """Whether a failed run is worth restarting: a rank died or stopped, a peer gave up waiting on one
+    that never answered (its report is a ``PeerTimeout``), or a checkpoint write ran out of disk space
+    (the restart resumes from the last complete checkpoint, whose files the failed write left whole;
+    space freed meanwhile lets it go on, a disk still full fails the same way and uses up the restarts).
+    Any other error would happen again."""
+    if outcome.cause in RESTARTABLE or out_of_space(outcome):
         return True
     return outcome.cause == "reported" and any("PeerTimeout" in r for r in (outcome.message, *outcome.reports))
 
@@ -221,6 +234,8 @@ def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max
             left = f"device {device} of {outcome.role} is left out"
         elif outcome.cause in RESTARTABLE:
             left = f"{outcome.role} holds no device of the plan (a PS shard of this host): restarting it"
+        elif out_of_space(outcome):
+            left = "a checkpoint write found no space left on its disk: restarting with the same devices"
         else:
             left = "the rank that stopped answering is not known: restarting with the same devices"
         try:
@@ -240,6 +255,11 @@ def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max
         else:
             if not resume:
                 env.pop(ckpt.RESUME_ENV, None)
+            # The attempt's incomplete checkpoints carry its run's id; the next attempt continues that
+            # run instead of drawing a new id and refusing the directory as another run's.
+            runs = list(ckpt.run_ids(Path(directory))) if directory else []
+            if len(runs) == 1:
+                env[ckpt.RUN_ID_ENV] = runs[0]
             lost = (f"no complete checkpoint{' in ' + directory if directory else ' (no checkpoint directory)'}: "
                     f"restarting from the start; the work of {max(reached, 0)} wave(s) is lost")
         attempt += 1

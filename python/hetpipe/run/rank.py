@@ -54,8 +54,10 @@ class RankRun:
             except Exception as e:  # noqa: BLE001 - relayed to every rank below
                 error = f"planning on rank 0 failed: {type(e).__name__}: {e}"
         # The run's identity (checkpoint ownership): rank 0's; a resumed run takes its checkpoint's.
-        plan_text, error, run_id = comm.bcast((plan_text, error, uuid.uuid4().hex[:16] if rank == 0 else None),
-                                              root=0)
+        # A restart from the start continues its failed predecessor's run (HETPIPE_RUN_ID), whose incomplete
+        # checkpoints are then this run's own, not another run's that would stop it at start-up.
+        drawn = (os.environ.get(ckfmt.RUN_ID_ENV) or uuid.uuid4().hex[:16]) if rank == 0 else None
+        plan_text, error, run_id = comm.bcast((plan_text, error, drawn), root=0)
         self.t.checkpoints.run_id = run_id
         if error:
             raise LaunchError(f"hetpipe: {error}")
@@ -87,6 +89,14 @@ class RankRun:
         problems = [p for p in comm.allgather(problem) if p]
         if problems:
             raise LaunchError("; ".join(problems))
+        if rank == 0:
+            self.t.checkpoints.discard_newer(spec.resume.checkpoint.clock if spec.resume is not None else 0)
+        if rank == 0 and os.environ.get(RUN_DIR_ENV) and spec.resume is not None:
+            # Where this attempt really resumed (after verification and any fallback): the restart's
+            # log line names the latest complete checkpoint, which may be the one that failed to verify.
+            found = spec.resume.checkpoint
+            Path(os.environ[RUN_DIR_ENV], "resumed.json").write_text(json.dumps(
+                {"path": str(found.path), "clock": found.clock, "same_plan": spec.resume.same_plan}) + "\n")
         emulated_any = any(comm.allgather(spec.emulated.get(rank, False)))
         return self._run_role(comm, plan, spec, role, emulated_any)
 
