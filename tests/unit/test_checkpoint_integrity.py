@@ -62,6 +62,10 @@ def test_a_damaged_checkpoint_is_one_error_naming_the_file(tmp_path, damage, cul
         part.write_text(json.dumps(p))
     with pytest.raises(ckfmt.CheckpointError, match=culprit):
         ckpt.Checkpoint.find(tmp_path)
+    # The launcher's torch-free check (it reads no tensors) gives the same verdict.
+    with pytest.raises(ckfmt.CheckpointError, match=culprit):
+        ckfmt.verify(path)
+    ckfmt.verify(tmp_path / "clock-000002")
     # Asked to, resume goes back to the previous complete checkpoint, saying why.
     assert ckpt.Checkpoint.find(tmp_path, fallback=True).clock == 2
 

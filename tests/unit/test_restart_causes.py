@@ -1,6 +1,7 @@
 """Which failed runs `hetpipe launch --max-restarts` restarts (launch/restart.py): a rank that died or
 stopped, a peer timeout, and a checkpoint write that found its disk full (the real error text of the
-checkpoint writer, as a rank reports it); not a rank that raised anything else."""
+checkpoint writer, as a rank reports it); not a rank that raised anything else. And which checkpoint the
+restart's log line says the ranks resume from when the latest one fails verification."""
 
 import errno
 import os
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 from hetpipe.checkpoint import state as ckpt
-from hetpipe.checkpoint.format import CheckpointError
-from hetpipe.launch.restart import out_of_space, restartable
+from hetpipe.checkpoint.format import FORMAT, CheckpointError
+from hetpipe.launch.restart import _verified, out_of_space, restartable
 from hetpipe.launch.supervisor import Outcome
 
 
@@ -59,3 +60,21 @@ def test_faults_of_a_rank_are_restarted():
     assert restartable(Outcome("failed", 1, "died", 2, "rank 2 (ps shard 0)", 42))
     assert restartable(Outcome("failed", 1, "stopped", 2, "rank 2 (ps shard 0)", 42))
     assert not restartable(Outcome("failed", 1, "exit"))
+
+
+def test_the_restart_names_the_newest_checkpoint_that_passes_verification(tmp_path):
+    """A flipped byte in the latest complete checkpoint: the launcher's line names the one before it, the
+    one a resume with resume_fallback loads (checked against Checkpoint.find itself), and why."""
+    w = ckpt.Checkpointer(tmp_path, 1, 0, lambda c: {"format": FORMAT, "clock": c, "parts": ["rank-00000"], "run_id": "a"}, keep=0,
+                          run_id="a", keep_last=2)
+    for c in (1, 2):
+        w.boundary(c, lambda c=c: ({"w/0": torch.full((100,), float(c))}, {"role": "ps", "applied": c}))
+    w.close()
+    assert _verified(tmp_path) == (tmp_path / "clock-000002", [])
+    part = tmp_path / "clock-000002" / "rank-00000.safetensors"
+    data = bytearray(part.read_bytes())
+    data[-10] ^= 0xFF
+    part.write_bytes(bytes(data))
+    sound, failing = _verified(tmp_path)
+    assert sound == ckpt.Checkpoint.find(tmp_path, fallback=True).path == tmp_path / "clock-000001"
+    assert len(failing) == 1 and f"the checkpoint part {part} is corrupt" in failing[0]

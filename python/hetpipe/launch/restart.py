@@ -246,12 +246,20 @@ def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max
         how = f" ({chosen})" if failed & {st.device for vw in plan.virtual_workers for st in vw.stages} else ""
         reached = _reached(here)
         found = ckpt.latest(Path(directory)) if directory else None
+        sound, failing = _verified(Path(directory)) if found is not None else (None, [])
         if found is not None:
-            clock = int(found.name.split("-")[1])
             env[ckpt.RESUME_ENV] = str(found.parent)
-            lost = (f"resuming from the checkpoint at clock {clock} ({found}); the ranks had reached clock "
-                    f"{max(reached, clock)}: the work of waves {clock}..{max(reached, clock) - 1} is lost "
-                    f"({max(reached, clock) - clock} wave(s))")
+            start = sound if sound is not None else found
+            clock = int(start.name.split("-")[1])
+            # The ranks verify what they resume from; a run with resume_fallback goes back past a checkpoint
+            # that fails, one without stops on it: the line names both, and counts the loss from the former.
+            lost = (f"resuming from the checkpoint at clock {clock} ({start})" if not failing else
+                    f"the latest complete checkpoint fails verification ({failing[0]}): " +
+                    (f"resuming from the checkpoint at clock {clock} ({start}), the newest that passes, if the run "
+                     "falls back (resume_fallback), else the run stops on it" if sound is not None else
+                     "no checkpoint passes: the run stops on it"))
+            lost += (f"; the ranks had reached clock {max(reached, clock)}: the work of waves "
+                     f"{clock}..{max(reached, clock) - 1} is lost ({max(reached, clock) - clock} wave(s))")
         else:
             if not resume:
                 env.pop(ckpt.RESUME_ENV, None)
@@ -266,6 +274,20 @@ def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max
         n = _use_plan(new_plan, base / f"plan-{attempt}.json", env, n)
         _say(f"restart {attempt} of {max_restarts}: {why}; {left}; {len(new_plan.virtual_workers)} VW(s) on "
              f"{n} ranks{how}; {lost}")
+
+
+def _verified(directory: Path) -> "tuple[Optional[Path], List[str]]":
+    """The newest complete checkpoint in ``directory`` that passes verification (:func:`ckpt.verify`: the
+    digests and clocks a resume checks, torch-free), and the errors of the newer ones that fail."""
+    failing: List[str] = []
+    for path in ckpt.complete_clocks(directory):
+        try:
+            ckpt.verify(path)
+        except (ckpt.CheckpointError, OSError, ValueError, KeyError) as e:
+            failing.append(str(e).removeprefix("hetpipe: "))
+            continue
+        return path, failing
+    return None, failing
 
 
 def _use_plan(plan: Plan, path: Path, env: Dict[str, str], n: int) -> int:
