@@ -57,14 +57,17 @@ SOAK_TIMEOUT_S = 420.0
 
 
 def schedule(seed: int):
-    """Five failures, each kind at least once, two of them followed by a corrupted checkpoint part."""
+    """Five failures, each kind at least once, at clocks spread over the job (one in each fifth of its
+    waves, so on both sides of the epoch boundary), two of them followed by a corrupted checkpoint part."""
     rng = random.Random(seed)
     kinds = ["kill", "stop", "diskfull"] + [rng.choice(["kill", "stop", "diskfull"]) for _ in range(2)]
     rng.shuffle(kinds)
     corrupt = set(rng.sample(range(len(kinds)), 2))
+    span = CFG["epochs"] * CFG["minibatches"] // CFG["nm"] - 8
     return [{"kind": kind, "victim": rng.choice(PS_RANKS) if kind in ("kill", "stop") else rng.randrange(RANKS),
-             "after_waves": rng.randint(3, 6), "corrupt": {"rank": rng.randrange(RANKS), "at": rng.random()}
-             if i in corrupt else None} for i, kind in enumerate(kinds)]
+             "at_clock": rng.randint(4 + i * span // 5, 3 + (i + 1) * span // 5),
+             "corrupt": {"rank": rng.randrange(RANKS), "at": rng.random()} if i in corrupt else None}
+            for i, kind in enumerate(kinds)]
 
 
 # --- processes, read from the kernel ------------------------------------------------------------------
@@ -287,9 +290,10 @@ def test_soak_of_random_faults_ends_as_the_fault_free_run(tmp_path, fault_free):
 
 
 def _inject(proc, run: Path, ckpt: Path, fault_dir: Path, i: int, fault: dict, err_path: Path) -> dict:
-    """Wait until attempt ``i`` trained ``after_waves`` waves past its start (and, before a corruption,
-    two complete checkpoints exist to fall back between), inject ``fault``, wait for the attempt to end,
-    check that every process of it is gone, and corrupt a part if asked; returns what happened."""
+    """Wait until every rank of attempt ``i`` reached clock ``at_clock`` and a wave past the attempt's start
+    (and, before a corruption, two complete checkpoints exist to fall back between), inject ``fault``, wait
+    for the attempt to end, check that every process of it is gone, and corrupt a part if asked; returns
+    what happened."""
     from hetpipe.checkpoint.format import complete_clocks, latest
 
     attempt = run / f"attempt-{i}"
@@ -298,9 +302,8 @@ def _inject(proc, run: Path, ckpt: Path, fault_dir: Path, i: int, fault: dict, e
         if proc.poll() is not None or (attempt / "outcome.json").exists():
             pytest.fail(f"attempt {i} ended before fault {i} ({fault}) was injected:\n{err_path.read_text()}")
         if time.monotonic() > deadline:
-            pytest.fail(f"attempt {i} did not train {fault['after_waves']} waves within {ATTEMPT_TIMEOUT_S} s")
-        start = _resumed_clock(attempt)
-        if _reached(attempt) >= start + fault["after_waves"] and \
+            pytest.fail(f"attempt {i} did not reach clock {fault['at_clock']} within {ATTEMPT_TIMEOUT_S} s")
+        if _reached(attempt) >= max(fault["at_clock"], _resumed_clock(attempt) + 1) and \
                 (fault["corrupt"] is None or len(complete_clocks(ckpt)) >= 2):
             break
         time.sleep(0.01)
