@@ -65,8 +65,8 @@ def test_faults_of_a_rank_are_restarted():
 def test_the_restart_names_the_newest_checkpoint_that_passes_verification(tmp_path):
     """A flipped byte in the latest complete checkpoint: the launcher's line names the one before it, the
     one a resume with resume_fallback loads (checked against Checkpoint.find itself), and why."""
-    w = ckpt.Checkpointer(tmp_path, 1, 0, lambda c: {"format": FORMAT, "clock": c, "parts": ["rank-00000"], "run_id": "a"}, keep=0,
-                          run_id="a", keep_last=2)
+    manifest = lambda c: {"format": FORMAT, "clock": c, "parts": ["rank-00000"], "run_id": "a"}  # noqa: E731
+    w = ckpt.Checkpointer(tmp_path, 1, 0, manifest, keep=0, run_id="a", keep_last=2)
     for c in (1, 2):
         w.boundary(c, lambda c=c: ({"w/0": torch.full((100,), float(c))}, {"role": "ps", "applied": c}))
     w.close()
