@@ -92,11 +92,13 @@ class RankRun:
         if rank == 0:
             self.t.checkpoints.discard_newer(spec.resume.checkpoint.clock if spec.resume is not None else 0)
         if rank == 0 and os.environ.get(RUN_DIR_ENV) and spec.resume is not None:
-            # Where this attempt really resumed (after verification and any fallback): the restart's
-            # log line names the latest complete checkpoint, which may be the one that failed to verify.
-            found = spec.resume.checkpoint
-            Path(os.environ[RUN_DIR_ENV], "resumed.json").write_text(json.dumps(
-                {"path": str(found.path), "clock": found.clock, "same_plan": spec.resume.same_plan}) + "\n")
+            # Where this attempt really resumed: the checkpoint it loaded after verification and any
+            # fallback, which may be older than the latest complete one. Renamed into place, so that a
+            # reader polling the run directory never sees half of it.
+            found, tmp = spec.resume.checkpoint, Path(os.environ[RUN_DIR_ENV], ".resumed.json.tmp")
+            tmp.write_text(json.dumps({"path": str(found.path), "clock": found.clock,
+                                       "same_plan": spec.resume.same_plan}) + "\n")
+            os.replace(tmp, tmp.with_name("resumed.json"))
         emulated_any = any(comm.allgather(spec.emulated.get(rank, False)))
         return self._run_role(comm, plan, spec, role, emulated_any)
 

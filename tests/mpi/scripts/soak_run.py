@@ -86,7 +86,9 @@ def arm_disk_full(fault_dir: Path) -> None:
             size = os.path.getsize(filename)
             with open(filename, "rb+") as f:
                 f.truncate(size // 2)
-            fired.write_text(json.dumps({"rank": int(rank), "file": str(filename)}) + "\n")
+            tmp = fault_dir / ".diskfull-fired.tmp"
+            tmp.write_text(json.dumps({"rank": int(rank), "file": str(filename)}) + "\n")
+            os.replace(tmp, fired)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(filename))
         return real(tensors, filename, metadata)
 
