@@ -157,3 +157,30 @@ def test_discarding_keeps_the_cut_and_other_runs(tmp_path):
     run.run_id = "a"
     run.discard_newer(1)
     assert ckfmt.run_ids(tmp_path / "d") == {"other": [5, 6], "a": [1]}
+
+
+def test_old_checkpoints_vanishing_under_a_rank_that_collects_them_are_no_error(tmp_path, monkeypatch):
+    """Every rank removes its parts of old checkpoints, and the directory once empty, at the same time:
+    here clock 1's directory is removed by "another rank" just as this one lists it (after pathlib saw it
+    exist). The writer went on; before, the FileNotFoundError failed it, and the run with it."""
+    import os
+    import shutil
+
+    _write(tmp_path, [1, 2], keep_last=2)
+    victim = str(tmp_path / "clock-000001")
+    real = os.scandir
+    pending = {victim}
+
+    def scandir(path="."):
+        if str(path) in pending:
+            pending.discard(str(path))
+            shutil.rmtree(path)
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    w = ckpt.Checkpointer(tmp_path, 1, 1, _manifest("a"), keep=0, run_id="a", keep_last=1)
+    w.boundary(3, lambda: ({"w/0": torch.full((1000,), 3.0)}, {"role": "ps", "applied": 3}))
+    w.close()
+    assert not pending, "the race was not exercised: nothing listed clock 1's directory"
+    assert [p.name for p in ckfmt.complete_clocks(tmp_path)] == ["clock-000002"]     # 3 lacks rank 0's part
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clock-000002", "clock-000003"]

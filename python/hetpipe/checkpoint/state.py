@@ -269,7 +269,10 @@ class Checkpointer:
 
     def _collect(self) -> None:
         """Remove this rank's parts of this run's checkpoints older than the newest ``keep_last``
-        complete ones (another run's checkpoints are never touched)."""
+        complete ones (another run's checkpoints are never touched), and the directory of one left
+        without parts. Every rank does this at once, so a directory can vanish while this rank looks into
+        it (listing a directory another rank has just removed raised FileNotFoundError, which failed the
+        writer and with it the run): that rank did what this one was about to do."""
         mine = [p for p in complete_clocks(self.directory) if run_of(p) == self.run_id]
         if len(mine) < self.keep_last:
             return
@@ -280,15 +283,18 @@ class Checkpointer:
         for path in self.directory.glob("clock-*"):
             if int(path.name.split("-")[1]) >= keep or run_of(path) != self.run_id:
                 continue
-            for suffix in (".json", ".safetensors"):
-                (path / f"{name}{suffix}").unlink(missing_ok=True)
-                if self.rank == 0:
-                    # Parts of ranks a run before a restart had and this one has not: nobody else removes them.
-                    for f in path.glob(f"rank-*{suffix}"):
-                        if int(f.name[5:10]) >= ranks:
-                            f.unlink(missing_ok=True)
-            if not any(path.glob("rank-*")):
-                shutil.rmtree(path, ignore_errors=True)
+            try:
+                for suffix in (".json", ".safetensors"):
+                    (path / f"{name}{suffix}").unlink(missing_ok=True)
+                    if self.rank == 0:
+                        # Parts of ranks a run before a restart had and this one has not: nobody else removes them.
+                        for f in path.glob(f"rank-*{suffix}"):
+                            if int(f.name[5:10]) >= ranks:
+                                f.unlink(missing_ok=True)
+                if not any(path.glob("rank-*")):
+                    shutil.rmtree(path, ignore_errors=True)
+            except FileNotFoundError:
+                continue
 
 
 def run_of(path: Path) -> Optional[str]:
