@@ -297,7 +297,8 @@ def _add_launch_command(sub) -> None:
     p.add_argument("--resume", metavar="DIR", help="resume from the latest complete checkpoint in DIR")
     p.add_argument("--max-restarts", type=arg_whole("--max-restarts", 0), default=0,
                    help="after a rank dies or stops answering, restart the job up to this many times without "
-                        "its device, from the latest checkpoint (attempt k runs in RUN_DIR/attempt-k)")
+                        "its device, from the latest checkpoint (attempt k runs in RUN_DIR/attempt-k); also after "
+                        "a checkpoint write found its disk full, with the same devices")
     p.add_argument("--exclude-device", action="append", default=[], metavar="ID",
                    help="mark a device of the plan failed: resume (--resume) without the VW holding it")
     p.add_argument("--plan-cache", metavar="DIR", help="reuse the plan, profile and cluster kept in DIR when the "

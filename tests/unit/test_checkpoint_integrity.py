@@ -62,6 +62,10 @@ def test_a_damaged_checkpoint_is_one_error_naming_the_file(tmp_path, damage, cul
         part.write_text(json.dumps(p))
     with pytest.raises(ckfmt.CheckpointError, match=culprit):
         ckpt.Checkpoint.find(tmp_path)
+    # The launcher's torch-free check (it reads no tensors) gives the same verdict.
+    with pytest.raises(ckfmt.CheckpointError, match=culprit):
+        ckfmt.verify(path)
+    ckfmt.verify(tmp_path / "clock-000002")
     # Asked to, resume goes back to the previous complete checkpoint, saying why.
     assert ckpt.Checkpoint.find(tmp_path, fallback=True).clock == 2
 
@@ -108,3 +112,75 @@ def test_a_failed_write_names_the_file_and_leaves_no_temporary(tmp_path, monkeyp
                                                     r"\[Errno 28\] No space left on device"):
         w.close()
     assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
+
+
+def _attempt(directory, clocks_by_rank, resumed_from):
+    """One attempt of run "a" on two ranks: each rank writes its part of the clocks given for it; the
+    manifest records where the attempt resumed from, as a run's does, so two attempts' manifests differ."""
+    def manifest(c):
+        return {"format": ckfmt.FORMAT, "run_id": "a", "clock": c, "parts": ["rank-00000", "rank-00001"], "plan": {},
+                "data": {"position": {"epoch": 0, "index": 2 * c}}, "resumed_from": resumed_from}
+
+    for rank, clocks in clocks_by_rank.items():
+        w = ckpt.Checkpointer(directory, 1, rank, manifest, keep=0, run_id="a", keep_last=2)
+        for c in clocks:
+            w.boundary(c, lambda c=c: ({"w/0": torch.full((100,), float(c))}, {"role": "ps", "applied": c}))
+        w.close()
+
+
+@pytest.mark.parametrize("discard", [True, False])
+def test_a_clock_written_again_by_the_next_attempt_is_that_attempts_alone(tmp_path, discard):
+    """An attempt fails while its ranks write clock 2 (rank 0's part on disk, rank 1's not); the next
+    attempt resumes from clock 1 and writes clock 2 again. Discarding the run's clocks past the cut it
+    resumes from (rank 0 at start-up) leaves clock 2 the new attempt's alone, and it verifies. Without
+    that, the old manifest stayed and matched neither new part: the checkpoint failed verification."""
+    _attempt(tmp_path, {0: [1, 2], 1: [1]}, resumed_from=None)
+    assert [p.name for p in ckfmt.complete_clocks(tmp_path)] == ["clock-000001"]
+    if discard:
+        run = _settings(tmp_path)
+        run.run_id = "a"
+        run.discard_newer(1)
+        assert not (tmp_path / "clock-000002").exists() and (tmp_path / "clock-000001").exists()
+    _attempt(tmp_path, {0: [2], 1: [2]}, resumed_from={"clock": 1})
+    if discard:
+        found = ckpt.Checkpoint.find(tmp_path)
+        assert found.clock == 2 and found.manifest["resumed_from"] == {"clock": 1}
+    else:
+        with pytest.raises(ckfmt.CheckpointError, match=r"manifest\.json does not match the manifest rank-00000"):
+            ckpt.Checkpoint.find(tmp_path)
+
+
+def test_discarding_keeps_the_cut_and_other_runs(tmp_path):
+    _write(tmp_path / "d", [5, 6], run_id="other", keep_last=2)
+    _write(tmp_path / "d", [1, 2, 3], run_id="a", keep_last=3)
+    run = _settings(tmp_path / "d")
+    run.run_id = "a"
+    run.discard_newer(1)
+    assert ckfmt.run_ids(tmp_path / "d") == {"other": [5, 6], "a": [1]}
+
+
+def test_old_checkpoints_vanishing_under_a_rank_that_collects_them_are_no_error(tmp_path, monkeypatch):
+    """Every rank removes its parts of old checkpoints, and the directory once empty, at the same time:
+    here clock 1's directory is removed by "another rank" just as this one lists it (after pathlib saw it
+    exist). The writer went on; before, the FileNotFoundError failed it, and the run with it."""
+    import os
+    import shutil
+
+    _write(tmp_path, [1, 2], keep_last=2)
+    victim = str(tmp_path / "clock-000001")
+    real = os.scandir
+    pending = {victim}
+
+    def scandir(path="."):
+        if str(path) in pending:
+            pending.discard(str(path))
+            shutil.rmtree(path)
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    w = ckpt.Checkpointer(tmp_path, 1, 1, _manifest("a"), keep=0, run_id="a", keep_last=1)
+    w.boundary(3, lambda: ({"w/0": torch.full((1000,), 3.0)}, {"role": "ps", "applied": 3}))
+    w.close()
+    assert not pending, "the race was not exercised: nothing listed clock 1's directory"
+    assert [p.name for p in ckfmt.complete_clocks(tmp_path)] == ["clock-000002"]     # 3 lacks rank 0's part
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clock-000002", "clock-000003"]

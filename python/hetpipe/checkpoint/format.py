@@ -27,6 +27,7 @@ RESUME_ENV = "HETPIPE_RESUME"                   # a checkpoint directory to resu
 PLAN_ENV = "HETPIPE_PLAN"                       # a plan JSON replacing the script's plan (set on restart)
 DIR_ENV = "HETPIPE_CHECKPOINT_DIR"              # Trainer(checkpoint_dir=) when the script gives none
 EVERY_ENV = "HETPIPE_CHECKPOINT_EVERY"          # Trainer(checkpoint_every=) when the script gives none
+RUN_ID_ENV = "HETPIPE_RUN_ID"                   # the run a fresh start continues (set on a restart from the start)
 
 
 class CheckpointError(RuntimeError):
@@ -116,6 +117,51 @@ def file_digest(path: Path) -> str:
 def manifest_digest(manifest: Dict[str, Any]) -> str:
     """A digest of a manifest's content (its JSON with sorted keys), which every part records."""
     return hashlib.blake2b(json.dumps(manifest, sort_keys=True, allow_nan=True).encode(), digest_size=16).hexdigest()
+
+
+def verify_part(path: Path, name: str, part: Dict[str, Any], manifest: Dict[str, Any], digest: str) -> None:
+    """Raise :class:`CheckpointError` naming the file and field where ``part`` (the JSON of part ``name``
+    of the checkpoint in ``path``) disagrees with its tensors file or with the manifest, whose digest is
+    ``digest``: its clock, a PS part's applied version, the manifest's digest, its tensors file's digest.
+    Parts written before digests existed pass."""
+    clock = manifest.get("clock")
+    if part.get("clock") != clock:
+        raise CheckpointError(f"hetpipe: the checkpoint {path}: {name}.json is of clock {part.get('clock')}, the "
+                              f"manifest's clock is {clock}: the manifest or the part was altered")
+    if part.get("role") == "ps" and "applied" in part and part["applied"] != clock:
+        raise CheckpointError(f"hetpipe: the checkpoint {path}: {name}.json applied waves up to {part.get('applied')}, "
+                              f"the manifest's clock is {clock}: the manifest or the part was altered")
+    if "manifest_digest" in part and part["manifest_digest"] != digest:
+        raise CheckpointError(f"hetpipe: the checkpoint {path}: {MANIFEST} does not match the manifest {name} was "
+                              "written with (a field of it was altered: clock, data position, plan, ...)")
+    if "tensors_digest" in part:
+        file = path / f"{name}.safetensors"
+        got = file_digest(file)
+        if got != part["tensors_digest"]:
+            raise CheckpointError(f"hetpipe: the checkpoint part {file} is corrupt: its digest {got} is not the "
+                                  f"{part['tensors_digest']} recorded in {name}.json when it was written")
+
+
+def read_part(path: Path, name: str) -> Dict[str, Any]:
+    """The JSON of part ``name`` of the checkpoint in ``path``."""
+    file = Path(path) / f"{name}.json"
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"hetpipe: the checkpoint part {file} is unreadable: {e}") from None
+
+
+def verify(path: Path) -> None:
+    """Check the complete checkpoint in ``path`` as a resume does before it loads anything (every part
+    against its tensors file's digest and the manifest), without reading the tensors: the launcher's
+    check, torch-free. Raises :class:`CheckpointError` naming the first mismatch."""
+    path = Path(path)
+    if not is_complete(path):
+        raise CheckpointError(f"hetpipe: the checkpoint {path} is incomplete (a part or its manifest is missing)")
+    manifest = read_manifest(path)
+    digest = manifest_digest(manifest)
+    for name in manifest["parts"]:
+        verify_part(path, name, read_part(path, name), manifest, digest)
 
 
 def run_ids(directory: Path) -> Dict[str, List[int]]:

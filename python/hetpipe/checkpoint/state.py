@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from hetpipe.checkpoint.format import (MANIFEST, CheckpointError, DataPosition, clock_dir, commit, complete_clocks,
-                                       file_digest, find, is_complete, manifest_digest, part_name,
-                                       read_manifest, write_json)
+                                       file_digest, find, is_complete, manifest_digest, part_name, read_manifest,
+                                       read_part, verify_part, write_json)
 from hetpipe.model.layout import local_buffers
 
 Snapshot = Tuple[Dict[str, torch.Tensor], Dict[str, Any]]      # (tensors on the CPU, JSON part)
@@ -60,27 +60,6 @@ def read_tensors(path: Path) -> Dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
-def _verify_part(path: Path, name: str, part: Dict[str, Any], manifest: Dict[str, Any], digest: str) -> None:
-    """Raise :class:`CheckpointError` naming the file and field where ``part`` disagrees with its tensors
-    or with the manifest (see :meth:`Checkpoint.read`). Parts written before digests existed pass."""
-    clock = manifest.get("clock")
-    if part.get("clock") != clock:
-        raise CheckpointError(f"hetpipe: the checkpoint {path}: {name}.json is of clock {part.get('clock')}, the "
-                              f"manifest's clock is {clock}: the manifest or the part was altered")
-    if part.get("role") == "ps" and "applied" in part and part["applied"] != clock:
-        raise CheckpointError(f"hetpipe: the checkpoint {path}: {name}.json applied waves up to {part.get('applied')}, "
-                              f"the manifest's clock is {clock}: the manifest or the part was altered")
-    if "manifest_digest" in part and part["manifest_digest"] != digest:
-        raise CheckpointError(f"hetpipe: the checkpoint {path}: {MANIFEST} does not match the manifest {name} was "
-                              "written with (a field of it was altered: clock, data position, plan, ...)")
-    if "tensors_digest" in part:
-        file = path / f"{name}.safetensors"
-        got = file_digest(file)
-        if got != part["tensors_digest"]:
-            raise CheckpointError(f"hetpipe: the checkpoint part {file} is corrupt: its digest {got} is not the "
-                                  f"{part['tensors_digest']} recorded in {name}.json when it was written")
-
-
 @dataclass
 class Checkpoint:
     """A complete checkpoint, read back: its manifest and each rank's part (JSON and tensors)."""
@@ -102,12 +81,8 @@ class Checkpoint:
         want = manifest_digest(manifest)
         parts, tensors = {}, {}
         for name in manifest["parts"]:
-            file = path / f"{name}.json"
-            try:
-                part = json.loads(file.read_text())
-            except (OSError, ValueError) as e:
-                raise CheckpointError(f"hetpipe: the checkpoint part {file} is unreadable: {e}") from None
-            _verify_part(path, name, part, manifest, want)
+            part = read_part(path, name)
+            verify_part(path, name, part, manifest, want)
             parts[part["rank"]] = part
             try:
                 tensors[part["rank"]] = read_tensors(path / f"{name}.safetensors")
@@ -305,8 +280,11 @@ class Checkpointer:
 
     def _collect(self) -> None:
         """Remove this rank's parts of this run's checkpoints older than the newest ``keep_last``
-        complete ones (another run's checkpoints are never touched)."""
-        mine = [p for p in complete_clocks(self.directory) if _run_of(p) == self.run_id]
+        complete ones (another run's checkpoints are never touched), and the directory of one left
+        without parts. Every rank does this at once, so a directory can vanish while this rank looks into
+        it (listing a directory another rank has just removed raised FileNotFoundError, which failed the
+        writer and with it the run): that rank did what this one was about to do."""
+        mine = [p for p in complete_clocks(self.directory) if run_of(p) == self.run_id]
         if len(mine) < self.keep_last:
             return
         oldest_kept = mine[self.keep_last - 1]
@@ -314,20 +292,23 @@ class Checkpointer:
         name = part_name(self.rank)
         ranks = len(json.loads((mine[0] / MANIFEST).read_text())["parts"])
         for path in self.directory.glob("clock-*"):
-            if int(path.name.split("-")[1]) >= keep or _run_of(path) != self.run_id:
+            if int(path.name.split("-")[1]) >= keep or run_of(path) != self.run_id:
                 continue
-            for suffix in (".json", ".safetensors"):
-                (path / f"{name}{suffix}").unlink(missing_ok=True)
-                if self.rank == 0:
-                    # Parts of ranks a run before a restart had and this one has not: nobody else removes them.
-                    for f in path.glob(f"rank-*{suffix}"):
-                        if int(f.name[5:10]) >= ranks:
-                            f.unlink(missing_ok=True)
-            if not any(path.glob("rank-*")):
-                shutil.rmtree(path, ignore_errors=True)
+            try:
+                for suffix in (".json", ".safetensors"):
+                    (path / f"{name}{suffix}").unlink(missing_ok=True)
+                    if self.rank == 0:
+                        # Parts of ranks a run before a restart had and this one has not: nobody else removes them.
+                        for f in path.glob(f"rank-*{suffix}"):
+                            if int(f.name[5:10]) >= ranks:
+                                f.unlink(missing_ok=True)
+                if not any(path.glob("rank-*")):
+                    shutil.rmtree(path, ignore_errors=True)
+            except FileNotFoundError:
+                continue
 
 
-def _run_of(path: Path) -> Optional[str]:
+def run_of(path: Path) -> Optional[str]:
     """The run id in a checkpoint's manifest ("" before run ids; None: unreadable)."""
     try:
         return str(json.loads((path / MANIFEST).read_text()).get("run_id", ""))

@@ -8,12 +8,14 @@ again, drops the virtual worker that held it, and starts the job again on the re
 resuming from the latest complete checkpoint. A device is the plan's device id: a GPU of a host, or,
 for an emulated device, the rank process that emulates it; only a real CUDA device can be probed, so an
 emulated device whose rank failed stays out. A user marks devices failed with ``--exclude-device``.
+A run whose checkpoint write found its disk full is restarted too, with the same devices.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,12 +28,23 @@ from hetpipe.plan.types import Plan
 
 RESTARTABLE = ("died", "stopped")       # faults of a rank or its device; a rank that raised is a bug
 PROBE_TIMEOUT_S = 30.0
+# A checkpoint write that failed for lack of space (ENOSPC, EDQUOT; checkpoint.format / checkpoint.state
+# name the file and the OSError): a fault of the disk, not of the program or a device.
+NO_SPACE = re.compile(r"hetpipe: writing .* failed: OSError: \[Errno (28|122)\]")
+
+
+def out_of_space(outcome) -> bool:
+    """Whether a rank reported that a checkpoint write found no space left."""
+    return outcome.cause == "reported" and any(NO_SPACE.search(r) for r in (outcome.message, *outcome.reports))
 
 
 def restartable(outcome) -> bool:
-    """Whether a failed run is worth restarting: a rank died or stopped, or a peer gave up waiting on
-    one that never answered (its report is a ``PeerTimeout``). Any other error would happen again."""
-    if outcome.cause in RESTARTABLE:
+    """Whether a failed run is worth restarting: a rank died or stopped, a peer gave up waiting on one
+    that never answered (its report is a ``PeerTimeout``), or a checkpoint write ran out of disk space
+    (the restart resumes from the last complete checkpoint, whose files the failed write left whole;
+    space freed meanwhile lets it go on, a disk still full fails the same way and uses up the restarts).
+    Any other error would happen again."""
+    if outcome.cause in RESTARTABLE or out_of_space(outcome):
         return True
     return outcome.cause == "reported" and any("PeerTimeout" in r for r in (outcome.message, *outcome.reports))
 
@@ -222,6 +235,8 @@ def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max
             left = f"device {device} of {outcome.role} is left out"
         elif outcome.cause in RESTARTABLE:
             left = f"{outcome.role} holds no device of the plan (a PS shard of this host): restarting it"
+        elif out_of_space(outcome):
+            left = "a checkpoint write found no space left on its disk: restarting with the same devices"
         else:
             left = "the rank that stopped answering is not known: restarting with the same devices"
         try:
@@ -232,21 +247,48 @@ def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max
         how = f" ({chosen})" if failed & {st.device for vw in plan.virtual_workers for st in vw.stages} else ""
         reached = _reached(here)
         found = ckpt.latest(Path(directory)) if directory else None
+        sound, failing = _verified(Path(directory)) if found is not None else (None, [])
         if found is not None:
-            clock = int(found.name.split("-")[1])
             env[ckpt.RESUME_ENV] = str(found.parent)
-            lost = (f"resuming from the checkpoint at clock {clock} ({found}); the ranks had reached clock "
-                    f"{max(reached, clock)}: the work of waves {clock}..{max(reached, clock) - 1} is lost "
-                    f"({max(reached, clock) - clock} wave(s))")
+            start = sound if sound is not None else found
+            clock = int(start.name.split("-")[1])
+            # The ranks verify what they resume from; a run with resume_fallback goes back past a checkpoint
+            # that fails, one without stops on it: the line names both, and counts the loss from the former.
+            lost = (f"resuming from the checkpoint at clock {clock} ({start})" if not failing else
+                    f"the latest complete checkpoint fails verification ({failing[0]}): " +
+                    (f"resuming from the checkpoint at clock {clock} ({start}), the newest that passes, if the run "
+                     "falls back (resume_fallback), else the run stops on it" if sound is not None else
+                     "no checkpoint passes: the run stops on it"))
+            lost += (f"; the ranks had reached clock {max(reached, clock)}: the work of waves "
+                     f"{clock}..{max(reached, clock) - 1} is lost ({max(reached, clock) - clock} wave(s))")
         else:
             if not resume:
                 env.pop(ckpt.RESUME_ENV, None)
+            # The attempt's incomplete checkpoints carry its run's id; the next attempt continues that
+            # run instead of drawing a new id and refusing the directory as another run's.
+            runs = list(ckpt.run_ids(Path(directory))) if directory else []
+            if len(runs) == 1:
+                env[ckpt.RUN_ID_ENV] = runs[0]
             lost = (f"no complete checkpoint{' in ' + directory if directory else ' (no checkpoint directory)'}: "
                     f"restarting from the start; the work of {max(reached, 0)} wave(s) is lost")
         attempt += 1
         n = _use_plan(new_plan, base / f"plan-{attempt}.json", env, n)
         _say(f"restart {attempt} of {max_restarts}: {why}; {left}; {len(new_plan.virtual_workers)} VW(s) on "
              f"{n} ranks{how}; {lost}")
+
+
+def _verified(directory: Path) -> "tuple[Optional[Path], List[str]]":
+    """The newest complete checkpoint in ``directory`` that passes verification (:func:`ckpt.verify`: the
+    digests and clocks a resume checks, torch-free), and the errors of the newer ones that fail."""
+    failing: List[str] = []
+    for path in ckpt.complete_clocks(directory):
+        try:
+            ckpt.verify(path)
+        except (ckpt.CheckpointError, OSError, ValueError, KeyError) as e:
+            failing.append(str(e).removeprefix("hetpipe: "))
+            continue
+        return path, failing
+    return None, failing
 
 
 def _use_plan(plan: Plan, path: Path, env: Dict[str, str], n: int) -> int:

@@ -5,6 +5,7 @@ writer are :mod:`hetpipe.checkpoint`; this module decides what a run of hetpipe 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -108,6 +109,20 @@ class RunCheckpoints:
             raise LaunchError(f"hetpipe: the checkpoint directory {self.directory} holds checkpoints of another run "
                               f"({what}): resume it (resume= / --resume {self.directory}) to continue that run, or "
                               "give this run a directory of its own")
+
+    def discard_newer(self, clock: int) -> None:
+        """Remove this run's checkpoints (complete or not) of clocks after ``clock``, the cut this run goes
+        on from (0: the start). They are left by an attempt that failed after that cut (a part written
+        halfway, a disk that filled up, a checkpoint that failed verification), and this run writes those
+        clocks again: left in place, a rank writing clock c into the old directory kept the old manifest
+        (so its part never verified against it), and the old parts made the clock look complete before
+        every rank of this run had written its own. Called on rank 0 before the start-up barrier, which
+        every rank passes before it writes a checkpoint; another run's checkpoints are never touched."""
+        if self.directory is None or not self.directory.is_dir():
+            return
+        for path in self.directory.glob("clock-*"):
+            if int(path.name.split("-")[1]) > clock and ckpt.run_of(path) == self.run_id:
+                shutil.rmtree(path, ignore_errors=True)
 
     def checkpointer(self, plan: Plan, spec: RunSpec, role: Role, part) -> Optional[ckpt.Checkpointer]:
         """This rank's checkpointer, hooked to its part's wave boundaries (None: no checkpoints)."""

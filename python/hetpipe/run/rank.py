@@ -82,8 +82,10 @@ class RankRun:
     def _run_plan(self, comm, rank: int, size: int, hosts: List[Any], plan_text: Optional[str],
                   error: Optional[str], world_rank: int) -> TrainResult:
         # The run's identity (checkpoint ownership): rank 0's; a resumed run takes its checkpoint's.
-        plan_text, error, run_id = comm.bcast((plan_text, error, uuid.uuid4().hex[:16] if rank == 0 else None),
-                                              root=0)
+        # A restart from the start continues its failed predecessor's run (HETPIPE_RUN_ID), whose incomplete
+        # checkpoints are then this run's own, not another run's that would stop it at start-up.
+        drawn = (os.environ.get(ckfmt.RUN_ID_ENV) or uuid.uuid4().hex[:16]) if rank == 0 else None
+        plan_text, error, run_id = comm.bcast((plan_text, error, drawn), root=0)
         self.t.checkpoints.run_id = run_id
         if error:
             raise LaunchError(f"hetpipe: {error}")
@@ -124,6 +126,16 @@ class RankRun:
             raise LaunchError("; ".join(problems))
         if self.order or len(set(self.hosts)) > 1:
             spec.rank_names = {r: _name(self._role(plan, r)) for r in range(size)}
+        if rank == 0:
+            self.t.checkpoints.discard_newer(spec.resume.checkpoint.clock if spec.resume is not None else 0)
+        if rank == 0 and os.environ.get(RUN_DIR_ENV) and spec.resume is not None:
+            # Where this attempt really resumed: the checkpoint it loaded after verification and any
+            # fallback, which may be older than the latest complete one. Renamed into place, so that a
+            # reader polling the run directory never sees half of it.
+            found, tmp = spec.resume.checkpoint, Path(os.environ[RUN_DIR_ENV], ".resumed.json.tmp")
+            tmp.write_text(json.dumps({"path": str(found.path), "clock": found.clock,
+                                       "same_plan": spec.resume.same_plan}) + "\n")
+            os.replace(tmp, tmp.with_name("resumed.json"))
         emulated_any = any(comm.allgather(spec.emulated.get(rank, False)))
         return self._run_role(comm, plan, spec, role, emulated_any)
 
