@@ -100,3 +100,38 @@ def test_a_host_whose_ranks_vanish_is_named_and_nothing_survives(tmp_path):
         assert "rank(s) [2] on host n0 ended without a word" in outcome["message"], outcome
     finally:
         run.clean_up()
+
+
+def test_a_discovered_world_names_the_failed_device_and_does_not_restart_without_it(tmp_path):
+    # hA (the launcher's host): world rank 0 a PS slot, ranks 1, 2 emu_fast; hB: ranks 3, 4 emu_slow. The
+    # PS slot comes first, so plan ranks and world ranks differ: the launcher must map the killed world
+    # rank to its own device, and say that a restart cannot leave it out yet.
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("HETPIPE_")},
+           "HETPIPE_EMULATE": "ps,emu_fast,emu_fast,emu_slow,emu_slow"}
+    run_dir, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "hetpipe.cli", "launch", "-n", "5", "--max-restarts", "1",
+                             "--emulate-hosts", "-H", "hA:3,hB:2", "--timeout", "4", "--run-dir", str(run_dir),
+                             "discovered_endless.py", str(metrics)],
+                            cwd=SCRIPTS, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        attempt = run_dir / "attempt-0"
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1 and (attempt / "world_ranks.json").exists()):
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.1)
+        order = json.loads((attempt / "world_ranks.json").read_text())
+        plan = json.loads((attempt / "plan.json").read_text())
+        assert order != sorted(order)
+        stages = [(v, s) for v, vw in enumerate(plan["virtual_workers"]) for s in range(len(vw["stages"]))]
+        p = next(p for p, _ in enumerate(stages) if order[p] in (1, 2))     # a stage on the launcher's host
+        v, s = stages[p]
+        device = plan["virtual_workers"][v]["stages"][s]["device"]
+        os.kill(int((attempt / f"rank-{order[p]}.txt").read_text().split()[0]), signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode != 0
+        assert f"failed on device {device} of a world planned on its discovered devices" in err, err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

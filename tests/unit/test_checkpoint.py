@@ -190,6 +190,10 @@ def test_plan_without_drops_the_vw_of_the_device():
                 for v in range(3))
     plan = Plan(6, 2, 0, "manual", vws, (ShardPlan(0, "n0", tuple(range(6))),))
     assert device_of(plan, 3) == "n1.g1" and device_of(plan, 6) is None
+    # a renumbered world (discovery): the failed world rank is mapped to its plan rank first
+    world_ranks = [6, 0, 1, 2, 3, 4, 5]
+    assert device_of(plan, 6, world_ranks) == "n0.g0" and device_of(plan, 0, world_ranks) == "n0.g1"
+    assert device_of(plan, 5, world_ranks) is None          # plan rank 6: the PS shard
     left = plan_without(plan, ["n1.g1"])
     assert [vw.devices for vw in left.virtual_workers] == [("n0.g0", "n0.g1"), ("n2.g0", "n2.g1")]
     assert [vw.index for vw in left.virtual_workers] == [0, 1] and left.num_ranks == 5

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Dict, Set, Tuple
 
 RUN_DIR_ENV = "HETPIPE_RUN_DIR"
+WORLD_RANKS_FILE = "world_ranks.json"   # plan rank -> world rank, when a run renumbered its ranks (discovery)
 _exit_marked = False
 _host = ""
 

@@ -14,6 +14,7 @@ A run whose checkpoint write found its disk full is restarted too, with the same
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Set
 
 from hetpipe.checkpoint import format as ckpt
+from hetpipe.job.rundir import WORLD_RANKS_FILE
 from hetpipe.plan.types import Plan
 
 RESTARTABLE = ("died", "stopped")       # faults of a rank or its device; a rank that raised is a bug
@@ -49,8 +51,11 @@ def restartable(outcome) -> bool:
     return outcome.cause == "reported" and any("PeerTimeout" in r for r in (outcome.message, *outcome.reports))
 
 
-def device_of(plan: Plan, rank: Optional[int]) -> Optional[str]:
-    """The plan's device of stage rank ``rank`` (None for a PS rank, or no rank)."""
+def device_of(plan: Plan, rank: Optional[int], world_ranks: Optional[List[int]] = None) -> Optional[str]:
+    """The plan's device of stage rank ``rank`` (None for a PS rank, or no rank); ``world_ranks``: the
+    world rank of each plan rank, when the run renumbered them (``rank`` is then a world rank)."""
+    if rank is not None and world_ranks is not None:
+        rank = world_ranks.index(rank) if rank in world_ranks else None
     if rank is None or not 0 <= rank < plan.num_stage_ranks:
         return None
     kind, vw, stage = plan.role_of(rank)
@@ -225,8 +230,16 @@ def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max
             _say("not restarting: the run failed before it had a plan")
             return rc
         plan = Plan.load(here / "plan.json")
+        renumbered = (here / WORLD_RANKS_FILE).exists()
+        world_ranks = json.loads((here / WORLD_RANKS_FILE).read_text()) if renumbered else None
         # A peer's timeout names the rank that waited, not the one that hung: no device to leave out.
-        device = device_of(plan, outcome.rank) if outcome.cause in RESTARTABLE else None
+        device = device_of(plan, outcome.rank, world_ranks) if outcome.cause in RESTARTABLE else None
+        if renumbered and device is not None and not answers(device):
+            # The restarted ranks discover their devices again, rank k of a host holding its GPU k: no
+            # way yet to tell them which one to leave out. Restarting with it would fail on it again.
+            _say(f"not restarting: {outcome.role} failed on device {device} of a world planned on its discovered "
+                 "devices, and a restart cannot leave one of them out yet: relaunch on the hosts without it")
+            return rc
         why = (outcome.message or f"{outcome.role} failed ({outcome.cause})").removeprefix("hetpipe: ")
         if device is not None and answers(device):
             left = f"device {device} of {outcome.role} answers again: it stays in the plan"

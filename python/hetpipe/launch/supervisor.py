@@ -66,8 +66,7 @@ class Outcome:
 
     status: ``ok``, ``failed`` or ``interrupted``. cause (when not ok): ``reported`` (a rank raised
     and said why), ``died`` (a rank vanished without reporting), ``stopped`` (a rank stopped
-    responding), ``lost`` (ranks on another host ended without a word, and ranks here with them: a
-    host lost), ``unregistered`` (ranks did not reach MPI start-up in time), ``mpiexec`` (mpiexec
+    responding), ``unregistered`` (ranks did not reach MPI start-up in time), ``mpiexec`` (mpiexec
     itself was killed), ``signal`` (the launcher was interrupted) or ``exit`` (mpiexec failed and no
     rank is to blame). rank, role, pid: the culprit rank, if any.
     """
@@ -257,17 +256,13 @@ class Supervisor:
         # with it (MPI errors) and report that. A report before any death is the cause: its rank calls
         # Abort, which kills the rest, ABORT_GRACE_S after writing its mark; deaths seen up to half
         # that after the mark cannot be Abort's, and allow for the watcher thread waking late.
+        # Ranks on other hosts cannot be watched by pid: when some ended silently there, the verdict says
+        # so beside the first death seen here (MPI ends every rank when one dies, so either may be first).
         elsewhere = self._silent_elsewhere()
-        if died is not None and elsewhere and not reports:
-            # Ranks on other hosts cannot be watched by pid, and MPI ends the ranks here when it loses
-            # them, so the first death seen here need not be the first death: both are named.
-            rank, role = who.get(died[0], (None, f"the process with pid {died[0]}"))
-            return Outcome("failed", rc if rc > 0 else 1, "lost", None, None, None,
-                           f"hetpipe: ranks ended without a word on another host and here (first seen here: "
-                           f"{role}){elsewhere}; the job was ended", messages)
         if died is not None and (not reports or died[1] < reports[0][2] + ABORT_GRACE_S / 2):
             return blame("died", died[0], lambda role: f"hetpipe: {role} failed: it died without reporting an "
-                                                       "error (killed, or crashed in native code); the job was ended")
+                                                       f"error (killed, or crashed in native code){elsewhere}; "
+                                                       "the job was ended")
         if reports:
             pid, text, _ = reports[0]
             return blame("reported", pid, lambda role: text or f"hetpipe: {role} failed (it reported an error)")

@@ -18,7 +18,7 @@ import torch
 from hetpipe.checkpoint import format as ckfmt
 from hetpipe.job.roles import LaunchError, Role, check_world, resolve_device, role_of
 from hetpipe.job.placement import launcher_placement, placement_problems, plan_problems
-from hetpipe.job.rundir import RUN_DIR_ENV, register_rank
+from hetpipe.job.rundir import RUN_DIR_ENV, WORLD_RANKS_FILE, register_rank
 from hetpipe.job.world import gather_hosts
 from hetpipe.loader.check import DataMismatch, compare
 from hetpipe.model.fingerprint import first_difference, layer_digests
@@ -95,6 +95,9 @@ class RankRun:
         if rank == 0 and os.environ.get(RUN_DIR_ENV):
             # For a restarting launcher: which device each rank ran, and where the checkpoints are.
             plan.save(Path(os.environ[RUN_DIR_ENV], "plan.json"))
+            if self.order:
+                # The world rank of each plan rank: a restarting launcher names failed ranks by world rank.
+                Path(os.environ[RUN_DIR_ENV], WORLD_RANKS_FILE).write_text(json.dumps(self.order) + "\n")
             if self.t.planning is not None:
                 Path(os.environ[RUN_DIR_ENV], "planning.json").write_text(json.dumps(self.t.planning))
             if self.t.checkpoints.directory is not None:
