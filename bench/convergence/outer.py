@@ -27,12 +27,12 @@ HERE = Path(__file__).resolve().parent
 sys.path[1:1] = [str(HERE), str(HERE.parent / "e2e")]
 
 import report  # noqa: E402
-from cluster_setup import CLUSTER, make_plan, profile_device_model  # noqa: E402
+from cluster_setup import CLUSTER  # noqa: E402
 from curves import best_within, loss_at, time_to_target, validation_curve  # noqa: E402
 from job import Job, save_jobs  # noqa: E402
 from launch import run_worker  # noqa: E402
-from run import hetpipe_size  # noqa: E402
-from task import MinibatchStream, TaskSpec, build_layers, corpus, loss_fn, validation_set  # noqa: E402
+from run import hetpipe_size, prepare  # noqa: E402
+from task import TaskSpec  # noqa: E402
 
 # (aggregate, outer) of each row, per D.
 RULES = [("mean", "sgd"), ("sum", "sgd"), ("sum", "nesterov"), ("mean", "nesterov")]
@@ -81,16 +81,7 @@ def main(argv=None) -> int:
     started = time.time()
     work = args.keep or Path(tempfile.mkdtemp(prefix="hetpipe-outer-"))
     work.mkdir(parents=True, exist_ok=True)
-    task = TaskSpec()
-    text, val_text, _ = corpus(task)
-    xv, yv = validation_set(val_text, task)
-    x0, y0 = MinibatchStream(text, task, 0, 1)[0]
-    dm, prof, cluster = profile_device_model(build_layers(task, 0), x0, lambda out: loss_fn(out, y0),
-                                             f"bytegpt{task.blocks}x{task.width}", optimizer_factor=2.0,
-                                             trials=args.profile_trials, slowdown=args.slowdown)
-    dm.save(work / "devices.json")
-    plan, planner = make_plan(dm, prof, cluster, nm=None, policy="auto")
-    plan.save(work / "plan.json")
+    task, _, (xv, yv), dm, plan, planner = prepare(args, work, nm=None, policy="auto")
     jobs = jobs_of(args, task, plan, work, len(dm.devices))
     save_jobs(work / "jobs.json", jobs)
     vws = "; ".join(f"VW {v.index}: " + " | ".join(f"{st.device_type} L{st.start}-{st.stop - 1}" for st in v.stages)

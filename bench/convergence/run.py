@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import inspect
 import json
-import math
 import os
 import shutil
 import sys
@@ -138,6 +137,22 @@ def extend(lrs: List[float], best: float) -> float:
     return 0.0
 
 
+def prepare(args, work: Path, nm, policy: str):
+    """What every convergence bench starts from: the task, its corpus description, the validation set,
+    the emulated device model (profiled here, saved as ``work/devices.json``) and the plan made on it
+    (``work/plan.json``) with its planner's description."""
+    task = TaskSpec()
+    text, val_text, about = corpus(task)
+    x0, y0 = MinibatchStream(text, task, 0, 1)[0]
+    dm, prof, cluster = profile_device_model(build_layers(task, 0), x0, lambda out: loss_fn(out, y0),
+                                             f"bytegpt{task.blocks}x{task.width}", optimizer_factor=2.0,
+                                             trials=args.profile_trials, slowdown=args.slowdown)
+    dm.save(work / "devices.json")
+    plan, planner = make_plan(dm, prof, cluster, nm=nm, policy=policy)
+    plan.save(work / "plan.json")
+    return task, about, validation_set(val_text, task), dm, plan, planner
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     work = args.keep or Path(tempfile.mkdtemp(prefix="hetpipe-conv-"))
@@ -146,16 +161,7 @@ def main(argv=None) -> int:
     load0 = os.getloadavg()
     started = time.time()
     print(f"load average at start: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} ({os.cpu_count()} cores)", flush=True)
-    task = TaskSpec()
-    text, val_text, about = corpus(task)
-    xv, yv = validation_set(val_text, task)
-    x0, y0 = MinibatchStream(text, task, 0, 1)[0]
-    dm, prof, cluster = profile_device_model(build_layers(task, 0), x0, lambda out: loss_fn(out, y0),
-                                             f"bytegpt{task.blocks}x{task.width}", optimizer_factor=2.0,
-                                             trials=args.profile_trials, slowdown=args.slowdown)
-    dm.save(work / "devices.json")
-    plan, planner = make_plan(dm, prof, cluster, nm=args.nm, policy=args.policy)
-    plan.save(work / "plan.json")
+    task, about, (xv, yv), dm, plan, planner = prepare(args, work, nm=args.nm, policy=args.policy)
     ndev = len(dm.devices)
     lrs = [float(x) for x in args.lrs.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]

@@ -68,6 +68,29 @@ def _ref_pull(ref: ShardState, vw: int, stage: int, wave: int) -> int:
     return ref.log.pulls[-1][3]
 
 
+def _run_stage_threads(plane, stages, waves: int, d=None) -> None:
+    """One thread per stage pulls then pushes each wave on ``plane`` (with ``d``: checking that every
+    pull got a version within the staleness bound); a failure in any thread fails the test."""
+    errors = []
+
+    def stage_thread(vw: int, stage: int) -> None:
+        try:
+            out = np.empty(plane.stage_numel(vw, stage), np.float32)
+            for w in range(waves):
+                g = plane.pull(vw, stage, w, out, timeout=30)
+                assert d is None or g >= w - d, (vw, stage, w, g)
+                plane.push(vw, stage, w, _delta(vw, stage, w, out.size))
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=stage_thread, args=k) for k in stages]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
 @pytest.mark.parametrize("d", [0, 1, 2])
 def test_random_interleaving_matches_python_shard(d):
     ref, plane = _pair(d)
@@ -148,23 +171,7 @@ def test_threads_per_stage_with_an_outer_optimizer_match_python_shard(options):
     d, waves = 2, 20
     ref, plane = _pair(d, threads=2, **options)
     stages = _stages(ref)
-    errors = []
-
-    def stage_thread(vw: int, stage: int) -> None:
-        try:
-            out = np.empty(plane.stage_numel(vw, stage), np.float32)
-            for w in range(waves):
-                plane.pull(vw, stage, w, out, timeout=30)
-                plane.push(vw, stage, w, _delta(vw, stage, w, out.size))
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=stage_thread, args=k) for k in stages]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    _run_stage_threads(plane, stages, waves)
     _follow(ref, plane, waves)
     assert plane.applied == waves == ref.applied
     _assert_same_weights(ref, plane)
@@ -190,24 +197,7 @@ def test_threads_per_stage_match_python_shard():
     for w in range(waves):
         for vw, stage in stages:
             ref.push(vw, stage, w, _delta(vw, stage, w, ref.stage_numel(vw, stage)))
-    errors = []
-
-    def stage_thread(vw: int, stage: int) -> None:
-        try:
-            out = np.empty(plane.stage_numel(vw, stage), np.float32)
-            for w in range(waves):
-                g = plane.pull(vw, stage, w, out, timeout=30)
-                assert g >= w - d, (vw, stage, w, g)
-                plane.push(vw, stage, w, _delta(vw, stage, w, out.size))
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=stage_thread, args=k) for k in stages]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    _run_stage_threads(plane, stages, waves, d)
     assert plane.applied == waves == ref.applied
     _assert_same_weights(ref, plane)
 
