@@ -82,27 +82,26 @@ def _mark(run_dir: str, name: str, text: str = "") -> None:
 def ranks_by_pid(run_dir: str, host: str = "") -> Dict[int, str]:
     """pid -> role of every rank recorded in ``run_dir``; with ``host``, only of the ranks on that host
     (or that did not say where they run): pids of other hosts cannot be watched from here."""
-    hosts = rank_hosts(run_dir) if host else {}
-    return {pid: role for pid, (_, role) in recorded_ranks(run_dir).items() if hosts.get(pid, host) in (host, "")}
+    return {pid: role for pid, (_, role, where) in _records(run_dir).items() if not host or where in (host, "")}
 
 
 def rank_hosts(run_dir: str) -> Dict[int, str]:
     """pid -> the host each recorded rank said it runs on ("" when it did not say)."""
-    out = {}
-    for f in Path(run_dir).glob("rank-*.txt"):
-        lines = f.read_text().splitlines()
-        if len(lines) >= 2:
-            out[int(lines[0])] = lines[2] if len(lines) >= 3 else ""
-    return out
+    return {pid: where for pid, (_, _, where) in _records(run_dir).items()}
 
 
 def recorded_ranks(run_dir: str) -> Dict[int, Tuple[int, str]]:
     """pid -> (rank, role) of every rank recorded in ``run_dir``."""
+    return {pid: (rank, role) for pid, (rank, role, _) in _records(run_dir).items()}
+
+
+def _records(run_dir: str) -> Dict[int, Tuple[int, str, str]]:
+    """pid -> (rank, role, host) of every ``rank-R.txt`` (host "" when the rank did not say), one read each."""
     out = {}
     for f in Path(run_dir).glob("rank-*.txt"):
         lines = f.read_text().splitlines()
         if len(lines) >= 2:
-            out[int(lines[0])] = (int(f.stem.split("-", 1)[1]), lines[1])
+            out[int(lines[0])] = (int(f.stem.split("-", 1)[1]), lines[1], lines[2] if len(lines) >= 3 else "")
     return out
 
 
