@@ -9,10 +9,11 @@ Every system trains the same byte-level GPT (task.py) on the same emulated heter
 (bench/e2e's device model and launch machinery), for the same wall-clock budget. Each system's
 learning rate is the best of a sweep (seed 0, lowest validation loss at the sweep's budget,
 ``--sweep-budget``); the best is then run on every seed at ``--budget`` (on the other seeds only when
-the two budgets are equal: the sweep's run is then seed 0's). Runs share launches (a launch's start-up costs tens of seconds of a loaded
-host): the sweep is one launch per launch group (DDP and heterogeneity-aware DP, 6 ranks of one
-script; DDP on the fastest devices; pipelining; every hetpipe variant, which all run the same plan on
-the same ranks, alternating within the launch), each later seed another pass
+the two budgets are equal: the sweep's run is then seed 0's). Runs share launches (a launch's
+start-up costs tens of seconds of a loaded host): the sweep is one launch per launch group (DDP and
+heterogeneity-aware DP, 6 ranks of one script; DDP on the fastest devices; pipelining; every hetpipe
+variant, which all run the same plan on the same ranks, alternating within the launch), each later
+seed another pass
 over the groups, so load changes on the host fall on every system alike. Weights are recorded during
 training and validated after each run (snapshots.py). Prints the sweep, the summary (time to target,
 loss at the budget, spread over seeds), the goal lines; writes a PNG and the raw JSON to --out.
