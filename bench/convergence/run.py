@@ -13,10 +13,10 @@ the two budgets are equal: the sweep's run is then seed 0's). Runs share launche
 start-up costs tens of seconds of a loaded host): the sweep is one launch per launch group (DDP and
 heterogeneity-aware DP, 6 ranks of one script; DDP on the fastest devices; pipelining; every hetpipe
 variant, which all run the same plan on the same ranks, alternating within the launch), each later
-seed another pass
-over the groups, so load changes on the host fall on every system alike. Weights are recorded during
-training and validated after each run (snapshots.py). Prints the sweep, the summary (time to target,
-loss at the budget, spread over seeds), the goal lines; writes a PNG and the raw JSON to --out.
+seed another pass over the groups, so load changes on the host fall on every system alike. Weights
+are recorded during training and validated after each run (snapshots.py). Prints the sweep, the
+summary (time to target, loss at the budget, spread over seeds), the goal lines; writes a PNG and the
+raw JSON to --out.
 """
 
 from __future__ import annotations
