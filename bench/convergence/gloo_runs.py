@@ -53,8 +53,9 @@ def main(train: Callable[[Job, int, int, DeviceModel], Optional[dict]], name: st
     jobs: List[Job] = load_jobs(jobs_path)
     rank, world = init_gloo()
     dm = DeviceModel.load(jobs[0].device_model)
-    if world != len(dm.devices):
-        raise SystemExit(f"{name}: {world} ranks for {len(dm.devices)} devices")
+    devices = jobs[0].devices or range(len(dm.devices))
+    if world != len(devices) or any(list(j.devices) != list(jobs[0].devices) for j in jobs):
+        raise SystemExit(f"{name}: {world} ranks for devices {list(devices)} (every job of a launch on the same ones)")
     runs = [train(job, rank, world, dm) for job in jobs]
     if rank == 0:
         write_result(out_path, {"runs": runs})

@@ -10,7 +10,7 @@ staleness, aggregation) and what is shared (task sizes, budget, device model).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List
 
@@ -19,7 +19,7 @@ from task import TaskSpec
 
 @dataclass
 class Job:
-    system: str                  # "ddp", "pipelining" or "hetpipe"
+    system: str                  # a system key of run.py ("ddp", "ddp-fast", "hetero-dp", "pipelining", "hetpipe-...")
     task: TaskSpec
     seed: int                    # model initialisation and the minibatch stream
     lr: float
@@ -37,8 +37,8 @@ class Job:
     minibatches: int = 0         # hetpipe: minibatches in the run (all VWs)
     snapshot_waves: int = 1      # hetpipe: record the global weights every this many waves
     timeout_s: float = 120.0     # hetpipe: seconds a rank may wait for a peer
-
-
+    devices: List[int] = field(default_factory=list)   # DDP: device index of each rank (empty: rank r on device r)
+    windows: List[int] = field(default_factory=list)   # DDP: windows per rank per step (empty: one minibatch each)
 
 def save_jobs(path: Path, jobs: List[Job]) -> None:
     Path(path).write_text(json.dumps([asdict(j) for j in jobs], indent=1))

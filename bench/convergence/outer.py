@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     started = time.time()
     work = args.keep or Path(tempfile.mkdtemp(prefix="hetpipe-outer-"))
     work.mkdir(parents=True, exist_ok=True)
-    task, _, (xv, yv), dm, plan, planner = prepare(args, work, nm=None, policy="auto")
+    task, _, (xv, yv), dm, plan, planner, _, _ = prepare(args, work, nm=None, policy="auto")
     jobs = jobs_of(args, task, plan, work, len(dm.devices))
     save_jobs(work / "jobs.json", jobs)
     vws = "; ".join(f"VW {v.index}: " + " | ".join(f"{st.device_type} L{st.start}-{st.stop - 1}" for st in v.stages)

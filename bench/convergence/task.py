@@ -47,6 +47,10 @@ class TaskSpec:
         return asdict(self)
 
 
+# ``--task`` of run.py: the default task, and a wider, deeper GPT of about 2.05M parameters (22 layers).
+PRESETS: Dict[str, TaskSpec] = {"small": TaskSpec(), "large": TaskSpec(width=128, blocks=10)}
+
+
 # --- corpus ------------------------------------------------------------------------------------------
 
 def stdlib_files() -> List[Path]:
@@ -110,6 +114,16 @@ class MinibatchStream:
         """Minibatches ``first .. first + n - 1`` as one batch (in order)."""
         parts = [self[first + k] for k in range(n)]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    def windows(self, first: int, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Windows ``first .. first + n - 1`` of the stream read window by window (window ``j`` is window
+        ``j mod minibatch`` of minibatch ``j // minibatch``), as one batch: a share of a step that need not
+        be whole minibatches."""
+        mb = self.spec.minibatch
+        lo, hi = first // mb, (first + n - 1) // mb
+        x, y = self.concat(lo, hi - lo + 1)
+        off = first - lo * mb
+        return x[off:off + n], y[off:off + n]
 
 
 def validation_set(val: np.ndarray, spec: TaskSpec) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -244,6 +244,10 @@ def _add_reproduce_command(sub) -> None:
     p.add_argument("--d", default="0,1,2,4,32", help="D values (default 0,1,2,4,32)")
     p.add_argument("--waves", default="40", help="waves per VW per simulation (default 40)")
     p.add_argument("--ps-apply-rate", default=None, help="bytes/s a PS shard applies pushed deltas at (default 4e9)")
+    p.add_argument("--tta", metavar="JSON", help="also model time to accuracy: samples to target measured in this "
+                                                 "bench/convergence JSON over the modelled throughputs, beside a "
+                                                 "Horovod-style baseline")
+    p.add_argument("--tta-aggregate", default="sum", help="the hetpipe rows of --tta's JSON to use (sum or mean)")
 
 
 def _run_reproduce(args) -> int:
@@ -262,6 +266,31 @@ def _run_reproduce(args) -> int:
         print(f"hetpipe reproduce: {e}", file=sys.stderr)
         return 2
     print(reproduce.report(points, ds, waves, rate))
+    if args.tta:
+        return _print_tta(args, models, points)
+    return 0
+
+
+def _print_tta(args, models, points) -> int:
+    import json
+    from pathlib import Path
+
+    from hetpipe import reproduce_tta
+    from hetpipe.cluster import load_cluster
+    from hetpipe.profile import load_profile
+    from hetpipe.reproduce import CLUSTER
+
+    try:
+        conv = json.loads(Path(args.tta).read_text())
+        cluster = load_cluster(CLUSTER)
+        profiles = {m: load_profile(m) for m in models}
+        rows = reproduce_tta.rows(points, profiles, cluster, conv, args.tta_aggregate)
+        hv = [reproduce_tta.horovod(cluster, p) for p in profiles.values()]
+    except (OSError, ValueError, KeyError) as e:
+        print(f"hetpipe reproduce --tta: {e}", file=sys.stderr)
+        return 2
+    print()
+    print(reproduce_tta.report(rows, hv, Path(args.tta).name, conv, args.tta_aggregate))
     return 0
 
 

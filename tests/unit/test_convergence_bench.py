@@ -126,3 +126,102 @@ def test_outer_comparison_runs_every_rule_at_every_d_and_its_jobs_round_trip(tmp
     assert outer.rule_of(jobs[3]) == "mean + nesterov (lr 0.5, momentum 0.8)" and outer.rule_of(jobs[1]) == "sum"
     save_jobs(tmp_path / "jobs.json", jobs)
     assert load_jobs(tmp_path / "jobs.json") == jobs
+
+
+def test_fast_subset_is_the_best_subset_of_the_fitting_devices_by_brute_force():
+    from itertools import combinations
+
+    from baselines import fast_subset
+
+    rng = np.random.default_rng(0)
+    cases = [([0.118, 0.118, 0.236, 0.236, 0.473, 0.473], [True] * 6)]
+    for _ in range(200):
+        n = int(rng.integers(1, 7))
+        times = list(rng.choice([0.1, 0.15, 0.2, 0.3, 0.45, 0.8], size=n))
+        fits = [bool(f) for f in rng.random(n) < 0.8]
+        if any(fits):
+            cases.append((times, fits))
+    for times, fits in cases:
+        got = fast_subset(times, fits, minibatch=4)
+        ok = [i for i in range(len(times)) if fits[i]]
+        brute = max(len(s) * 4 / max(times[i] for i in s) for k in range(1, len(ok) + 1) for s in combinations(ok, k))
+        assert got.rate == pytest.approx(brute, rel=1e-12)
+        assert all(fits[i] for i in got.devices)
+        # the chosen devices are the fastest fitting ones, and no fewer devices reach the same rate
+        fastest = sorted(ok, key=lambda i: (times[i], i))[:len(got.devices)]
+        assert list(got.devices) == fastest
+        assert all(r < got.rate * (1 - 1e-9) for k, r in got.candidates if k < len(got.devices))
+    # the default cluster: 2 fast at 118 ms, 2 at twice and 2 at four times that; k = 2 and k = 4 tie: fewer
+    got = fast_subset(*cases[0], minibatch=4)
+    assert got.devices == (0, 1) and got.rate == pytest.approx(8 / 0.118)
+    with pytest.raises(ValueError):
+        fast_subset([0.1, 0.2], [False, False], 4)
+
+
+def test_batch_split_sums_to_the_step_and_is_proportional_to_speed():
+    from baselines import batch_split, proportional_shares, step_time
+
+    assert batch_split([0.118, 0.118, 0.236, 0.236, 0.473, 0.473], 24) == [7, 7, 3, 3, 2, 2]
+    assert batch_split([1.0, 1.0, 1.0], 6) == [2, 2, 2]
+    assert batch_split([1.0, 100.0, 100.0], 4) == [2, 1, 1]          # the slow ones get their one window
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        n = int(rng.integers(1, 8))
+        times = list(rng.uniform(0.05, 2.0, size=n))
+        total = int(rng.integers(n, 40))
+        w = batch_split(times, total)
+        assert sum(w) == total and min(w) >= 1
+        share = proportional_shares(times, total)
+        if min(share) >= 1:
+            assert all(abs(a - b) < 1 for a, b in zip(w, share))
+        order = sorted(range(n), key=lambda i: times[i])
+        assert all(w[a] >= w[b] for a, b in zip(order, order[1:]))   # a faster device never gets fewer
+    assert step_time([0.1, 0.4], [6, 2], 4) == pytest.approx(max(0.1 * 6 / 4, 0.4 * 2 / 4))
+    with pytest.raises(ValueError):
+        batch_split([1.0, 1.0, 1.0], 2)
+
+
+def test_weighted_shares_average_to_the_gradient_of_the_mean_over_all_windows():
+    from baselines import weighted_loss
+
+    tr, _, _ = corpus(SMALL)
+    s = MinibatchStream(tr, SMALL, seed=2, count=0)
+    windows = [5, 2, 1]
+    total, world = sum(windows), len(windows)
+    grads = []
+    for r, w in enumerate(windows):
+        model = torch.nn.Sequential(*build_layers(SMALL, 3))
+        x, y = s.windows(total + sum(windows[:r]), w)
+        weighted_loss(loss_fn(model(x), y), w, total, world).backward()
+        grads.append([p.grad for p in model.parameters()])
+    ref = torch.nn.Sequential(*build_layers(SMALL, 3))
+    xa, ya = s.concat(total // SMALL.minibatch, total // SMALL.minibatch)
+    loss_fn(ref(xa), ya).backward()
+    for k, q in enumerate(ref.parameters()):          # DDP's average: the sum over ranks / world
+        assert torch.allclose(sum(g[k] for g in grads) / world, q.grad, atol=1e-6, rtol=0)
+    # equal shares: the weight is exactly one (plain DDP's loss unchanged)
+    assert weighted_loss(torch.tensor(2.5), 4, 24, 6).item() == 2.5
+
+
+def test_stream_windows_read_the_minibatches_window_by_window():
+    tr, _, _ = corpus(SMALL)
+    s = MinibatchStream(tr, SMALL, seed=3, count=0)
+    x, y = s.windows(8, 4)                             # a whole minibatch: minibatch 2 itself
+    assert torch.equal(x, s[2][0]) and torch.equal(y, s[2][1])
+    x, y = s.windows(6, 5)                             # windows 2, 3 of minibatch 1 and 0..2 of minibatch 2
+    assert torch.equal(x[:2], s[1][0][2:]) and torch.equal(x[2:], s[2][0][:3])
+
+
+def test_run_options_large_task_and_sweep_budget():
+    import run
+    from task import PRESETS
+
+    args = run.parse_args([])
+    assert args.sweep_budget == args.budget == 18.0 and args.task == "small"
+    assert set(args.only.split(",")) >= {"ddp", "ddp-fast", "hetero-dp", "pipelining", "hetpipe"}
+    args = run.parse_args(["--task", "large", "--budget", "120", "--sweep-budget", "40"])
+    assert (args.budget, args.sweep_budget, args.lrs) == (120.0, 40.0, "1e-3,3e-3,1e-2")
+    large = sum(p.numel() for l in build_layers(PRESETS["large"], 0) for p in l.parameters())
+    assert large >= 2_000_000
+    with pytest.raises(SystemExit):
+        run.parse_args(["--only", "ddp,nonesuch"])

@@ -60,3 +60,67 @@ def test_simulate_models_the_ps_of_a_preset_plan(tmp_path, capsys):
 
     # D = 0 exposes every wave's PS round trip: a faster apply must raise the throughput
     assert plan.d == 0 and thr(fast) > thr(modelled)
+
+
+def test_horovod_step_is_the_slowest_gpu_plus_a_ring_allreduce_by_hand():
+    from hetpipe.profile import LayerProfile, ModelProfile
+    from hetpipe.reproduce_tta import horovod, ring_allreduce_s
+
+    cluster = cluster_from_dict({
+        "name": "two", "device_types": {"fast": {"memory_bytes": 1 << 30, "speed": 2.0},
+                                        "slow": {"memory_bytes": 1 << 30, "speed": 1.0}},
+        "nodes": [{"name": "n0", "type": "fast", "count": 1}, {"name": "n1", "type": "slow", "count": 1}],
+        "intra_node": {"bandwidth": 1e9}, "inter_node": {"bandwidth": 1e8, "latency": 1e-3}})
+    layers = (LayerProfile("a", {"fast": 0.1, "slow": 0.2}, {"fast": 0.2, "slow": 0.4}, param_bytes=4_000_000),
+              LayerProfile("b", {"fast": 0.05, "slow": 0.1}, {"fast": 0.1, "slow": 0.2}, param_bytes=1_000_000))
+    prof = ModelProfile("toy", 8, layers)
+    hv = horovod(cluster, prof)
+    # slowest GPU: 0.2 + 0.4 + 0.1 + 0.2 = 0.9 s; ring of 2 over the inter-node link: 2 (1/2) 5 MB / 100 MB/s
+    # = 0.05 s, plus 2 latencies of 1 ms
+    assert hv.gpus == ("n0.g0", "n1.g0") and hv.left_out == ()
+    assert hv.compute_s == pytest.approx(0.9)
+    assert hv.allreduce_s == pytest.approx(0.05 + 0.002)
+    assert hv.step_s == pytest.approx(0.952)
+    assert hv.samples_per_s == pytest.approx(2 * 8 / 0.952)
+    assert ring_allreduce_s(5e6, 1, cluster.inter_node) == 0.0
+    # a GPU whose memory cannot hold the whole model is left out
+    small = cluster_from_dict({**cluster.to_dict(), "device_types": {
+        "fast": {"memory_bytes": 1 << 30, "speed": 2.0}, "slow": {"memory_bytes": 1000, "speed": 1.0}}})
+    hv = horovod(small, prof)
+    assert hv.gpus == ("n0.g0",) and hv.left_out == ("n1.g0",)
+    assert hv.compute_s == pytest.approx(0.45) and hv.allreduce_s == 0.0
+
+
+def test_tta_scales_with_samples_and_inversely_with_throughput_and_reads_the_convergence_json():
+    from hetpipe.reproduce import Point
+    from hetpipe.reproduce_tta import best_points, samples_to_target, tta_s
+
+    assert tta_s(1000, 50) == pytest.approx(20.0)
+    assert tta_s(2000, 50) == pytest.approx(2 * tta_s(1000, 50))
+    assert tta_s(1000, 100) == pytest.approx(tta_s(1000, 50) / 2)
+    with pytest.raises(ValueError):
+        tta_s(1.0, 0.0)
+    conv = {"summary": [{"key": "ddp", "lr": 0.01, "seeds": [0, 1], "time_to_target": [2.0, 4.0]},
+                        {"key": "hetpipe-d1-sum", "lr": 0.01, "seeds": [0], "time_to_target": [None]}],
+            "runs": [{"key": "ddp", "seed": 0, "lr": 0.01, "samples": 100, "end_s": 10.0},
+                     {"key": "ddp", "seed": 0, "lr": 0.003, "samples": 999, "end_s": 10.0},
+                     {"key": "ddp", "seed": 1, "lr": 0.01, "samples": 300, "end_s": 10.0}]}
+    mean, per = samples_to_target(conv, "ddp")
+    assert per == pytest.approx([20.0, 120.0]) and mean == pytest.approx(70.0)
+    assert samples_to_target(conv, "hetpipe-d1-sum") is None and samples_to_target(conv, "pipelining") is None
+    pts = [Point("m", "ED", 2, 0, 5.0, 0.0, 0.0), Point("m", "HD", 4, 0, 6.0, 0.0, 0.0),
+           Point("m", "ED", 4, 1, 7.0, 0.0, 0.0)]
+    best = best_points(pts)
+    assert best[("m", 0)].policy == "HD" and best[("m", 1)].throughput == 7.0
+
+
+def test_reproduce_tta_prints_the_table_with_its_sources(capsys):
+    from pathlib import Path
+
+    conv = Path(__file__).resolve().parents[2] / "bench" / "convergence" / "results" / "convergence-full.json"
+    assert main(["reproduce", "--models", "resnet152", "--nm", "4", "--d", "0,1", "--waves", "6",
+                 "--tta", str(conv)]) == 0
+    out = capsys.readouterr().out
+    assert "MEASURED" in out and "MODELLED" in out and "not found" in out
+    assert re.search(r"resnet152\s+Horovod\s+-\s+\d+ GPUs\s+\d+ \(ddp\)", out)
+    assert re.search(r"resnet152\s+hetpipe\s+1 .*\(hetpipe-d1-sum\)", out)
