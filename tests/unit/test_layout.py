@@ -21,6 +21,7 @@ LEVELS = [
     ("profile", "schedule"),
     ("plan",),
     ("model", "loader", "reproduce"),
+    ("reproduce_tta",),
     ("transport",),
     ("checkpoint", "ps", "stage"),
     ("job", "adapters"),
