@@ -14,6 +14,7 @@ from hetpipe_core._C import (  # noqa: F401
     ShardPlane,
     Slot,
     Stream,
+    accumulate_change,
     apply_delta,
     build_info,
     clock_bench,
@@ -27,7 +28,7 @@ from hetpipe_core._C import (  # noqa: F401
 )
 
 __all__ = [
-    "ClockTable", "Event", "PinnedBufferPool", "ShardPlane", "Slot", "Stream", "apply_delta", "build_info", "clock_bench",
+    "ClockTable", "Event", "PinnedBufferPool", "ShardPlane", "Slot", "Stream", "accumulate_change", "apply_delta", "build_info", "clock_bench",
     "clock_stress", "copy_async", "cuda_context_active", "mutex_clock_bench", "shard_threads", "snapshot",
     "wire_protocol",
 ]

@@ -57,6 +57,24 @@ void bind_shard_ops(py::module_& m) {
       "shard += scale * delta in place (float32, C-contiguous, equal sizes), bitwise equal to numpy's\n"
       "`shard += np.float32(scale) * delta`. num_threads 0: hardware concurrency (capped). GIL released.");
   m.def(
+      "accumulate_change",
+      [](const py::buffer& delta, const py::buffer& after, const py::buffer& before, int num_threads) {
+        const py::buffer_info d = float32_buffer(delta, true, "accumulate_change", "delta");
+        const py::buffer_info a = float32_buffer(after, false, "accumulate_change", "after");
+        const py::buffer_info b = float32_buffer(before, false, "accumulate_change", "before");
+        if (a.size != d.size || b.size != d.size) {
+          throw py::value_error("accumulate_change: delta has " + std::to_string(d.size) + " elements, after " +
+                                std::to_string(a.size) + ", before " + std::to_string(b.size));
+        }
+        py::gil_scoped_release release;
+        accumulate_change(static_cast<float*>(d.ptr), static_cast<const float*>(a.ptr),
+                          static_cast<const float*>(b.ptr), static_cast<std::size_t>(d.size), num_threads);
+      },
+      py::arg("delta"), py::arg("after"), py::arg("before"), py::arg("num_threads") = 1,
+      "delta += after - before in place (float32, C-contiguous, equal sizes; delta must not overlap the\n"
+      "others), bitwise equal to torch's `torch.sub(after, before, out=t); delta += t`. num_threads 1 (the\n"
+      "default): the caller's thread only (a stage rank's step); 0: hardware concurrency. GIL released.");
+  m.def(
       "snapshot",
       [](const py::buffer& shard, const py::object& out) -> py::object {
         const py::buffer_info s = float32_buffer(shard, false, "snapshot", "shard");

@@ -39,6 +39,10 @@ void nesterov(float* __restrict shard, float* __restrict momentum, float* __rest
   }
 }
 
+void change(float* __restrict delta, const float* after, const float* before, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) delta[i] = delta[i] + (after[i] - before[i]);
+}
+
 // shard and delta are the same buffer.
 void axpy_self(float* shard, std::size_t n, float scale) {
   for (std::size_t i = 0; i < n; ++i) shard[i] = shard[i] + scale * shard[i];
@@ -123,6 +127,17 @@ void outer_nesterov(float* shard, float* momentum, float* aggregated, std::size_
   }
   split(n, shard_threads(num_threads, n), [=](std::size_t begin, std::size_t end) {
     nesterov(shard + begin, momentum + begin, aggregated + begin, end - begin, lr, mu);
+  });
+}
+
+void accumulate_change(float* delta, const float* after, const float* before, std::size_t n, int num_threads) {
+  if (n == 0) return;
+  const std::size_t nbytes = n * sizeof(float);
+  if (overlap(delta, after, nbytes) || overlap(delta, before, nbytes)) {
+    throw std::invalid_argument("accumulate_change: delta overlaps after or before");
+  }
+  split(n, shard_threads(num_threads, n), [=](std::size_t begin, std::size_t end) {
+    change(delta + begin, after + begin, before + begin, end - begin);
   });
 }
 

@@ -112,3 +112,31 @@ def test_apply_releases_the_gil():
     done.set()
     th.join()
     assert len(ticks) > before + 2
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("threads", [1, 3, 0])
+def test_accumulate_change_matches_numpy_bitwise(n, threads):
+    rng = np.random.default_rng(n + 7)
+    # Magnitudes far apart, so that (after - before) and the sum round differently from a fused form.
+    delta = (rng.standard_normal(n) * 1e-3).astype(np.float32)
+    before = (rng.standard_normal(n) * 1e4).astype(np.float32)
+    after = before + (rng.standard_normal(n) * 1e-2).astype(np.float32)
+    expected = delta.copy()
+    expected += after - before
+    hetpipe_core.accumulate_change(delta, after, before, threads)
+    assert np.array_equal(delta.view(np.uint32), expected.view(np.uint32)), (n, threads)
+
+
+def test_accumulate_change_rejects_bad_buffers():
+    a = np.zeros(8, np.float32)
+    with pytest.raises(ValueError, match="delta overlaps after or before"):
+        hetpipe_core.accumulate_change(a, a, np.zeros(8, np.float32))
+    with pytest.raises(ValueError, match="delta has 8 elements, after 7, before 8"):
+        hetpipe_core.accumulate_change(a, np.zeros(7, np.float32), np.zeros(8, np.float32))
+    with pytest.raises(TypeError, match="accumulate_change: before must be float32"):
+        hetpipe_core.accumulate_change(a, np.zeros(8, np.float32), np.zeros(8, np.float64))
+    # after and before may be one buffer (both are only read): the change is zero.
+    before = np.arange(8, dtype=np.float32)
+    hetpipe_core.accumulate_change(a, before, before)
+    assert not a.any()

@@ -405,3 +405,38 @@ def test_pull_replies_wait_for_a_free_slot_without_blocking_the_shard():
     assert stage.try_recv(9, WEIGHTS).header.vw == 0 and len(server.state.queued) == 1
     server.step()
     assert stage.try_recv(9, WEIGHTS).header.vw == 1 and not server.state.queued
+
+
+def test_each_step_adds_after_minus_before_whether_or_not_the_newest_stash_is_current():
+    """A step adds (weights after - weights before) to its wave's delta. Its "before" is the newest
+    stash where that stash copied the current weights (F3 then B3, A3), else a copy: after another
+    step (B1, A1 follow A0 with F1's stash the newest) or a pull merge (F2, merge, A2). Reference: the
+    live weights read by hand around every step, float32 as torch computes it."""
+    from hetpipe.stage.params import StageModel
+    c = _common()
+    m = StageModel(list(c.mlp()), 0, 6, nm=4, shard_layers={0: range(6)}, optimizer_factory=c.sgd(),
+                   device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(4, 64, generator=g) for _ in range(4)]
+    ys = [torch.randint(0, 10, (4,), generator=g) for _ in range(4)]
+    weights = lambda: torch.cat([p.detach().reshape(-1) for p in m.params])  # noqa: E731
+    expected = torch.zeros_like(weights())
+    outs = {}
+
+    def fwd(mb):
+        outs[mb] = m.forward(mb, xs[mb], needs_input_grad=False)
+
+    def bwd_apply(mb):
+        m.backward(mb, torch.nn.functional.cross_entropy(outs.pop(mb), ys[mb]), None)
+        m.gather([mb], 0)
+        before = weights().clone()
+        m.step(0)
+        expected.add_(weights() - before)
+        assert torch.equal(m.deltas[0], expected), f"the delta after Apply({mb})"
+
+    fwd(0), fwd(1), bwd_apply(0), bwd_apply(1)
+    fwd(2)
+    n = weights().numel()
+    m.merge_pull({0: (0, torch.linspace(-1, 1, n))})
+    bwd_apply(2)
+    fwd(3), bwd_apply(3)

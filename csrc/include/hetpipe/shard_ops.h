@@ -39,6 +39,13 @@ void divide_in_place(float* x, std::size_t n, float divisor, int num_threads);
 void outer_nesterov(float* shard, float* momentum, float* aggregated, std::size_t n, float lr, float mu,
                     int num_threads);
 
+// A stage's wave delta after a local step: delta[i] = delta[i] + (after[i] - before[i]), two float32
+// roundings, so it equals torch's `torch.sub(after, before, out=tmp); delta += tmp` bit for bit while
+// reading each array once instead of the three passes of those two calls. delta must not overlap after
+// or before (std::invalid_argument); after and before may overlap each other (both are only read).
+// Same threading as apply_delta.
+void accumulate_change(float* delta, const float* after, const float* before, std::size_t n, int num_threads);
+
 // Synced buffers (BatchNorm running statistics) after a wave: b <- b + (sum over k of (pushed[k] - b)) / count,
 // float32 throughout and summed in k order (numpy's `change += p - b` per VW, then
 // `b += change / np.float32(count)`), so a buffer no VW changed stays bitwise the same. One thread.

@@ -7,6 +7,10 @@ concatenation of the layers shard ``k`` owns, in layer order — the byte layout
 Weight versions (our WSP specification):
 * ``forward(p)`` stashes a clone of the live weights and differentiates that clone, so ``backward(p)``
   uses the version ``forward(p)`` used, whatever was applied in between.
+* The live weights change only in ``step`` and ``merge_pull``, each of which counts a new version.
+  ``step`` needs the weights before its update; when the newest stash was cloned at the current
+  version (in steady state the forward just before each Apply), it is those weights, bit for bit,
+  and no further copy is made.
 
 Recomputation (per layer): the stage's layers form maximal runs ("segments") of consecutive layers
 that are all kept or all recomputed. ``forward(p)`` keeps the graph of kept segments and only the
@@ -53,6 +57,8 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
+
+import hetpipe_core
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -172,6 +178,10 @@ class StageModel:
         self._spare_snapshots: List[torch.Tensor] = []                  # of minibatches already applied
         self._spare_deltas: List[torch.Tensor] = []                     # of waves already merged
         self._snapshots: Dict[int, torch.Tensor] = {}                   # mb -> the storage of its stash
+        # Versions of the live weights (see "Weight versions"): the current one, and the newest snapshot
+        # with the version it copied.
+        self._version = 0
+        self._latest: Optional[Tuple[int, torch.Tensor]] = None
         # Flat offsets of each layer's owned weights and synced buffers, then per PS shard the flat
         # positions of its layers (layer order) and of the replicas of its parameters.
         spans, bspans, off, boff = {}, {}, 0, 0
@@ -305,6 +315,7 @@ class StageModel:
         snapshot = self._spare_snapshots.pop() if self._spare_snapshots else torch.empty_like(self._flat)
         snapshot.copy_(self._flat)
         self._snapshots[mb] = snapshot
+        self._latest = (self._version, snapshot)
         views: Dict[int, torch.Tensor] = {}
         off = 0
         for p in self.params:
@@ -494,13 +505,25 @@ class StageModel:
             delta = self._spare_deltas.pop().zero_() if self._spare_deltas else torch.zeros_like(self._flat)
             self.deltas[wave] = delta
         with torch.no_grad():
-            self._scratch.copy_(self._flat)
+            before = self._before_step()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            torch.sub(self._flat, self._scratch, out=self._scratch)
-            delta += self._scratch
+            self._version += 1
+            if self.device.type == "cpu":
+                hetpipe_core.accumulate_change(delta.numpy(), self._flat.numpy(), before.numpy())
+            else:
+                torch.sub(self._flat, before, out=self._scratch)
+                delta += self._scratch
         if self.scheduler is not None:
             self.scheduler.step()
+
+    def _before_step(self) -> torch.Tensor:
+        """The live weights as they are now: the newest snapshot if it copied this version (a snapshot is
+        only ever written by ``forward``'s copy, so its bits are still those weights), else a copy."""
+        if self._latest is not None and self._latest[0] == self._version:
+            return self._latest[1]
+        self._scratch.copy_(self._flat)
+        return self._scratch
 
     def _split(self, keys: Sequence[TiedKey], flat: torch.Tensor) -> Dict[TiedKey, torch.Tensor]:
         by_key = dict(zip(self.tied_keys, self._tied_params))
@@ -567,6 +590,8 @@ class StageModel:
                 idx = self.buffer_index[k]
                 mine = self._pushed_buffers[g - 1].index_select(0, idx)
                 self._bflat.index_add_(0, idx, reply[nw + nr:] - mine)
+            if nw or nr:
+                self._version += 1
             self.floor[k] = g
         if self.floor:
             low = min(self.floor.values())
