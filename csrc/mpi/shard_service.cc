@@ -24,6 +24,10 @@ using wire::kWeights;
 
 constexpr auto kFirstBackoff = std::chrono::microseconds(20);
 constexpr auto kMaxBackoff = std::chrono::milliseconds(1);
+// While a payload is in flight it moves only while we call into MPI, but also only while its stage
+// does, between its instructions (every 0.1 to a few ms): polling faster than that takes a core from
+// the computing ranks on a shared host and moves nothing sooner.
+constexpr auto kMaxInFlightBackoff = std::chrono::microseconds(250);
 constexpr auto kReplyGrace = std::chrono::seconds(1);
 
 using mpi::MpiError;
@@ -47,16 +51,18 @@ std::string describe(const std::array<std::int64_t, 16>& w) {
   return out.str();
 }
 
-// Sleeps while nothing moves: 20 us doubling to 1 ms, reset by progress.
+// Sleeps while nothing moves: 20 us doubling to `max`, reset by progress. One thread's.
 class Backoff {
  public:
+  explicit Backoff(std::chrono::microseconds max = kMaxBackoff) : max_(max) {}
   void reset() { delay_ = kFirstBackoff; }
   void wait() {
     std::this_thread::sleep_for(delay_);
-    delay_ = std::min<std::chrono::microseconds>(delay_ * 2, kMaxBackoff);
+    delay_ = std::min<std::chrono::microseconds>(delay_ * 2, max_);
   }
 
  private:
+  std::chrono::microseconds max_;
   std::chrono::microseconds delay_ = kFirstBackoff;
 };
 
@@ -190,7 +196,7 @@ void ShardService::receive_loop() {
         check(MPI_Irecv(pull_words_.data(), kHeaderWords, MPI_INT64_T, MPI_ANY_SOURCE, wire::header_tag(kPull),
                         comm_, &pull_header_),
               "MPI_Irecv (pull header)");
-        Backoff backoff;
+        Backoff backoff, in_flight(kMaxInFlightBackoff);
         while (!stopping_.load(std::memory_order_acquire)) {
           bool progressed = false;
           int done = 0;
@@ -214,10 +220,11 @@ void ShardService::receive_loop() {
           progressed = test_pushes() || progressed;
           if (progressed) {
             backoff.reset();
+            in_flight.reset();
           } else if (!pushes_.empty()) {
             // A payload in flight moves only while we call into MPI (a rendezvous transfer takes many
-            // progress calls): keep polling, yielding the core to the other ranks between calls.
-            std::this_thread::sleep_for(kFirstBackoff);
+            // progress calls): keep polling, at most kMaxInFlightBackoff apart.
+            in_flight.wait();
           } else {
             backoff.wait();
           }
@@ -344,14 +351,18 @@ void ShardService::serve_loop() {
   auto on_fail = [this](const std::string& k, const std::string& m) { fail(k, m); };
   guarded(
       [this] {
+        Backoff in_flight(kMaxInFlightBackoff);
         while (!stopping_.load(std::memory_order_acquire)) {
           bool progressed = test_replies();
           // Replies are read from the weights in place: nothing is applied while one is in flight.
           if (replies_.empty() && plane_.apply_due()) progressed = plane_.apply_ready() > 0 || progressed;
           progressed = serve_ready() || progressed;
-          if (progressed) continue;
+          if (progressed) {
+            in_flight.reset();
+            continue;
+          }
           if (!replies_.empty()) {
-            std::this_thread::sleep_for(kFirstBackoff);  // a reply in flight moves only while we call into MPI
+            in_flight.wait();  // a reply in flight moves only while we call into MPI
             continue;
           }
           std::unique_lock<std::mutex> lock(queue_mutex_);
