@@ -162,6 +162,11 @@ class StageModel:
         self.params: List[nn.Parameter] = owned + [replicas[k][2] for k in self.replica_keys]
         flat = _Flat(self.params, device)
         self._flat, self.numel = flat.data, flat.numel
+        # Per layer, each parameter name with the index of its parameter in ``params`` (a parameter two
+        # layers share has one index): how forward builds a stash and gather reads it, per minibatch,
+        # without walking the modules again.
+        index = {id(p): i for i, p in enumerate(self.params)}
+        self._layer_params = [[(n, index[id(p)]) for n, p in layer.named_parameters()] for layer in self.layers]
         # Tied parameters held by other stages of this VW too: their gradients are exchanged.
         by_key = {**{(l, n): self.layers[l - start].get_parameter(n)
                      for l in range(start, stop) for n, _ in layout.owned[l]},
@@ -316,12 +321,12 @@ class StageModel:
         snapshot.copy_(self._flat)
         self._snapshots[mb] = snapshot
         self._latest = (self._version, snapshot)
-        views: Dict[int, torch.Tensor] = {}
+        views: List[torch.Tensor] = []
         off = 0
         for p in self.params:
-            views[id(p)] = snapshot[off:off + p.numel()].view_as(p).requires_grad_(True)
+            views.append(snapshot[off:off + p.numel()].view_as(p).requires_grad_(True))
             off += p.numel()
-        stash = [{n: views[id(p)] for n, p in layer.named_parameters()} for layer in self.layers]
+        stash = [{n: views[i] for n, i in names} for names in self._layer_params]
         self.stash[mb] = stash
         saved: List[List[Any]] = []
         replay: Dict[int, Tuple[Any, List[Dict[str, torch.Tensor]]]] = {}
@@ -454,8 +459,9 @@ class StageModel:
         snapshots = [self._snapshots.pop(mb) for mb in micros]
         if self.optimizer is None:
             return
-        for i, layer in enumerate(self.layers):
-            for name, p in layer.named_parameters():
+        for i, names in enumerate(self._layer_params):
+            for name, k in names:
+                p = self.params[k]
                 grads = [s[i][name].grad for s in stashes if s[i][name].grad is not None]
                 g = sum(grads[1:], grads[0]) if grads else None
                 if not (accumulate and p.grad is not None):
