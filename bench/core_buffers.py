@@ -25,7 +25,7 @@ def per_call_us(fn, iters: int) -> float:
 
 
 def latency_table(devices: str, device: int) -> None:
-    print(f"pool: one acquire()+release() pair from Python; baselines: one fresh allocation of the same size")
+    print("pool: one acquire()+release() pair from Python; baselines: one fresh allocation of the same size")
     print(f"(np.empty leaves pages untouched; np.zeros/bytearray fill them); devices: {devices}")
     header = f"{'slot size':>10}{'pool us':>10}{'np.empty us':>13}{'np.zeros us':>13}{'bytearray us':>14}"
     print(header)

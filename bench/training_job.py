@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset

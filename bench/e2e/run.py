@@ -101,8 +101,8 @@ def main(argv=None) -> int:
         f"devices: {where} ({nranks} ranks on this host, {torch.get_num_threads()} torch thread each); {types}",
         f"cluster: {CLUSTER}; device model: {dm.source}; plan: {planner}; model: MLP {spec.depth} layers x {spec.width}, "
         f"minibatch {spec.minibatch}; global batch {cfg.global_batch} (= {per_wave} minibatches = one hetpipe wave)",
-        f"measured: steady state (warm-up excluded); predicted: simulator (hetpipe, pipelining) or device model "
-        f"(DDP, limit), compute and links only"])
+        "measured: steady state (warm-up excluded); predicted: simulator (hetpipe, pipelining) or device model "
+        "(DDP, limit), compute and links only"])
     print()
     print(main_table(rows, header))
     print()
