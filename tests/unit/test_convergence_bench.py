@@ -225,3 +225,16 @@ def test_run_options_large_task_and_sweep_budget():
     assert large >= 2_000_000
     with pytest.raises(SystemExit):
         run.parse_args(["--only", "ddp,nonesuch"])
+
+
+def test_goal_is_judged_against_the_fastest_baseline_not_ddp():
+    import report
+    row = lambda key, ttt, loss: {"key": key, "label": key, "ttt_mean": ttt, "loss_mean": loss}  # noqa: E731
+    rows = [row("ddp", 48.0, 3.08), row("ddp-fast", 16.0, 2.70), row("pipelining", None, 3.2),
+            row("hetpipe-d1-mean", 26.0, 2.86), row("hetpipe-d0-mean", 10.0, 2.72)]
+    lines = report.goal_lines(rows)
+    assert lines[0].startswith("best baseline: ddp-fast (16.0 s to target, val loss 2.700")
+    assert "speed-up 0.62x vs the best baseline (NOT met" in lines[1]
+    assert "+5.93% vs it (NOT met" in lines[1]
+    assert "speed-up 1.60x vs the best baseline (met" in lines[2] and "+0.74% vs it (met" in lines[2]
+    assert report.goal_lines([row("hetpipe-d0-sum", 5.0, 3.0)]) == ["goal: no baseline reached the target in this run"]
