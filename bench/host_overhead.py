@@ -3,19 +3,31 @@
 Both run here, on the host CPU, one torch thread per process, on the same model, minibatches and
 optimizer (SGD). hetpipe runs under ``mpiexec -n 3`` (two stage ranks, one PS rank) with pacing off
 (``Trainer(emulate=False)``): what it adds to the plain step is the runtime's own cost (instruction
-dispatch, weight stashes, message headers and copies, MPI progress, the PS round trip per wave).
+dispatch, weight stashes, message headers and copies, MPI progress, the PS round trip per wave). The
+plain loop reads its minibatches from the same ``Batches`` inside its timed loop, as a training
+script does.
 
-Steady state: each configuration trains ``--short`` and ``--long`` minibatches and the time per
+Steady state: each configuration trains ``short`` and ``long`` minibatches and the time per
 minibatch is the difference of the two training times over the difference of their lengths, so
-start-up, pipeline fill and drain cancel out. The plain loop is timed the same way (two lengths).
+start-up, pipeline fill and drain cancel out; each rank's CPU time (every thread of the process) is
+differenced the same way. The plain loop is timed the same way (two lengths), interleaved with the
+hetpipe runs.
 
 Rows, each for both stage data planes (``core``: the core's StageEndpoint moves the messages;
-``python``: mpi4py requests progressed between instructions, ``HETPIPE_STAGE_PLANE``):
+``python``: mpi4py requests progressed between instructions, ``HETPIPE_STAGE_PLANE``), at D = 0 and 1:
 - tiny: an MLP whose plain step is well under a millisecond. ``overhead/stage`` = hetpipe's time per
   minibatch minus the plain step's share per stage (plain / 2): the fixed cost a stage adds per
   minibatch. Goal: <= 0.3 ms.
-- compute: an MLP whose plain step is ~10 ms. ``speed-up`` = hetpipe samples/s over the plain
-  single-thread loop's. Goal: >= 1.6x on 2 cores (two stages computing at once; ideal 2x).
+- compute: an MLP of six equal blocks and a head, cut 3 | 3 + head, whose plain step is several ms.
+  ``speed-up`` = hetpipe samples/s over the plain single-thread loop's. Goal: >= 1.6x on 2 cores.
+
+Two bounds say what limits a row:
+- ``sched``: the speed-up the schedule allows with no overhead at all: at D = 0 every wave drains the
+  pipeline (a stage's forward of wave c waits for its pull of c), so two balanced stages reach
+  2 Nm / (Nm + 1); at D >= 1 they need not drain: 2.
+- ``cpu``: the speed-up if the host's cores were busy all the time with the CPU work hetpipe's three
+  ranks did per minibatch (cores x plain CPU per minibatch / the ranks' sum): below the goal, the
+  runtime's own work is too much for the host, however it is scheduled.
 
     python bench/host_overhead.py [--quick] [--json out.json]
 """
@@ -29,11 +41,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 HERE = Path(__file__).resolve()
 MODELS = {"tiny": {"width": 32, "depth": 6, "batch": 16},
-          "compute": {"width": 448, "depth": 6, "batch": 64}}
+          "compute": {"width": 448, "depth": 7, "batch": 64}}
 GOAL_OVERHEAD_MS = 0.3
 GOAL_SPEEDUP = 1.6
 
@@ -74,73 +86,116 @@ def worker(args) -> None:
     layers = _model(args.model)
     cut = len(layers) // 2
     stages = (StagePlan("cpu", "cpu", 0, cut, 0.0, 0.0), StagePlan("cpu", "cpu", cut, len(layers), 0.0, 0.0))
-    plan = Plan(len(layers), args.nm, 0, "manual", (VirtualWorkerPlan(0, stages),),
+    plan = Plan(len(layers), args.nm, args.d, "manual", (VirtualWorkerPlan(0, stages),),
                 (ShardPlan(0, "n0", tuple(range(len(layers)))),))
     r = Trainer(layers, nn.functional.cross_entropy, lambda p: torch.optim.SGD(p, lr=0.01), _data(args.model, args.n),
                 plan=plan, epochs=1, progress=False, emulate=False).fit()
     if r.rank == 0:
-        print("RESULT " + json.dumps({"elapsed_s": r.elapsed_s, "samples": r.samples}), flush=True)
+        print("RESULT " + json.dumps({"elapsed_s": r.elapsed_s, "samples": r.samples, "cpu_s": r.cpu_s}), flush=True)
 
 
-def plain(name: str, n: int) -> float:
-    """Seconds of ``n`` plain training steps (after a warm-up), one thread."""
+def plain(name: str, n: int) -> Tuple[float, float]:
+    """Wall and CPU seconds of ``n`` plain training steps after 5 warm-up steps, one thread, the
+    minibatches read from the data inside the loop."""
     import torch
     from torch import nn
 
     torch.set_num_threads(1)
     model = nn.Sequential(*_model(name))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    batches = list(_data(name, n + 5))
-    for i, (x, y) in enumerate(batches):
+    for i, (x, y) in enumerate(_data(name, n + 5)):
         if i == 5:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
-def _run(model: str, nm: int, n: int, plane: str) -> float:
+def _plain_sub(name: str, n: int) -> Tuple[float, float]:
+    """``plain`` in a fresh process, as every hetpipe run is (no warm caches carried between them)."""
+    code = f"import sys; sys.path.insert(0, {str(HERE.parent)!r}); import host_overhead as h; print(*h.plain({name!r}, {n}))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"host_overhead: the plain {name} loop failed:\n{proc.stderr}")
+    wall, cpu = proc.stdout.split()
+    return float(wall), float(cpu)
+
+
+def _run(model: str, nm: int, d: int, n: int, plane: str) -> Dict[str, object]:
     from hetpipe.launch.mpiexec import mpiexec_path
 
     env = {**os.environ, "HETPIPE_STAGE_PLANE": plane, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([mpiexec_path(), "-n", "3", sys.executable, str(HERE), "--worker", "--model", model,
-                           "--nm", str(nm), "--n", str(n)], capture_output=True, text=True, timeout=600, env=env)
+                           "--nm", str(nm), "--d", str(d), "--n", str(n)], capture_output=True, text=True,
+                          timeout=600, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[7:])["elapsed_s"]
-    raise RuntimeError(f"host_overhead: the {model} run (Nm {nm}, {plane}) failed:\n{proc.stdout}\n{proc.stderr}")
+            return json.loads(line[7:])
+    raise RuntimeError(f"host_overhead: the {model} run (Nm {nm}, D {d}, {plane}) failed:\n{proc.stdout}\n{proc.stderr}")
 
 
-def measure(model: str, nm: int, short: int, long: int, reps: int) -> Dict[str, float]:
-    """ms per minibatch (best of ``reps``) of the plain loop and of hetpipe on each stage plane."""
-    out = {"model": model, "nm": nm, "plain_ms": min((plain(model, long) - plain(model, short)) / (long - short)
-                                                     for _ in range(reps)) * 1e3}
-    for plane in ("python", "core"):
-        out[f"{plane}_ms"] = min((_run(model, nm, long, plane) - _run(model, nm, short, plane)) / (long - short)
-                                 for _ in range(reps)) * 1e3
+PLANES = ("python", "core")
+
+
+def measure(model: str, nm: int, d: int, short: int, long: int, reps: int) -> Dict[str, object]:
+    """ms per minibatch (best of ``reps``) of the plain loop and of hetpipe on each stage plane, with the
+    CPU ms per minibatch of the plain loop and of each hetpipe rank in the repetition that was best;
+    the plain loop and the planes take turns within each repetition."""
+    steps = long - short
+    out: Dict[str, object] = {"model": model, "nm": nm, "d": d}
+    best: Dict[str, Tuple[float, List[float]]] = {}
+    for _ in range(reps):
+        (w1, c1), (w0, c0) = _plain_sub(model, long), _plain_sub(model, short)
+        ms = (w1 - w0) / steps * 1e3
+        if "plain" not in best or ms < best["plain"][0]:
+            best["plain"] = (ms, [(c1 - c0) / steps * 1e3])
+        for plane in PLANES:
+            a, b = _run(model, nm, d, long, plane), _run(model, nm, d, short, plane)
+            ms = (a["elapsed_s"] - b["elapsed_s"]) / steps * 1e3
+            if plane not in best or ms < best[plane][0]:
+                best[plane] = (ms, [(x - y) / steps * 1e3 for x, y in zip(a["cpu_s"], b["cpu_s"])])
+    for key, (ms, cpu) in best.items():
+        out[f"{key}_ms"], out[f"{key}_cpu_ms"] = ms, cpu
     return out
 
 
-def table(rows: List[Dict[str, float]]) -> str:
+def sched_bound(nm: int, d: int) -> float:
+    """The speed-up of two balanced stages over one process with no overhead (see the module doc)."""
+    return 2 * nm / (nm + 1) if d == 0 else 2.0
+
+
+def table(rows: List[Dict[str, object]]) -> str:
     cores = os.cpu_count()
     lines = [f"hetpipe host overhead: 1 VW x 2 stages + 1 PS (3 ranks), no emulation; devices: host CPU (real), "
              f"{cores} cores, 1 torch thread per process; steady state (two lengths), best of reps",
-             f"{'model':8} {'Nm':>3} {'plain ms/mb':>11} {'plane':>7} {'hetpipe ms/mb':>13} {'overhead/stage':>14} "
-             f"{'speed-up':>9} {'goal':>16} {'met':>4}"]
+             f"{'model':8} {'Nm':>3} {'D':>2} {'plain ms/mb':>11} {'plane':>7} {'hetpipe ms/mb':>13} "
+             f"{'overhead/stage':>14} {'speed-up':>9} {'CPU ms/mb s0/s1/ps':>20} {'sched':>6} {'cpu':>6} "
+             f"{'goal':>16} {'met':>4}"]
     for r in rows:
-        for plane in ("python", "core"):
-            ms = r[f"{plane}_ms"]
-            over = ms - r["plain_ms"] / 2
-            speed = r["plain_ms"] / ms
+        plain_ms, plain_cpu = r["plain_ms"], r["plain_cpu_ms"][0]
+        for plane in PLANES:
+            ms, cpu = r[f"{plane}_ms"], r[f"{plane}_cpu_ms"]
+            over = ms - plain_ms / 2
+            speed = plain_ms / ms
+            cpu_bound = (cores or 1) * plain_cpu / sum(cpu)
             if r["model"] == "tiny":
                 goal, met = f"<= {GOAL_OVERHEAD_MS} ms/stage", over <= GOAL_OVERHEAD_MS
             else:
                 goal, met = f">= {GOAL_SPEEDUP}x plain", speed >= GOAL_SPEEDUP
-            lines.append(f"{r['model']:8} {r['nm']:>3} {r['plain_ms']:>11.3f} {plane:>7} {ms:>13.3f} {over:>11.3f} ms "
-                         f"{speed:>8.2f}x {goal:>16} {'yes' if met else 'no':>4}")
-    lines.append("overhead/stage = hetpipe ms/mb - plain ms/mb / 2; speed-up = plain ms/mb / hetpipe ms/mb")
+            cpus = "/".join(f"{c:.2f}" for c in cpu)
+            lines.append(f"{r['model']:8} {r['nm']:>3} {r['d']:>2} {plain_ms:>11.3f} {plane:>7} {ms:>13.3f} "
+                         f"{over:>11.3f} ms {speed:>8.2f}x {cpus:>20} {sched_bound(r['nm'], r['d']):>5.2f}x "
+                         f"{cpu_bound:>5.2f}x {goal:>16} {'yes' if met else 'no':>4}")
+    lines += ["overhead/stage = hetpipe ms/mb - plain ms/mb / 2; speed-up = plain ms/mb / hetpipe ms/mb; "
+              "CPU ms/mb: each rank's CPU time per minibatch (stage 0, stage 1, PS)",
+              f"sched: the schedule's bound with no overhead (D = 0 drains the pipeline every wave); "
+              f"cpu: {cores} cores x plain CPU per minibatch / the ranks' CPU per minibatch"]
     return "\n".join(lines)
+
+
+CONFIGS = (("tiny", 1, 0), ("tiny", 4, 0), ("tiny", 4, 1), ("compute", 4, 0), ("compute", 4, 1))
 
 
 def main() -> None:
@@ -148,6 +203,7 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="tiny", choices=sorted(MODELS))
     ap.add_argument("--nm", type=int, default=4)
+    ap.add_argument("--d", type=int, default=0)
     ap.add_argument("--n", type=int, default=100)
     ap.add_argument("--quick", action="store_true", help="short runs, one repetition (a smoke test)")
     ap.add_argument("--json", help="also write the rows here")
@@ -156,10 +212,8 @@ def main() -> None:
         worker(args)
         return
     reps = 1 if args.quick else 3
-    rows = []
-    for nm in (1, 4):
-        rows.append(measure("tiny", nm, *((20, 60) if args.quick else (100, 400)), reps))
-    rows.append(measure("compute", 4, *((8, 16) if args.quick else (40, 120)), reps))
+    lengths = {"tiny": (20, 60) if args.quick else (100, 500), "compute": (8, 16) if args.quick else (40, 200)}
+    rows = [measure(model, nm, d, *lengths[model], reps) for model, nm, d in CONFIGS]
     print(table(rows), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

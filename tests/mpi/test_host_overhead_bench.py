@@ -1,5 +1,5 @@
 """bench/host_overhead.py end to end (its --quick run), so the benchmark cannot rot: every row is
-measured on both stage planes and the table states the goals. No timing is asserted here."""
+measured on both stage planes, with each rank's CPU time, and the table states the goals and bounds. No timing is asserted here."""
 
 import json
 import subprocess
@@ -19,9 +19,14 @@ def test_quick_run_prints_the_table(tmp_path):
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())
-    assert [(r["model"], r["nm"]) for r in rows] == [("tiny", 1), ("tiny", 4), ("compute", 4)]
+    assert [(r["model"], r["nm"], r["d"]) for r in rows] == [("tiny", 1, 0), ("tiny", 4, 0), ("tiny", 4, 1),
+                                                            ("compute", 4, 0), ("compute", 4, 1)]
     for r in rows:
         for key in ("plain_ms", "python_ms", "core_ms"):
             assert r[key] > 0, r
+        # CPU per minibatch: the plain loop's, and each of the three ranks' on each plane.
+        assert len(r["plain_cpu_ms"]) == 1 and r["plain_cpu_ms"][0] > 0, r
+        for plane in ("python", "core"):
+            assert len(r[f"{plane}_cpu_ms"]) == 3, r
     assert "devices: host CPU (real)" in proc.stdout
-    assert proc.stdout.count(" core ") == 3 and proc.stdout.count(" python ") == 3, proc.stdout
+    assert proc.stdout.count(" core ") == 5 and proc.stdout.count(" python ") == 5, proc.stdout

@@ -160,7 +160,7 @@ class RankRun:
             raise LaunchError(str(e)) from None
         transport, reason = opened.transport, opened.reason
         comm.Barrier()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         reporter = None
         if role.kind == "stage":
             if role.vw == 0 and role.stage == len(plan.virtual_workers[0].stages) - 1:
@@ -185,9 +185,9 @@ class RankRun:
                 signal.signal(signal.SIGTERM, previous)
         if writer is not None:
             writer.close()
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         transport.close()
-        mine = {**part_outcome(part, plan, spec.layout), "elapsed": elapsed, "trace": trace or [],
+        mine = {**part_outcome(part, plan, spec.layout), "elapsed": elapsed, "cpu": cpu, "trace": trace or [],
                 "transport": opened.name, "ps_plane": (plane, plane_reason)}
         everyone = comm.allgather(mine)
         if self.t.record_path is not None and role.rank == 0:
@@ -206,7 +206,7 @@ class RankRun:
                              "; ".join(sorted({m["ps_plane"][1] for m in everyone} - {""})),
                              outcome.evals, stopped_of(outcome, comm.allgather(
                                  reporter.callbacks.stop_asked if reporter is not None else None)),
-                             outcome.loss_scale)
+                             outcome.loss_scale, [m["cpu"] for m in everyone])
         load_layer_weights(self.t.layers, result.weights, result.buffers, result.local_buffers)
         if reporter is not None:
             reporter.finish(result, self.t.trace_path, reason)

@@ -143,7 +143,7 @@ class Reporter:
                       for k, log in result.shard_logs.items()}
             # A replay's result (ReplayResult) has no timing, transport or plane: those stay out.
             summary = {"nm": self.plan.nm, "d": self.plan.d, "final_clocks": clocks}
-            for key in ("samples", "elapsed_s", "samples_per_s", "transport", "ps_plane", "ps_plane_reason",
+            for key in ("samples", "elapsed_s", "samples_per_s", "cpu_s", "transport", "ps_plane", "ps_plane_reason",
                         "stopped"):
                 if hasattr(result, key):
                     summary[key] = getattr(result, key)

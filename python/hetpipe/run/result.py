@@ -45,6 +45,9 @@ class TrainResult:
     stopped: Dict[str, Any] = field(default_factory=dict)
     # "fp16": per VW, the final loss scale, its growth tracker, and the minibatches whose step was skipped.
     loss_scale: Dict[int, Dict[str, Any]] = field(default_factory=dict)
+    # Per rank, in rank order: the CPU seconds of all the process's threads over the window ``elapsed_s``
+    # measures on that rank (building its part, then stepping it to its end).
+    cpu_s: List[float] = field(default_factory=list)
 
     @property
     def samples_per_s(self) -> float:

@@ -1,0 +1,43 @@
+"""TrainResult.cpu_s against known work: stage 0's first layer burns ``BURN_S`` of CPU per forward.
+
+1 VW x 2 stages + 1 PS (3 ranks), the mpi4py stage plane; rank 0 prints ``RESULT {json}`` with the
+result's ``cpu_s``, ``elapsed_s`` and how many forwards stage 0 ran.
+"""
+
+import json
+import sys
+import time
+
+import torch
+from torch import nn
+
+from common import mlp, one_vw_plan, sgd, synthetic
+from hetpipe.run.trainer import Trainer
+
+BURN_S = 0.02
+
+
+class Burn(nn.Module):
+    """The identity, after spinning until this process has used ``BURN_S`` more CPU seconds."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        end = time.process_time() + BURN_S
+        while time.process_time() < end:
+            pass
+        return x
+
+
+def main() -> int:
+    layers = list(mlp())
+    layers[1] = nn.Sequential(Burn(), layers[1])
+    data = synthetic(n=128, batch=16)
+    r = Trainer(layers, nn.functional.cross_entropy, sgd(), data, plan=one_vw_plan([3], nm=2, d=0),
+                epochs=1, progress=False).fit()
+    if r.rank == 0:
+        print("RESULT " + json.dumps({"cpu_s": r.cpu_s, "elapsed_s": r.elapsed_s, "forwards": len(data),
+                                      "burn_s": BURN_S}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
