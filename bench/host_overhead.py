@@ -75,7 +75,9 @@ def _data(name: str, n: int):
 
 
 def worker(args) -> None:
-    """One rank of a hetpipe run: train ``args.n`` minibatches, rank 0 prints the training time."""
+    """One rank of a hetpipe run: train ``args.n`` minibatches, rank 0 prints the training time. With
+    ``args.replay``: the same plan replayed in this one process instead (every stage and the shard,
+    stepped in turn over the loopback transport), printing its CPU time."""
     import torch
     from torch import nn
 
@@ -88,8 +90,14 @@ def worker(args) -> None:
     stages = (StagePlan("cpu", "cpu", 0, cut, 0.0, 0.0), StagePlan("cpu", "cpu", cut, len(layers), 0.0, 0.0))
     plan = Plan(len(layers), args.nm, args.d, "manual", (VirtualWorkerPlan(0, stages),),
                 (ShardPlan(0, "n0", tuple(range(len(layers)))),))
-    r = Trainer(layers, nn.functional.cross_entropy, lambda p: torch.optim.SGD(p, lr=0.01), _data(args.model, args.n),
-                plan=plan, epochs=1, progress=False, emulate=False).fit()
+    trainer = Trainer(layers, nn.functional.cross_entropy, lambda p: torch.optim.SGD(p, lr=0.01),
+                      _data(args.model, args.n), plan=plan, epochs=1, progress=False, emulate=False)
+    if args.replay:
+        cpu0 = time.process_time()
+        trainer.replay()
+        print("RESULT " + json.dumps({"cpu_s": [time.process_time() - cpu0]}), flush=True)
+        return
+    r = trainer.fit()
     if r.rank == 0:
         print("RESULT " + json.dumps({"elapsed_s": r.elapsed_s, "samples": r.samples, "cpu_s": r.cpu_s}), flush=True)
 
@@ -114,7 +122,8 @@ def plain(name: str, n: int) -> Tuple[float, float]:
 
 def _plain_sub(name: str, n: int) -> Tuple[float, float]:
     """``plain`` in a fresh process, as every hetpipe run is (no warm caches carried between them)."""
-    code = f"import sys; sys.path.insert(0, {str(HERE.parent)!r}); import host_overhead as h; print(*h.plain({name!r}, {n}))"
+    code = (f"import sys; sys.path.insert(0, {str(HERE.parent)!r}); import host_overhead as h; "
+            f"print(*h.plain({name!r}, {n}))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
@@ -124,16 +133,18 @@ def _plain_sub(name: str, n: int) -> Tuple[float, float]:
 
 
 def _run(model: str, nm: int, d: int, n: int, plane: str) -> Dict[str, object]:
+    """One hetpipe run under mpiexec on ``plane``, or (``plane`` "replay") replayed in one process."""
     from hetpipe.launch.mpiexec import mpiexec_path
 
     env = {**os.environ, "HETPIPE_STAGE_PLANE": plane, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([mpiexec_path(), "-n", "3", sys.executable, str(HERE), "--worker", "--model", model,
-                           "--nm", str(nm), "--d", str(d), "--n", str(n)], capture_output=True, text=True,
-                          timeout=600, env=env)
+    args = [sys.executable, str(HERE), "--worker", "--model", model, "--nm", str(nm), "--d", str(d), "--n", str(n)]
+    cmd = args + ["--replay"] if plane == "replay" else [mpiexec_path(), "-n", "3", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    raise RuntimeError(f"host_overhead: the {model} run (Nm {nm}, D {d}, {plane}) failed:\n{proc.stdout}\n{proc.stderr}")
+    raise RuntimeError(f"host_overhead: the {model} run (Nm {nm}, D {d}, {plane}) failed:\n"
+                       f"{proc.stdout}\n{proc.stderr}")
 
 
 PLANES = ("python", "core")
@@ -141,8 +152,9 @@ PLANES = ("python", "core")
 
 def measure(model: str, nm: int, d: int, short: int, long: int, reps: int) -> Dict[str, object]:
     """ms per minibatch (best of ``reps``) of the plain loop and of hetpipe on each stage plane, with the
-    CPU ms per minibatch of the plain loop and of each hetpipe rank in the repetition that was best;
-    the plain loop and the planes take turns within each repetition."""
+    CPU ms per minibatch of the plain loop and of each hetpipe rank in the repetition that was best, and
+    the CPU ms per minibatch of the plan replayed in one process (``replay``, best of ``reps``); the
+    plain loop, the planes and the replay take turns within each repetition."""
     steps = long - short
     out: Dict[str, object] = {"model": model, "nm": nm, "d": d}
     best: Dict[str, Tuple[float, List[float]]] = {}
@@ -156,6 +168,10 @@ def measure(model: str, nm: int, d: int, short: int, long: int, reps: int) -> Di
             ms = (a["elapsed_s"] - b["elapsed_s"]) / steps * 1e3
             if plane not in best or ms < best[plane][0]:
                 best[plane] = (ms, [(x - y) / steps * 1e3 for x, y in zip(a["cpu_s"], b["cpu_s"])])
+        a, b = _run(model, nm, d, long, "replay"), _run(model, nm, d, short, "replay")
+        ms = (a["cpu_s"][0] - b["cpu_s"][0]) / steps * 1e3
+        if "replay" not in best or ms < best["replay"][0]:
+            best["replay"] = (ms, [ms])
     for key, (ms, cpu) in best.items():
         out[f"{key}_ms"], out[f"{key}_cpu_ms"] = ms, cpu
     return out
@@ -167,31 +183,32 @@ def sched_bound(nm: int, d: int) -> float:
 
 
 def table(rows: List[Dict[str, object]]) -> str:
-    cores = os.cpu_count()
+    cores = os.cpu_count() or 1
     lines = [f"hetpipe host overhead: 1 VW x 2 stages + 1 PS (3 ranks), no emulation; devices: host CPU (real), "
              f"{cores} cores, 1 torch thread per process; steady state (two lengths), best of reps",
-             f"{'model':8} {'Nm':>3} {'D':>2} {'plain ms/mb':>11} {'plane':>7} {'hetpipe ms/mb':>13} "
-             f"{'overhead/stage':>14} {'speed-up':>9} {'CPU ms/mb s0/s1/ps':>20} {'sched':>6} {'cpu':>6} "
-             f"{'goal':>16} {'met':>4}"]
+             f"{'model':8} {'Nm':>3} {'D':>2} {'plain ms/mb':>11} {'CPU':>5} {'plane':>7} {'hetpipe ms/mb':>13} "
+             f"{'overhead/stage':>14} {'speed-up':>9} {'CPU ms/mb s0/s1/ps':>19} {'1-proc':>6} {'sched':>6} "
+             f"{'cpu':>6} {'goal':>16} {'met':>4}"]
     for r in rows:
         plain_ms, plain_cpu = r["plain_ms"], r["plain_cpu_ms"][0]
         for plane in PLANES:
             ms, cpu = r[f"{plane}_ms"], r[f"{plane}_cpu_ms"]
             over = ms - plain_ms / 2
             speed = plain_ms / ms
-            cpu_bound = (cores or 1) * plain_cpu / sum(cpu)
             if r["model"] == "tiny":
                 goal, met = f"<= {GOAL_OVERHEAD_MS} ms/stage", over <= GOAL_OVERHEAD_MS
             else:
                 goal, met = f">= {GOAL_SPEEDUP}x plain", speed >= GOAL_SPEEDUP
             cpus = "/".join(f"{c:.2f}" for c in cpu)
-            lines.append(f"{r['model']:8} {r['nm']:>3} {r['d']:>2} {plain_ms:>11.3f} {plane:>7} {ms:>13.3f} "
-                         f"{over:>11.3f} ms {speed:>8.2f}x {cpus:>20} {sched_bound(r['nm'], r['d']):>5.2f}x "
-                         f"{cpu_bound:>5.2f}x {goal:>16} {'yes' if met else 'no':>4}")
-    lines += ["overhead/stage = hetpipe ms/mb - plain ms/mb / 2; speed-up = plain ms/mb / hetpipe ms/mb; "
-              "CPU ms/mb: each rank's CPU time per minibatch (stage 0, stage 1, PS)",
+            lines.append(f"{r['model']:8} {r['nm']:>3} {r['d']:>2} {plain_ms:>11.3f} {plain_cpu:>5.2f} {plane:>7} "
+                         f"{ms:>13.3f} {over:>11.3f} ms {speed:>8.2f}x {cpus:>19} {r['replay_ms']:>6.2f} "
+                         f"{sched_bound(r['nm'], r['d']):>5.2f}x {cores * plain_cpu / sum(cpu):>5.2f}x {goal:>16} "
+                         f"{'yes' if met else 'no':>4}")
+    lines += ["overhead/stage = hetpipe ms/mb - plain ms/mb / 2; speed-up = plain ms/mb / hetpipe ms/mb",
+              "CPU: the plain loop's CPU ms per minibatch; CPU ms/mb: each hetpipe rank's (stage 0, stage 1, PS); "
+              "1-proc: the same plan replayed in one process (the runtime's own work: no MPI, no waiting)",
               f"sched: the schedule's bound with no overhead (D = 0 drains the pipeline every wave); "
-              f"cpu: {cores} cores x plain CPU per minibatch / the ranks' CPU per minibatch"]
+              f"cpu: {cores} cores x plain CPU / the ranks' CPU (the bound the runtime's CPU work sets)"]
     return "\n".join(lines)
 
 
@@ -205,6 +222,7 @@ def main() -> None:
     ap.add_argument("--nm", type=int, default=4)
     ap.add_argument("--d", type=int, default=0)
     ap.add_argument("--n", type=int, default=100)
+    ap.add_argument("--replay", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="short runs, one repetition (a smoke test)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()

@@ -1,5 +1,6 @@
 """bench/host_overhead.py end to end (its --quick run), so the benchmark cannot rot: every row is
-measured on both stage planes, with each rank's CPU time, and the table states the goals and bounds. No timing is asserted here."""
+measured on both stage planes, with each rank's CPU time, and the table states the goals and
+bounds. No timing is asserted here."""
 
 import json
 import subprocess
@@ -22,7 +23,7 @@ def test_quick_run_prints_the_table(tmp_path):
     assert [(r["model"], r["nm"], r["d"]) for r in rows] == [("tiny", 1, 0), ("tiny", 4, 0), ("tiny", 4, 1),
                                                             ("compute", 4, 0), ("compute", 4, 1)]
     for r in rows:
-        for key in ("plain_ms", "python_ms", "core_ms"):
+        for key in ("plain_ms", "python_ms", "core_ms", "replay_ms"):
             assert r[key] > 0, r
         # CPU per minibatch: the plain loop's, and each of the three ranks' on each plane.
         assert len(r["plain_cpu_ms"]) == 1 and r["plain_cpu_ms"][0] > 0, r

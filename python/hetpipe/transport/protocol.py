@@ -74,10 +74,12 @@ class Header:
 
     @classmethod
     def decode(cls, words: np.ndarray) -> "Header":
-        kind, vw, stage, mb, aux, code, ndim, nbytes = (int(x) for x in words[:8])
+        # One conversion to Python ints (a per-word int() of numpy scalars costs several times more).
+        w = words.tolist()
+        kind, vw, stage, mb, aux, code, ndim, nbytes = w[:8]
         if not (1 <= code <= len(DTYPES)) or not (0 <= ndim <= MAX_NDIM) or nbytes < 0:
-            raise ValueError(f"transport: corrupt header {words.tolist()}")
-        return cls(kind, vw, stage, mb, aux, DTYPES[code - 1], tuple(int(x) for x in words[8:8 + ndim]), nbytes)
+            raise ValueError(f"transport: corrupt header {w}")
+        return cls(kind, vw, stage, mb, aux, DTYPES[code - 1], tuple(w[8:8 + ndim]), nbytes)
 
 
 @dataclass
