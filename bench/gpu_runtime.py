@@ -98,6 +98,12 @@ def emit(payload: Dict[str, Any]) -> None:
 
 # --- child processes ---------------------------------------------------------------------------------
 
+def _loss_against(loss_fn, y):
+    """``loss_fn`` of an output against the labels ``y``: a closure over these arguments only, so the
+    caller may drop its own names for them (and their device memory) once the profile is taken."""
+    return lambda out: loss_fn(out, y)
+
+
 def role_plain(args, tied: bool) -> None:
     """The profile of the adapted layers on the device, then plain PyTorch training; prints one RESULT."""
     from hetpipe.adapters import adapt
@@ -108,7 +114,7 @@ def role_plain(args, tied: bool) -> None:
     model = gpt2(args, tied).to(device)
     layers, loss_fn = adapt(model)
     x, y = to_device(data[0][0], device), data[0][1].to(device)
-    profile = profile_model(layers, x, "cpu-emulated", loss_fn=lambda out: loss_fn(out, y), repeats=2,
+    profile = profile_model(layers, x, "cpu-emulated", loss_fn=_loss_against(loss_fn, y), repeats=2,
                             optimizer_factor=2.0, name="gpt2", precision=args.precision)
     del model, layers, loss_fn, x, y
     if device.type == "cuda":
