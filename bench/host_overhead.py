@@ -29,6 +29,15 @@ Two bounds say what limits a row:
   ranks did per minibatch (cores x plain CPU per minibatch / the ranks' sum): below the goal, the
   runtime's own work is too much for the host, however it is scheduled.
 
+Two baselines run beside hetpipe, interleaved with it:
+- ``host``: two plain loops at once, each in its own process, against one: what the host's cores give
+  two independent single-thread processes (shared caches, memory bandwidth, clock), i.e. the best any
+  two-process pipeline could reach here.
+- ``torch pp``: PyTorch's own pipeline runtime, ``torch.distributed.pipelining`` (Schedule1F1B over
+  gloo, 2 ranks), on the same model, cut and minibatches: Nm micro-batches per step, then a flush and
+  one SGD step. It has no parameter server and no weight stashes (it steps once per flush), so it
+  does less work per minibatch than a WSP stage; its bound is ``sched`` at D = 0.
+
     python bench/host_overhead.py [--quick] [--json out.json]
 """
 
@@ -102,6 +111,52 @@ def worker(args) -> None:
         print("RESULT " + json.dumps({"elapsed_s": r.elapsed_s, "samples": r.samples, "cpu_s": r.cpu_s}), flush=True)
 
 
+def pipelining(args) -> None:
+    """One rank of the baseline pipeline: torch.distributed.pipelining's 1F1B (GPipe's order at Nm = 1,
+    which 1F1B refuses) over gloo, 2 ranks, the same model, cut and minibatches as hetpipe's two stages;
+    a step is ``args.nm`` micro-batches (one minibatch each), a flush and an SGD step per rank. Trains
+    ``args.n`` minibatches after 2 warm-up steps; rank 0 prints the window's wall time and every rank's
+    CPU time."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    sys.path.insert(0, str(HERE.parent / "e2e"))
+    from mpi_env import gather_results, init_gloo
+
+    rank, world = init_gloo()
+    layers = _model(args.model)
+    cut = len(layers) // 2
+    mine = nn.Sequential(*(layers[:cut] if rank == 0 else layers[cut:]))
+    # Every rank passes loss_fn: the schedule's shape inference needs it on all of them. 1F1B needs a
+    # micro-batch per stage; with one, GPipe runs the same order (forward, then backward).
+    kind = Schedule1F1B if args.nm >= world else ScheduleGPipe
+    schedule = kind(PipelineStage(mine, rank, world, torch.device("cpu")), args.nm, loss_fn=nn.functional.cross_entropy)
+    opt = torch.optim.SGD(mine.parameters(), lr=0.01)
+    if args.n % args.nm:
+        raise SystemExit(f"host_overhead: {args.n} minibatches are not whole steps of {args.nm} micro-batches")
+    warm, steps = 2, args.n // args.nm
+    batches = iter(_data(args.model, (warm + steps) * args.nm))
+    for i in range(warm + steps):
+        if i == warm:
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+        xs, ys = zip(*(next(batches) for _ in range(args.nm)))
+        opt.zero_grad(set_to_none=True)
+        if rank == 0:
+            schedule.step(torch.cat(xs))
+        else:
+            schedule.step(target=torch.cat(ys))
+        opt.step()
+    dist.barrier()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    cpus = gather_results({"cpu_s": cpu})
+    if rank == 0:
+        print("RESULT " + json.dumps({"elapsed_s": wall, "cpu_s": [c["cpu_s"] for c in cpus]}), flush=True)
+    dist.destroy_process_group()
+
+
 def plain(name: str, n: int) -> Tuple[float, float]:
     """Wall and CPU seconds of ``n`` plain training steps after 5 warm-up steps, one thread, the
     minibatches read from the data inside the loop."""
@@ -132,13 +187,33 @@ def _plain_sub(name: str, n: int) -> Tuple[float, float]:
     return float(wall), float(cpu)
 
 
+def _plain_pair(name: str, n: int) -> Tuple[float, float]:
+    """Two ``plain`` loops at once, each in its own process: the later one's wall seconds, and the two
+    processes' CPU seconds summed (what the host's cores give two independent single-thread loops)."""
+    code = (f"import sys; sys.path.insert(0, {str(HERE.parent)!r}); import host_overhead as h; "
+            f"print(*h.plain({name!r}, {n}))")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    if any(p.returncode != 0 for p in procs):
+        raise RuntimeError("host_overhead: a plain loop of the pair failed:\n" + "\n".join(e for _, e in outs))
+    walls, cpus = zip(*((float(v) for v in out.split()) for out, _ in outs))
+    return max(walls), sum(cpus)
+
+
 def _run(model: str, nm: int, d: int, n: int, plane: str) -> Dict[str, object]:
-    """One hetpipe run under mpiexec on ``plane``, or (``plane`` "replay") replayed in one process."""
+    """One hetpipe run under mpiexec on ``plane``, or (``plane`` "replay") replayed in one process, or
+    (``plane`` "pipelining") the baseline pipeline's run on 2 ranks."""
     from hetpipe.launch.mpiexec import mpiexec_path
 
     env = {**os.environ, "HETPIPE_STAGE_PLANE": plane, "OMP_NUM_THREADS": "1"}
     args = [sys.executable, str(HERE), "--worker", "--model", model, "--nm", str(nm), "--d", str(d), "--n", str(n)]
-    cmd = args + ["--replay"] if plane == "replay" else [mpiexec_path(), "-n", "3", *args]
+    if plane == "replay":
+        cmd = args + ["--replay"]
+    elif plane == "pipelining":
+        cmd = [mpiexec_path(), "-n", "2", *args, "--pipelining"]
+    else:
+        cmd = [mpiexec_path(), "-n", "3", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -173,6 +248,10 @@ def measure(model: str, nm: int, d: int, short: int, long: int, reps: int) -> Di
             keep(plane, (a["elapsed_s"], b["elapsed_s"]), (a["cpu_s"], b["cpu_s"]))
         a, b = _run(model, nm, d, long, "replay"), _run(model, nm, d, short, "replay")
         keep("replay", (a["cpu_s"][0], b["cpu_s"][0]), (a["cpu_s"], b["cpu_s"]))
+        a, b = _run(model, nm, d, long, "pipelining"), _run(model, nm, d, short, "pipelining")
+        keep("pipelining", (a["elapsed_s"], b["elapsed_s"]), (a["cpu_s"], b["cpu_s"]))
+        (w1, c1), (w0, c0) = _plain_pair(model, long), _plain_pair(model, short)
+        keep("pair", (w1, w0), ([c1], [c0]))
     for key, (ms, cpu) in best.items():
         out[f"{key}_ms"], out[f"{key}_cpu_ms"] = ms, cpu
     return out
@@ -189,7 +268,7 @@ def table(rows: List[Dict[str, object]]) -> str:
              f"{cores} cores, 1 torch thread per process; steady state (two lengths), best of reps",
              f"{'model':8} {'Nm':>3} {'D':>2} {'plain ms/mb':>11} {'CPU':>5} {'plane':>7} {'hetpipe ms/mb':>13} "
              f"{'overhead/stage':>14} {'speed-up':>9} {'CPU ms/mb s0/s1/ps':>19} {'1-proc':>6} {'sched':>6} "
-             f"{'cpu':>6} {'goal':>16} {'met':>4}"]
+             f"{'cpu':>6} {'host':>6} {'torch pp':>8} {'goal':>16} {'met':>4}"]
     for r in rows:
         plain_ms, plain_cpu = r["plain_ms"], r["plain_cpu_ms"][0]
         for plane in PLANES:
@@ -203,13 +282,28 @@ def table(rows: List[Dict[str, object]]) -> str:
             cpus = "/".join(f"{c:.2f}" for c in cpu)
             lines.append(f"{r['model']:8} {r['nm']:>3} {r['d']:>2} {plain_ms:>11.3f} {plain_cpu:>5.2f} {plane:>7} "
                          f"{ms:>13.3f} {over:>11.3f} ms {speed:>8.2f}x {cpus:>19} {r['replay_ms']:>6.2f} "
-                         f"{sched_bound(r['nm'], r['d']):>5.2f}x {cores * plain_cpu / sum(cpu):>5.2f}x {goal:>16} "
+                         f"{sched_bound(r['nm'], r['d']):>5.2f}x {cores * plain_cpu / sum(cpu):>5.2f}x "
+                         f"{2 * plain_ms / r['pair_ms']:>5.2f}x {plain_ms / r['pipelining_ms']:>7.2f}x {goal:>16} "
                          f"{'yes' if met else 'no':>4}")
     lines += ["overhead/stage = hetpipe ms/mb - plain ms/mb / 2; speed-up = plain ms/mb / hetpipe ms/mb",
               "CPU: the plain loop's CPU ms per minibatch; CPU ms/mb: each hetpipe rank's (stage 0, stage 1, PS); "
               "1-proc: the same plan replayed in one process (the runtime's own work: no MPI, no waiting)",
               f"sched: the schedule's bound with no overhead (D = 0 drains the pipeline every wave); "
-              f"cpu: {cores} cores x plain CPU / the ranks' CPU (the bound the runtime's CPU work sets)"]
+              f"cpu: {cores} cores x plain CPU / the ranks' CPU (the bound the runtime's CPU work sets)",
+              "host: two plain loops at once, each in its own process, over one (what the host's cores allow); "
+              "torch pp: the baseline pipeline's speed-up (below)",
+              "",
+              "baseline pipeline: torch.distributed.pipelining Schedule1F1B (ScheduleGPipe at Nm = 1) over gloo, 2 "
+              "ranks, the same model, cut and minibatches; a step is Nm micro-batches (one minibatch each), a flush and an SGD step "
+              "(so its bound is sched at D = 0)",
+              "measured within each row's repetitions (its D is hetpipe's; the baseline has none)",
+              f"{'model':8} {'Nm':>3} {'D':>2} {'plain ms/mb':>11} {'torch pp ms/mb':>14} {'overhead/stage':>14} "
+              f"{'speed-up':>9} {'CPU ms/mb r0/r1':>16}"]
+    for r in rows:
+        plain_ms, ms = r["plain_ms"], r["pipelining_ms"]
+        cpus = "/".join(f"{c:.2f}" for c in r["pipelining_cpu_ms"])
+        lines.append(f"{r['model']:8} {r['nm']:>3} {r['d']:>2} {plain_ms:>11.3f} {ms:>14.3f} "
+                     f"{ms - plain_ms / 2:>11.3f} ms {plain_ms / ms:>8.2f}x {cpus:>16}")
     return "\n".join(lines)
 
 
@@ -224,11 +318,12 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=0)
     ap.add_argument("--n", type=int, default=100)
     ap.add_argument("--replay", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--pipelining", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="short runs, one repetition (a smoke test)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
     if args.worker:
-        worker(args)
+        pipelining(args) if args.pipelining else worker(args)
         return
     reps = 1 if args.quick else 3
     # Even the quick run's difference of lengths must outweigh the noise of a run's start-up (tens of ms here).

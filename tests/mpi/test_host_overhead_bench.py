@@ -1,6 +1,7 @@
 """bench/host_overhead.py end to end (its --quick run), so the benchmark cannot rot: every row is
-measured on both stage planes, with each rank's CPU time, and the table states the goals and
-bounds. No timing is asserted here."""
+measured on both stage planes, with each rank's CPU time, beside its baselines (torch.distributed.pipelining
+on the same model, two plain loops at once), and the table states the goals and bounds. No timing is
+asserted here."""
 
 import json
 import subprocess
@@ -23,11 +24,15 @@ def test_quick_run_prints_the_table(tmp_path):
     assert [(r["model"], r["nm"], r["d"]) for r in rows] == [("tiny", 1, 0), ("tiny", 4, 0), ("tiny", 4, 1),
                                                             ("compute", 4, 0), ("compute", 4, 1)]
     for r in rows:
-        for key in ("plain_ms", "python_ms", "core_ms", "replay_ms"):
+        for key in ("plain_ms", "python_ms", "core_ms", "replay_ms", "pipelining_ms", "pair_ms"):
             assert r[key] > 0, r
         # CPU per minibatch: the plain loop's, and each of the three ranks' on each plane.
         assert len(r["plain_cpu_ms"]) == 1 and r["plain_cpu_ms"][0] > 0, r
         for plane in ("python", "core"):
             assert len(r[f"{plane}_cpu_ms"]) == 3, r
+        # The baselines: torch.distributed.pipelining's two ranks, and two plain loops at once.
+        assert len(r["pipelining_cpu_ms"]) == 2 and all(c > 0 for c in r["pipelining_cpu_ms"]), r
+        assert len(r["pair_cpu_ms"]) == 1 and r["pair_cpu_ms"][0] > 0, r
     assert "devices: host CPU (real)" in proc.stdout
     assert proc.stdout.count(" core ") == 5 and proc.stdout.count(" python ") == 5, proc.stdout
+    assert "baseline pipeline: torch.distributed.pipelining" in proc.stdout
