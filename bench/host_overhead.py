@@ -125,6 +125,8 @@ def pipelining(args) -> None:
     sys.path.insert(0, str(HERE.parent / "e2e"))
     from mpi_env import gather_results, init_gloo
 
+    if args.n % args.nm:
+        raise SystemExit(f"host_overhead: {args.n} minibatches are not whole steps of {args.nm} micro-batches")
     rank, world = init_gloo()
     layers = _model(args.model)
     cut = len(layers) // 2
@@ -134,8 +136,6 @@ def pipelining(args) -> None:
     kind = Schedule1F1B if args.nm >= world else ScheduleGPipe
     schedule = kind(PipelineStage(mine, rank, world, torch.device("cpu")), args.nm, loss_fn=nn.functional.cross_entropy)
     opt = torch.optim.SGD(mine.parameters(), lr=0.01)
-    if args.n % args.nm:
-        raise SystemExit(f"host_overhead: {args.n} minibatches are not whole steps of {args.nm} micro-batches")
     warm, steps = 2, args.n // args.nm
     batches = iter(_data(args.model, (warm + steps) * args.nm))
     for i in range(warm + steps):
@@ -293,9 +293,9 @@ def table(rows: List[Dict[str, object]]) -> str:
               "host: two plain loops at once, each in its own process, over one (what the host's cores allow); "
               "torch pp: the baseline pipeline's speed-up (below)",
               "",
-              "baseline pipeline: torch.distributed.pipelining Schedule1F1B (ScheduleGPipe at Nm = 1) over gloo, 2 "
-              "ranks, the same model, cut and minibatches; a step is Nm micro-batches (one minibatch each), a flush and an SGD step "
-              "(so its bound is sched at D = 0)",
+              "baseline pipeline: torch.distributed.pipelining Schedule1F1B (ScheduleGPipe at Nm = 1) over gloo, "
+              "2 ranks, the same model, cut and minibatches; a step is Nm micro-batches (one minibatch each), a "
+              "flush and an SGD step (so its bound is sched at D = 0)",
               "measured within each row's repetitions (its D is hetpipe's; the baseline has none)",
               f"{'model':8} {'Nm':>3} {'D':>2} {'plain ms/mb':>11} {'torch pp ms/mb':>14} {'overhead/stage':>14} "
               f"{'speed-up':>9} {'CPU ms/mb r0/r1':>16}"]
