@@ -175,28 +175,17 @@ def plain(name: str, n: int) -> Tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def _plain_sub(name: str, n: int) -> Tuple[float, float]:
-    """``plain`` in a fresh process, as every hetpipe run is (no warm caches carried between them)."""
-    code = (f"import sys; sys.path.insert(0, {str(HERE.parent)!r}); import host_overhead as h; "
-            f"print(*h.plain({name!r}, {n}))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if proc.returncode != 0:
-        raise RuntimeError(f"host_overhead: the plain {name} loop failed:\n{proc.stderr}")
-    wall, cpu = proc.stdout.split()
-    return float(wall), float(cpu)
-
-
-def _plain_pair(name: str, n: int) -> Tuple[float, float]:
-    """Two ``plain`` loops at once, each in its own process: the later one's wall seconds, and the two
-    processes' CPU seconds summed (what the host's cores give two independent single-thread loops)."""
+def _plain_procs(name: str, n: int, count: int = 1) -> Tuple[float, float]:
+    """``count`` ``plain`` loops at once, each in a fresh process, as every hetpipe run is (no warm caches
+    carried between them): the last one's wall seconds and the processes' CPU seconds summed. Two at
+    once: what the host's cores give two independent single-thread loops."""
     code = (f"import sys; sys.path.insert(0, {str(HERE.parent)!r}); import host_overhead as h; "
             f"print(*h.plain({name!r}, {n}))")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for _ in range(2)]
+                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for _ in range(count)]
     outs = [p.communicate(timeout=600) for p in procs]
     if any(p.returncode != 0 for p in procs):
-        raise RuntimeError("host_overhead: a plain loop of the pair failed:\n" + "\n".join(e for _, e in outs))
+        raise RuntimeError(f"host_overhead: a plain {name} loop failed:\n" + "\n".join(e for _, e in outs))
     walls, cpus = zip(*((float(v) for v in out.split()) for out, _ in outs))
     return max(walls), sum(cpus)
 
@@ -226,10 +215,10 @@ PLANES = ("python", "core")
 
 
 def measure(model: str, nm: int, d: int, short: int, long: int, reps: int) -> Dict[str, object]:
-    """ms per minibatch (best of ``reps``) of the plain loop and of hetpipe on each stage plane, with the
-    CPU ms per minibatch of the plain loop and of each hetpipe rank in the repetition that was best, and
-    the CPU ms per minibatch of the plan replayed in one process (``replay``, best of ``reps``); the
-    plain loop, the planes and the replay take turns within each repetition."""
+    """ms per minibatch (best of ``reps``) of the plain loop, of hetpipe on each stage plane, of the
+    baseline pipeline (``pipelining``) and of two plain loops at once (``pair``), with the CPU ms per
+    minibatch of each process in the repetition that was best, and the CPU ms per minibatch of the plan
+    replayed in one process (``replay``, best of ``reps``); all of them take turns within each repetition."""
     steps = long - short
     out: Dict[str, object] = {"model": model, "nm": nm, "d": d}
     best: Dict[str, Tuple[float, List[float]]] = {}
@@ -241,7 +230,7 @@ def measure(model: str, nm: int, d: int, short: int, long: int, reps: int) -> Di
             best[key] = (ms, [(x - y) / steps * 1e3 for x, y in zip(*cpu)])
 
     for _ in range(reps):
-        (w1, c1), (w0, c0) = _plain_sub(model, long), _plain_sub(model, short)
+        (w1, c1), (w0, c0) = _plain_procs(model, long), _plain_procs(model, short)
         keep("plain", (w1, w0), ([c1], [c0]))
         for plane in PLANES:
             a, b = _run(model, nm, d, long, plane), _run(model, nm, d, short, plane)
@@ -250,7 +239,7 @@ def measure(model: str, nm: int, d: int, short: int, long: int, reps: int) -> Di
         keep("replay", (a["cpu_s"][0], b["cpu_s"][0]), (a["cpu_s"], b["cpu_s"]))
         a, b = _run(model, nm, d, long, "pipelining"), _run(model, nm, d, short, "pipelining")
         keep("pipelining", (a["elapsed_s"], b["elapsed_s"]), (a["cpu_s"], b["cpu_s"]))
-        (w1, c1), (w0, c0) = _plain_pair(model, long), _plain_pair(model, short)
+        (w1, c1), (w0, c0) = _plain_procs(model, long, 2), _plain_procs(model, short, 2)
         keep("pair", (w1, w0), ([c1], [c0]))
     for key, (ms, cpu) in best.items():
         out[f"{key}_ms"], out[f"{key}_cpu_ms"] = ms, cpu
