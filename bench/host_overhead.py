@@ -157,9 +157,10 @@ def pipelining(args) -> None:
     dist.destroy_process_group()
 
 
-def plain(name: str, n: int) -> Tuple[float, float]:
+def plain(name: str, n: int, gate: bool = False) -> Tuple[float, float]:
     """Wall and CPU seconds of ``n`` plain training steps after 5 warm-up steps, one thread, the
-    minibatches read from the data inside the loop."""
+    minibatches read from the data inside the loop. ``gate``: after the warm-up, print "ready" and wait
+    for a line on stdin before timing (so that loops started together time the same window)."""
     import torch
     from torch import nn
 
@@ -168,6 +169,9 @@ def plain(name: str, n: int) -> Tuple[float, float]:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for i, (x, y) in enumerate(_data(name, n + 5)):
         if i == 5:
+            if gate:
+                print("ready", flush=True)
+                sys.stdin.readline()
             t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
@@ -178,11 +182,18 @@ def plain(name: str, n: int) -> Tuple[float, float]:
 def _plain_procs(name: str, n: int, count: int = 1) -> Tuple[float, float]:
     """``count`` ``plain`` loops at once, each in a fresh process, as every hetpipe run is (no warm caches
     carried between them): the last one's wall seconds and the processes' CPU seconds summed. Two at
-    once: what the host's cores give two independent single-thread loops."""
+    once: what the host's cores give two independent single-thread loops. Every loop starts its timed
+    steps when all have warmed up, so none is timed while another is still starting (importing torch)."""
     code = (f"import sys; sys.path.insert(0, {str(HERE.parent)!r}); import host_overhead as h; "
-            f"print(*h.plain({name!r}, {n}))")
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for _ in range(count)]
+            f"print(*h.plain({name!r}, {n}, gate=True))")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+             for _ in range(count)]
+    ready = [p.stdout.readline().strip() == "ready" for p in procs]
+    if all(ready):
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
     outs = [p.communicate(timeout=600) for p in procs]
     if any(p.returncode != 0 for p in procs):
         raise RuntimeError(f"host_overhead: a plain {name} loop failed:\n" + "\n".join(e for _, e in outs))
