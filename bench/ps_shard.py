@@ -109,7 +109,7 @@ def mpi_worker(shard_mib: int, waves: int) -> None:
     """Rank 0 serves the shard (core, then Python plane, REPEAT times each); ranks 1-4 are the stages."""
     from mpi4py import MPI
 
-    from hetpipe.run.drive import drive
+    from hetpipe.transport.drive import drive
     from hetpipe.ps.server import ShardServer
     from hetpipe.ps.core_plane import CoreShardServer, CoreShardState, choose_plane
     from hetpipe.transport.protocol import DONE, PULL, PUSH, WEIGHTS, Header

@@ -14,6 +14,7 @@ import pytest
 
 from hetpipe.plan.stage_cost import LayerTable, LinkCost, StageDevice
 from hetpipe.profile import LayerProfile, ModelProfile
+from hetpipe.ps.ledger import WaveLedger
 from hetpipe.stage import params as stage_module
 from hetpipe.run.trainer import Trainer
 
@@ -31,19 +32,30 @@ def observed_peaks(monkeypatch, nm: int, d: int):
     def sample(model) -> None:
         now = [len(model._snapshots) + len(model._spare_snapshots),
                sum(1 for st in model.stash.values() if any(v.grad is not None for layer in st for v in layer.values())),
-               len(model.deltas) + len(model._spare_deltas)]
+               len(model.ledger.deltas) + model.ledger.spare_deltas]
         old = peaks.setdefault((model.start, model.stop), [0, 0, 0])
         peaks[(model.start, model.stop)] = [max(a, b) for a, b in zip(old, now)]
 
-    for name in ("forward", "backward", "apply", "merge_pull"):
+    models = {}                 # id(ledger) -> its stage model: a pull's merge is sampled too
+    for name in ("forward", "backward", "apply"):
         real = getattr(stage_module.StageModel, name)
 
         def traced(self, *args, _real=real, **kwargs):
             out = _real(self, *args, **kwargs)
+            models[id(self.ledger)] = self
             sample(self)
             return out
 
         monkeypatch.setattr(stage_module.StageModel, name, traced)
+    real_merge = WaveLedger.merge_pull
+
+    def traced_merge(self, *args, **kwargs):
+        out = real_merge(self, *args, **kwargs)
+        if id(self) in models:
+            sample(models[id(self)])
+        return out
+
+    monkeypatch.setattr(WaveLedger, "merge_pull", traced_merge)
     plan = two_vw_plan(CUTS, (0.0, 0.0), nm=nm, d=d)
     Trainer(mlp(), cross_entropy, sgd(), synthetic(n=256), plan=plan, epochs=2).replay()
     return peaks, plan

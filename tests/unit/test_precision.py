@@ -270,7 +270,7 @@ def test_fp16_sends_float16_on_the_wire(monkeypatch):
 
 
 def test_a_diverging_fp16_run_stops_naming_the_vw():
-    from hetpipe.transport.codec import StageError
+    from hetpipe.transport.protocol import StageError
 
     def nan_loss(out, y):
         return cross_entropy(out, y) * float("nan")

@@ -245,7 +245,7 @@ def test_a_full_slot_pool_blocks_the_stage_instead_of_waiting_for_itself(copy_st
     import threading
 
     import hetpipe_core
-    from hetpipe.run.drive import PeerTimeout, drive
+    from hetpipe.transport.drive import PeerTimeout, drive
     from hetpipe.run.build import build_stage
     from hetpipe.run.trainer import Trainer
     c = _common()
@@ -432,11 +432,11 @@ def test_each_step_adds_after_minus_before_whether_or_not_the_newest_stash_is_cu
         before = weights().clone()
         m.step(0)
         expected.add_(weights() - before)
-        assert torch.equal(m.deltas[0], expected), f"the delta after Apply({mb})"
+        assert torch.equal(m.ledger.deltas[0], expected), f"the delta after Apply({mb})"
 
     fwd(0), fwd(1), bwd_apply(0), bwd_apply(1)
     fwd(2)
     n = weights().numel()
-    m.merge_pull({0: (0, torch.linspace(-1, 1, n))})
+    m.ledger.merge_pull({0: (0, torch.linspace(-1, 1, n))})
     bwd_apply(2)
     fwd(3), bwd_apply(3)

@@ -15,7 +15,7 @@ from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic  # noqa: E402
 
 from hetpipe.run.trainer import Trainer  # noqa: E402
 from hetpipe.stage.grad_norm import bits_float, float_bits  # noqa: E402
-from hetpipe.transport.codec import StageError  # noqa: E402
+from hetpipe.transport.protocol import StageError  # noqa: E402
 
 
 def _plain(model, data, epochs, opt_factory, loss_fn=cross_entropy, scheduler=None, clip=None):

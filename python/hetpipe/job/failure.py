@@ -9,11 +9,12 @@ on a peer that vanished without Abort time out (``HETPIPE_TIMEOUT`` seconds or t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 import traceback
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from hetpipe.job.rundir import mark_aborted
 from hetpipe.numbers import seconds
@@ -92,3 +93,14 @@ def install_excepthook(comm, describe: Callable[[], str]) -> None:
         abort(comm)
 
     sys.excepthook = hook
+
+
+@contextlib.contextmanager
+def aborting(comm, describe: Optional[str] = None) -> Iterator[None]:
+    """Run the block; should it raise, report it naming this rank (``describe``, default ``rank R``) and
+    tear the job down (:func:`abort`), so that no peer waits on this rank until its timeout."""
+    try:
+        yield
+    except BaseException as e:  # noqa: BLE001 - any failure must bring the job down, naming this rank
+        report(describe or f"rank {comm.Get_rank()}", e)
+        abort(comm)

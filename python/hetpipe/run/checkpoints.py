@@ -136,7 +136,7 @@ class RunCheckpoints:
                                    progress=progress, run_id=self.run_id, keep_last=self.keep_last)
         clock0 = spec.resume.checkpoint.clock if spec.resume is not None else 0
         if role.kind == "stage":
-            part.model.on_pushed = lambda wave: writer.boundary(clock0 + wave,
+            part.model.ledger.on_pushed = lambda wave: writer.boundary(clock0 + wave,
                                                                 lambda: self.stage_snapshot(plan, spec, part, role))
         else:
             state = part.state

@@ -27,7 +27,7 @@ from hetpipe.outputs import check_file
 from hetpipe.plan.types import Plan
 from hetpipe.ps.core_plane import choose_plane
 from hetpipe.run.build import build_shard, build_stage, data_reading, shard_pool, stage_pairs, stage_pool
-from hetpipe.run.drive import drive
+from hetpipe.transport.drive import drive
 from hetpipe.run.record import RunRecord
 from hetpipe.run.result import TrainResult, resumed_losses, stopped_of
 from hetpipe.run.spec import RunSpec, merge_outcomes, part_outcome

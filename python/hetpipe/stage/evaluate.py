@@ -27,7 +27,8 @@ import torch
 
 from hetpipe.loader.source import INPUTS, LABELS
 from hetpipe.model.tree import batch_of, flatten, to_device
-from hetpipe.transport.codec import StageError, to_wire
+from hetpipe.transport.codec import to_wire
+from hetpipe.transport.protocol import StageError
 from hetpipe.transport.protocol import EVAL, VERDICT, Header
 
 

@@ -10,7 +10,7 @@ its pushes' completion and its DONE messages to the PS shards.
 
 Every message goes through the stage's :class:`StageLink` (``transport.link``), which moves tensors
 device to device or through pinned slots as the rank's transport backend allows. The wire codec
-lives in ``transport.codec``, the parameter-server client side in ``stage.ps_client``.
+lives in ``transport.codec``, the parameter-server client side in ``ps.client``.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from hetpipe.stage.grad_norm import NormExchange, clip_coef
 from hetpipe.stage.loss_scale import TINY, LossScale
 from hetpipe.stage.pacer import Pacer
 from hetpipe.stage.params import StageModel
-from hetpipe.stage.ps_client import PSClient
-from hetpipe.transport.codec import StageError, to_wire, value_header
+from hetpipe.ps.client import PSClient
+from hetpipe.transport.codec import to_wire, value_header
+from hetpipe.transport.protocol import StageError
 from hetpipe.transport.link import StageLink
 from hetpipe.transport.protocol import ACT, EVAL, GRAD, KIND_NAMES, TIED, Header
 
@@ -91,7 +92,7 @@ class StageExecutor:
         self.lrs: Dict[int, float] = {}             # last stage: minibatch -> its step's learning rate
         self._partial_loss: Dict[int, float] = {}   # split minibatch -> weighted loss of its first half
         self._shares: Dict[int, float] = {}         # last stage: micro-batch -> its share of its minibatch
-        self.ps = PSClient(ctx, model, link, d)
+        self.ps = PSClient(ctx, model.ledger, link, d)
         self.finished = False
         self.blocked_on = ""
         self._recv_act: Dict[int, torch.Tensor] = {}

@@ -9,7 +9,7 @@ from torch.utils import _pytree as pytree
 
 from hetpipe.model.tree import batch_of, halves
 from hetpipe.schedule.ir import Schedule
-from hetpipe.transport.codec import StageError
+from hetpipe.transport.protocol import StageError
 
 
 class MinibatchFeed:

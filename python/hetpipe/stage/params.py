@@ -1,13 +1,15 @@
-"""One pipeline stage's model state: live weights, per-minibatch weight stashes, and WSP wave deltas.
+"""One pipeline stage's model state (torch): live weights, per-minibatch weight stashes, the optimizer step.
 
 The stage owns layers ``[start, stop)``. The parameters each layer owns (``model.layout``),
 flattened layer by layer, form the stage's flat vector; the slice owned by PS shard ``k`` is the
 concatenation of the layers shard ``k`` owns, in layer order — the byte layout of every Push and Pull.
+The WSP state over that vector (wave deltas, push payloads, the merge of pulls) is the stage's
+:class:`~hetpipe.ps.ledger.WaveLedger` (``ledger``), which ``step`` tells of each update.
 
 Weight versions (our WSP specification):
 * ``forward(p)`` stashes a clone of the live weights and differentiates that clone, so ``backward(p)``
   uses the version ``forward(p)`` used, whatever was applied in between.
-* The live weights change only in ``step`` and ``merge_pull``, each of which counts a new version.
+* The live weights change only in ``step`` and the ledger's ``merge_pull``, each of which counts a new version.
   ``step`` needs the weights before its update; when the newest stash was cloned at the current
   version (in steady state the forward just before each Apply), it is those weights, bit for bit,
   and no further copy is made.
@@ -20,11 +22,11 @@ segment, last to first. The same ops run on the same weights, so the numbers equ
 without recomputation bitwise (on CPU).
 * ``apply(micros, w)`` takes one optimizer step on the live weights with the summed gradients of one
   minibatch's micro-batches (one, or the two halves of a split minibatch) and adds ``after - before``
-  to the delta of its wave ``w``; it raises once ``w`` was pushed (``mark_pushed``). It is
+  to the delta of its wave ``w`` (``ledger.record_step``); it raises once ``w`` was pushed. It is
   ``gather`` (the gradients into ``.grad``) then ``step``; between them the executor may read
   ``grad_sumsq`` and ``scale_grads`` (clipping by the VW's global norm).
-* ``merge_pull(k, g, W_g)`` sets the shard-``k`` slice of the live weights to
-  ``W_g + sum(delta_c for c >= g)`` (increasing c) and forgets the shard-``k`` deltas of waves < g.
+* ``ledger.merge_pull({k: (g, W_g)})`` sets the shard-``k`` slice of the live weights to
+  ``W_g + sum(delta_c for c >= g)`` (increasing c) and forgets the deltas every shard holds.
 
 Pytree values: a segment's input and output are any pytree of tensors (``model.tree``); its
 floating leaves carry gradients. Side inputs (``hetpipe_side_inputs``) are keyword arguments of the
@@ -35,7 +37,7 @@ replica at the end of the flat vector, never pushed; its gradient is summed with
 stages' before each Apply (``apply(..., peer_grads)``) and it is pulled from its owner's shard.
 
 Buffers: persistent float32 buffers (BatchNorm running statistics) live in a second flat vector,
-pushed and pulled with the weights (``push_payload``, ``merge_pull``); the forward updates them
+pushed and pulled with the weights (the ledger's ``push_payload``, ``merge_pull``); the forward updates them
 once, a recomputed segment reruns on a copy of the buffers its forward saw.
 
 Precision (docs/design.md, "Mixed precision"): with ``precision="bf16"`` every segment's forward (and
@@ -53,7 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -66,6 +68,7 @@ from hetpipe.model.layout import ModelLayout
 from hetpipe.model.names import NAMED_ATTR
 from hetpipe.model.swap import SwapCall
 from hetpipe.precision import HALF_DTYPE, check_precision
+from hetpipe.ps.ledger import LedgerLayout, WaveLedger
 
 TiedKey = Tuple[int, str]          # (owner layer, the owner's parameter name)
 
@@ -136,8 +139,6 @@ class StageModel:
         self.seed, self.vw, self.stage = seed, vw, stage
         # Micro-batches of this VW run before micro-batch 0 of this stream (a resumed run): seeds go on.
         self.micro_offset = micro_offset
-        # Called with ``wave + 1`` after Push(wave) (checkpoints: the optimizer holds waves <= wave).
-        self.on_pushed: Optional[Callable[[int], None]] = None
         outside = sorted(set(recompute) - set(range(start, stop)))
         if outside:
             raise ValueError(f"hetpipe: stage layers [{start}, {stop}) cannot recompute layers {outside}")
@@ -181,42 +182,18 @@ class StageModel:
         # fresh allocation this large is fresh pages, and faulting them in costs as much as a copy).
         self._scratch = torch.empty_like(self._flat)                    # apply's "before", then change
         self._spare_snapshots: List[torch.Tensor] = []                  # of minibatches already applied
-        self._spare_deltas: List[torch.Tensor] = []                     # of waves already merged
         self._snapshots: Dict[int, torch.Tensor] = {}                   # mb -> the storage of its stash
-        # Versions of the live weights (see "Weight versions"): the current one, and the newest snapshot
-        # with the version it copied.
-        self._version = 0
+        # Versions of the live weights (see "Weight versions"): optimizer steps plus the ledger's merges,
+        # and the newest snapshot with the version it copied.
+        self._steps = 0
         self._latest: Optional[Tuple[int, torch.Tensor]] = None
-        # Flat offsets of each layer's owned weights and synced buffers, then per PS shard the flat
-        # positions of its layers (layer order) and of the replicas of its parameters.
-        spans, bspans, off, boff = {}, {}, 0, 0
-        for l in range(start, stop):
-            spans[l] = (off, layout.numel(l))
-            bspans[l] = (boff, layout.buffer_numel(l))
-            off += layout.numel(l)
-            boff += layout.buffer_numel(l)
-        rep_pos, roff = {}, off
-        for k in self.replica_keys:
-            rep_pos[k] = (roff, replicas[k][1])
-            roff += replicas[k][1]
-        self.shard_index: Dict[int, torch.Tensor] = {}
-        self.shard_span: Dict[int, Tuple[int, int]] = {}    # shards whose slice is one contiguous range
-        self.replica_index: Dict[int, torch.Tensor] = {}    # shard -> flat positions of replicas it owns
-        self.buffer_index: Dict[int, torch.Tensor] = {}
-        for k, owned_layers in shard_layers.items():
-            mine = sorted(layer for layer in owned_layers if start <= layer < stop and spans[layer][1] > 0)
-            if mine:
-                idx = torch.cat([torch.arange(spans[l][0], spans[l][0] + spans[l][1]) for l in mine])
-                self.shard_index[k] = idx.to(device)
-                if all(spans[a][0] + spans[a][1] == spans[b][0] for a, b in zip(mine, mine[1:])):
-                    self.shard_span[k] = (spans[mine[0]][0], spans[mine[-1]][0] + spans[mine[-1]][1])
-            reps = [rep_pos[key] for key in self.replica_keys if key[0] in owned_layers]
-            if reps:
-                self.replica_index[k] = torch.cat([torch.arange(a, a + n) for a, n in reps]).to(device)
-            bl = [l for l in owned_layers if start <= l < stop and bspans[l][1] > 0]
-            if bl:
-                self.buffer_index[k] = torch.cat([torch.arange(bspans[l][0], bspans[l][0] + bspans[l][1])
-                                                  for l in sorted(bl)]).to(device)
+        # The wave ledger (ps.ledger): deltas per wave, the push layout, the merge of pulls, over the
+        # flat weights and buffers (updated in place: the parameters stay views of them).
+        ledger_layout = LedgerLayout.of_layers(
+            start, stop, {l: layout.numel(l) for l in range(start, stop)}, shard_layers,
+            {l: layout.buffer_numel(l) for l in range(start, stop)},
+            [(k[0], replicas[k][1]) for k in self.replica_keys])
+        self.ledger = WaveLedger(ledger_layout, self._flat, self._bflat, who=f"stage layers [{start}, {stop})")
         # The model's name of each flat parameter (a replica by its owner's), for named parameter groups.
         names = param_names or {}
         self.param_names = [names.get((l, n), f"{l}.{n}") for l in range(start, stop) for n, _ in layout.owned[l]] + \
@@ -237,33 +214,15 @@ class StageModel:
         # mb -> per recomputed segment: the generator state and buffers its forward started from
         self._replay: Dict[int, Dict[int, Tuple[Any, List[Dict[str, torch.Tensor]]]]] = {}
         self._side: Dict[int, Dict[str, Any]] = {}
-        self.deltas: Dict[int, torch.Tensor] = {}                                   # wave -> flat delta
-        self.floor: Dict[int, int] = {k: 0 for k in self.pulled_shards}             # shard -> last pulled g
-        self.pushed: Set[int] = set()                                               # waves whose delta was sent
-        self._pushed_buffers: Dict[int, torch.Tensor] = {}                          # wave -> synced buffers sent
 
     @property
-    def pulled_shards(self) -> List[int]:
-        """The PS shards this stage pulls from: those owning its layers' weights, buffers or replicas."""
-        return sorted(set(self.shard_index) | set(self.replica_index) | set(self.buffer_index))
-
-    @property
-    def pushed_shards(self) -> List[int]:
-        return sorted(set(self.shard_index) | set(self.buffer_index))
+    def _version(self) -> int:
+        """The live weights' version: each optimizer step and each pull that changed them makes one."""
+        return self._steps + self.ledger.merges
 
     @property
     def needs_side_inputs(self) -> bool:
         return any(self.side_inputs)
-
-    # --- weights -----------------------------------------------------------------------------
-    def shard_slice(self, flat: torch.Tensor, shard: int) -> torch.Tensor:
-        """The shard's part of a flat vector: a view where it is contiguous, else a gathered copy."""
-        span = self.shard_span.get(shard)
-        if span is not None:
-            return flat[span[0]:span[1]]
-        if shard not in self.shard_index:
-            return flat[:0]
-        return flat.index_select(0, self.shard_index[shard])
 
     # --- compute -----------------------------------------------------------------------------
     @property
@@ -438,10 +397,7 @@ class StageModel:
         per micro-batch, the flat gradients of the tied parameters this stage shares with stage ``s``
         (:meth:`keys_shared_with`); each tied gradient becomes the sum, in stage order, of every
         holding stage's micro-batch sum, so every holder takes the same step."""
-        if wave in self.pushed:
-            raise RuntimeError(f"hetpipe: stage layers [{self.start}, {self.stop}): Apply of micro-batch(es) "
-                               f"{list(micros)} after Push({wave}): wave {wave}'s delta was already sent, "
-                               "so this update would be lost")
+        self.ledger.check_open(wave, f"Apply of micro-batch(es) {list(micros)}")
         # Tied gradients first, while the stashes hold them.
         tied: Dict[TiedKey, torch.Tensor] = {}
         if self.tied_keys:
@@ -504,22 +460,14 @@ class StageModel:
         change into the delta of ``wave``."""
         if self.optimizer is None:
             return
-        # delta(wave) += (after - before): the same float32 operations whether or not the wave
-        # already has a delta (a fresh one starts at zero).
-        delta = self.deltas.get(wave)
-        if delta is None:
-            delta = self._spare_deltas.pop().zero_() if self._spare_deltas else torch.zeros_like(self._flat)
-            self.deltas[wave] = delta
         with torch.no_grad():
             before = self._before_step()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            self._version += 1
-            if self.device.type == "cpu":
-                hetpipe_core.accumulate_change(delta.numpy(), self._flat.numpy(), before.numpy())
-            else:
-                torch.sub(self._flat, before, out=self._scratch)
-                delta += self._scratch
+            self._steps += 1
+            # delta(wave) += after - before (scratch: the subtraction's buffer off the CPU; ``before`` may
+            # be the scratch itself, read element by element before it is overwritten).
+            self.ledger.record_step(wave, self._flat, before, self._scratch)
         if self.scheduler is not None:
             self.scheduler.step()
 
@@ -539,73 +487,6 @@ class StageModel:
             out[key] = flat[off:off + n]
             off += n
         return out
-
-    # --- WSP ---------------------------------------------------------------------------------
-    def mark_pushed(self, wave: int) -> None:
-        """Record that wave ``wave``'s delta was sent: a later ``apply`` to that wave is an error."""
-        self.pushed.add(wave)
-        if self.on_pushed is not None:
-            self.on_pushed(wave + 1)
-
-    def push_payload(self, wave: int, shard: int) -> torch.Tensor:
-        """What Push(wave) sends shard ``shard``: the wave's delta of its weights, then the current
-        values of its synced buffers (remembered, to merge the shard's average at a later Pull)."""
-        if wave not in self._pushed_buffers:
-            self._pushed_buffers[wave] = self._bflat.clone()
-        n = len(self.shard_index[shard]) if shard in self.shard_index else 0
-        if wave in self.deltas:
-            delta = self.shard_slice(self.deltas[wave], shard)
-        else:
-            delta = torch.zeros(n, dtype=torch.float32, device=self.device)
-        if shard not in self.buffer_index:
-            return delta
-        return torch.cat([delta, self._bflat.index_select(0, self.buffer_index[shard])])
-
-    def pull_sizes(self, shard: int) -> Tuple[int, int, int]:
-        """Elements of a Pull reply from ``shard``: weights, replicas, buffers (in that order)."""
-        return tuple(len(d[shard]) if shard in d else 0
-                     for d in (self.shard_index, self.replica_index, self.buffer_index))
-
-    def merge_pull(self, pulled: Dict[int, Tuple[int, torch.Tensor]]) -> None:
-        """Per shard ``k`` with ``(g, reply)``: its weights and replicas ← W_g + own deltas of waves ≥ g;
-        its synced buffers ← the shard's average B_g plus this stage's own change since it pushed
-        wave g - 1; drop deltas all shards hold."""
-        for k, (g, reply) in sorted(pulled.items()):
-            nw, nr, nb = self.pull_sizes(k)
-            if nw:
-                span = self.shard_span.get(k)
-                with torch.no_grad():
-                    # A contiguous slice is merged in place (same additions, same order: no scratch copy
-                    # of the shard's weights per pull); a scattered one through a merged copy.
-                    merged = self._flat[span[0]:span[1]] if span is not None else torch.empty_like(reply[:nw])
-                    merged.copy_(reply[:nw])
-                    for c in sorted(self.deltas):
-                        if c >= g:
-                            merged += self.shard_slice(self.deltas[c], k)
-                    if span is None:
-                        self._flat.index_copy_(0, self.shard_index[k], merged)
-            if nr:
-                idx = self.replica_index[k]
-                merged = reply[nw:nw + nr].clone()
-                for c in sorted(self.deltas):
-                    if c >= g:
-                        merged += self.deltas[c].index_select(0, idx)
-                with torch.no_grad():
-                    self._flat.index_copy_(0, idx, merged)
-            if nb and g >= 1 and (g - 1) in self._pushed_buffers:
-                idx = self.buffer_index[k]
-                mine = self._pushed_buffers[g - 1].index_select(0, idx)
-                self._bflat.index_add_(0, idx, reply[nw + nr:] - mine)
-            if nw or nr:
-                self._version += 1
-            self.floor[k] = g
-        if self.floor:
-            low = min(self.floor.values())
-            # Every shard's W_g holds these waves, so their pushes were received: no send reads them.
-            for c in [c for c in self.deltas if c < low]:
-                self._spare_deltas.append(self.deltas.pop(c))
-            for c in [c for c in self._pushed_buffers if c < low - 1]:
-                del self._pushed_buffers[c]
 
     # --- results -----------------------------------------------------------------------------
     def layer_weights(self, layout: ModelLayout) -> Dict[int, Tuple[np.ndarray, np.ndarray]]:

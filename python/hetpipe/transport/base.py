@@ -16,9 +16,27 @@ host→device copy out of it.
 
 from __future__ import annotations
 
-from typing import FrozenSet, Optional
+from typing import Any, FrozenSet, Optional, Protocol, Tuple
 
 from hetpipe.transport.protocol import Header, Message, TransportError
+
+
+class Link(Protocol):
+    """A stage's array-level endpoint, what the PS client (:mod:`hetpipe.ps.client`) sends through.
+
+    Implemented by the torch stage's ``StageLink`` (tensors on its device, through the copy stream)
+    and by ``ArrayLink`` (NumPy arrays). Calling contract: one thread; neither call blocks. ``send``
+    returns False (nothing sent) while no pool slot is free, ``try_recv`` None until the message is
+    there; ``waiting_for`` then says why (else ""). A payload is a flat array of the front end's
+    family; it must not change until its message arrived."""
+
+    waiting_for: str
+
+    def send(self, dest: int, header: Header, payload: Any) -> bool: ...
+
+    def send_header(self, dest: int, header: Header) -> None: ...
+
+    def try_recv(self, src: int, kind: int) -> Optional[Tuple[Header, Any]]: ...
 
 
 class Transport:

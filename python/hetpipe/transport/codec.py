@@ -12,9 +12,6 @@ from hetpipe.transport.protocol import DTYPES, Header
 from hetpipe.transport.slots import slot_bytes, try_acquire
 
 
-class StageError(RuntimeError):
-    """A stage received something it cannot use (wrong shape, dtype or header)."""
-
 
 # The wire name of each torch dtype the transport carries (transport.DTYPES are torch's names).
 TORCH_DTYPE_NAME = {getattr(torch, name): name for name in DTYPES}

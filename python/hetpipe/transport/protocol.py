@@ -50,6 +50,10 @@ class TransportError(RuntimeError):
     """A message was lost or cannot be delivered."""
 
 
+class StageError(RuntimeError):
+    """A stage received something it cannot use (wrong shape, dtype or header)."""
+
+
 @dataclass(frozen=True)
 class Header:
     """What a message is: kind, sender's (vw, stage), minibatch, an auxiliary word, dtype and shape."""

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
-from hetpipe.run.spec import Steppable
 from hetpipe.transport.backoff import Backoff
+
+
+class Steppable(Protocol):
+    """A rank's part (a stage executor, a PS shard server, a front end's worker): ``step()`` never blocks
+    and says whether it progressed; ``blocked_on`` says what it waits for when it did not."""
+
+    finished: bool
+    blocked_on: str
+
+    def step(self) -> bool: ...
 
 
 class PeerTimeout(TimeoutError):

@@ -1,33 +1,45 @@
-"""A stage's parameter-server client: its wave pushes, its pulls and their merge, and its DONE messages.
+"""The worker half of WSP on the wire: a stage's wave pushes, its pulls and their merge, its DONE messages.
+
+Front-end neutral: it speaks :mod:`hetpipe.transport.protocol` through a :class:`~hetpipe.transport.base.Link`
+(the torch stage's ``StageLink``, or ``ArrayLink`` of NumPy arrays) and keeps its state in a
+:class:`~hetpipe.ps.ledger.WaveLedger`; no torch import.
 
 Thread role: the stage's executor thread. ``push`` and ``pull`` never block: they return False (and
 set ``blocked_on``) while a pool slot or a shard's reply is missing, and continue where they stopped
-when called again. Both go through the stage's :class:`StageLink`: with a copy stream, a push is
-copied device→pinned slot on it and sent once the copy completed, and a pull reply is copied pinned
-slot→device on it (docs/design.md, "Transports").
+when called again. With a torch stage's copy stream, a push is copied device→pinned slot on it and
+sent once the copy completed, and a pull reply is copied pinned slot→device on it (docs/design.md,
+"Transports").
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Set, Tuple
+from typing import Any, Dict, Mapping, Optional, Protocol, Set, Tuple
 
-import torch
+from hetpipe.ps.ledger import WaveLedger
+from hetpipe.transport.base import Link
+from hetpipe.transport.protocol import DONE, PULL, PUSH, STOPPED, WEIGHTS, Header, StageError
 
-from hetpipe.stage.params import StageModel
-from hetpipe.transport.codec import TORCH_DTYPE_NAME, StageError
-from hetpipe.transport.link import StageLink
-from hetpipe.transport.protocol import DONE, PULL, PUSH, STOPPED, WEIGHTS, Header
+
+class ClientContext(Protocol):
+    """Where the stage sits: its VW and stage index, every PS shard's rank, and how to name itself."""
+
+    vw: int
+    stage: int
+    all_shard_ranks: Mapping[int, int]
+
+    def who(self) -> str: ...
 
 
 class PSClient:
-    """Pushes ``model``'s wave deltas to, and pulls its global weights from, the PS shards of ``ctx``."""
+    """Pushes ``ledger``'s wave deltas to, and pulls its global weights from, the PS shards of ``ctx``."""
 
-    def __init__(self, ctx, model: StageModel, link: StageLink, d: int) -> None:
-        self.ctx, self.model, self.link, self.d = ctx, model, link, d
+    def __init__(self, ctx: ClientContext, ledger: WaveLedger, link: Link, d: int) -> None:
+        self.ctx, self.ledger, self.link, self.d = ctx, ledger, link, d
         self.global_clock = 0                       # g of the latest Pull (min over shards)
+        self.pulled: Dict[int, Dict[int, int]] = {}     # wave -> shard -> the g its pull got
         self.pushes_sent: Dict[int, int] = {k: 0 for k in ctx.all_shard_ranks}
         self.blocked_on = ""
-        self._pull: Optional[Dict[int, Tuple[int, torch.Tensor]]] = None
+        self._pull: Optional[Dict[int, Tuple[int, Any]]] = None
         self._push_sent: Set[int] = set()           # shards the Push in progress already sent to
         # An early stop: the last wave trained. VW 0's stages announce it on their pushes once decided;
         # a stage of another VW learns it from the STOPPED replies to its pull of the next wave.
@@ -41,27 +53,27 @@ class PSClient:
 
         The payload may be a view of the wave's delta, which stays unchanged until a pull drops it; a
         pull drops it only once every shard's clock passed the wave, i.e. after this push arrived."""
-        for k in self.model.pushed_shards:
+        for k in self.ledger.pushed_shards:
             if k in self._push_sent:
                 continue
             rank = self.ctx.all_shard_ranks[k]
-            payload = self.model.push_payload(wave, k)
+            payload = self.ledger.push_payload(wave, k)
             announce = self.stop_after if self.stop_after is not None and self.ctx.vw == 0 else -1
-            header = Header(PUSH, self.ctx.vw, self.ctx.stage, announce, wave, TORCH_DTYPE_NAME[payload.dtype],
-                            tuple(payload.shape), payload.numel() * payload.element_size())
+            n = int(payload.shape[0])
+            header = Header(PUSH, self.ctx.vw, self.ctx.stage, announce, wave, "float32", (n,), 4 * n)
             if not self.link.send(rank, header, payload):
                 self.blocked_on = f"{self.link.waiting_for} to push wave {wave} to PS shard {k} (rank {rank})"
                 return False
             self.pushes_sent[k] += 1
             self._push_sent.add(k)
         self._push_sent.clear()
-        self.model.mark_pushed(wave)
+        self.ledger.mark_pushed(wave)
         return True
 
     def pull(self, wave: int) -> bool:
         """Request wave ``wave``'s global weights from every shard this stage pulls from, collect the
         replies, check them against D and merge them into the model; False while a reply is missing."""
-        shards = {k: self.ctx.all_shard_ranks[k] for k in self.model.pulled_shards}
+        shards = {k: self.ctx.all_shard_ranks[k] for k in self.ledger.pulled_shards}
         if not shards:
             return True
         if self._pull is None:
@@ -81,7 +93,7 @@ class PSClient:
             if h.aux == STOPPED:
                 self._pull[k] = (STOPPED, reply)
                 continue
-            want = sum(self.model.pull_sizes(k))
+            want = sum(self.ledger.pull_sizes(k))
             if h.shape != (want,) or h.dtype != "float32":
                 raise StageError(f"hetpipe: PS shard {k} sent {h.dtype}{list(h.shape)} weights, "
                                  f"{self.ctx.who()} holds float32[{want}] of its layers")
@@ -104,7 +116,8 @@ class PSClient:
         if any(wave - self.d > g for g, _ in self._pull.values()):
             raise StageError(f"hetpipe: {self.ctx.who()} pulled wave {wave} with D = {self.d} but got "
                              f"global clocks {[g for g, _ in self._pull.values()]}")
-        self.model.merge_pull(self._pull)
+        self.ledger.merge_pull(self._pull)
+        self.pulled[wave] = {k: g for k, (g, _) in self._pull.items()}
         self.global_clock = min(g for g, _ in self._pull.values())
         self._pull = None
         return True
