@@ -108,6 +108,7 @@ setup(
     install_requires=["numpy"],
     extras_require={
         "torch": ["torch>=2.3"],
+        "jax": ["jax==0.10.2", "jaxlib==0.10.2"],
         "mpi": ["mpi4py"],
         "plot": ["matplotlib"],
         "test": ["pytest", "hypothesis", "scikit-learn"],

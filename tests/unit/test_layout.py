@@ -39,7 +39,7 @@ TORCH_FREE = ["hetpipe.launch.supervisor", "hetpipe.launch.restart", "hetpipe.la
               "hetpipe.ps.shard", "hetpipe.ps.server", "hetpipe.ps.core_plane", "hetpipe.transport.core",
               "hetpipe.transport.mpi", "hetpipe.transport.base", "hetpipe.transport.loopback",
               "hetpipe.transport.array_link", "hetpipe.transport.drive", "hetpipe.ps.serve", "hetpipe.ps.worker",
-              "hetpipe.numpy"]
+              "hetpipe.numpy", "hetpipe.jax", "hetpipe.plan.manual"]
 
 
 def _unit(path: Path) -> str:

@@ -1,0 +1,75 @@
+"""The wave ledger (ps/ledger.py) against the WSP rule written out by hand, and the same sequence of
+steps, pushes and pulls in every array family (NumPy, torch, JAX) giving the same bits."""
+
+import numpy as np
+import pytest
+
+from hetpipe.ps.ledger import LedgerLayout, WaveLedger
+
+# A stage of layers 2..4 (sizes 3, 0, 2), shard 0 owning layers {2, 4} (two ranges), shard 1 owning
+# layer 3 (no weights) and its 1 buffer element, and a 2-element replica owned by shard 1's layer 7.
+LAYOUT = LedgerLayout.of_layers(2, 5, {2: 3, 3: 0, 4: 2}, {0: (2, 4), 1: (3, 7)}, {3: 1}, [(7, 2)])
+
+
+def test_layout():
+    assert LAYOUT.numel == 7 and LAYOUT.buffer_numel == 1
+    assert LAYOUT.weights[0].tolist() == [0, 1, 2, 3, 4] and LAYOUT.spans[0] == (0, 5)
+    assert LAYOUT.replicas[1].tolist() == [5, 6] and LAYOUT.buffers[1].tolist() == [0]
+    assert LAYOUT.pulled_shards == [0, 1] and LAYOUT.pushed_shards == [0, 1]
+    assert LAYOUT.pull_sizes(0) == (5, 0, 0) and LAYOUT.pull_sizes(1) == (0, 2, 1)
+
+
+def _script(make, to_np):
+    """Steps of waves 0 and 1, Push(0), then a pull at g = 0 (wave 1's deltas are the stage's own): the
+    weights and buffers it leaves, the payloads it sent."""
+    rng = np.random.default_rng(0)
+    w = make(rng.normal(size=7).astype(np.float32))
+    b = make(np.asarray([0.5], np.float32))
+    ledger = WaveLedger(LAYOUT, w, b)
+    for wave in (0, 0, 1):
+        after = ledger.weights + make(rng.normal(size=7).astype(np.float32))
+        ledger.record_step(wave, after, ledger.weights)
+        if ledger.ops.functional:
+            ledger.weights = after
+        else:
+            ledger.weights[...] = after
+        if wave == 0:                           # the forward moved the synced buffer by 1
+            ledger.buffers = ledger.buffers + 1 if ledger.ops.functional else ledger.buffers.__iadd__(1)
+    sent = [to_np(ledger.push_payload(0, k)) for k in (0, 1)]
+    ledger.mark_pushed(0)
+    with pytest.raises(RuntimeError, match="a step after Push"):
+        ledger.record_step(0, ledger.weights, ledger.weights)
+    reply0 = make(np.arange(5, dtype=np.float32))
+    reply1 = make(np.asarray([10.0, 20.0, 3.0], np.float32))
+    ledger.merge_pull({0: (1, reply0), 1: (1, reply1)})
+    return to_np(ledger.weights), to_np(ledger.buffers), sent, ledger
+
+
+def test_the_wsp_rule_by_hand():
+    w, b, sent, ledger = _script(lambda a: a, lambda a: np.asarray(a))
+    delta1 = ledger.deltas[1]
+    assert sorted(ledger.deltas) == [1]          # wave 0 is in every shard's W_1: dropped
+    np.testing.assert_array_equal(w[:5], np.arange(5, dtype=np.float32) + delta1[:5])
+    np.testing.assert_array_equal(w[5:], np.asarray([10.0, 20.0], np.float32) + delta1[5:])
+    # B_1 (3.0) plus the stage's own change since it pushed wave 0 (it pushed 2.5 and still holds 2.5)
+    np.testing.assert_array_equal(b, [3.0])
+    assert sent[0].shape == (5,) and sent[1].tolist() == [2.5]
+    assert ledger.merges == 2
+
+
+def test_every_family_gives_the_same_bits():
+    torch = pytest.importorskip("torch")
+    jnp = pytest.importorskip("jax.numpy")
+    ref = _script(lambda a: a, np.asarray)
+    for make, to_np in ((lambda a: torch.from_numpy(a.copy()), lambda t: t.numpy()),
+                        (lambda a: jnp.asarray(a), np.asarray)):
+        got = _script(make, to_np)
+        np.testing.assert_array_equal(got[0], ref[0])
+        np.testing.assert_array_equal(got[1], ref[1])
+        for a, b in zip(got[2], ref[2]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_vector_of_the_wrong_dtype_is_refused():
+    with pytest.raises(ValueError, match=r"stage's weights must be a flat float32 vector of 7 elements"):
+        WaveLedger(LAYOUT, np.zeros(7), np.zeros(1, np.float32))
