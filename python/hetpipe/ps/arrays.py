@@ -13,7 +13,7 @@ ledger's, never the family's.
 from __future__ import annotations
 
 import sys
-from typing import Any, List, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -229,11 +229,3 @@ def ops_for(x: Any) -> ArrayOps:
     raise TypeError(f"hetpipe: a WSP ledger holds NumPy, torch, CuPy or JAX arrays, got {type(x).__module__}."
                     f"{type(x).__name__}")
 
-
-def float32_vector(x: Any, what: str) -> None:
-    """ValueError naming ``what`` unless ``x`` is a 1-D float32 array (the PS holds float32 weights)."""
-    dtype = str(getattr(x, "dtype", type(x).__name__)).replace("torch.", "")
-    shape: List[int] = list(getattr(x, "shape", ()))
-    if dtype != "float32" or len(shape) != 1:
-        raise ValueError(f"hetpipe: {what} must be a flat float32 vector (the parameter servers hold float32 "
-                         f"weights), got {dtype}{shape}")

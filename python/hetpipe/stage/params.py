@@ -60,7 +60,6 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-import hetpipe_core
 from torch import nn
 from torch.utils import _pytree as pytree
 

@@ -84,7 +84,7 @@ def run_torch(comm) -> dict:
 
 
 def run_numpy(comm) -> dict:
-    from hetpipe.numpy import WSPWorker, aborting, serve_shard
+    from hetpipe.numpy import aborting
 
     p = plan()
     kind, index, _ = p.role_of(comm.Get_rank())
