@@ -12,7 +12,7 @@ import weakref
 import numpy as np
 import pytest
 
-from hetpipe_core import Event, PinnedBufferPool, Stream, copy_async
+from hetpipe_core import Event, PinnedBufferPool, Stream, apply_delta, copy_async, snapshot
 
 KDLCPU, KDLCUDA, KDLCUDAHOST, KDLROCM = 1, 2, 3, 10
 
@@ -344,6 +344,26 @@ def test_cpu_stream_wait_external():
     s.close()
     with pytest.raises(RuntimeError, match="closed"):
         s.wait_external(0)
+
+
+# --- Host code takes DLPack arrays too ------------------------------------------------------------
+
+def test_shard_ops_take_dlpack_arrays():
+    shard = np.ones(10, np.float32)
+    apply_delta(Exporter(shard), Exporter(np.full(10, 2, np.float32)), 0.5)
+    assert (shard == 2).all()
+    out = snapshot(Exporter(shard))
+    assert isinstance(out, np.ndarray) and (out == 2).all()
+    with pytest.raises(TypeError, match="apply_delta: delta must be float32, got DLPack dtype float64"):
+        apply_delta(shard, Exporter(np.zeros(10)))
+    with pytest.raises(ValueError, match=r"apply_delta: shard is on kDLCUDA:0, which host code cannot reach"):
+        apply_delta(Exporter(shard, device=(KDLCUDA, 0)), shard)
+    ro = np.zeros(10, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match=r"apply_delta: shard \(DLPack kDLCPU:0\) is read-only"):
+        apply_delta(Exporter(ro), shard)
+    with pytest.raises(TypeError, match="apply_delta: shard must be an object with the buffer protocol or a DLPack"):
+        apply_delta([1.0], shard)
 
 
 # --- Other frameworks, when installed ------------------------------------------------------------
