@@ -274,15 +274,20 @@ void stream_wait_stream(void* stream, int device, void* foreign) {
   // that is the current one, this stream's device's.
   CUcontext ctx = nullptr;
   check_cu(d.stream_get_ctx(static_cast<CUstream>(foreign), &ctx), "cuStreamGetCtx");
-  const ContextGuard in_foreign(ctx);
   cudaEvent_t marker = nullptr;
-  check(cudaEventCreateWithFlags(&marker, cudaEventDisableTiming), "cudaEventCreateWithFlags");
-  const cudaError_t recorded = cudaEventRecord(marker, static_cast<cudaStream_t>(foreign));
-  const cudaError_t waited =
-      recorded == cudaSuccess ? cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), marker, 0) : cudaSuccess;
-  // The wait captured the recorded point; CUDA releases the event once that work completed.
-  cudaEventDestroy(marker);
-  check(recorded, "cudaEventRecord on the foreign stream");
+  {
+    const ContextGuard in_foreign(ctx);
+    check(cudaEventCreateWithFlags(&marker, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    const cudaError_t recorded = cudaEventRecord(marker, static_cast<cudaStream_t>(foreign));
+    if (recorded != cudaSuccess) cudaEventDestroy(marker);
+    check(recorded, "cudaEventRecord on the foreign stream");
+  }
+  const cudaError_t waited = cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), marker, 0);
+  {
+    // The wait captured the recorded point; CUDA releases the event once that work completed.
+    const ContextGuard in_foreign(ctx);
+    cudaEventDestroy(marker);
+  }
   check(waited, "cudaStreamWaitEvent");
 }
 
