@@ -384,10 +384,14 @@ def test_jax_round_trip():
     jax = pytest.importorskip("jax")
     jnp = jax.numpy
     x = jnp.arange(64, dtype=jnp.float32) * 3
-    slot = _slot(256)
+    a, b = _slot(256), _slot(256)
     with Stream() as s:
-        copy_async(slot, x, 256, s)
+        copy_async(a, x, 256, s)  # the buffer protocol (a JAX array on the CPU exports one)
+        copy_async(b, Exporter(x * 2), 256, s)  # DLPack, from a temporary
+        with pytest.raises(ValueError, match=r"dst \(the destination\) is read-only"):
+            copy_async(x, a, 256, s)  # JAX arrays are immutable
         s.synchronize()
-    assert (slot.numpy("float32") == np.asarray(x)).all()
-    y = jnp.from_dlpack(slot).view(jnp.float32)
+    assert (a.numpy("float32") == np.asarray(x)).all()
+    assert (b.numpy("float32") == np.asarray(x) * 2).all()
+    y = jnp.from_dlpack(a).view(jnp.float32)
     assert np.array_equal(np.asarray(y), np.asarray(x))
