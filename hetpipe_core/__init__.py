@@ -3,7 +3,8 @@
 Framework-agnostic: importing it needs no torch, no MPI and no GPU. The PS shard's MPI service lives in
 the separate extension ``hetpipe_core._mpi`` (built when MPI was found, ``build_info()["mpi_built"]``;
 import mpi4py first, which loads the MPI library it links). Memory leaves through DLPack and
-the buffer protocol, so torch, numpy or any other framework can view it without a copy.
+the buffer protocol, so torch, numpy or any other framework can view it without a copy, and enters
+the same way: copy_async and the shard arithmetic take numpy, torch, JAX or CuPy arrays directly.
 """
 
 from hetpipe_core._C import *  # noqa: F401,F403

@@ -37,10 +37,17 @@ void delete_export(Managed* self) {
   delete static_cast<Export<Managed>*>(self->manager_ctx);
 }
 
-void fill(DLTensor& t, const Slot& slot, std::int64_t* shape, std::int64_t* strides) {
+// Where a slot lives for DLPack: page-locked memory of a pool pinned through CUDA is kDLCUDAHost,
+// ordinary host memory kDLCPU. The memory is portable (every CUDA context sees it), so the id is 0,
+// as for kDLCPU.
+dlpack::DLDevice slot_device(const Slot& slot) {
+  return {slot.pool->pinned() ? dlpack::kDLCUDAHost : dlpack::kDLCPU, 0};
+}
+
+void fill(DLTensor& t, const Slot& slot, dlpack::DLDevice device, std::int64_t* shape, std::int64_t* strides) {
   shape[0] = static_cast<std::int64_t>(slot.nbytes());
   t.data = slot.data();
-  t.device = {dlpack::kDLCPU, 0};
+  t.device = device;
   t.ndim = 1;
   t.dtype = {dlpack::kDLUInt, 8, 1};
   t.shape = shape;
@@ -50,27 +57,35 @@ void fill(DLTensor& t, const Slot& slot, std::int64_t* shape, std::int64_t* stri
 
 // Capsule destructors: run the deleter only when no consumer took the tensor (the name is unchanged).
 void capsule_legacy(PyObject* capsule) {
-  if (PyCapsule_IsValid(capsule, "dltensor")) {
-    auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+  if (PyCapsule_IsValid(capsule, dlpack::kCapsuleLegacy)) {
+    auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, dlpack::kCapsuleLegacy));
     if (m != nullptr && m->deleter != nullptr) m->deleter(m);
   }
 }
 
 void capsule_versioned(PyObject* capsule) {
-  if (PyCapsule_IsValid(capsule, "dltensor_versioned")) {
-    auto* m = static_cast<DLManagedTensorVersioned*>(PyCapsule_GetPointer(capsule, "dltensor_versioned"));
+  if (PyCapsule_IsValid(capsule, dlpack::kCapsuleVersioned)) {
+    auto* m = static_cast<DLManagedTensorVersioned*>(PyCapsule_GetPointer(capsule, dlpack::kCapsuleVersioned));
     if (m != nullptr && m->deleter != nullptr) m->deleter(m);
   }
 }
 
+// dl_device: a consumer may ask for the slot's own device, or for kDLCPU (pinned memory is host
+// memory too, for a consumer that does not know kDLCUDAHost); the tensor then says what was asked.
 py::object to_dlpack(const Slot& slot, const py::object& /*stream*/, const py::object& max_version, const py::object& dl_device,
                      const py::object& copy) {
+  dlpack::DLDevice device = slot_device(slot);
   if (!dl_device.is_none()) {
     auto dev = dl_device.cast<py::tuple>();
-    if (dev.size() != 2 || dev[0].cast<int>() != dlpack::kDLCPU) {
-      throw py::buffer_error("Slot.__dlpack__: a slot lives in host memory (kDLCPU); cannot export to " +
-                             py::str(dl_device).cast<std::string>());
+    const int type = dev.size() == 2 ? dev[0].cast<int>() : -1;
+    const bool ok = dev.size() == 2 && dev[1].cast<int>() == 0 && (type == device.device_type || type == dlpack::kDLCPU);
+    if (!ok) {
+      throw py::buffer_error(std::string("Slot.__dlpack__: a slot lives in ") +
+                             (slot.pool->pinned() ? "page-locked host memory (kDLCUDAHost, or kDLCPU)"
+                                                  : "host memory (kDLCPU)") +
+                             "; cannot export to " + py::str(dl_device).cast<std::string>());
     }
+    device.device_type = type;
   }
   if (!copy.is_none() && copy.cast<bool>()) {
     throw py::buffer_error("Slot.__dlpack__: copy=True is not supported; slot exports are zero-copy");
@@ -81,20 +96,20 @@ py::object to_dlpack(const Slot& slot, const py::object& /*stream*/, const py::o
   if (versioned) {
     auto* e = new Export<DLManagedTensorVersioned>();
     e->owner = slot.pool;
-    e->managed.version = {1, 0};
+    e->managed.version = {dlpack::kMajor, dlpack::kMinor};
     e->managed.manager_ctx = e;
     e->managed.deleter = delete_export<DLManagedTensorVersioned>;
     e->managed.flags = 0;
-    fill(e->managed.dl_tensor, slot, e->shape, e->strides);
-    capsule = PyCapsule_New(&e->managed, "dltensor_versioned", capsule_versioned);
+    fill(e->managed.dl_tensor, slot, device, e->shape, e->strides);
+    capsule = PyCapsule_New(&e->managed, dlpack::kCapsuleVersioned, capsule_versioned);
     if (capsule == nullptr) delete e;
   } else {
     auto* e = new Export<DLManagedTensor>();
     e->owner = slot.pool;
     e->managed.manager_ctx = e;
     e->managed.deleter = delete_export<DLManagedTensor>;
-    fill(e->managed.dl_tensor, slot, e->shape, e->strides);
-    capsule = PyCapsule_New(&e->managed, "dltensor", capsule_legacy);
+    fill(e->managed.dl_tensor, slot, device, e->shape, e->strides);
+    capsule = PyCapsule_New(&e->managed, dlpack::kCapsuleLegacy, capsule_legacy);
     if (capsule == nullptr) delete e;
   }
   if (capsule == nullptr) throw py::error_already_set();
@@ -161,8 +176,14 @@ void bind_buffers(py::module_& m) {
       .def_readonly("pool", &Slot::pool)
       .def("__dlpack__", &to_dlpack, py::kw_only(), py::arg("stream") = py::none(),
            py::arg("max_version") = py::none(), py::arg("dl_device") = py::none(), py::arg("copy") = py::none(),
-           "A DLPack capsule of the slot (1-D uint8, host memory); `stream` is ignored for host memory.")
-      .def("__dlpack_device__", [](const Slot&) { return py::make_tuple(static_cast<int>(dlpack::kDLCPU), 0); })
+           "A DLPack capsule of the slot (1-D uint8): kDLCUDAHost when the pool is pinned through CUDA,\n"
+           "kDLCPU otherwise (dl_device=(1, 0) asks for kDLCPU either way); `stream` is ignored for host memory.")
+      .def("__dlpack_device__",
+           [](const Slot& s) {
+             const dlpack::DLDevice d = slot_device(s);
+             return py::make_tuple(d.device_type, d.device_id);
+           },
+           "(3, 0), kDLCUDAHost, for a slot of a pool pinned through CUDA; (1, 0), kDLCPU, otherwise.")
       .def(
           "numpy",
           [](py::object self, py::object dtype, py::ssize_t count) {

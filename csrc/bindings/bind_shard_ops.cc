@@ -1,74 +1,46 @@
-// Python bindings of the parameter-shard arithmetic: buffers are checked here, computed without the GIL.
+// Python bindings of the parameter-shard arithmetic: arrays (buffer protocol or DLPack on the host) are
+// checked here, computed without the GIL.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
 #include <string>
 
 #include "bindings/bind.h"
+#include "bindings/foreign.h"
 #include "hetpipe/shard_ops.h"
 
 namespace py = pybind11;
 
 namespace hetpipe::bindings {
-namespace {
-
-bool is_float32(const py::buffer_info& info) {
-  std::string f = info.format;
-  if (!f.empty() && (f[0] == '<' || f[0] == '=' || f[0] == '@')) f = f.substr(1);
-  return f == "f" && info.itemsize == 4;
-}
-
-bool c_contiguous(const py::buffer_info& info) {
-  py::ssize_t expected = info.itemsize;
-  for (py::ssize_t d = info.ndim - 1; d >= 0; --d) {
-    if (info.shape[d] != 1 && info.strides[d] != expected) return false;
-    expected *= info.shape[d];
-  }
-  return true;
-}
-
-}  // namespace
-
-py::buffer_info float32_buffer(const py::buffer& b, bool writable, const char* fn, const char* name) {
-  py::buffer_info info = b.request(writable);
-  if (!is_float32(info)) {
-    throw py::type_error(std::string(fn) + ": " + name + " must be float32, got format '" + info.format + "' of " +
-                         std::to_string(info.itemsize) + "-byte items");
-  }
-  if (!c_contiguous(info)) throw py::value_error(std::string(fn) + ": " + name + " must be C-contiguous");
-  return info;
-}
-
 void bind_shard_ops(py::module_& m) {
   m.def(
       "apply_delta",
-      [](const py::buffer& shard, const py::buffer& delta, float scale, int num_threads) {
-        const py::buffer_info s = float32_buffer(shard, true, "apply_delta", "shard");
-        const py::buffer_info d = float32_buffer(delta, false, "apply_delta", "delta");
-        if (s.size != d.size) {
-          throw py::value_error("apply_delta: shard has " + std::to_string(s.size) + " elements but delta has " +
-                                std::to_string(d.size));
+      [](const py::object& shard, const py::object& delta, float scale, int num_threads) {
+        const Foreign s = float32_array(shard, true, "apply_delta", "shard");
+        const Foreign d = float32_array(delta, false, "apply_delta", "delta");
+        if (s.count() != d.count()) {
+          throw py::value_error("apply_delta: shard has " + std::to_string(s.count()) + " elements but delta has " +
+                                std::to_string(d.count()));
         }
         py::gil_scoped_release release;
-        apply_delta(static_cast<float*>(s.ptr), static_cast<const float*>(d.ptr), static_cast<std::size_t>(s.size),
-                    scale, num_threads);
+        apply_delta(static_cast<float*>(s.data()), static_cast<const float*>(d.data()), s.count(), scale, num_threads);
       },
       py::arg("shard"), py::arg("delta"), py::arg("scale") = 1.0f, py::arg("num_threads") = 0,
-      "shard += scale * delta in place (float32, C-contiguous, equal sizes), bitwise equal to numpy's\n"
+      "shard += scale * delta in place (float32, C-contiguous, equal sizes; buffer protocol or host DLPack), bitwise equal to numpy's\n"
       "`shard += np.float32(scale) * delta`. num_threads 0: hardware concurrency (capped). GIL released.");
   m.def(
       "accumulate_change",
-      [](const py::buffer& delta, const py::buffer& after, const py::buffer& before, int num_threads) {
-        const py::buffer_info d = float32_buffer(delta, true, "accumulate_change", "delta");
-        const py::buffer_info a = float32_buffer(after, false, "accumulate_change", "after");
-        const py::buffer_info b = float32_buffer(before, false, "accumulate_change", "before");
-        if (a.size != d.size || b.size != d.size) {
-          throw py::value_error("accumulate_change: delta has " + std::to_string(d.size) + " elements, after " +
-                                std::to_string(a.size) + ", before " + std::to_string(b.size));
+      [](const py::object& delta, const py::object& after, const py::object& before, int num_threads) {
+        const Foreign d = float32_array(delta, true, "accumulate_change", "delta");
+        const Foreign a = float32_array(after, false, "accumulate_change", "after");
+        const Foreign b = float32_array(before, false, "accumulate_change", "before");
+        if (a.count() != d.count() || b.count() != d.count()) {
+          throw py::value_error("accumulate_change: delta has " + std::to_string(d.count()) + " elements, after " +
+                                std::to_string(a.count()) + ", before " + std::to_string(b.count()));
         }
         py::gil_scoped_release release;
-        accumulate_change(static_cast<float*>(d.ptr), static_cast<const float*>(a.ptr),
-                          static_cast<const float*>(b.ptr), static_cast<std::size_t>(d.size), num_threads);
+        accumulate_change(static_cast<float*>(d.data()), static_cast<const float*>(a.data()),
+                          static_cast<const float*>(b.data()), d.count(), num_threads);
       },
       py::arg("delta"), py::arg("after"), py::arg("before"), py::arg("num_threads") = 1,
       "delta += after - before in place (float32, C-contiguous, equal sizes; delta must not overlap the\n"
@@ -76,18 +48,18 @@ void bind_shard_ops(py::module_& m) {
       "default): the caller's thread only (a stage rank's step); 0: hardware concurrency. GIL released.");
   m.def(
       "snapshot",
-      [](const py::buffer& shard, const py::object& out) -> py::object {
-        const py::buffer_info s = float32_buffer(shard, false, "snapshot", "shard");
+      [](const py::object& shard, const py::object& out) -> py::object {
+        const Foreign s = float32_array(shard, false, "snapshot", "shard");
         py::object result = out;
-        if (out.is_none()) result = py::array_t<float>(std::vector<py::ssize_t>(s.shape.begin(), s.shape.end()));
-        const py::buffer_info o = float32_buffer(result.cast<py::buffer>(), true, "snapshot", "out");
-        if (s.size != o.size) {
-          throw py::value_error("snapshot: shard has " + std::to_string(s.size) + " elements but out has " +
-                                std::to_string(o.size));
+        if (out.is_none()) result = py::array_t<float>(std::vector<py::ssize_t>(s.shape().begin(), s.shape().end()));
+        const Foreign o = float32_array(result, true, "snapshot", "out");
+        if (s.count() != o.count()) {
+          throw py::value_error("snapshot: shard has " + std::to_string(s.count()) + " elements but out has " +
+                                std::to_string(o.count()));
         }
         {
           py::gil_scoped_release release;
-          snapshot(s.ptr, o.ptr, static_cast<std::size_t>(s.size) * sizeof(float), 0);
+          snapshot(s.data(), o.data(), s.count() * sizeof(float), 0);
         }
         return result;
       },

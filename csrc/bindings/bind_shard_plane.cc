@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "bindings/bind.h"
+#include "bindings/foreign.h"
 #include "bindings/wait.h"
 #include "hetpipe/errors.h"
 #include "hetpipe/shard_plane.h"
@@ -119,10 +120,10 @@ void bind_shard_plane(py::module_& m) {
           "them after the last (not while pushes are applied).")
       .def(
           "push",
-          [](ShardPlane& p, int vw, int stage, std::int64_t wave, const py::buffer& delta) {
-            const py::buffer_info info = float32_buffer(delta, false, "ShardPlane.push", "delta");
-            const auto* data = static_cast<const float*>(info.ptr);
-            const auto n = static_cast<std::size_t>(info.size);
+          [](ShardPlane& p, int vw, int stage, std::int64_t wave, const py::object& delta) {
+            const Foreign info = float32_array(delta, false, "ShardPlane.push", "delta");
+            const auto* data = static_cast<const float*>(info.data());
+            const auto n = info.count();
             py::gil_scoped_release release;
             p.push(vw, stage, wave, data, n);
           },
@@ -131,11 +132,11 @@ void bind_shard_plane(py::module_& m) {
           "global clock passes. ValueError for a bad or duplicate push.")
       .def(
           "pull",
-          [](ShardPlane& p, int vw, int stage, std::int64_t wave, const py::buffer& out,
+          [](ShardPlane& p, int vw, int stage, std::int64_t wave, const py::object& out,
              std::optional<double> timeout) {
-            const py::buffer_info info = float32_buffer(out, true, "ShardPlane.pull", "out");
-            auto* data = static_cast<float*>(info.ptr);
-            const auto n = static_cast<std::size_t>(info.size);
+            const Foreign info = float32_array(out, true, "ShardPlane.pull", "out");
+            auto* data = static_cast<float*>(info.data());
+            const auto n = info.count();
             auto got = wait_interruptible(timeout, [&](std::chrono::nanoseconds chunk) -> std::optional<std::int64_t> {
               const std::int64_t a = p.pull_for(vw, stage, wave, data, n, chunk);
               if (a < 0) return std::nullopt;

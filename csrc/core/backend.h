@@ -36,7 +36,11 @@ void event_destroy(void* event, int device) noexcept;
 void event_record(void* event, void* stream, int device);
 bool event_query(void* event, int device);
 void event_synchronize(void* event, int device);
-void stream_wait_event(void* stream, int device, void* event);
+void stream_wait_event(void* stream, int device, void* event);  // `event` may be of any device
+// Makes `stream` wait for the work enqueued so far on `foreign`, a cudaStream_t of any context (0,
+// 1, 2: the default streams as seen from `device`): a transient event is recorded on `foreign` in
+// that stream's own context, waited for, and destroyed (CUDA frees it once it completed).
+void stream_wait_stream(void* stream, int device, void* foreign);
 void memcpy_async(void* dst, const void* src, std::size_t nbytes, void* stream, int device);
 // Runs fn(arg) on a driver thread once the preceding work of the stream has completed. fn must not
 // throw (a host function that throws ends the process).

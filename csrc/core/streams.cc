@@ -183,6 +183,12 @@ void require_open(const detail::StreamState& s) {
   if (s.closed.load(std::memory_order_relaxed)) throw std::logic_error("Stream is closed");
 }
 
+std::string hex(std::uintptr_t value) {
+  char text[2 + 2 * sizeof(value) + 1];
+  std::snprintf(text, sizeof(text), "0x%llx", static_cast<unsigned long long>(value));
+  return text;
+}
+
 const detail::EventState& event_state(const std::unique_ptr<detail::EventState>& state) {
   if (!state) throw std::logic_error("Event was moved from");
   return *state;
@@ -294,6 +300,29 @@ void Stream::wait_for(const Event& event) {
   std::lock_guard<std::mutex> lock(state_->mutex);
   require_open(*state_);
   backend::stream_wait_event(state_->cuda, state_->device, point.cuda->event);  // captured at this call
+}
+
+void Stream::wait_external(std::uintptr_t handle, ExternalKind kind) {
+  if (!state_) throw std::logic_error("Stream is closed");
+  const char* what = kind == ExternalKind::kStream ? "stream" : "event";
+  if (state_->cpu) {
+    require_open(*state_);
+    if (handle == 0) return;  // a host framework's null stream: its work is already done
+    throw std::invalid_argument(std::string("Stream.wait_external: a CPU stream cannot wait on CUDA ") + what +
+                                " handle " + hex(handle) + "; only 0 (a host framework's null " + what +
+                                ", always complete) is accepted");
+  }
+  if (kind == ExternalKind::kEvent && handle == 0) {
+    throw std::invalid_argument("Stream.wait_external: event handle 0 is not a cudaEvent_t");
+  }
+  void* foreign = reinterpret_cast<void*>(handle);
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  require_open(*state_);
+  if (kind == ExternalKind::kEvent) {
+    backend::stream_wait_event(state_->cuda, state_->device, foreign);
+  } else if (foreign != state_->cuda) {  // this very stream: already satisfied by stream order
+    backend::stream_wait_stream(state_->cuda, state_->device, foreign);
+  }
 }
 
 void Stream::copy_async(void* dst, const void* src, std::size_t nbytes) {

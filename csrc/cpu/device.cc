@@ -40,6 +40,7 @@ void event_record(void*, void*, int) { no_cuda("event_record"); }
 bool event_query(void*, int) { no_cuda("event_query"); }
 void event_synchronize(void*, int) { no_cuda("event_synchronize"); }
 void stream_wait_event(void*, int, void*) { no_cuda("stream_wait_event"); }
+void stream_wait_stream(void*, int, void*) { no_cuda("stream_wait_stream"); }
 void memcpy_async(void*, const void*, std::size_t, void*, int) { no_cuda("memcpy_async"); }
 void launch_host_func(void*, int, void (*)(void*), void*) { no_cuda("launch_host_func"); }
 

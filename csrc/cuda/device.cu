@@ -65,6 +65,9 @@ struct Driver {
   decltype(&::cuCtxGetCurrent) get_current = nullptr;
   decltype(&::cuCtxPushCurrent) push = nullptr;
   decltype(&::cuCtxPopCurrent) pop = nullptr;
+  // Only Stream::wait_external on a foreign stream needs it: resolved apart from `ok`, so a driver
+  // without it loses that call alone.
+  decltype(&::cuStreamGetCtx) stream_get_ctx = nullptr;
   int device_count = 0;
   // Primary contexts this process retained, one slot per device; retained on first use and held
   // for the life of the process (as the runtime holds the ones it opens).
@@ -98,6 +101,7 @@ const Driver& driver() {
             resolve("cuDevicePrimaryCtxRelease", d->release) &&
             resolve("cuDevicePrimaryCtxGetState", d->get_state) && resolve("cuCtxGetCurrent", d->get_current) &&
             resolve("cuCtxPushCurrent", d->push) && resolve("cuCtxPopCurrent", d->pop);
+    if (!resolve("cuStreamGetCtx", d->stream_get_ctx)) d->stream_get_ctx = nullptr;
     d->contexts.reset(new std::atomic<CUcontext>[static_cast<std::size_t>(d->device_count)]);
     for (int i = 0; i < d->device_count; ++i) d->contexts[i].store(nullptr, std::memory_order_relaxed);
     return d;
@@ -128,14 +132,12 @@ CUcontext primary_context(int device) {
   return ctx;
 }
 
-// RAII: `device`'s primary context is current on this thread for the guard's lifetime; the
-// thread's previous context (or none) is current again afterwards. Nothing is pushed when the
-// context is already current.
-class DeviceGuard {
+// RAII: `ctx` is current on this thread for the guard's lifetime; the thread's previous context (or
+// none) is current again afterwards. Nothing is pushed when `ctx` is already current.
+class ContextGuard {
  public:
-  explicit DeviceGuard(int device) {
+  explicit ContextGuard(CUcontext ctx) {
     const Driver& d = driver();
-    CUcontext ctx = primary_context(device);
     CUcontext current = nullptr;
     check_cu(d.get_current(&current), "cuCtxGetCurrent");
     if (current != ctx) {
@@ -143,17 +145,23 @@ class DeviceGuard {
       pushed_ = true;
     }
   }
-  ~DeviceGuard() {
+  ~ContextGuard() {
     if (pushed_) {
       CUcontext popped = nullptr;
       driver().pop(&popped);
     }
   }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
+  ContextGuard(const ContextGuard&) = delete;
+  ContextGuard& operator=(const ContextGuard&) = delete;
 
  private:
   bool pushed_ = false;
+};
+
+// RAII: `device`'s primary context is current on this thread for the guard's lifetime.
+class DeviceGuard : public ContextGuard {
+ public:
+  explicit DeviceGuard(int device) : ContextGuard(primary_context(device)) {}
 };
 
 }  // namespace
@@ -254,6 +262,33 @@ void stream_wait_event(void* stream, int device, void* event) {
   const DeviceGuard guard(device);
   check(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0),
         "cudaStreamWaitEvent");
+}
+
+void stream_wait_stream(void* stream, int device, void* foreign) {
+  const DeviceGuard guard(device);
+  const Driver& d = driver();
+  if (d.stream_get_ctx == nullptr) {
+    throw std::runtime_error("cuStreamGetCtx is unavailable in this CUDA driver: cannot wait on a foreign stream");
+  }
+  // cuEventRecord needs the event in the stream's own context; for the default streams (0, 1, 2)
+  // that is the current one, this stream's device's.
+  CUcontext ctx = nullptr;
+  check_cu(d.stream_get_ctx(static_cast<CUstream>(foreign), &ctx), "cuStreamGetCtx");
+  cudaEvent_t marker = nullptr;
+  {
+    const ContextGuard in_foreign(ctx);
+    check(cudaEventCreateWithFlags(&marker, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    const cudaError_t recorded = cudaEventRecord(marker, static_cast<cudaStream_t>(foreign));
+    if (recorded != cudaSuccess) cudaEventDestroy(marker);
+    check(recorded, "cudaEventRecord on the foreign stream");
+  }
+  const cudaError_t waited = cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), marker, 0);
+  {
+    // The wait captured the recorded point; CUDA releases the event once that work completed.
+    const ContextGuard in_foreign(ctx);
+    cudaEventDestroy(marker);
+  }
+  check(waited, "cudaStreamWaitEvent");
 }
 
 namespace {

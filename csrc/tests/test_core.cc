@@ -285,6 +285,36 @@ void cpu_stream_task_failure() {
   CHECK(closed_error);
 }
 
+// A CPU stream takes handle 0 (a host framework's null stream or event) as complete and refuses any
+// CUDA handle with an error naming it; a closed stream refuses both.
+void cpu_stream_wait_external() {
+  hetpipe::Stream s;
+  std::vector<unsigned char> src(64, 5), dst(64, 0);
+  s.wait_external(0, hetpipe::ExternalKind::kStream);
+  s.wait_external(0, hetpipe::ExternalKind::kEvent);
+  s.copy_async(dst.data(), src.data(), src.size());
+  s.synchronize();
+  CHECK(dst[63] == 5);
+  for (const auto kind : {hetpipe::ExternalKind::kStream, hetpipe::ExternalKind::kEvent}) {
+    std::string message;
+    try {
+      s.wait_external(0x7f00, kind);
+    } catch (const std::invalid_argument& e) {
+      message = e.what();
+    }
+    CHECK(message.find("a CPU stream cannot wait on CUDA") != std::string::npos);
+    CHECK(message.find("0x7f00") != std::string::npos);
+  }
+  s.close();
+  bool closed_error = false;
+  try {
+    s.wait_external(0, hetpipe::ExternalKind::kStream);
+  } catch (const std::logic_error&) {
+    closed_error = true;
+  }
+  CHECK(closed_error);
+}
+
 // Events re-recorded on two streams while other threads wait on them, query them and make a third
 // stream wait for them: no race on an event's point (checked by ThreadSanitizer), every wait ends.
 void events_record_while_waiting() {
@@ -520,6 +550,7 @@ int main() {
   run("clock_monotonic_under_contention", clock_monotonic_under_contention);
   run("cpu_stream_order", cpu_stream_order);
   run("cpu_stream_task_failure", cpu_stream_task_failure);
+  run("cpu_stream_wait_external", cpu_stream_wait_external);
   run("events_record_while_waiting", events_record_while_waiting);
   run("apply_delta_thread_invariant", apply_delta_thread_invariant);
   run("shard_plane_two_phase_with_holds", shard_plane_two_phase_with_holds);

@@ -57,7 +57,7 @@ def test_copy_async_checks_buffer_sizes():
     a, b = np.zeros(10, np.uint8), np.zeros(20, np.uint8)
     with pytest.raises(ValueError, match="dst holds 10 bytes, fewer than nbytes=20"):
         copy_async(a, b, 20, s)
-    with pytest.raises(TypeError, match="src must be an int address or support the buffer protocol"):
+    with pytest.raises(TypeError, match=r"src \(the source\) must be an int address, an object with the buffer protocol or a DLPack array"):
         copy_async(a, "x", 1, s)
     copy_async(b, np.arange(20, dtype=np.uint8), 20, s)
     s.synchronize()

@@ -9,6 +9,8 @@
 // - Stream::wait_for(event) makes work enqueued on this stream afterwards wait for the event's
 //   point as recorded at the time of the call, even when the event is re-recorded or destroyed
 //   before the wait runs; it does not block the caller.
+// - Stream::wait_external(handle, kind) does the same for another framework's stream or event
+//   handle (a cudaStream_t or cudaEvent_t), as it stands at the time of the call.
 // - synchronize() blocks the caller (never spinning a core); query() and closed() never block.
 //
 // Devices: a CUDA Stream or Event does its CUDA calls with its own device's context pushed for the
@@ -59,6 +61,9 @@ class StreamError : public std::runtime_error {
 
 class Event;
 
+// What a foreign handle given to Stream::wait_external is.
+enum class ExternalKind { kStream, kEvent };
+
 class Stream {
  public:
   // device < 0, or no usable CUDA device: a CPU stream. Otherwise a non-blocking CUDA stream on
@@ -77,6 +82,17 @@ class Stream {
   void synchronize();
   bool query() const;
   void wait_for(const Event& event);
+  // Work enqueued afterwards waits for a handle of another framework (torch, CuPy, JAX), as it
+  // stands at the time of the call; the caller does not block, and the handle may be destroyed
+  // once this returns.
+  // CUDA stream: kStream, a cudaStream_t of any device or context (0: the legacy default stream of
+  // this stream's device; 1 and 2: the legacy and per-thread default streams), is waited for as far
+  // as work was enqueued on it so far (an internal event recorded on it in its own context, then
+  // cudaStreamWaitEvent); kEvent, a cudaEvent_t (not 0), is waited for as last recorded.
+  // CPU stream: handle 0 (the null stream of a host framework, always complete) adds no work; any
+  // other handle throws std::invalid_argument (a CPU stream cannot wait on a CUDA handle).
+  // Throws std::logic_error once closed, std::runtime_error for a CUDA error.
+  void wait_external(std::uintptr_t handle, ExternalKind kind);
   // Copies nbytes from src to dst in stream order (any host/device combination on CUDA).
   void copy_async(void* dst, const void* src, std::size_t nbytes);
   // For tests and benchmarks: occupies the stream for `seconds` (host callback on CUDA).
