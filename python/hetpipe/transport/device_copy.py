@@ -12,9 +12,9 @@ the copy of a received payload onto the device on the same stream and makes torc
 wait for it; the payload's slot goes back to the pool once the copy completed (``poll``).
 Nothing here blocks the host.
 
-Ordering with torch's compute stream: the core cannot wait on a foreign stream handle, but torch can
-wrap the core's stream (``torch.cuda.ExternalStream(stream.handle)``), so torch enqueues the waits on
-the GPU: the copy stream waits for the compute stream before a device→host copy, the compute stream
+Ordering with torch's compute stream: torch wraps the core's stream
+(``torch.cuda.ExternalStream(stream.handle)``) and enqueues the waits on the GPU (the core's own
+``Stream.wait_external`` is the route for frameworks without such a wrapper, docs/design.md): the copy stream waits for the compute stream before a device→host copy, the compute stream
 waits for the copy stream after a host→device copy. A tensor copied in is allocated on the copy
 stream and marked as used by the compute stream, so the caching allocator never reuses its memory early.
 
