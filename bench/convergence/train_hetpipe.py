@@ -24,6 +24,7 @@ from typing import Dict, List, Optional
 import torch
 from mpi4py import MPI
 
+import hetpipe.ps.serve as shard_serve
 import hetpipe.run.build as runtime_build
 import hetpipe_worker as e2e
 import snapshots
@@ -111,7 +112,7 @@ def train(job: Job, comm, rank: int) -> Optional[dict]:
 def main(jobs_path: str, out_path: str) -> None:
     torch.set_num_threads(1)
     runtime_build.Pacer = e2e.RecordingPacer
-    runtime_build.ShardServer = RecordingServer
+    shard_serve.ShardServer = RecordingServer         # what shard_server builds the Python shard with
     os.environ[PLANE_ENV] = "python"
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()

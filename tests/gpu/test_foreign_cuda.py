@@ -47,15 +47,22 @@ def test_pinned_slot_in_torch_through_kdlcpu():
     assert t.data_ptr() == slot.ptr and t.device.type == "cpu"
 
 
-def test_wait_external_stream():
-    torch = _torch_cuda()
-    n = 1 << 20
+def _filled_late(torch, n: int, value: int):
+    """A CUDA tensor of ``n`` bytes that a side stream fills with ``value`` after a busy wait: a copy
+    not ordered after that stream reads zeros. Returns (tensor, producer stream)."""
     producer = torch.cuda.Stream()
     t = torch.zeros(n, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
     with torch.cuda.stream(producer):
         torch.cuda._sleep(BUSY)
-        t.fill_(7)
+        t.fill_(value)
+    return t, producer
+
+
+def test_wait_external_stream():
+    torch = _torch_cuda()
+    n = 1 << 20
+    t, producer = _filled_late(torch, n, 7)
     s = Stream(0)
     s.wait_external(producer.cuda_stream)  # the copy below waits for the fill
     slot = PinnedBufferPool(1, n, 0).acquire()
@@ -71,14 +78,9 @@ def test_wait_external_stream():
 def test_wait_external_event():
     torch = _torch_cuda()
     n = 1 << 20
-    producer = torch.cuda.Stream()
-    t = torch.zeros(n, dtype=torch.uint8, device="cuda")
-    torch.cuda.synchronize()
+    t, producer = _filled_late(torch, n, 9)
     done = torch.cuda.Event()
-    with torch.cuda.stream(producer):
-        torch.cuda._sleep(BUSY)
-        t.fill_(9)
-        done.record(producer)
+    done.record(producer)
     s = Stream(0)
     s.wait_external(done.cuda_event, kind="event")
     slot = PinnedBufferPool(1, n, 0).acquire()

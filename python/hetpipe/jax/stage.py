@@ -91,7 +91,7 @@ class JaxStage:
 
     def _Apply(self, i: Apply) -> None:
         wave = i.mb // self.nm
-        self.ledger.check_open(wave, f"Apply of minibatch {i.mb}")
+        self.ledger.check_open(wave, lambda: f"Apply of minibatch {i.mb}")
         before = self.ledger.weights
         after, self.opt_state = self.step_fn(before, self._grads_w.pop(i.mb), self.opt_state)
         self.ledger.record_step(wave, after, before)

@@ -138,17 +138,18 @@ class WaveLedger:
         return self.layout.pull_sizes(shard)
 
     # --- steps ---------------------------------------------------------------------------------
-    def check_open(self, wave: int, what: str) -> None:
-        """RuntimeError naming ``what`` once wave ``wave`` was pushed: an update to it would be lost."""
+    def check_open(self, wave: int, what: Callable[[], str]) -> None:
+        """RuntimeError naming ``what()`` once wave ``wave`` was pushed: an update to it would be lost.
+        (``what`` is only called then: the check runs once per minibatch.)"""
         if wave in self.pushed:
-            raise RuntimeError(f"hetpipe: {self.who}: {what} after Push({wave}): wave {wave}'s delta was already "
+            raise RuntimeError(f"hetpipe: {self.who}: {what()} after Push({wave}): wave {wave}'s delta was already "
                                "sent, so this update would be lost")
 
     def record_step(self, wave: int, after: Any, before: Any, scratch: Any = None) -> None:
         """Add ``after - before`` (the weights after and before one optimizer step) to wave ``wave``'s
         delta: the same float32 operations whether or not the wave already has one (a fresh one starts
         at zero). ``scratch``: a flat vector the subtraction may use on a device (no allocation)."""
-        self.check_open(wave, "a step")
+        self.check_open(wave, lambda: "a step")
         delta = self.deltas.get(wave)
         if delta is None:
             delta = self.ops.reset(self._spare.pop()) if self._spare else self.ops.zeros(self.weights, self.layout.numel)

@@ -12,17 +12,19 @@ this rank waiting at most ``timeout`` seconds (``PeerTimeout`` naming what it wa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-import hetpipe_core
 from hetpipe.plan.types import Plan
 from hetpipe.ps.core_plane import CoreShardServer, CoreShardState, choose_plane
-from hetpipe.ps.server import ShardServer
+from hetpipe.ps.server import ShardServer, ShardServerBase
 from hetpipe.ps.shard import ShardLog, ShardState
+from hetpipe.schedule.trace import TraceEvent
+from hetpipe.transport.base import Transport
 from hetpipe.transport.drive import drive
 from hetpipe.transport.mpi import MPITransport
+from hetpipe.transport.slots import shard_pool
 
 
 @dataclass
@@ -50,6 +52,25 @@ def layer_vectors(plan: Plan, arrays: Sequence, what: str) -> List[np.ndarray]:
     return out
 
 
+def shard_server(plan: Plan, shard: int, weights: Mapping[int, np.ndarray], buffers: Mapping[int, np.ndarray],
+                 transport: Transport, pool, *, comm: Any = None,
+                 replicas: Optional[Mapping[Tuple[int, int], Sequence[Tuple[int, int, int]]]] = None,
+                 momentum: Optional[Mapping[int, np.ndarray]] = None, audit: bool = False,
+                 trace: Optional[List[TraceEvent]] = None, t0: float = 0.0) -> ShardServerBase:
+    """Shard ``shard`` of ``plan`` holding ``weights`` and ``buffers`` of its layers: the compiled core's
+    data plane served over ``comm`` (an mpi4py communicator) when given, else the Python shard over
+    ``transport``. ``replicas[(vw, stage)]``: the tied slices that stage pulls; ``momentum``: the outer
+    momentum a resumed run continues from."""
+    stage_layers = [[(s.start, s.stop) for s in vw.stages] for vw in plan.virtual_workers]
+    options = dict(log_sums=audit, buffers=dict(buffers), replicas=replicas, aggregate=plan.aggregate,
+                   momentum=momentum, **plan.outer_options)
+    if comm is not None:
+        core = CoreShardState(shard, dict(weights), stage_layers, plan.d, **options)
+        return CoreShardServer(core, transport, pool, plan.num_stage_ranks, comm, trace=trace, t0=t0)
+    state = ShardState(shard, dict(weights), stage_layers, plan.d, **options)
+    return ShardServer(state, transport, pool, plan.num_stage_ranks, trace=trace, t0=t0)
+
+
 def serve_shard(comm, plan: Plan, layer_weights: Sequence, *, layer_buffers: Optional[Sequence] = None,
                 timeout: float = 120.0, audit: bool = False, plane: Optional[str] = None) -> ShardOutcome:
     """Serve this rank's PS shard of ``plan`` over ``comm`` (an mpi4py communicator) until every stage
@@ -65,21 +86,14 @@ def serve_shard(comm, plan: Plan, layer_weights: Sequence, *, layer_buffers: Opt
     buffers = layer_vectors(plan, layer_buffers, "buffers") if layer_buffers is not None else \
         [np.zeros(0, np.float32)] * plan.num_layers
     owned = plan.ps_shards[shard].layers
-    stage_layers = [[(s.start, s.stop) for s in vw.stages] for vw in plan.virtual_workers]
-    options = dict(log_sums=audit, buffers={l: buffers[l] for l in owned}, aggregate=plan.aggregate,
-                   **plan.outer_options)
     chosen = plane or choose_plane(comm)[0]
-    if chosen == "core":
-        state = CoreShardState(shard, {l: weights[l] for l in owned}, stage_layers, plan.d, **options)
-        pool = hetpipe_core.PinnedBufferPool(1, 4096, -1)
-        server = CoreShardServer(state, MPITransport(comm, pool), pool, plan.num_stage_ranks, comm)
-    else:
-        state = ShardState(shard, {l: weights[l] for l in owned}, stage_layers, plan.d, **options)
-        biggest = 4 * max(sum(weights[l].size + buffers[l].size for l in owned if st.start <= l < st.stop)
-                          for vw in plan.virtual_workers for st in vw.stages)
-        pool = hetpipe_core.PinnedBufferPool(2 * plan.num_stage_ranks + 8, max(4096, -(-biggest // 4096) * 4096), -1)
-        server = ShardServer(state, MPITransport(comm, pool), pool, plan.num_stage_ranks)
+    biggest = 4 * max(sum(weights[l].size + buffers[l].size for l in owned if st.start <= l < st.stop)
+                      for vw in plan.virtual_workers for st in vw.stages)
+    pool = shard_pool(plan.num_stage_ranks, biggest, chosen)
+    server = shard_server(plan, shard, {l: weights[l] for l in owned}, {l: buffers[l] for l in owned},
+                          MPITransport(comm, pool), pool, comm=comm if chosen == "core" else None, audit=audit)
     drive(server, timeout, f"hetpipe: rank {rank} (ps shard {shard})")
     server.transport.close()
+    state = server.state
     return ShardOutcome(shard, {l: np.array(state.W[l]) for l in owned}, {l: np.array(state.B[l]) for l in owned},
                         state.log, chosen)

@@ -12,12 +12,12 @@ from __future__ import annotations
 import time
 from typing import Callable, Dict
 
-import hetpipe_core
 from hetpipe.plan.types import Plan
 from hetpipe.transport.array_link import ArrayLink
 from hetpipe.transport.backoff import Backoff
 from hetpipe.transport.drive import PeerTimeout
 from hetpipe.transport.mpi import MPITransport
+from hetpipe.transport.slots import stage_pool
 
 
 class WorkerRank:
@@ -31,8 +31,7 @@ class WorkerRank:
         self.plan, self.vw, self.stage, self.timeout = plan, a, b, timeout
         self.num_stages = len(plan.virtual_workers[a].stages)
         self.all_shard_ranks: Dict[int, int] = {sh.index: plan.ps_rank(sh.index) for sh in plan.ps_shards}
-        slots = 2 * plan.nm + 2 * len(plan.ps_shards) + 8
-        self.pool = hetpipe_core.PinnedBufferPool(slots, max(4096, -(-slot_bytes // 4096) * 4096), -1)
+        self.pool = stage_pool(plan.nm, len(plan.ps_shards), slot_bytes)
         self.transport = MPITransport(comm, self.pool)
         self.link = ArrayLink(self.transport, self.pool)
 

@@ -10,12 +10,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-import hetpipe_core
 from hetpipe.model.contract import LayerFailure, boundary_bytes
 from hetpipe.model.tree import on_wire
 from hetpipe.plan.types import Plan
-from hetpipe.ps.server import ShardServer
-from hetpipe.ps.shard import ShardState
+from hetpipe.ps.serve import shard_server
+from hetpipe.ps.server import ShardServerBase
 from hetpipe.run.spec import RunSpec
 from hetpipe.schedule.trace import TraceEvent
 from hetpipe.stage.evaluate import Evaluation
@@ -26,13 +25,10 @@ from hetpipe.loader.source import CHECKED, INPUTS, LABELS
 from hetpipe.stage.feed import MinibatchFeed
 from hetpipe.stage.pacer import Pacer
 from hetpipe.stage.params import StageModel, TiedKey
+from hetpipe.transport import slots
 from hetpipe.transport.base import Transport
 from hetpipe.transport.device_copy import CopyStager
 from hetpipe.transport.link import StageLink
-
-
-def _round_slot(nbytes: int) -> int:
-    return max(4096, -(-nbytes // 4096) * 4096)
 
 
 def _pin_device(device: Optional[torch.device]) -> int:
@@ -50,22 +46,20 @@ def stage_pool(spec: RunSpec, vw: int, stage: int):
                        + sum(r.numel for r in lay.stage_replicas(st.start, st.stop)))
     act = max(boundary_bytes(spec.boundaries[st.start], spec.sample_batch),
               boundary_bytes(spec.boundaries[st.stop], spec.sample_batch))
-    slots = 2 * spec.plan.nm + 2 * len(spec.plan.ps_shards) + 8
     device = _pin_device(spec.devices.get(spec.plan.rank_of(vw, stage)))
-    return hetpipe_core.PinnedBufferPool(slots, _round_slot(max(act, param_bytes)), device)
+    return slots.stage_pool(spec.plan.nm, len(spec.plan.ps_shards), max(act, param_bytes), device)
 
 
 def shard_pool(spec: RunSpec, shard: int, plane: str = "python"):
-    """A PS shard's slots: ordinary host memory (device -1), so a PS rank opens no CUDA context. The
-    core plane receives and sends in place, so its Python side (DONE messages only) needs one small slot."""
+    """A PS shard's slots (:func:`hetpipe.transport.slots.shard_pool`), sized for its largest push."""
     if plane == "core":
-        return hetpipe_core.PinnedBufferPool(1, 4096, -1)
+        return slots.shard_pool(spec.plan.num_stage_ranks, 0, plane)
     owned = spec.plan.ps_shards[shard].layers
     lay = spec.layout
     biggest = max((4 * (sum(lay.numel(l) + lay.buffer_numel(l) for l in owned if st.start <= l < st.stop)
                         + sum(r.numel for r in lay.stage_replicas(st.start, st.stop) if r.owner in owned))
                    for vw in spec.plan.virtual_workers for st in vw.stages), default=0)
-    return hetpipe_core.PinnedBufferPool(2 * spec.plan.num_stage_ranks + 8, _round_slot(biggest), -1)
+    return slots.shard_pool(spec.plan.num_stage_ranks, biggest)
 
 
 def shard_layers(plan: Plan) -> Dict[int, Sequence[int]]:
@@ -155,29 +149,21 @@ def stage_pairs(spec: RunSpec) -> List[Tuple[int, int]]:
 
 
 def build_shard(spec: RunSpec, shard: int, transport: Transport, pool, *,
-                trace: Optional[List[TraceEvent]] = None, t0: float = 0.0, comm: Any = None) -> ShardServer:
+                trace: Optional[List[TraceEvent]] = None, t0: float = 0.0, comm: Any = None) -> ShardServerBase:
     """The shard's server: the compiled core's data plane served over ``comm`` (an mpi4py communicator)
     when given (see :mod:`hetpipe.ps.core_plane`), else the Python shard over ``transport``."""
     plan, lay = spec.plan, spec.layout
     owned = plan.ps_shards[shard].layers
     weights = {l: lay.flat(l) for l in owned}
     buffers = {l: lay.flat_buffers(l) for l in owned}
-    stage_layers = [[(s.start, s.stop) for s in vw.stages] for vw in plan.virtual_workers]
     replicas = {(vw.index, k): [(r.owner, r.offset, r.numel) for r in lay.stage_replicas(st.start, st.stop)
                                 if r.owner in owned]
                 for vw in plan.virtual_workers for k, st in enumerate(vw.stages)}
     # The outer momentum a resumed run continues from (a checkpoint without it: zeros).
     momentum = spec.resume.checkpoint.global_momentum() if spec.resume is not None else {}
     momentum = {l: m for l, m in momentum.items() if l in owned}
-    if comm is not None:
-        from hetpipe.ps.core_plane import CoreShardServer, CoreShardState
-
-        core = CoreShardState(shard, weights, stage_layers, plan.d, log_sums=spec.audit, buffers=buffers,
-                              replicas=replicas, aggregate=plan.aggregate, momentum=momentum, **plan.outer_options)
-        return CoreShardServer(core, transport, pool, plan.num_stage_ranks, comm, trace=trace, t0=t0)
-    state = ShardState(shard, weights, stage_layers, plan.d, log_sums=spec.audit, buffers=buffers,
-                       replicas=replicas, aggregate=plan.aggregate, momentum=momentum, **plan.outer_options)
-    return ShardServer(state, transport, pool, plan.num_stage_ranks, trace=trace, t0=t0)
+    return shard_server(plan, shard, weights, buffers, transport, pool, comm=comm, replicas=replicas,
+                        momentum=momentum, audit=spec.audit, trace=trace, t0=t0)
 
 
 

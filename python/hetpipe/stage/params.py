@@ -396,7 +396,7 @@ class StageModel:
         per micro-batch, the flat gradients of the tied parameters this stage shares with stage ``s``
         (:meth:`keys_shared_with`); each tied gradient becomes the sum, in stage order, of every
         holding stage's micro-batch sum, so every holder takes the same step."""
-        self.ledger.check_open(wave, f"Apply of micro-batch(es) {list(micros)}")
+        self.ledger.check_open(wave, lambda: f"Apply of micro-batch(es) {list(micros)}")
         # Tied gradients first, while the stashes hold them.
         tied: Dict[TiedKey, torch.Tensor] = {}
         if self.tied_keys:
