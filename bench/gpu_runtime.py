@@ -45,6 +45,7 @@ import torch
 
 from hetpipe.launch.mpiexec import mpiexec_path
 from hetpipe.job.procs import environment_marker, processes_with, send
+from hetpipe import Reporting
 
 GOAL_RATIO = 0.85
 GOAL_MEMORY_ERROR = 0.10
@@ -174,8 +175,8 @@ def role_hetpipe(args, tied: bool, d: int, metrics: str) -> None:
 
     layers, loss_fn = adapt(gpt2(args, tied))
     plan = plan_for(args, len(layers), d)
-    run = Trainer(layers, loss_fn, adamw, minibatches(args), plan=plan, epochs=1, progress=False,
-                  metrics=metrics).fit()
+    run = Trainer(layers, loss_fn, adamw, minibatches(args), plan=plan, epochs=1,
+                  reporting=Reporting(progress=False, metrics=metrics)).fit()
     stage_ranks = {plan.rank_of(0, s): s for s in range(args.stages)}
     mine: Dict[str, Any] = {"rank": run.rank, "role": run.role, "pid": os.getpid(),
                             "stage": stage_ranks.get(run.rank),

@@ -51,6 +51,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Tuple
+from hetpipe import Reporting, Runtime
 
 HERE = Path(__file__).resolve()
 MODELS = {"tiny": {"width": 32, "depth": 6, "batch": 16},
@@ -100,7 +101,8 @@ def worker(args) -> None:
     plan = Plan(len(layers), args.nm, args.d, "manual", (VirtualWorkerPlan(0, stages),),
                 (ShardPlan(0, "n0", tuple(range(len(layers)))),))
     trainer = Trainer(layers, nn.functional.cross_entropy, lambda p: torch.optim.SGD(p, lr=0.01),
-                      _data(args.model, args.n), plan=plan, epochs=1, progress=False, emulate=False)
+                      _data(args.model, args.n), plan=plan, epochs=1, reporting=Reporting(progress=False),
+                      runtime=Runtime(emulate=False))
     if args.replay:
         cpu0 = time.process_time()
         trainer.replay()

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan  # noqa: E402
 from hetpipe.run.trainer import Trainer  # noqa: E402
+from hetpipe import Numerics, Reporting
 
 EPOCHS, BATCH, N = 2, 16, 128
 
@@ -97,7 +98,7 @@ def hetpipe(ps: bool = True, **kw) -> Tuple[List[float], nn.Module]:
     model = mlp()
     data = kw.pop("data", DataLoader(dataset(), batch_size=BATCH, shuffle=True, drop_last=True))
     r = Trainer(model, nn.functional.cross_entropy, kw.pop("optimizer", sgd), data, plan=plan(ps), epochs=EPOCHS,
-                progress=False, seed=0, **kw).replay()
+                numerics=Numerics(seed=0, **kw.pop("numerics", {})), reporting=Reporting(progress=False), **kw).replay()
     return [v for _, v in sorted(r.losses[0].items())], model
 
 
@@ -127,14 +128,15 @@ def main() -> int:
          plain(lambda m, s, x, y, k: sgd_step(m, s, x, y, k), with_opt), {}, None),
         ("lr_scheduler=StepLR", "plain loop + scheduler.step()",
          plain(lambda m, s, x, y, k: sgd_step(m, s, x, y, k, sched=True), with_sched),
-         {"lr_scheduler": step_lr}, {}),
+         {"numerics": {"lr_scheduler": step_lr}}, {}),
         ("clip_grad_norm=0.3 (3 stages)", "clip_grad_norm_ on the whole model",
-         plain(lambda m, s, x, y, k: sgd_step(m, s, x, y, k, clip=0.3), with_opt), {"clip_grad_norm": 0.3}, {}),
+         plain(lambda m, s, x, y, k: sgd_step(m, s, x, y, k, clip=0.3), with_opt), {"numerics": {"clip_grad_norm": 0.3}}, {}),
         ("accumulate=4", "loss / 4, step every 4",
-         plain(lambda m, s, x, y, k: sgd_step(m, s, x, y, k, accumulate=4), with_opt), {"accumulate": 4}, {}),
+         plain(lambda m, s, x, y, k: sgd_step(m, s, x, y, k, accumulate=4), with_opt), {"numerics": {"accumulate": 4}}, {}),
         ("fp16 + loss scaling (no PS)", "autocast fp16 + GradScaler",
          plain(lambda m, s, x, y, k: sgd_step(m, s, x, y, k, scaler=scaler["s"]), fp16_setup),
-         {"precision": "fp16", "loss_scale": {"init_scale": 2.0 ** 40, "growth_interval": 3}, "ps": False},
+         {"numerics": {"precision": "fp16", "loss_scale": {"init_scale": 2.0 ** 40, "growth_interval": 3}},
+          "ps": False},
          {"ps": False}),
     ]
     print("hetpipe's training-job features against plain PyTorch, one process (hetpipe: replay of 1 VW x 3 stages, "

@@ -28,6 +28,7 @@ from torch import nn
 
 from hetpipe.launch.mpiexec import mpiexec_path
 from hetpipe.transport.backoff import Backoff
+from hetpipe import Reporting, Runtime
 
 BACKENDS = ("mpi-host", "torch-p2p")
 WARMUP = 10
@@ -124,7 +125,7 @@ def train_worker(args) -> None:
     plan = Plan(6, 2, 0, "manual", (VirtualWorkerPlan(0, stages),), (ShardPlan(0, "n0", tuple(range(6))),))
     run = Trainer(list(_model(args.width)), nn.functional.cross_entropy,
                   lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), data, plan=plan, epochs=1,
-                  progress=False, transport=args.worker_backend).fit()
+                  reporting=Reporting(progress=False), runtime=Runtime(transport=args.worker_backend)).fit()
     if run.rank == 0:
         print("RESULT " + json.dumps({"samples_per_s": run.samples_per_s, "transport": run.transport}), flush=True)
 

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from hetpipe import Planning, Reporting, Runtime
+
 StepLoss = Callable[[nn.Module, Any, Any], torch.Tensor]
 
 
@@ -98,8 +100,9 @@ def add_run_options(p: argparse.ArgumentParser, epochs: int) -> None:
 
 def run_options(args: argparse.Namespace) -> Dict[str, Any]:
     """Trainer keyword arguments from :func:`add_run_options`' options."""
-    return {"plan": args.plan, "cluster": "cpu-emulated", "policy": args.policy, "nm": args.nm, "d": args.d,
-            "epochs": args.epochs, "emulation_scale": args.emulation_scale, "progress": False}
+    return {"plan": args.plan, "epochs": args.epochs,
+            "planning": Planning(cluster="cpu-emulated", policy=args.policy, nm=args.nm, d=args.d),
+            "runtime": Runtime(emulation_scale=args.emulation_scale), "reporting": Reporting(progress=False)}
 
 
 def finish(name: str, result: Any, model: nn.Module, plain_model: nn.Module, step_loss: StepLoss,

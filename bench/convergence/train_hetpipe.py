@@ -36,6 +36,7 @@ from hetpipe.ps.core_plane import PLANE_ENV
 from hetpipe.run.trainer import Trainer
 from job import Job, load_jobs
 from task import MinibatchStream, build_layers, corpus, loss_fn, optimizer
+from hetpipe import Reporting, Runtime
 
 
 class RecordingServer(ShardServer):
@@ -84,7 +85,8 @@ def train(job: Job, comm, rank: int) -> Optional[dict]:
         rule += f" + {job.outer} lr {job.outer_lr:g}" + (f" momentum {job.outer_momentum:g}"
                                                          if job.outer == "nesterov" else "")
     result = Trainer(build_layers(job.task, job.seed), loss_fn, lambda p: optimizer(p, job.lr), data, plan=plan,
-                     emulate=True, progress=False, timeout=job.timeout_s, **extra).fit()
+                     reporting=Reporting(progress=False), runtime=Runtime(emulate=True, timeout=job.timeout_s),
+                     **extra).fit()
     pacers = e2e.RecordingPacer.instances
     role = role_of(plan, rank)
     mine = {"rank": rank, "role": result.role, "elapsed_s": result.elapsed_s,

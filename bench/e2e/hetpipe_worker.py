@@ -28,6 +28,7 @@ from hetpipe.run.data import Batches
 from hetpipe.stage.pacer import Pacer
 from hetpipe.run.trainer import Trainer
 from model import build_layers, loss_fn, synthetic_batches
+from hetpipe import Reporting, Runtime
 
 
 class RecordingPacer(Pacer):
@@ -73,7 +74,7 @@ def main(cfg_path: str, out_path: str) -> None:
     data = Batches(x, y, mb, shuffle=False)
     trace_file = Path(tempfile.mkdtemp()) / "trace.json"
     result = Trainer(build_layers(cfg.spec), loss_fn, lambda p: torch.optim.SGD(p, lr=0.01), data, plan=plan,
-                     emulate=True, trace=trace_file, progress=False).fit()
+                     reporting=Reporting(trace=trace_file, progress=False), runtime=Runtime(emulate=True)).fit()
     pacers = RecordingPacer.instances
     role = role_of(plan, rank)
     if role.kind == "stage":

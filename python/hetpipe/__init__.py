@@ -13,6 +13,13 @@ _LAZY = {
     "PerVWSource": "hetpipe.loader.source",
     "Plan": "hetpipe.plan.types",
     "named_params": "hetpipe.model.names",
+    "Planning": "hetpipe.run.config",
+    "PSRule": "hetpipe.run.config",
+    "Numerics": "hetpipe.run.config",
+    "Checkpointing": "hetpipe.run.config",
+    "Reporting": "hetpipe.run.config",
+    "Runtime": "hetpipe.run.config",
+    "HetpipeDeprecationWarning": "hetpipe.run.config",
 }
 
 
@@ -25,4 +32,5 @@ def __getattr__(name):
 
 
 __all__ = ["Trainer", "TrainResult", "Batches", "DatasetSource", "StreamSource", "PerVWSource", "Plan", "named_params",
+           "Planning", "PSRule", "Numerics", "Checkpointing", "Reporting", "Runtime", "HetpipeDeprecationWarning",
            "__version__"]

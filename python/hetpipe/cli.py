@@ -300,17 +300,17 @@ def _add_launch_command(sub) -> None:
     p.add_argument("--hostfile", help="hosts to run on, one per line: host, host:slots or host slots=N; ranks fill "
                                       "the slots in order (default: -H, else the Slurm allocation, else this host)")
     p.add_argument("-H", "--hosts", dest="hosts", metavar="HOST:SLOTS,...", help="hosts to run on, as host:slots,...")
-    p.add_argument("--plan", metavar="PLAN", help="train this plan (sets HETPIPE_PLAN) and put each rank on the host "
+    p.add_argument("--plan", metavar="PLAN", help="train this plan (the script's plan= must be none or the same) and put each rank on the host "
                                                   "its node names; each node of the plan must be a host of the list")
     p.add_argument("--cluster", metavar="SPEC", help="the cluster a script's Trainer plans on when it names none: "
                                                      "auto (discover the ranks' devices), a preset or a JSON file "
-                                                     "(sets HETPIPE_CLUSTER)")
+                                                     "(the script's planning.cluster must be unset or the same)")
     p.add_argument("--emulate-hosts", action="store_true",
                    help="run every rank on this machine, each counting as the host the list gives it (HETPIPE_HOST): "
                         "multi-node placement and supervision tested on one machine")
     p.add_argument("--mpi-arg", action="append", default=[], metavar="ARG",
                    help="pass ARG to mpiexec as it is (repeat for several, e.g. --mpi-arg=-genv --mpi-arg=X --mpi-arg=1)")
-    p.add_argument("--timeout", type=arg_seconds("--timeout"), help="seconds a rank may wait for a peer (sets HETPIPE_TIMEOUT); "
+    p.add_argument("--timeout", type=arg_seconds("--timeout"), help="seconds a rank may wait for a peer (runtime.timeout); "
                                                  "a rank stopped for half of it is declared unresponsive")
     p.add_argument("--start-timeout", type=arg_seconds("--start-timeout"), metavar="SECONDS",
                    help="seconds every rank gets to reach MPI start-up before the launcher names the ones that did "
@@ -321,7 +321,7 @@ def _add_launch_command(sub) -> None:
     p.add_argument("--run-dir", help="directory for the ranks' pids and the run's outcome.json (default: a "
                                      "temporary one, kept only if the run fails)")
     p.add_argument("--checkpoint-dir", help="checkpoint every --checkpoint-every waves into this directory (for a "
-                                            "script whose Trainer sets no checkpoint_dir)")
+                                            "script whose Trainer sets no checkpointing.dir)")
     p.add_argument("--checkpoint-every", type=arg_whole("--checkpoint-every"), help="waves between checkpoints (default 1)")
     p.add_argument("--resume", metavar="DIR", help="resume from the latest complete checkpoint in DIR")
     p.add_argument("--max-restarts", type=arg_whole("--max-restarts", 0), default=0,
@@ -332,9 +332,9 @@ def _add_launch_command(sub) -> None:
                    help="mark a device of the plan failed: resume (--resume) without the VW holding it")
     p.add_argument("--plan-cache", metavar="DIR", help="reuse the plan, profile and cluster kept in DIR when the "
                                                       "model, cluster and settings match, else plan and keep them "
-                                                      "there (sets HETPIPE_PLAN_CACHE)")
-    p.add_argument("--transport", help="the stage ranks' transport backend, e.g. torch-p2p or mpi-host (sets "
-                                       "HETPIPE_TRANSPORT; default: chosen per pair of stages, reported in the metrics)")
+                                                      "there (planning.plan_cache)")
+    p.add_argument("--transport", help="the stage ranks' transport backend, e.g. torch-p2p or mpi-host "
+                                       "(runtime.transport; default: chosen per pair of stages, reported in the metrics)")
     p.add_argument("script", help="the Python script every rank runs")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
 
@@ -344,31 +344,32 @@ def _run_launch(args) -> int:
     from pathlib import Path
 
     from hetpipe.checkpoint.format import CheckpointError
+    from hetpipe.job.launch_file import LaunchSettings
     from hetpipe.job.world import MPIUnavailable
     from hetpipe.launch.mpiexec import launch
 
-    if args.timeout is not None:
-        os.environ["HETPIPE_TIMEOUT"] = str(args.timeout)
     if args.transport is not None:
-        from hetpipe.transport.registry import TRANSPORT_ENV, names
+        from hetpipe.transport.registry import names
 
         if args.transport not in names():
             print(f"hetpipe launch: --transport must be one of {', '.join(names())}, got {args.transport!r}",
                   file=sys.stderr)
             return 2
-        os.environ[TRANSPORT_ENV] = args.transport
     if args.term_grace is not None:
         os.environ["HETPIPE_TERM_GRACE"] = str(args.term_grace)
     if args.start_timeout is not None:
         os.environ["HETPIPE_START_TIMEOUT"] = str(args.start_timeout)
-    if args.plan_cache is not None:
-        from hetpipe.run.plan_cache import PLAN_CACHE_ENV
 
-        os.environ[PLAN_CACHE_ENV] = str(Path(args.plan_cache).resolve())
-    if args.cluster is not None:
-        os.environ["HETPIPE_CLUSTER"] = args.cluster
+    def absolute(path):
+        return str(Path(path).resolve()) if path is not None else None
+
     try:
         placement = _placement(args)
+        # The ranks' run file (hetpipe.job.launch_file): what this launch asks of the script's Trainer.
+        settings = LaunchSettings(cluster=args.cluster, plan_cache=absolute(args.plan_cache), plan=absolute(args.plan),
+                                  plan_reason="hetpipe launch --plan" if args.plan else None,
+                                  checkpoint_dir=absolute(args.checkpoint_dir), checkpoint_every=args.checkpoint_every,
+                                  resume=absolute(args.resume), transport=args.transport, timeout=args.timeout)
         if args.max_restarts or args.resume or args.checkpoint_dir or args.exclude_device or \
                 args.checkpoint_every is not None:
             from hetpipe.launch.restart import launch_with_restarts
@@ -376,11 +377,10 @@ def _run_launch(args) -> int:
             if args.max_restarts < 0:
                 raise ValueError(f"hetpipe launch: --max-restarts must be >= 0, got {args.max_restarts}")
             return launch_with_restarts(args.n, [args.script, *args.args], run_dir=args.run_dir,
-                                        max_restarts=args.max_restarts, resume=args.resume,
-                                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                                        max_restarts=args.max_restarts, settings=settings,
                                         exclude=args.exclude_device, placement=placement, mpi_args=args.mpi_arg)
         return launch(args.n, [args.script, *args.args], run_dir=args.run_dir, placement=placement,
-                      mpi_args=args.mpi_arg)
+                      mpi_args=args.mpi_arg, settings=settings)
     except (MPIUnavailable, ValueError, CheckpointError) as e:
         print(e, file=sys.stderr)
         return 2
@@ -389,10 +389,7 @@ def _run_launch(args) -> int:
 def _placement(args):
     """The launch's :class:`~hetpipe.launch.hosts.Placement` (None: every rank on this host); sets
     ``args.n`` from ``--plan`` when not given."""
-    import os
-    from pathlib import Path
 
-    from hetpipe.checkpoint.format import PLAN_ENV
     from hetpipe.job.placement import node_of
     from hetpipe.launch.hosts import HostsError, Placement, choose
     from hetpipe.plan.types import Plan
@@ -404,7 +401,6 @@ def _placement(args):
             raise ValueError("hetpipe launch: --plan places the ranks of one plan; --max-restarts re-plans, so "
                              "they do not go together (use a plan cache instead)")
         plan = Plan.load(args.plan)
-        os.environ[PLAN_ENV] = str(Path(args.plan).resolve())
         args.n = args.n or plan.num_ranks
         if args.n != plan.num_ranks:
             raise ValueError(f"hetpipe launch: the plan {args.plan} needs {plan.num_ranks} ranks, -n is {args.n}")

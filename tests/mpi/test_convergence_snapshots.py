@@ -5,7 +5,6 @@ reproducible), and the next-to-last against a replay one wave shorter."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import sys
 from pathlib import Path
 
@@ -20,7 +19,8 @@ import snapshots  # noqa: E402
 from hetpipe.cluster import load_cluster  # noqa: E402
 from hetpipe.plan import make_plan  # noqa: E402
 from hetpipe.model.measure import profile_model  # noqa: E402
-from hetpipe.run.trainer import Trainer
+from hetpipe.run.trainer import Trainer  # noqa: E402
+from hetpipe.run.config import PSRule  # noqa: E402
 from job import Job, save_jobs  # noqa: E402
 from launch import run_worker  # noqa: E402
 from task import MinibatchStream, TaskSpec, build_layers, corpus, loss_fn, optimizer  # noqa: E402
@@ -30,8 +30,8 @@ TINY = TaskSpec(context=16, width=16, heads=2, blocks=2, minibatch=4, train_byte
 
 def replay_weights(plan, text, minibatches: int, lr: float) -> dict:
     data = MinibatchStream(text, TINY, seed=5, count=minibatches)
-    rule = {"aggregate": "sum"} if "aggregate" in inspect.signature(Trainer).parameters else {}
-    trainer = Trainer(build_layers(TINY, 5), loss_fn, lambda p: optimizer(p, lr), data, plan=plan, **rule)
+    trainer = Trainer(build_layers(TINY, 5), loss_fn, lambda p: optimizer(p, lr), data, plan=plan,
+                      ps=PSRule(aggregate="sum"))
     return trainer.replay().weights
 
 

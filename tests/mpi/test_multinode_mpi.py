@@ -14,6 +14,7 @@ import pytest
 
 from mpirun import SCRIPTS
 from test_faults import Run
+from hetpipe.run.config import Planning
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow,
               pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfd_open (Linux >= 5.3)")]
@@ -33,7 +34,8 @@ def emulated_plan(tmp_path_factory):
 
     from hetpipe.run.trainer import Trainer
 
-    plan = Trainer(mlp(), cross_entropy, sgd(), synthetic(n=256), cluster="cpu-emulated", nm=2, d=0).resolve_plan()
+    plan = Trainer(mlp(), cross_entropy, sgd(), synthetic(n=256),
+                   planning=Planning(cluster="cpu-emulated", nm=2, d=0)).resolve_plan()
     path = tmp_path_factory.mktemp("plan") / "plan.json"
     plan.save(path)
     return path, plan
@@ -63,7 +65,7 @@ def test_a_rank_on_the_wrong_node_is_named_before_anything_starts(tmp_path, emul
     wrong = ["n1" if _node(plan, r) == "n0" else "n0" for r in range(plan.num_ranks)]
     hosts = ",".join(f"{h}:1" for h in wrong)
     proc = _launch("--emulate-hosts", "-H", hosts, "-n", str(plan.num_ranks), "--run-dir", str(tmp_path / "run"),
-                   "plan_cache_run.py", str(tmp_path / "out"), extra={"HETPIPE_PLAN": str(path)})
+                   "plan_cache_run.py", str(tmp_path / "out"), str(path))
     assert proc.returncode != 0
     assert f"rank 0 (vw 0 stage 0 on {wrong[0]}) runs on host {wrong[0]} but the plan puts it on node " \
            f"{_node(plan, 0)}" in proc.stderr, proc.stderr

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from mpirun import SCRIPTS
+from hetpipe.run.config import Planning
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -26,8 +27,8 @@ def test_identical_launches_with_a_plan_cache_train_the_same_plan_and_losses(tmp
 
     from hetpipe.run.trainer import Trainer
 
-    ranks = Trainer(mlp(), cross_entropy, sgd(), synthetic(n=256), cluster="cpu-emulated", nm=2, d=0,
-                    plan_cache=tmp_path / "probe").resolve_plan().num_ranks
+    ranks = Trainer(mlp(), cross_entropy, sgd(), synthetic(n=256),
+                    planning=Planning(cluster="cpu-emulated", nm=2, d=0, plan_cache=tmp_path / "probe")).resolve_plan().num_ranks
     cache = tmp_path / "cache"
     first = _launch(ranks, cache, tmp_path / "first")
     assert first.returncode == 0, first.stderr

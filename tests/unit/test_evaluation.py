@@ -18,6 +18,7 @@ from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic, two_vw_plan 
 from hetpipe.run.callbacks import Callback  # noqa: E402
 from hetpipe.run.data import Batches  # noqa: E402
 from hetpipe.run.trainer import Trainer  # noqa: E402
+from hetpipe.run.config import Numerics, Reporting
 
 
 def accuracy(out, y):
@@ -56,7 +57,7 @@ def test_evaluation_points_equal_plain_pytorch_eval_mode(make, data, cuts, layer
     held.shuffle = False
     n = layers or len(list(make()))
     result = Trainer(make(), cross_entropy, sgd(), train, plan=one_vw_plan(cuts, nm=1, d=0, num_layers=n),
-                     progress=False, eval_data=held, eval_every=2, eval_metric=accuracy).replay()
+                     reporting=Reporting(progress=False, eval_data=held, eval_every=2, eval_metric=accuracy)).replay()
     want = _plain_with_evals(make(), data(), held, every=2)
     got = [(e["wave"], e["loss"], e["metric"]) for e in result.evals]
     last = max(result.losses[0])
@@ -90,12 +91,12 @@ def test_an_early_stop_trains_exactly_the_waves_up_to_the_stop_plus_d_plus_one()
     weights are bitwise those of the run given only waves 0..3's minibatches."""
     cb = Recorder(stop_at_eval=2)
     plan = one_vw_plan([3], nm=2, d=0)
-    stopped = Trainer(mlp(), cross_entropy, sgd(), _seq_data(16), plan=plan, progress=False, eval_every=1,
-                      callbacks=[cb]).replay()
+    stopped = Trainer(mlp(), cross_entropy, sgd(), _seq_data(16), plan=plan,
+                      reporting=Reporting(progress=False, eval_every=1, callbacks=[cb])).replay()
     assert stopped.stopped_after == 3 and sorted(stopped.losses[0]) == list(range(8))
     full = _seq_data(16)
     short = Trainer(mlp(), cross_entropy, sgd(), Batches(full.x[:128], full.y[:128], 16, shuffle=False), plan=plan,
-                    progress=False).replay()
+                    reporting=Reporting(progress=False)).replay()
     assert stopped.losses == short.losses
     assert all(torch.equal(torch.from_numpy(stopped.weights[l]), torch.from_numpy(short.weights[l]))
                for l in short.weights)
@@ -108,8 +109,8 @@ def test_an_early_stop_trains_exactly_the_waves_up_to_the_stop_plus_d_plus_one()
 def test_an_early_stop_with_two_vws_and_staleness_keeps_every_vw_on_the_same_waves():
     cb = Recorder(stop_at_eval=1)
     plan = two_vw_plan(([3], [2]), (0.0, 0.0), nm=2, d=1)
-    result = Trainer(mlp(), cross_entropy, sgd(), _seq_data(40), plan=plan, progress=False, eval_every=2,
-                     callbacks=[cb]).replay()
+    result = Trainer(mlp(), cross_entropy, sgd(), _seq_data(40), plan=plan,
+                     reporting=Reporting(progress=False, eval_every=2, callbacks=[cb])).replay()
     # Asked after wave 1: waves up to 1 + D + 1 = 3 are trained by both VWs, 4 x 2 minibatches each.
     assert result.stopped_after == 3
     assert {vw: sorted(l) for vw, l in result.losses.items()} == {0: list(range(8)), 1: list(range(8))}
@@ -121,15 +122,15 @@ def test_a_stop_asked_by_on_wave_end_takes_effect_at_the_next_evaluation_point()
         def on_wave_end(self, info):
             return info.wave == 1
 
-    result = Trainer(mlp(), cross_entropy, sgd(), _seq_data(20), plan=one_vw_plan([3], nm=2, d=0), progress=False,
-                     eval_every=3, callbacks=[StopAtWave1()]).replay()
+    result = Trainer(mlp(), cross_entropy, sgd(), _seq_data(20), plan=one_vw_plan([3], nm=2, d=0),
+                     reporting=Reporting(progress=False, eval_every=3, callbacks=[StopAtWave1()])).replay()
     assert result.stopped_after == 3          # evaluation point after wave 2, + D + 1
 
 
 def test_a_stop_asked_too_late_to_matter_trains_everything():
     """3 waves; a stop asked after wave 1 would end the run after wave 1 + D + 1 = 2, its last anyway."""
-    result = Trainer(mlp(), cross_entropy, sgd(), _seq_data(6), plan=one_vw_plan([3], nm=2, d=0), progress=False,
-                     eval_every=2, callbacks=[Recorder(stop_at_eval=0)]).replay()
+    result = Trainer(mlp(), cross_entropy, sgd(), _seq_data(6), plan=one_vw_plan([3], nm=2, d=0),
+                     reporting=Reporting(progress=False, eval_every=2, callbacks=[Recorder(stop_at_eval=0)])).replay()
     assert result.stopped_after is None and sorted(result.losses[0]) == list(range(6))
 
 
@@ -137,10 +138,9 @@ def test_metrics_and_tensorboard_carry_waves_and_evaluations(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     held = synthetic(seed=9)
-    Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=one_vw_plan([3], nm=2, d=0), progress=False,
-            eval_data=held, eval_every=2, clip_grad_norm=1.0,
-            lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5),
-            metrics=tmp_path / "m.jsonl", tensorboard=tmp_path / "tb").replay()
+    Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=one_vw_plan([3], nm=2, d=0),
+            numerics=Numerics(clip_grad_norm=1.0, lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5)),
+            reporting=Reporting(progress=False, eval_data=held, eval_every=2, metrics=tmp_path / "m.jsonl", tensorboard=tmp_path / "tb")).replay()
     events = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     waves = [e for e in events if e["event"] == "wave"]
     evals = [e for e in events if e["event"] == "eval"]
@@ -155,10 +155,10 @@ def test_metrics_and_tensorboard_carry_waves_and_evaluations(tmp_path):
 
 
 @pytest.mark.parametrize("bad, match", [
-    ({"eval_every": 0}, r"eval_every \(waves\) must be a whole number >= 1"),
-    ({"eval_data": [1]}, "eval_data needs eval_every"),
-    ({"eval_every": 1, "eval_metric": 3}, "eval_metric must be a function"),
-    ({"callbacks": [object()]}, "has neither on_wave_end nor on_eval"),
+    ({"reporting": {"eval_every": 0}}, r"eval_every \(waves\) must be a whole number >= 1"),
+    ({"reporting": {"eval_data": [1]}}, r"reporting.eval_data needs reporting.eval_every"),
+    ({"reporting": {"eval_every": 1, "eval_metric": 3}}, "eval_metric must be a function"),
+    ({"reporting": {"callbacks": [object()]}}, "has neither on_wave_end nor on_eval"),
 ])
 def test_bad_evaluation_options_are_named(bad, match):
     with pytest.raises((TypeError, ValueError), match=match):
@@ -168,5 +168,5 @@ def test_bad_evaluation_options_are_named(bad, match):
 def test_the_evaluation_pass_leaves_modules_in_their_mode():
     model = nn.Sequential(*rm.resnet())
     Trainer(model, cross_entropy, sgd(), rm.images(), plan=one_vw_plan([1, 2], nm=1, d=0, num_layers=len(model)),
-            progress=False, eval_data=rm.images(seed=9), eval_every=1).replay()
+            reporting=Reporting(progress=False, eval_data=rm.images(seed=9), eval_every=1)).replay()
     assert all(m.training for m in model.modules())

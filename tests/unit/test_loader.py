@@ -18,6 +18,8 @@ from hetpipe.loader import DatasetSource, PerVWSource, StreamSource, as_source  
 from hetpipe.loader.check import DataMismatch, Reading, compare  # noqa: E402
 from hetpipe.loader.source import BOTH, INPUTS, LABELS  # noqa: E402
 from hetpipe.run.trainer import Trainer  # noqa: E402
+from hetpipe.run.config import Numerics, Reporting
+from hetpipe.run.config import Numerics
 
 
 def _dataset(n=100, seed=1):
@@ -64,7 +66,7 @@ def _sampler_loader(ds, batch, seed):
 def _replay(data, epochs=2, cuts=(2, 4), seed=0, **kw):
     model = mlp()
     result = Trainer(model, cross_entropy, sgd(), data, plan=one_vw_plan(list(cuts), nm=1, d=0), epochs=epochs,
-                     progress=False, seed=seed, **kw).replay()
+                     numerics=Numerics(seed=seed), reporting=Reporting(progress=False), **kw).replay()
     return model, [v for _, v in sorted(result.losses[0].items())]
 
 

@@ -16,17 +16,17 @@ from hetpipe.run.trainer import Trainer  # noqa: E402
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"timeout": float("nan")}, r"timeout must be a finite number > 0, got nan"),
-    ({"timeout": -5}, r"timeout must be a finite number > 0, got -5"),
-    ({"timeout": "soon"}, r"timeout must be a number of seconds, got 'soon'"),
-    ({"nm": 0}, r"nm must be a whole number >= 1, got 0"),
-    ({"nm": 2.5}, r"nm must be a whole number >= 1, got 2.5"),
-    ({"d": -1}, r"d must be a whole number >= 0, got -1"),
+    ({"runtime": {"timeout": float("nan")}}, r"timeout must be a finite number > 0, got nan"),
+    ({"runtime": {"timeout": -5}}, r"timeout must be a finite number > 0, got -5"),
+    ({"runtime": {"timeout": "soon"}}, r"timeout must be a number of seconds, got 'soon'"),
+    ({"planning": {"nm": 0}}, r"nm must be a whole number >= 1, got 0"),
+    ({"planning": {"nm": 2.5}}, r"nm must be a whole number >= 1, got 2.5"),
+    ({"planning": {"d": -1}}, r"d must be a whole number >= 0, got -1"),
     ({"epochs": 0}, r"epochs must be a whole number >= 1, got 0"),
     ({"epochs": True}, r"epochs must be a whole number >= 1, got True"),
-    ({"split_startup": -2}, r"split_startup must be a whole number >= 0"),
-    ({"emulation_scale": float("inf")}, r"emulation_scale must be a finite number > 0, got inf"),
-    ({"seed": -1}, r"seed must be a whole number >= 0"),
+    ({"planning": {"split_startup": -2}}, r"split_startup must be a whole number >= 0"),
+    ({"runtime": {"emulation_scale": float("inf")}}, r"emulation_scale must be a finite number > 0, got inf"),
+    ({"numerics": {"seed": -1}}, r"seed must be a whole number >= 0"),
 ])
 def test_bad_trainer_numbers_are_named(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -14,6 +14,7 @@ from hetpipe.job.roles import Role
 from hetpipe.plan.types import Plan
 from hetpipe.ps.shard import ShardState
 from hetpipe.run.checkpoints import RunCheckpoints
+from hetpipe.run.config import PSRule
 
 # One shard owning layers 0, 1, 2; VW 0 in one stage, VW 1 in two, VW 2 in two (another cut).
 LAYERS = {0: 50, 1: 33, 2: 17}
@@ -216,13 +217,13 @@ def test_trainer_overrides_the_plans_outer_fields():
     data = [(torch.randn(4, 3), torch.randn(4, 2))]
     model = [torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)]
     sgd = lambda p: torch.optim.SGD(p, lr=0.1)     # noqa: E731
-    got = Trainer(model, torch.nn.functional.mse_loss, sgd, data, plan=_plan(), outer="nesterov",
-                  outer_lr=0.5).resolve_plan()
+    got = Trainer(model, torch.nn.functional.mse_loss, sgd, data, plan=_plan(),
+                  ps=PSRule(outer="nesterov", outer_lr=0.5)).resolve_plan()
     assert got.outer_options == {"outer": "nesterov", "outer_lr": 0.5, "outer_momentum": 0.9, "outer_staleness": "none"}
     kept = Trainer(model, torch.nn.functional.mse_loss, sgd, data, plan=_plan(outer_staleness="inverse")).resolve_plan()
     assert kept.outer_staleness == "inverse"
-    with pytest.raises(ValueError, match="Trainer: outer_lr must be a finite number > 0, got 0"):
-        Trainer(model, torch.nn.functional.mse_loss, sgd, data, plan=_plan(), outer_lr=0)
+    with pytest.raises(ValueError, match="ps: outer_lr must be a finite number > 0, got 0"):
+        Trainer(model, torch.nn.functional.mse_loss, sgd, data, plan=_plan(), ps=PSRule(outer_lr=0))
 
 
 def test_cli_plan_writes_the_outer_fields(tmp_path, capsys):

@@ -14,11 +14,13 @@ from common import cross_entropy, mlp, sgd, synthetic  # noqa: E402
 
 import hetpipe.model.measure as measure  # noqa: E402
 from hetpipe.run.trainer import Trainer  # noqa: E402
+from hetpipe.run.config import Planning
+from hetpipe.run.workload import resolve_plan
 
 
 def _plan(cache, model=None, **kw):
-    return Trainer(model or mlp(), cross_entropy, sgd(), synthetic(), cluster="cpu-emulated", plan_cache=cache,
-                   **kw).resolve_plan()
+    return Trainer(model or mlp(), cross_entropy, sgd(), synthetic(),
+                   planning=Planning(cluster="cpu-emulated", plan_cache=cache), **kw).resolve_plan()
 
 
 def test_an_identical_run_reuses_the_plan_without_profiling(tmp_path, monkeypatch, capsys):
@@ -34,16 +36,16 @@ def test_an_identical_run_reuses_the_plan_without_profiling(tmp_path, monkeypatc
     ({"model": nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 32), nn.Tanh(), nn.Linear(32, 32),
                              nn.Linear(32, 10))}, r"the model's layer 0 \(Linear\) differs"),
     ({"cluster": "cpu-emulated-6"}, "the cluster differs"),
-    ({"precision": "bf16"}, r"the precision differs \('fp32' cached, 'bf16' now\)"),
-    ({"d": 1}, r"the d differs \(0 cached, 1 now\)"),
+    ({"numerics": {"precision": "bf16"}}, r"the precision differs \('fp32' cached, 'bf16' now\)"),
+    ({"planning": {"d": 1}}, r"the d differs \(0 cached, 1 now\)"),
 ])
 def test_a_change_re_plans_and_says_which(tmp_path, capsys, change, why):
     _plan(tmp_path)
     capsys.readouterr()
     model = change.pop("model", None)
     cluster = change.pop("cluster", "cpu-emulated")
-    Trainer(model or mlp(), cross_entropy, sgd(), synthetic(), cluster=cluster, plan_cache=tmp_path,
-            **change).resolve_plan()
+    planning = {"cluster": cluster, "plan_cache": tmp_path, **change.pop("planning", {})}
+    Trainer(model or mlp(), cross_entropy, sgd(), synthetic(), planning=planning, **change).resolve_plan()
     err = capsys.readouterr().err
     assert "re-planning:" in err and re.search(why, err), err
 
@@ -57,8 +59,10 @@ def test_an_unreadable_cache_re_plans_and_says_why(tmp_path, capsys):
 
 
 def test_a_reused_plan_keeps_what_a_restart_re_plans_with(tmp_path):
-    made = Trainer(mlp(), cross_entropy, sgd(), synthetic(), cluster="cpu-emulated", plan_cache=tmp_path)
-    made.resolve_plan()
-    reused = Trainer(mlp(), cross_entropy, sgd(), synthetic(), cluster="cpu-emulated", plan_cache=tmp_path)
-    reused.resolve_plan()
-    assert reused.planning == made.planning and reused.planning["profile"]["layers"]
+    made = Trainer(mlp(), cross_entropy, sgd(), synthetic(),
+                   planning=Planning(cluster="cpu-emulated", plan_cache=tmp_path))
+    _, made_inputs = resolve_plan(made.work, made.config)
+    reused = Trainer(mlp(), cross_entropy, sgd(), synthetic(),
+                     planning=Planning(cluster="cpu-emulated", plan_cache=tmp_path))
+    _, reused_inputs = resolve_plan(reused.work, reused.config)
+    assert reused_inputs == made_inputs and reused_inputs["profile"]["layers"]

@@ -17,6 +17,7 @@ from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic  # noqa: E402
 
 from hetpipe.plan.types import Plan  # noqa: E402
 from hetpipe.run.trainer import Trainer
+from hetpipe.run.config import Numerics
 
 EPOCHS = 2
 
@@ -49,7 +50,8 @@ def _autocast_reference(model: nn.Sequential, rounded_after=None):
 
 
 def _run(model, plan, precision):
-    r = Trainer(model, cross_entropy, sgd(), synthetic(), plan=plan, epochs=EPOCHS, precision=precision).replay()
+    r = Trainer(model, cross_entropy, sgd(), synthetic(), plan=plan, epochs=EPOCHS,
+                numerics=Numerics(precision=precision)).replay()
     return [v for _, v in sorted(r.losses[0].items())], r.weights
 
 
@@ -123,7 +125,7 @@ def _wire_headers(monkeypatch, precision):
 
     monkeypatch.setattr(LoopbackTransport, "send", recording_send)
     Trainer(_residual_mlp(), cross_entropy, sgd(), synthetic(), plan=one_vw_plan([1], nm=2, d=0, num_layers=5),
-            epochs=1, precision=precision).replay()
+            epochs=1, numerics=Numerics(precision=precision)).replay()
     monkeypatch.undo()
     return seen
 
@@ -155,7 +157,7 @@ def test_the_plan_records_its_precision():
     with pytest.raises(ValueError, match="precision must be one of"):
         dataclasses.replace(plan, precision="fp8")
     with pytest.raises(ValueError, match="precision must be one of"):
-        Trainer(mlp(), cross_entropy, sgd(), synthetic(), precision="half")
+        Trainer(mlp(), cross_entropy, sgd(), synthetic(), numerics=Numerics(precision="half"))
 
 
 def _toy_profile():
@@ -208,7 +210,7 @@ def test_recomputed_segments_rerun_under_autocast():
 
 
 def test_overriding_a_plans_precision_drops_its_prediction():
-    from hetpipe.run.trainer import with_precision
+    from hetpipe.run.workload import with_precision
     plan = dataclasses.replace(one_vw_plan([3], nm=1, d=0), throughput=2.0)
     assert with_precision(plan, "fp32") is plan
     bf16 = with_precision(plan, "bf16")
@@ -251,8 +253,8 @@ def test_fp16_loss_scaling_skips_the_steps_plain_gradscaler_skips(clip):
     plan = _no_ps(one_vw_plan([2, 4], nm=1, d=0))
     ref_losses, ref_weights, scales = _fp16_reference(mlp(), 2.0 ** 40, 3, clip)
     ref_skipped = [p for p in range(len(scales) - 1) if scales[p + 1] < scales[p]]     # the scale halved after p
-    r = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=EPOCHS, precision="fp16",
-                clip_grad_norm=clip, loss_scale={"init_scale": 2.0 ** 40, "growth_interval": 3}).replay()
+    r = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=EPOCHS,
+                numerics=Numerics(precision="fp16", clip_grad_norm=clip, loss_scale={"init_scale": 2.0 ** 40, "growth_interval": 3})).replay()
     got = [v for _, v in sorted(r.losses[0].items())]
     assert len(ref_skipped) >= 5
     assert r.loss_scale[0]["skipped_minibatches"] == ref_skipped
@@ -276,5 +278,5 @@ def test_a_diverging_fp16_run_stops_naming_the_vw():
         return cross_entropy(out, y) * float("nan")
 
     with pytest.raises(StageError, match=r"VW 0's gradients overflowed at every loss scale"):
-        Trainer(mlp(), nan_loss, sgd(), synthetic(), plan=one_vw_plan([3], nm=1, d=0), precision="fp16",
-                loss_scale={"init_scale": 2.0 ** -20}).replay()
+        Trainer(mlp(), nan_loss, sgd(), synthetic(), plan=one_vw_plan([3], nm=1, d=0),
+                numerics=Numerics(precision="fp16", loss_scale={"init_scale": 2.0 ** -20})).replay()

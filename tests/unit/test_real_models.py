@@ -18,6 +18,7 @@ from common import cross_entropy, one_vw_plan, sgd, synthetic, two_vw_plan, with
 
 from hetpipe.plan.types import Plan  # noqa: E402
 from hetpipe.run.trainer import Trainer
+from hetpipe.run.config import Numerics, PSRule, Planning, Reporting
 
 
 def _max_param_diff(a: nn.Module, b: nn.Module) -> float:
@@ -29,7 +30,7 @@ def _replay_vs_plain(make, data, cuts, loss=cross_entropy, epochs=1, **kw):
     plain = rm.plain_training(ref, loss, sgd(), data, epochs)
     n = len(list(model))
     result = Trainer(model, loss, sgd(), data, plan=one_vw_plan(cuts, nm=1, d=0, num_layers=n), epochs=epochs,
-                     progress=False, **kw).replay()
+                     reporting=Reporting(progress=False), **kw).replay()
     got = [v for _, v in sorted(result.losses[0].items())]
     return model, ref, max(abs(a - b) for a, b in zip(got, plain)), plain
 
@@ -46,9 +47,9 @@ def test_pytree_boundaries_and_side_inputs_equal_plain_pytorch(cuts):
 def test_split_startup_halves_every_input_leaf_and_side_input():
     data = rm.DictBatches()
     ref = Trainer(rm.pytree_model(), cross_entropy, sgd(), data, plan=one_vw_plan([1, 3], 2, 0, num_layers=4),
-                  progress=False).replay()
+                  reporting=Reporting(progress=False)).replay()
     got = Trainer(rm.pytree_model(), cross_entropy, sgd(), data, plan=one_vw_plan([1, 3], 2, 0, num_layers=4),
-                  progress=False, split_startup=3).replay()
+                  planning=Planning(split_startup=3), reporting=Reporting(progress=False)).replay()
     assert max(abs(got.losses[0][p] - ref.losses[0][p]) for p in ref.losses[0]) <= 1e-6
     assert max(float(np.abs(got.weights[l] - ref.weights[l]).max(initial=0)) for l in ref.weights) <= 1e-6
 
@@ -141,7 +142,8 @@ def test_tied_weights_need_the_exchange():
 def test_tied_weights_across_stages_run_any_schedule_and_replicas_agree(nm, d, split):
     model = rm.tied_mlp()
     plan = two_vw_plan(([2], [1, 3]), (0.0, 0.0), nm=nm, d=d, num_layers=5)
-    result = Trainer(model, rm.tied_loss, sgd(), synthetic(), plan=plan, epochs=2, split_startup=split).replay()
+    result = Trainer(model, rm.tied_loss, sgd(), synthetic(), plan=plan, epochs=2,
+                     planning=Planning(split_startup=split)).replay()
     assert sorted(result.weights) == [0, 1, 2, 3, 4] and result.weights[4].size == 0    # one copy, on layer 0
     assert all(np.isfinite(v) for per in result.losses.values() for v in per.values())
 
@@ -188,7 +190,7 @@ def test_two_vws_average_batchnorm_statistics_and_aggregate_weights(aggregate):
     ref = rm.vw_waves(rm.resnet(), cross_entropy, sgd(), batches, 2, aggregate)
     model = rm.resnet()
     plan = two_vw_plan(([], []), (0.0, 0.0), nm=1, d=0, num_layers=4)
-    Trainer(model, cross_entropy, sgd(), data, plan=plan, aggregate=aggregate).replay()
+    Trainer(model, cross_entropy, sgd(), data, plan=plan, ps=PSRule(aggregate=aggregate)).replay()
     assert _max_param_diff(model, ref) <= 1e-5
     for (n, a), (_, b) in zip(model.named_buffers(), ref.named_buffers()):
         if a.is_floating_point():
@@ -205,7 +207,8 @@ def test_dropout_recompute_replays_the_random_state_bitwise():
     got = Trainer(rm.dropout_mlp(), cross_entropy, sgd(), synthetic(), plan=with_recompute(plan, [(1, 2), (4,)]),
                   epochs=2).replay()
     assert got.losses == ref.losses and all(np.array_equal(got.weights[l], ref.weights[l]) for l in ref.weights)
-    other = Trainer(rm.dropout_mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=2, seed=1).replay()
+    other = Trainer(rm.dropout_mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=2,
+                    numerics=Numerics(seed=1)).replay()
     assert other.losses != ref.losses                                # dropout is live and follows the seed
 
 
@@ -230,7 +233,7 @@ def test_aggregate_round_trips_and_old_plans_read_as_mean():
     with pytest.raises(ValueError, match="plan: aggregate must be one of \\['mean', 'sum'\\], got 'max'"):
         dataclasses.replace(plan, aggregate="max")
     got = Trainer(copy.deepcopy(rm.dropout_mlp()), cross_entropy, sgd(), synthetic(), plan=plan,
-                  aggregate="mean").resolve_plan()
+                  ps=PSRule(aggregate="mean")).resolve_plan()
     assert got.aggregate == "mean"
 
 
@@ -300,7 +303,7 @@ def test_tiny_gpt2_with_its_tied_head_split_across_stages_equals_plain_pytorch()
     m = _gpt2(0.0)
     layers = _gpt2_layers(m)
     result = Trainer(layers, _lm_loss, sgd(lr=0.1), data, plan=one_vw_plan([1, 3], 1, 0, num_layers=4),
-                     progress=False).replay()
+                     reporting=Reporting(progress=False)).replay()
     got = [v for _, v in sorted(result.losses[0].items())]
     assert max(abs(a - b) for a, b in zip(got, plain)) <= 1e-5
     assert m.lm_head.weight is m.transformer.wte.weight
@@ -308,5 +311,5 @@ def test_tiny_gpt2_with_its_tied_head_split_across_stages_equals_plain_pytorch()
     # GPT-2's default dropout trains too, with the head still tied
     drop = _gpt2(0.1)
     Trainer(_gpt2_layers(drop), _lm_loss, sgd(lr=0.1), data, plan=one_vw_plan([1, 3], 2, 0, num_layers=4),
-            progress=False).replay()
+            reporting=Reporting(progress=False)).replay()
     assert drop.lm_head.weight is drop.transformer.wte.weight

@@ -16,6 +16,7 @@ from hetpipe.schedule import (
 from hetpipe.schedule.registry import (
     ScheduleOptions, ScheduleSpec, generate, get_schedule, register, schedule_names, unregister,
 )
+from hetpipe.run.config import Planning, Reporting
 
 GOLDEN = Path(__file__).parent / "golden"
 sys.path.insert(0, str(Path(__file__).parents[1] / "mpi" / "scripts"))
@@ -188,8 +189,8 @@ def test_a_registered_schedule_trains_end_to_end_in_the_replay(sequential):
     plain = rm.plain_training(mlp(), cross_entropy, sgd(), synthetic(), epochs=2)
     losses = {}
     for name in ("sequential", "hetpipe"):
-        r = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=2, progress=False,
-                    schedule=name).replay()
+        r = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=2, planning=Planning(schedule=name),
+                    reporting=Reporting(progress=False)).replay()
         losses[name] = [v for _, v in sorted(r.losses[0].items())]
     assert len(losses["sequential"]) == len(plain) == 16
     assert max(abs(a - b) for a, b in zip(losses["sequential"], plain)) <= 1e-6
@@ -201,7 +202,7 @@ def test_the_trainer_refuses_unknown_schedules_and_options_they_ignore():
     from hetpipe.run.trainer import Trainer
 
     with pytest.raises(ValueError, match="unknown schedule 'pipedream'"):
-        Trainer(mlp(), cross_entropy, sgd(), synthetic(), schedule="pipedream")
+        Trainer(mlp(), cross_entropy, sgd(), synthetic(), planning=Planning(schedule="pipedream"))
     plan = one_vw_plan([3], nm=2, d=0)
     with pytest.raises(ValueError, match="'gpipe' does not take option nm"):
-        Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, schedule="gpipe").spec(plan)
+        Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, planning=Planning(schedule="gpipe")).spec(plan)

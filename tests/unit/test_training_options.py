@@ -16,6 +16,8 @@ from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic  # noqa: E402
 from hetpipe.run.trainer import Trainer  # noqa: E402
 from hetpipe.stage.grad_norm import bits_float, float_bits  # noqa: E402
 from hetpipe.transport.protocol import StageError  # noqa: E402
+from hetpipe.run.config import Numerics, Reporting
+from hetpipe.run.config import Numerics
 
 
 def _plain(model, data, epochs, opt_factory, loss_fn=cross_entropy, scheduler=None, clip=None):
@@ -39,8 +41,9 @@ def _plain(model, data, epochs, opt_factory, loss_fn=cross_entropy, scheduler=No
 
 def _run(make, cuts, epochs=2, opt_factory=sgd(), loss_fn=cross_entropy, num_layers=6, **kw):
     model = make()
-    result = Trainer(model, loss_fn, opt_factory, synthetic(), plan=one_vw_plan(cuts, nm=1, d=0, num_layers=num_layers),
-                     epochs=epochs, progress=False, **kw).replay()
+    result = Trainer(model, loss_fn, opt_factory, synthetic(),
+                     plan=one_vw_plan(cuts, nm=1, d=0, num_layers=num_layers), epochs=epochs,
+                     reporting=Reporting(progress=False), **kw).replay()
     return model, [v for _, v in sorted(result.losses[0].items())]
 
 
@@ -60,7 +63,7 @@ def _warmup_cosine(opt):
     _warmup_cosine,
 ], ids=["step", "lambda-warmup", "warmup-cosine"])
 def test_lr_schedule_equals_plain_pytorch(scheduler):
-    model, got = _run(mlp, [2, 4], lr_scheduler=scheduler)
+    model, got = _run(mlp, [2, 4], numerics=Numerics(lr_scheduler=scheduler))
     ref = mlp()
     want, _ = _plain(ref, synthetic(), 2, sgd(), scheduler=scheduler)
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6 and _diff(model, ref) <= 1e-6
@@ -71,7 +74,7 @@ def test_lr_schedule_equals_plain_pytorch(scheduler):
 
 @pytest.mark.parametrize("cuts", [[], [2, 4], [1, 3, 5]])
 def test_clipping_by_the_vws_global_norm_equals_clip_grad_norm(cuts):
-    model, got = _run(mlp, cuts, clip_grad_norm=0.3)
+    model, got = _run(mlp, cuts, numerics=Numerics(clip_grad_norm=0.3))
     ref = mlp()
     want, norms = _plain(ref, synthetic(), 2, sgd(), clip=0.3)
     assert min(norms) > 0.3, "every step must clip for this test to see the norm"
@@ -90,7 +93,7 @@ def test_clipping_counts_a_tied_weight_once():
     from hetpipe.run.data import Batches
     data = Batches(torch.randn(96, 64, generator=g), torch.randint(0, 64, (96,), generator=g), 16, seed=2)
     result = Trainer(model, loss, sgd(), data, plan=one_vw_plan([2, 4], nm=1, d=0, num_layers=5), epochs=2,
-                     progress=False, clip_grad_norm=0.2).replay()
+                     numerics=Numerics(clip_grad_norm=0.2), reporting=Reporting(progress=False)).replay()
     ref = rm.tied_mlp()
     want, norms = _plain(ref, data, 2, sgd(), loss_fn=loss, clip=0.2)
     got = [v for _, v in sorted(result.losses[0].items())]
@@ -113,7 +116,7 @@ def test_a_nan_loss_stops_the_run_naming_vw_stage_minibatch_and_wave():
     before = [p.detach().clone() for p in model.parameters()]
     plan = one_vw_plan([3], nm=2, d=0)
     with pytest.raises(StageError, match=r"VW 0 stage 1 \(rank 1\): the loss of VW 0's minibatch 5 \(wave 2\) is nan"):
-        Trainer(model, nan_at_5, sgd(), synthetic(), plan=plan, progress=False).replay()
+        Trainer(model, nan_at_5, sgd(), synthetic(), plan=plan, reporting=Reporting(progress=False)).replay()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "NaN weights reached the model"
 
 
@@ -139,10 +142,10 @@ def test_an_infinite_gradient_stops_the_run_naming_its_stage():
 
 
 @pytest.mark.parametrize("bad, match", [
-    ({"clip_grad_norm": 0}, "clip_grad_norm must be a finite number > 0"),
-    ({"clip_grad_norm": float("nan")}, "clip_grad_norm must be a finite number > 0"),
-    ({"clip_grad_norm": True}, "clip_grad_norm must be a finite number > 0"),
-    ({"lr_scheduler": 0.1}, "lr_scheduler must be a factory"),
+    ({"numerics": {"clip_grad_norm": 0}}, "clip_grad_norm must be a finite number > 0"),
+    ({"numerics": {"clip_grad_norm": float("nan")}}, "clip_grad_norm must be a finite number > 0"),
+    ({"numerics": {"clip_grad_norm": True}}, "clip_grad_norm must be a finite number > 0"),
+    ({"numerics": {"lr_scheduler": 0.1}}, "lr_scheduler must be a factory"),
 ])
 def test_bad_options_are_named(bad, match):
     with pytest.raises((TypeError, ValueError), match=match):
@@ -177,8 +180,8 @@ def test_named_parameter_groups_reach_the_optimizer_factory():
 def test_gradient_accumulation_equals_plain_pytorch(k, clip):
     """A step every k minibatches with their mean gradient (clipped as a whole), against a plain loop
     that divides each loss by k; 16 minibatches, so every group is full."""
-    model, got = _run(mlp, [2, 4], accumulate=k, clip_grad_norm=clip,
-                      lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5))
+    model, got = _run(mlp, [2, 4],
+                      numerics=Numerics(accumulate=k, clip_grad_norm=clip, lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5)))
     ref = mlp()
     opt = sgd()(ref.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
@@ -197,11 +200,12 @@ def test_gradient_accumulation_equals_plain_pytorch(k, clip):
                 opt.zero_grad()
     assert len(want) % k == 0
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5 and _diff(model, ref) <= 1e-5
-    every_step, _ = _run(mlp, [2, 4], clip_grad_norm=clip,
-                         lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5))
+    every_step, _ = _run(mlp, [2, 4],
+                         numerics=Numerics(clip_grad_norm=clip, lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5)))
     assert _diff(every_step, ref) > 1e-4
 
 
 def test_bad_accumulate_is_named():
     with pytest.raises(ValueError, match=r"accumulate \(minibatches\) must be a whole number >= 1"):
-        Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=one_vw_plan([3], 1, 0), accumulate=0)
+        Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=one_vw_plan([3], 1, 0),
+                numerics=Numerics(accumulate=0))

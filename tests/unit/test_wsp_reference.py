@@ -22,6 +22,7 @@ from torch import nn
 from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
 from hetpipe.run.trainer import Trainer
 from hetpipe.schedule import Apply, Bwd, Fwd, hetpipe_compute_schedule
+from hetpipe.run.config import PSRule, Reporting, Runtime
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
 NUM_LAYERS = 6
@@ -62,8 +63,9 @@ def plan_of(vw_cuts: Sequence[Sequence[int]], nm: int, d: int) -> Plan:
 def run_replay(model: nn.Sequential, data: List[Batch], plan: Plan, lr: float, momentum: float,
                epochs: int = 1, aggregate: str = "sum") -> Dict[int, np.ndarray]:
     trainer = Trainer(model, lambda out, y: nn.functional.cross_entropy(out, y),
-                      lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum), data,
-                      plan=plan, epochs=epochs, progress=False, emulate=False, aggregate=aggregate)
+                      lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum), data, plan=plan,
+                      epochs=epochs, ps=PSRule(aggregate=aggregate), reporting=Reporting(progress=False),
+                      runtime=Runtime(emulate=False))
     return trainer.replay().weights
 
 

@@ -23,11 +23,6 @@ from typing import Any, Dict, List, Optional
 
 FORMAT = 1
 MANIFEST = "manifest.json"
-RESUME_ENV = "HETPIPE_RESUME"                   # a checkpoint directory to resume from
-PLAN_ENV = "HETPIPE_PLAN"                       # a plan JSON replacing the script's plan (set on restart)
-DIR_ENV = "HETPIPE_CHECKPOINT_DIR"              # Trainer(checkpoint_dir=) when the script gives none
-EVERY_ENV = "HETPIPE_CHECKPOINT_EVERY"          # Trainer(checkpoint_every=) when the script gives none
-RUN_ID_ENV = "HETPIPE_RUN_ID"                   # the run a fresh start continues (set on a restart from the start)
 
 
 class CheckpointError(RuntimeError):

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from hetpipe.job.launch_file import LaunchSettings
 from hetpipe.job.world import MPIUnavailable, disable_mpi_gpu
 from hetpipe.launch.hosts import Placement
 
@@ -32,14 +33,16 @@ def mpiexec_command(n: int, argv: List[str], options: Sequence[str] = ()) -> Lis
 
 
 def launch(n: int, argv: List[str], run_dir: Optional[str] = None, placement: Optional[Placement] = None,
-           mpi_args: Sequence[str] = ()) -> int:
+           mpi_args: Sequence[str] = (), settings: Optional[LaunchSettings] = None) -> int:
     """Run ``argv`` on ``n`` ranks under mpiexec, relaying its output; return the run's exit status.
 
     Supervised by :class:`hetpipe.launch.supervisor.Supervisor`: on any fault every process of the run
     ends and the failed rank is named, on stderr and in ``<run_dir>/outcome.json``. ``run_dir`` (made
     if missing, must hold no earlier run) is kept; by default a temporary one is used, removed after a
     successful run and kept after a failure. ``placement``: the hosts the ranks run on
-    (:mod:`hetpipe.launch.hosts`); ``mpi_args``: options passed to mpiexec as they are."""
+    (:mod:`hetpipe.launch.hosts`); ``mpi_args``: options passed to mpiexec as they are; ``settings``: what
+    the launch asks of the ranks, written to the run directory as their run file before they start
+    (:mod:`hetpipe.job.launch_file`)."""
     import tempfile
 
     from hetpipe.job.failure import timeout_s
@@ -53,12 +56,14 @@ def launch(n: int, argv: List[str], run_dir: Optional[str] = None, placement: Op
         os.makedirs(run_dir, exist_ok=True)
         if any(Path(run_dir).iterdir()):
             raise ValueError(f"hetpipe launch: the run directory {run_dir} is not empty (it holds an earlier run?)")
+    settings = settings if settings is not None else LaunchSettings()
+    settings.write(run_dir)
     options = list(mpi_args)
     if placement is not None:
         options += placement.apply(n, run_dir, mpiexec_path(), os.environ)
     command = mpiexec_command(n, argv, options)
     disable_mpi_gpu()
-    outcome = Supervisor(command, n, run_dir, timeout_s()).run()
+    outcome = Supervisor(command, n, run_dir, timeout_s(settings.timeout)).run()
     if outcome.status != "ok":
         if outcome.cause not in ("reported", ""):
             sys.stderr.write(outcome.message + "\n")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Set
 
 from hetpipe.checkpoint import format as ckpt
+from hetpipe.job.launch_file import LaunchSettings
 from hetpipe.job.rundir import WORLD_RANKS_FILE
 from hetpipe.plan.types import Plan
 
@@ -168,47 +168,34 @@ def _say(text: str) -> None:
 
 
 def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max_restarts: int,
-                         resume: Optional[str], checkpoint_dir: Optional[str], checkpoint_every: Optional[int],
-                         exclude: Iterable[str] = (), placement=None, mpi_args: Iterable[str] = ()) -> int:
+                         settings: LaunchSettings, exclude: Iterable[str] = (), placement=None,
+                         mpi_args: Iterable[str] = ()) -> int:
     """Run ``argv`` on ``n`` ranks (see :func:`hetpipe.job.world.launch`), restarting it up to
     ``max_restarts`` times after a rank died or stopped answering; returns the last run's exit status.
 
     Attempt ``k`` runs in ``<run_dir>/attempt-k``. ``resume``: a checkpoint directory the first attempt
     resumes from; ``exclude``: devices to leave out of its plan (needs ``resume``: the plan is the
-    checkpoint's)."""
+    checkpoint's). ``settings``: what the launch asks of the ranks (its run file); each attempt's run
+    file adds the checkpoint it resumes from and the plan it runs."""
     from hetpipe.launch.mpiexec import launch
     from hetpipe.launch.supervisor import Outcome
 
     base = Path(run_dir).resolve() if run_dir else Path(tempfile.mkdtemp(prefix="hetpipe-run-"))
     base.mkdir(parents=True, exist_ok=True)
-    env: Dict[str, str] = {}
-    if checkpoint_dir:
-        env[ckpt.DIR_ENV] = str(Path(checkpoint_dir).resolve())
-    if checkpoint_every is not None:
-        env[ckpt.EVERY_ENV] = str(checkpoint_every)
-    if resume:
-        env[ckpt.RESUME_ENV] = str(Path(resume).resolve())
+    resume = settings.resume
     failed: Set[str] = set(exclude)
     if failed:
         if not resume:
             raise ValueError("hetpipe launch: --exclude-device needs --resume DIR (the plan left out of is the "
                              "checkpoint's)")
         plan = plan_without(Plan.from_dict(ckpt.read_manifest(ckpt.find(Path(resume)))["plan"]), failed)
-        n = _use_plan(plan, base / "plan-0.json", env, n)
+        settings = _use_plan(plan, base / "plan-0.json", settings, f"without device(s) {sorted(failed)}")
+        n = plan.num_ranks
         _say(f"device(s) {sorted(failed)} marked failed: {len(plan.virtual_workers)} VW(s), {n} ranks")
     attempt = 0
     while True:
         here = base / f"attempt-{attempt}"
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            rc = launch(n, argv, run_dir=str(here), placement=placement, mpi_args=list(mpi_args))
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        rc = launch(n, argv, run_dir=str(here), placement=placement, mpi_args=list(mpi_args), settings=settings)
         outcome = Outcome.read(str(here))
         if outcome.status == "ok":
             if run_dir is None:
@@ -223,7 +210,7 @@ def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max
             if max_restarts > 0:
                 _say(f"not restarting: all {max_restarts} restart(s) used")
             return rc
-        directory = env.get(ckpt.DIR_ENV)
+        directory = settings.checkpoint_dir
         if directory is None and (here / "checkpoints.txt").exists():
             directory = (here / "checkpoints.txt").read_text().strip()
         if not (here / "plan.json").exists():
@@ -262,7 +249,7 @@ def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max
         found = ckpt.latest(Path(directory)) if directory else None
         sound, failing = _verified(Path(directory)) if found is not None else (None, [])
         if found is not None:
-            env[ckpt.RESUME_ENV] = str(found.parent)
+            settings = dataclasses.replace(settings, resume=str(found.parent), restarting=True)
             start = sound if sound is not None else found
             clock = int(start.name.split("-")[1])
             # The ranks verify what they resume from; a run with resume_fallback goes back past a checkpoint
@@ -275,17 +262,17 @@ def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max
             lost += (f"; the ranks had reached clock {max(reached, clock)}: the work of waves "
                      f"{clock}..{max(reached, clock) - 1} is lost ({max(reached, clock) - clock} wave(s))")
         else:
-            if not resume:
-                env.pop(ckpt.RESUME_ENV, None)
+            settings = dataclasses.replace(settings, resume=resume, restarting=True)
             # The attempt's incomplete checkpoints carry its run's id; the next attempt continues that
             # run instead of drawing a new id and refusing the directory as another run's.
             runs = list(ckpt.run_ids(Path(directory))) if directory else []
             if len(runs) == 1:
-                env[ckpt.RUN_ID_ENV] = runs[0]
+                settings = dataclasses.replace(settings, run_id=runs[0])
             lost = (f"no complete checkpoint{' in ' + directory if directory else ' (no checkpoint directory)'}: "
                     f"restarting from the start; the work of {max(reached, 0)} wave(s) is lost")
         attempt += 1
-        n = _use_plan(new_plan, base / f"plan-{attempt}.json", env, n)
+        settings = _use_plan(new_plan, base / f"plan-{attempt}.json", settings, chosen)
+        n = new_plan.num_ranks
         _say(f"restart {attempt} of {max_restarts}: {why}; {left}; {len(new_plan.virtual_workers)} VW(s) on "
              f"{n} ranks{how}; {lost}")
 
@@ -304,7 +291,7 @@ def _verified(directory: Path) -> "tuple[Optional[Path], List[str]]":
     return None, failing
 
 
-def _use_plan(plan: Plan, path: Path, env: Dict[str, str], n: int) -> int:
+def _use_plan(plan: Plan, path: Path, settings: LaunchSettings, why: str) -> LaunchSettings:
+    """``settings`` running ``plan``, saved at ``path``, as a restart's (``why``: how it was chosen)."""
     plan.save(path)
-    env[ckpt.PLAN_ENV] = str(path)
-    return plan.num_ranks
+    return dataclasses.replace(settings, plan=str(path), plan_reason=why, restarting=True)

@@ -53,6 +53,15 @@ class RunCheckpoints:
     resume_fallback: bool = False
     run_id: str = ""
 
+    @classmethod
+    def of(cls, work: Any, config: Any) -> "RunCheckpoints":
+        """The checkpoints of a run of ``work`` (a :class:`~hetpipe.run.workload.Workload`) under
+        ``config`` (a resolved :class:`~hetpipe.run.config.RunConfig`)."""
+        c = config.checkpointing
+        return cls(work.layers, work.data, config.epochs, config.numerics.seed, config.planning.split_startup,
+                   work.names, Path(c.dir) if c.dir else None, config.checkpoint_every,
+                   Path(c.resume) if c.resume else None, c.on_sigterm, c.keep, bool(c.fallback))
+
     def resume(self, plan: Plan) -> Optional[ckpt.Resume]:
         """What this run resumes from (None: from the start); loads the global weights into the model."""
         if self.resume_from is None:

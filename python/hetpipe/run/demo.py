@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from hetpipe.run.config import Reporting, Runtime
 
 
 def digits_model(seed: int = 0, hidden: int = 128) -> nn.Sequential:
@@ -92,8 +93,9 @@ def main(argv=None) -> int:
     x_tr, y_tr, x_te, y_te = digits()
     model = digits_model()
     trainer = Trainer(model, loss_fn, optimizer, Batches(x_tr, y_tr, args.batch, seed=0), plan=args.plan,
-                      epochs=args.epochs, emulation_scale=args.emulation_scale, metrics=out / "metrics.jsonl",
-                      trace=out / "trace.json", progress=not args.no_progress, record=out / "record.json")
+                      epochs=args.epochs,
+                      reporting=Reporting(metrics=out / "metrics.jsonl", trace=out / "trace.json", progress=not args.no_progress, record=out / "record.json"),
+                      runtime=Runtime(emulation_scale=args.emulation_scale))
     result = trainer.fit()
     acc = accuracy(model, x_te, y_te)
     if MPI.COMM_WORLD.Get_rank() == 0:

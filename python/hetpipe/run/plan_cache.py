@@ -17,7 +17,6 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 from hetpipe.plan.types import Plan
 
-PLAN_CACHE_ENV = "HETPIPE_PLAN_CACHE"          # Trainer(plan_cache=) when the script gives none (hetpipe launch)
 
 
 def model_key(layers: Sequence[Any]) -> list:

@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -26,21 +27,27 @@ from hetpipe.model.weights import load_layer_weights
 from hetpipe.outputs import check_file
 from hetpipe.plan.types import Plan
 from hetpipe.ps.core_plane import choose_plane
+from hetpipe.run.checkpoints import RunCheckpoints
+from hetpipe.run.config import RunConfig, as_path
 from hetpipe.run.build import build_shard, build_stage, data_reading, shard_pool, stage_pairs, stage_pool
 from hetpipe.transport.drive import drive
 from hetpipe.run.record import RunRecord
 from hetpipe.run.result import TrainResult, resumed_losses, stopped_of
 from hetpipe.run.spec import RunSpec, merge_outcomes, part_outcome
+from hetpipe.run.workload import Workload, given_plan, resolve_plan, run_spec
+from hetpipe.run.workload import reporter as make_reporter
 from hetpipe.run.world_plan import on_world, plan_on_world
 from hetpipe.schedule.trace import TraceEvent
 from hetpipe.transport import registry as transports
 
 
 class RankRun:
-    """``trainer``'s run on this rank; ``describe`` names the rank (its role once known) for failures."""
+    """The run of ``work`` under ``config`` on this rank; ``describe`` names the rank (its role once known)
+    for failures. ``checkpoints``: the run's checkpoint settings and state (:mod:`hetpipe.run.checkpoints`)."""
 
-    def __init__(self, trainer: Any, rank: int) -> None:
-        self.t = trainer
+    def __init__(self, work: Workload, config: RunConfig, checkpoints: RunCheckpoints, rank: int) -> None:
+        self.work, self.config, self.checkpoints = work, config, checkpoints
+        self.planning: Optional[Dict[str, Any]] = None     # the inputs of a plan made in this run
         self.describe = f"rank {rank}"
         self.order: List[int] = []          # the world rank of each plan rank (empty: the same)
         self.emulated_world = False         # the world's devices were discovered as emulated types
@@ -56,8 +63,11 @@ class RankRun:
         if problems:
             raise LaunchError("hetpipe: " + "; ".join(problems))
         emulating = any(h["emulate"] for h in hosts)
-        if self.t.cluster == "auto" or (on_world(self.t.cluster, emulating) and self.t.given_plan() is None):
-            plan, self.order, discovery = plan_on_world(self.t, comm)
+        cluster = self.config.planning.cluster
+        world = cluster == "auto" or on_world(cluster, emulating)
+        given = given_plan(self.work, self.config) if world else None
+        if cluster == "auto" or (world and given is None):
+            plan, self.order, discovery, self.planning = plan_on_world(self.work, self.config, comm, given)
             self.emulated_world = discovery.cluster.emulated
             world_rank = rank
             rank = self.order.index(world_rank)
@@ -67,10 +77,12 @@ class RankRun:
         plan_text, error = None, None
         if rank == 0:
             try:
-                if self.t.record_path is not None:
-                    self.t.record_path.parent.mkdir(parents=True, exist_ok=True)
-                    check_file("record", self.t.record_path)
-                plan_text = self.t.resolve_plan().to_json()
+                record = self.config.record_path
+                if record is not None:
+                    record.parent.mkdir(parents=True, exist_ok=True)
+                    check_file("record", record)
+                plan, self.planning = resolve_plan(self.work, self.config)
+                plan_text = plan.to_json()
             except Exception as e:  # noqa: BLE001 - relayed to every rank below
                 error = f"planning on rank 0 failed: {type(e).__name__}: {e}"
         return self._run_plan(comm, rank, size, hosts, plan_text, error, rank)
@@ -82,26 +94,30 @@ class RankRun:
     def _run_plan(self, comm, rank: int, size: int, hosts: List[Any], plan_text: Optional[str],
                   error: Optional[str], world_rank: int) -> TrainResult:
         # The run's identity (checkpoint ownership): rank 0's; a resumed run takes its checkpoint's.
-        # A restart from the start continues its failed predecessor's run (HETPIPE_RUN_ID), whose incomplete
-        # checkpoints are then this run's own, not another run's that would stop it at start-up.
-        drawn = (os.environ.get(ckfmt.RUN_ID_ENV) or uuid.uuid4().hex[:16]) if rank == 0 else None
+        # A restart from the start continues its failed predecessor's run (the run file's run_id), whose
+        # incomplete checkpoints are then this run's own, not another run's that would stop it at start-up.
+        drawn = (self.config.run_id or uuid.uuid4().hex[:16]) if rank == 0 else None
         plan_text, error, run_id = comm.bcast((plan_text, error, drawn), root=0)
-        self.t.checkpoints.run_id = run_id
+        self.checkpoints.run_id = run_id
         if error:
             raise LaunchError(f"hetpipe: {error}")
         plan = Plan.from_json(plan_text)
-        if self.t.plan_callback is not None and rank == 0:
-            self.t.plan_callback(plan)
+        if rank == 0 and self.config.plan_source == "restart":
+            sys.stderr.write("hetpipe: the restarting launcher's plan replaces the script's plan= "
+                             f"({self.config.plan})\n")
+        on_plan = self.config.planning.on_plan
+        if on_plan is not None and rank == 0:
+            on_plan(plan)
         if rank == 0 and os.environ.get(RUN_DIR_ENV):
             # For a restarting launcher: which device each rank ran, and where the checkpoints are.
             plan.save(Path(os.environ[RUN_DIR_ENV], "plan.json"))
             if self.order:
                 # The world rank of each plan rank: a restarting launcher names failed ranks by world rank.
                 Path(os.environ[RUN_DIR_ENV], WORLD_RANKS_FILE).write_text(json.dumps(self.order) + "\n")
-            if self.t.planning is not None:
-                Path(os.environ[RUN_DIR_ENV], "planning.json").write_text(json.dumps(self.t.planning))
-            if self.t.checkpoints.directory is not None:
-                Path(os.environ[RUN_DIR_ENV], "checkpoints.txt").write_text(f"{self.t.checkpoints.directory.resolve()}\n")
+            if self.planning is not None:
+                Path(os.environ[RUN_DIR_ENV], "planning.json").write_text(json.dumps(self.planning))
+            if self.checkpoints.directory is not None:
+                Path(os.environ[RUN_DIR_ENV], "checkpoints.txt").write_text(f"{self.checkpoints.directory.resolve()}\n")
         check_world(plan, size)
         self.hosts = [h["host"] for h in hosts]
         if not self.order:
@@ -114,14 +130,14 @@ class RankRun:
         register_rank(world_rank, self.describe)
         spec, problem = None, None
         try:
-            spec = self.t.spec(plan, self.t.checkpoints.resume(plan))
-            self.t.checkpoints.claim()
+            spec = run_spec(self.work, self.config, plan, self.checkpoints.resume(plan))
+            self.checkpoints.claim()
             if role.kind == "stage":
                 st = plan.virtual_workers[role.vw].stages[role.stage]
-                dev, emulated = resolve_device(st, emulate=True if self.emulated_world else self.t.emulate,
+                dev, emulated = resolve_device(st, emulate=True if self.emulated_world else self.config.runtime.emulate,
                                               cuda_count=hosts[rank]["cuda_count"])
                 spec.devices[rank], spec.emulated[rank] = dev, emulated
-                spec.emulation_scale = self.t.emulation_scale
+                spec.emulation_scale = self.config.runtime.emulation_scale
         except (LaunchError, ValueError, TypeError, ckfmt.CheckpointError) as e:
             problem = f"{role.describe()}: {e}"
         problems = [p for p in comm.allgather(problem) if p]
@@ -130,7 +146,7 @@ class RankRun:
         if self.order or len(set(self.hosts)) > 1:
             spec.rank_names = {r: _name(self._role(plan, r)) for r in range(size)}
         if rank == 0:
-            self.t.checkpoints.discard_newer(spec.resume.checkpoint.clock if spec.resume is not None else 0)
+            self.checkpoints.discard_newer(spec.resume.checkpoint.clock if spec.resume is not None else 0)
         if rank == 0 and os.environ.get(RUN_DIR_ENV) and spec.resume is not None:
             # Where this attempt really resumed: the checkpoint it loaded after verification and any
             # fallback, which may be older than the latest complete one. Renamed into place, so that a
@@ -143,7 +159,8 @@ class RankRun:
         return self._run_role(comm, plan, spec, role, emulated_any)
 
     def _run_role(self, comm, plan: Plan, spec: RunSpec, role: Role, emulated: bool) -> TrainResult:
-        trace: Optional[List[TraceEvent]] = [] if self.t.trace_path else None
+        trace_path = as_path(self.config.reporting.trace)
+        trace: Optional[List[TraceEvent]] = [] if trace_path else None
         if role.kind == "stage":
             device = spec.devices[role.rank]
             if device.type == "cuda":
@@ -155,7 +172,8 @@ class RankRun:
             pool = shard_pool(spec, role.shard, plane)
         try:
             opened = transports.open_rank(comm, pool, device if role.kind == "stage" else None, stage_pairs(spec),
-                                          forced=self.t.transport, timeout_s=self.t.timeout, who=role.describe())
+                                          forced=self.config.runtime.transport,
+                                          timeout_s=self.config.timeout_s, who=role.describe())
         except transports.TransportChoiceError as e:
             raise LaunchError(str(e)) from None
         transport, reason = opened.transport, opened.reason
@@ -164,7 +182,7 @@ class RankRun:
         reporter = None
         if role.kind == "stage":
             if role.vw == 0 and role.stage == len(plan.virtual_workers[0].stages) - 1:
-                reporter = self.t.reporter(plan, spec)
+                reporter = make_reporter(self.config, plan, spec)
             part = build_stage(spec, role.vw, role.stage, transport, pool, trace=trace, t0=t0,
                                decide=reporter.evaluated if reporter is not None else None)
             if reporter is not None:
@@ -173,11 +191,11 @@ class RankRun:
             part = build_shard(spec, role.shard, transport, pool, trace=trace, t0=t0,
                                comm=comm if plane == "core" else None)
         self._check_agreement(comm, spec, part, role)
-        writer = self.t.checkpoints.checkpointer(plan, spec, role, part)
-        previous = self.t.checkpoints.on_sigterm(writer, lambda: self.describe)
+        writer = self.checkpoints.checkpointer(plan, spec, role, part)
+        previous = self.checkpoints.on_sigterm(writer, lambda: self.describe)
         # A shard idles legitimately while stages compute; it waits twice as long, so that a stuck
         # peer is reported by the stage that waits on it directly.
-        limit = self.t.timeout if role.kind == "stage" else 2 * self.t.timeout
+        limit = self.config.timeout_s if role.kind == "stage" else 2 * self.config.timeout_s
         try:
             drive(part, limit, f"hetpipe: {role.describe()}", reporter.update if reporter else None)
         finally:
@@ -190,8 +208,8 @@ class RankRun:
         mine = {**part_outcome(part, plan, spec.layout), "elapsed": elapsed, "cpu": cpu, "trace": trace or [],
                 "transport": opened.name, "ps_plane": (plane, plane_reason)}
         everyone = comm.allgather(mine)
-        if self.t.record_path is not None and role.rank == 0:
-            RunRecord.of_run(spec, merge_outcomes(everyone)).save(self.t.record_path)
+        if self.config.record_path is not None and role.rank == 0:
+            RunRecord.of_run(spec, merge_outcomes(everyone)).save(self.config.record_path)
         outcome = merge_outcomes(everyone)
         losses, resumed = outcome.losses, {}
         if spec.resume is not None:
@@ -207,9 +225,9 @@ class RankRun:
                              outcome.evals, stopped_of(outcome, comm.allgather(
                                  reporter.callbacks.stop_asked if reporter is not None else None)),
                              outcome.loss_scale, [m["cpu"] for m in everyone])
-        load_layer_weights(self.t.layers, result.weights, result.buffers, result.local_buffers)
+        load_layer_weights(self.work.layers, result.weights, result.buffers, result.local_buffers)
         if reporter is not None:
-            reporter.finish(result, self.t.trace_path, reason)
+            reporter.finish(result, trace_path, reason)
         return result
 
 

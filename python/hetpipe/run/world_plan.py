@@ -14,7 +14,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from hetpipe.cluster import ClusterSpec, load_cluster
 from hetpipe.job.discovery import Discovery, DiscoveryError, assign_ranks, discover, match
@@ -27,7 +27,6 @@ from hetpipe.run.plan_cache import PlanCache, model_key, sample_key
 from hetpipe.run.profiling import ProfilingError, profile_on_devices
 
 CLUSTER_FILE = "cluster.json"       # the discovered (or matched) cluster, in the run directory
-CLUSTER_ENV = "HETPIPE_CLUSTER"     # Trainer(cluster=) when the script gives none (hetpipe launch --cluster)
 
 
 def on_world(cluster: Any, emulating: bool = False) -> bool:
@@ -53,58 +52,63 @@ def discovery_of(comm: Any, cluster: Any) -> Discovery:
         raise LaunchError(f"hetpipe: {e}") from None
 
 
-def plan_on_world(trainer: Any, comm: Any) -> Tuple[Plan, List[int], Discovery]:
-    """The plan every rank runs, the world rank of each plan rank, and the discovery they came from."""
+def plan_on_world(work: Any, config: Any, comm: Any,
+                  given: Optional[Plan]) -> Tuple[Plan, List[int], Discovery, Optional[Dict[str, Any]]]:
+    """The plan every rank runs (``given``, else one made on the world's devices), the world rank of each
+    plan rank, the discovery they came from, and the planning inputs of a plan made here (None for a
+    given plan). ``work``: the run's :class:`~hetpipe.run.workload.Workload`; ``config``: its resolved
+    :class:`~hetpipe.run.config.RunConfig`."""
     rank = comm.Get_rank()
-    discovery = discovery_of(comm, trainer.cluster)
+    discovery = discovery_of(comm, config.planning.cluster)
     if rank == 0:
         sys.stderr.write(discovery.table() + "\n")
-        _save_cluster(discovery.cluster, trainer.plan_cache)
-    given = trainer.given_plan()
+        _save_cluster(discovery.cluster, config.plan_cache)
+    planning = None
     if given is not None:
         plan = given
     else:
-        plan = _planned(trainer, comm, discovery)
+        plan, planning = _planned(work, config, comm, discovery)
     try:
         order = assign_ranks(plan, discovery)
     except DiscoveryError as e:
         raise LaunchError(f"hetpipe: {e}") from None
-    return plan, order, discovery
+    return plan, order, discovery, planning
 
 
-def _planned(trainer: Any, comm: Any, discovery: Discovery) -> Plan:
+def _planned(work: Any, config: Any, comm: Any, discovery: Discovery) -> Tuple[Plan, Dict[str, Any]]:
     from hetpipe.plan import make_plan
     from hetpipe.profile import ModelProfile
 
     rank = comm.Get_rank()
     cluster = discovery.cluster
-    x, y = trainer.data.sample()
-    precision = trainer.precision or "fp32"
+    x, y = work.data.sample()
+    p, cache_dir = config.planning, config.plan_cache
+    precision = config.numerics.precision or "fp32"
     ps_nodes = [h.host for h in discovery.ps_slots()] or None
-    key = {"model": model_key(trainer.layers), "sample": sample_key((x, y)), "cluster": cluster.to_dict(),
-           "precision": precision, "policy": trainer.policy, "nm": trainer.nm, "d": trainer.d or 0,
+    key = {"model": model_key(work.layers), "sample": sample_key((x, y)), "cluster": cluster.to_dict(),
+           "precision": precision, "policy": p.policy, "nm": p.nm, "d": p.d or 0,
            "ps_nodes": ps_nodes}
     cached = None
-    if rank == 0 and trainer.plan_cache is not None:
-        plan, why = PlanCache(trainer.plan_cache).lookup(key)
+    if rank == 0 and cache_dir is not None:
+        plan, why = PlanCache(cache_dir).lookup(key)
         sys.stderr.write(f"hetpipe: plan cache: {why}\n")
         if plan is not None:
-            cached = (plan.to_json(), PlanCache(trainer.plan_cache).profile())
+            cached = (plan.to_json(), PlanCache(cache_dir).profile())
     cached = comm.bcast(cached, root=0)
     if cached is not None:
         plan_text, profile_data = cached
     else:
         try:
-            profile = profile_on_devices(comm, trainer.model, (x, y), trainer.loss_fn, discovery, precision)
+            profile = profile_on_devices(comm, work.model, (x, y), work.loss_fn, discovery, precision)
         except ProfilingError as e:
             raise LaunchError(str(e)) from None
         plan_text, error = None, None
         if rank == 0:
             try:
-                plan = make_plan(cluster, profile, policy=trainer.policy, nm=trainer.nm, d=trainer.d or 0,
+                plan = make_plan(cluster, profile, policy=p.policy, nm=p.nm, d=p.d or 0,
                                  minibatch_size=batch_of(x), precision=precision, ps_nodes=ps_nodes)
-                if trainer.plan_cache is not None:
-                    PlanCache(trainer.plan_cache).store(key, plan, profile, cluster)
+                if cache_dir is not None:
+                    PlanCache(cache_dir).store(key, plan, profile, cluster)
                 plan_text = plan.to_json()
             except Exception as e:  # noqa: BLE001 - relayed to every rank below
                 error = f"planning on rank 0 failed: {type(e).__name__}: {e}"
@@ -115,10 +119,9 @@ def _planned(trainer: Any, comm: Any, discovery: Discovery) -> Plan:
     if rank == 0:
         sys.stderr.write(f"hetpipe: profile: {ModelProfile.from_dict(profile_data).source}\n")
     # What a restarting launcher re-plans the surviving devices with (plan rank 0 saves it).
-    trainer.planning = {"cluster": cluster.to_dict(), "profile": profile_data, "policy": trainer.policy,
-                        "nm": trainer.nm, "d": trainer.d or 0, "minibatch_size": batch_of(x),
-                        "precision": precision, "ps_nodes": ps_nodes}
-    return Plan.from_json(plan_text)
+    planning = {"cluster": cluster.to_dict(), "profile": profile_data, "policy": p.policy, "nm": p.nm,
+                "d": p.d or 0, "minibatch_size": batch_of(x), "precision": precision, "ps_nodes": ps_nodes}
+    return Plan.from_json(plan_text), planning
 
 
 def _save_cluster(cluster: ClusterSpec, plan_cache: Optional[Path]) -> None:

@@ -32,7 +32,6 @@ from hetpipe.transport.torch_p2p import TorchP2PTransport
 
 TORCH_P2P = "torch-p2p"
 MPI_HOST = "mpi-host"
-TRANSPORT_ENV = "HETPIPE_TRANSPORT"     # the backend the stage ranks must use (``hetpipe launch --transport``)
 
 
 class TransportChoiceError(ValueError):

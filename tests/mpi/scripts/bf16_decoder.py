@@ -20,6 +20,7 @@ import torch
 from common import one_vw_plan
 from hetpipe.adapters import adapt
 from hetpipe.run.trainer import Trainer
+from hetpipe.run.config import Numerics, Reporting
 
 MINIBATCHES = 8
 CUT = 2                 # stage 0: embeddings and block 0; stage 1: block 1 and the head
@@ -86,7 +87,8 @@ def main() -> int:
     initial = flat(copy.deepcopy(model))
     layers, loss_fn = adapt(model)
     plan = one_vw_plan([CUT], nm=1, d=0, num_layers=len(layers), device=cfg["device"])
-    run = Trainer(layers, loss_fn, sgd, data(), plan=plan, epochs=1, precision="bf16", progress=False).fit()
+    run = Trainer(layers, loss_fn, sgd, data(), plan=plan, epochs=1, numerics=Numerics(precision="bf16"),
+                  reporting=Reporting(progress=False)).fit()
     if run.rank != 0:
         return 0
     device = torch.device(cfg["device"])

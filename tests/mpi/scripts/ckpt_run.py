@@ -18,6 +18,7 @@ from common import cross_entropy, mlp, save_run, sgd
 from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
 from hetpipe.run.data import Batches
 from hetpipe.run.trainer import Trainer
+from hetpipe.run.config import Numerics, Reporting, Runtime
 
 
 def plan_of(cfg) -> Plan:
@@ -44,8 +45,9 @@ def main() -> int:
     step = cfg.get("lr_step")
     scheduler = (lambda opt: torch.optim.lr_scheduler.StepLR(opt, step, gamma=0.5)) if step else None
     run = Trainer(mlp(), cross_entropy, sgd(momentum=cfg.get("momentum", 0.9)), data_of(cfg), plan=plan_of(cfg),
-                  epochs=cfg["epochs"], progress=False, metrics=cfg.get("metrics"), emulate=True,
-                  lr_scheduler=scheduler, **cfg.get("outer", {})).fit()
+                  epochs=cfg["epochs"], numerics=Numerics(lr_scheduler=scheduler),
+                  reporting=Reporting(progress=False, metrics=cfg.get("metrics")), runtime=Runtime(emulate=True),
+                  **cfg.get("outer", {})).fit()
     if run.rank == 0:
         save_run(out, run)
     return 0

@@ -13,6 +13,7 @@ from torch import nn
 
 from common import mlp, one_vw_plan, sgd, synthetic
 from hetpipe.run.trainer import Trainer
+from hetpipe.run.config import Reporting
 
 BURN_S = 0.02
 
@@ -31,8 +32,8 @@ def main() -> int:
     layers = list(mlp())
     layers[1] = nn.Sequential(Burn(), layers[1])
     data = synthetic(n=128, batch=16)
-    r = Trainer(layers, nn.functional.cross_entropy, sgd(), data, plan=one_vw_plan([3], nm=2, d=0),
-                epochs=1, progress=False).fit()
+    r = Trainer(layers, nn.functional.cross_entropy, sgd(), data, plan=one_vw_plan([3], nm=2, d=0), epochs=1,
+                reporting=Reporting(progress=False)).fit()
     if r.rank == 0:
         print("RESULT " + json.dumps({"cpu_s": r.cpu_s, "elapsed_s": r.elapsed_s, "forwards": len(data),
                                       "burn_s": BURN_S}), flush=True)

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from common import one_vw_plan
 from hetpipe.run.trainer import Trainer
+from hetpipe.run.config import Numerics, Reporting
 
 N, BATCH, SEED = 128, 16, 11
 
@@ -97,7 +98,8 @@ def main() -> int:
         data = DataLoader(dataset(), batch_size=BATCH, shuffle=True)
         # Each rank draws from the global RNG a different number of times before training.
         torch.manual_seed(MPI.COMM_WORLD.Get_rank())
-        run = Trainer(model(), loss_fn, opt, data, plan=plan, epochs=2, progress=False, seed=SEED).fit()
+        run = Trainer(model(), loss_fn, opt, data, plan=plan, epochs=2, numerics=Numerics(seed=SEED),
+                      reporting=Reporting(progress=False)).fit()
         mispaired = MPI.COMM_WORLD.allgather(sum(MISPAIRED))
         if MPI.COMM_WORLD.Get_rank() == 0:
             got = [v for _, v in sorted(run.losses[0].items())]
@@ -111,9 +113,10 @@ def main() -> int:
         if MPI.COMM_WORLD.Get_rank() == 0:
             torch.manual_seed(123)
             m[0].lin.reset_parameters()
-        Trainer(m, loss_fn, opt, DataLoader(dataset(), batch_size=BATCH), plan=plan, epochs=1, progress=False).fit()
+        Trainer(m, loss_fn, opt, DataLoader(dataset(), batch_size=BATCH), plan=plan, epochs=1,
+                reporting=Reporting(progress=False)).fit()
         return 0
-    Trainer(model(), loss_fn, opt, RankOrdered(dataset()), plan=plan, epochs=1, progress=False).fit()
+    Trainer(model(), loss_fn, opt, RankOrdered(dataset()), plan=plan, epochs=1, reporting=Reporting(progress=False)).fit()
     return 0
 
 

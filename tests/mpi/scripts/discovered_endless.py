@@ -5,11 +5,12 @@ import sys
 
 from common import cross_entropy, mlp, sgd, synthetic
 from hetpipe.run.trainer import Trainer
+from hetpipe.run.config import Planning, Reporting
 
 
 def main() -> int:
-    Trainer(mlp(), cross_entropy, sgd(), synthetic(), cluster="auto", nm=2, d=0, epochs=4000, progress=False,
-            metrics=sys.argv[1]).fit()
+    Trainer(mlp(), cross_entropy, sgd(), synthetic(), epochs=4000, planning=Planning(cluster="auto", nm=2, d=0),
+            reporting=Reporting(progress=False, metrics=sys.argv[1])).fit()
     return 0
 
 

@@ -11,6 +11,7 @@ from mpi4py import MPI
 from common import cross_entropy, mlp, sgd, synthetic
 from hetpipe.job.inventory import host_name
 from hetpipe.run.trainer import Trainer
+from hetpipe.run.config import Planning, Reporting
 
 
 def main() -> int:
@@ -18,11 +19,13 @@ def main() -> int:
     cache = sys.argv[2] if len(sys.argv) > 2 else None
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    run = Trainer(mlp(), cross_entropy, sgd(), synthetic(n=256), cluster=cluster, nm=2, d=0, progress=False,
-                  plan_cache=cache).fit()
+    run = Trainer(mlp(), cross_entropy, sgd(), synthetic(n=256),
+                  planning=Planning(cluster=cluster, nm=2, d=0, plan_cache=cache),
+                  reporting=Reporting(progress=False)).fit()
     out = {"world": rank, "role": run.role, "host": host_name(rank, comm.Get_size())}
     if run.rank == 0:
-        replay = Trainer(mlp(), cross_entropy, sgd(), synthetic(n=256), plan=run.plan, progress=False).replay()
+        replay = Trainer(mlp(), cross_entropy, sgd(), synthetic(n=256), plan=run.plan,
+                         reporting=Reporting(progress=False)).replay()
         weights_equal = sorted(run.weights) == sorted(replay.weights) and all(
             np.array_equal(run.weights[l], replay.weights[l]) for l in replay.weights)
         out.update(plan=run.plan.to_dict(), losses={str(v): l for v, l in run.losses.items()},

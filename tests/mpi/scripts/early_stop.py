@@ -9,6 +9,7 @@ from mpi4py import MPI
 
 from common import cross_entropy, mlp, sgd, synthetic, two_vw_plan
 from hetpipe.run.trainer import Trainer
+from hetpipe.run.config import Reporting, Runtime
 
 
 class StopAtFirstEval:
@@ -18,8 +19,9 @@ class StopAtFirstEval:
 
 def main() -> int:
     plan = two_vw_plan(([3], [2]), (0.002, 0.004), nm=2, d=1)
-    run = Trainer(mlp(), cross_entropy, sgd(), synthetic(n=640), plan=plan, progress=False, emulate=True,
-                  eval_data=synthetic(seed=9), eval_every=2, callbacks=[StopAtFirstEval()]).fit()
+    run = Trainer(mlp(), cross_entropy, sgd(), synthetic(n=640), plan=plan,
+                  reporting=Reporting(progress=False, eval_data=synthetic(seed=9), eval_every=2, callbacks=[StopAtFirstEval()]),
+                  runtime=Runtime(emulate=True)).fit()
     if MPI.COMM_WORLD.Get_rank() == 0:
         print("RESULT " + json.dumps({"stopped": run.stopped, "ps_plane": run.ps_plane,
                                       "losses": {str(v): sorted(l) for v, l in run.losses.items()},

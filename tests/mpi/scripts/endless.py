@@ -6,12 +6,13 @@ import sys
 
 from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic
 from hetpipe.run.trainer import Trainer
+from hetpipe.run.config import Reporting
 
 
 def main() -> int:
     plan = one_vw_plan([3], nm=2, d=0)
-    Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=4000, progress=False,
-            metrics=sys.argv[1]).fit()
+    Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=4000,
+            reporting=Reporting(progress=False, metrics=sys.argv[1])).fit()
     return 0
 
 

@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 from common import cross_entropy, mlp, one_vw_plan, sgd, split_world, synthetic, with_recompute
 from hetpipe.run.trainer import Trainer
+from hetpipe.run.config import Numerics, Planning, Reporting, Runtime
 
 
 def main() -> int:
@@ -37,12 +38,14 @@ def main() -> int:
         options = {"clip_grad_norm": cfg.get("clip"),
                    "lr_scheduler": (lambda o, k=cfg["lr_step"]: torch.optim.lr_scheduler.StepLR(o, k, 0.5))
                    if cfg.get("lr_step") else None}
-        run = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=epochs, split_startup=split,
-                      copy_stream=cfg.get("copy_stream"), progress=False, comm=sub,
-                      precision=cfg.get("precision"), **options).fit()
+        run = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=epochs,
+                      planning=Planning(split_startup=split), numerics=Numerics(precision=cfg.get("precision")),
+                      reporting=Reporting(progress=False),
+                      runtime=Runtime(copy_stream=cfg.get("copy_stream"), comm=sub), **options).fit()
         if sub.Get_rank() == 0:
             ref = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=epochs,
-                          split_startup=split, precision=cfg.get("precision"), **options).replay()
+                          planning=Planning(split_startup=split), numerics=Numerics(precision=cfg.get("precision")),
+                          **options).replay()
             same_losses = run.losses == ref.losses
             same_weights = sorted(run.weights) == sorted(ref.weights) and all(
                 torch.equal(torch.from_numpy(run.weights[l]), torch.from_numpy(ref.weights[l])) for l in ref.weights)
@@ -56,7 +59,7 @@ def main() -> int:
                 ok = ok and res["unmodified_max_diff"] <= (1e-6 if split else 0.0)
             if cfg.get("precision"):
                 fp32 = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=epochs,
-                               precision="fp32").replay()
+                               numerics=Numerics(precision="fp32")).replay()
                 res["plan_precision"] = run.plan.precision
                 res["fp32_max_diff"] = _max_diff(run, fp32)
             if cfg.get("plain"):

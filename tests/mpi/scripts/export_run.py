@@ -21,6 +21,7 @@ from common import one_vw_plan
 from hetpipe import named_params
 from hetpipe.run.data import Batches
 from hetpipe.run.trainer import Trainer
+from hetpipe.run.config import Checkpointing, Reporting
 
 
 class Tied(nn.Module):
@@ -72,7 +73,7 @@ def main() -> int:
                                  lr=0.01)
 
     Trainer(layers, loss, adamw, data, plan=one_vw_plan([cut], nm=2, d=0, num_layers=n), epochs=2,
-            progress=False, checkpoint_dir=out / "ckpt", checkpoint_every=1).fit()
+            checkpointing=Checkpointing(dir=out / "ckpt", every=1), reporting=Reporting(progress=False)).fit()
     names = MPI.COMM_WORLD.gather(seen, root=0)
     if MPI.COMM_WORLD.Get_rank() != 0:
         return 0

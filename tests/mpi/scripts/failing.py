@@ -16,6 +16,7 @@ from torch import nn
 
 from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic
 from hetpipe.run.trainer import Trainer
+from hetpipe.run.config import Reporting
 
 
 class Tripwire(nn.Module):
@@ -48,7 +49,7 @@ def main() -> int:
     # The tripwire ends stage 0 for "shape" (it narrows what stage 0 sends) and starts stage 1 otherwise.
     plan = one_vw_plan([3] if mode == "shape" else [2], nm=2, d=0, num_layers=len(layers),
                        device="cuda:3" if mode == "cuda" else "cpu")
-    Trainer(layers, cross_entropy, sgd(), synthetic(), plan=plan, epochs=3, progress=False).fit()
+    Trainer(layers, cross_entropy, sgd(), synthetic(), plan=plan, epochs=3, reporting=Reporting(progress=False)).fit()
     print("FINISHED", flush=True)
     return 0
 

@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan  # noqa: E402
+from hetpipe.run.config import PSRule, Reporting
 
 N, LR, NM, SAMPLES = 16, 2.0 ** -4, 2, 24
 
@@ -75,7 +76,7 @@ def run_torch(comm) -> dict:
     w = initial()
     model = nn.Sequential(Scale(w[0], True), Scale(w[1], False))
     run = Trainer(model, loss, lambda ps: torch.optim.SGD(ps, lr=LR), Batches(x, t, 1, seed=5), plan=plan(),
-                  epochs=1, audit=True, progress=False).fit()
+                  epochs=1, ps=PSRule(audit=True), reporting=Reporting(progress=False)).fit()
     kind, vw, _ = plan().role_of(comm.Get_rank())
     if kind == "stage":
         np.savez(OUT / f"data_vw{vw}.npz", x=np.stack(seen["x"]), t=np.stack(seen["t"]))

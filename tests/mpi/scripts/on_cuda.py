@@ -15,6 +15,7 @@ import torch
 
 from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic
 from hetpipe.run.trainer import Trainer
+from hetpipe.run.config import Reporting, Runtime
 
 
 def main() -> int:
@@ -25,7 +26,8 @@ def main() -> int:
         stages = tuple(dataclasses.replace(st, device=f"cuda:{k}") for k, st in enumerate(vw.stages))
         plan = dataclasses.replace(plan, virtual_workers=(dataclasses.replace(vw, stages=stages),))
     run = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=2,
-                  copy_stream=cfg.get("copy_stream"), progress=False, transport=cfg.get("transport")).fit()
+                  reporting=Reporting(progress=False),
+                  runtime=Runtime(copy_stream=cfg.get("copy_stream"), transport=cfg.get("transport"))).fit()
     if run.rank != 0:
         return 0
     cpu = one_vw_plan(cfg["cuts"], cfg["nm"], cfg["d"], shards=cfg.get("shards", 1))

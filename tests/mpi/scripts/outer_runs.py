@@ -18,11 +18,12 @@ from common import cross_entropy, same_outcome, sgd, split_world, synthetic
 from hetpipe.run.record import RecordMismatch, RunRecord
 from hetpipe.run.trainer import Trainer
 from recorded_replay import Jittered, model, plan_of
+from hetpipe.run.config import PSRule, Reporting, Runtime
 
 
-def trainer(plan, cfg: dict, **kw) -> Trainer:
+def trainer(plan, cfg: dict, outer=None, **kw) -> Trainer:
     return Trainer(model(), cross_entropy, sgd(), synthetic(n=cfg.get("n", 256)), plan=plan, epochs=2,
-                   aggregate=cfg["aggregate"], **kw)
+                   ps=PSRule(aggregate=cfg["aggregate"], **(outer or {})), **kw)
 
 
 def check(cfg: dict, run, path: Path, plan) -> dict:
@@ -30,7 +31,7 @@ def check(cfg: dict, run, path: Path, plan) -> dict:
     Jittered.on = False
     record = RunRecord.load(path)
     pulls = [p for s in record.shards.values() for p in s.pulls]
-    replayed = trainer(plan, cfg, **cfg["outer"]).replay(record=path if cfg["d"] else None)
+    replayed = trainer(plan, cfg, cfg["outer"]).replay(record=path if cfg["d"] else None)
     plain = trainer(plan, cfg).replay()
     out = {**cfg, "ps_plane": run.ps_plane, "equal": same_outcome(run, replayed),
            "reproduced": replayed.reproduced, "plain_differs": not same_outcome(run, plain),
@@ -57,7 +58,8 @@ def main() -> int:
             MPI.COMM_WORLD.Barrier()
             continue
         path = run_dir / f"run{i}" / "record.json"
-        run = trainer(plan, cfg, progress=False, comm=sub, record=path, **cfg["outer"]).fit()
+        run = trainer(plan, cfg, cfg["outer"], reporting=Reporting(progress=False, record=path),
+                      runtime=Runtime(comm=sub)).fit()
         if sub.Get_rank() == 0:
             res = check(cfg, run, path, plan)
             ok = ok and res["equal"]

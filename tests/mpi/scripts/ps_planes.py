@@ -17,6 +17,7 @@ import real_models as rm
 from common import cross_entropy, mlp, same_outcome, sgd, split_world, synthetic, two_vw_plan
 from hetpipe.ps.core_plane import PLANE_ENV
 from hetpipe.run.trainer import Trainer
+from hetpipe.run.config import PSRule, Reporting, Runtime
 
 MODELS = {"mlp": (mlp, synthetic, cross_entropy), "resnet": (rm.resnet, rm.images, cross_entropy),
           "tied": (rm.tied_mlp, synthetic, rm.tied_loss)}
@@ -34,13 +35,15 @@ def main() -> int:
             MPI.COMM_WORLD.Barrier()
             continue
         os.environ[PLANE_ENV] = cfg["plane"]
-        run = Trainer(make(), loss, sgd(), data(), plan=plan, epochs=2, progress=False, comm=sub,
-                      aggregate=cfg["aggregate"], audit=d > 0).fit()
+        run = Trainer(make(), loss, sgd(), data(), plan=plan, epochs=2,
+                      ps=PSRule(aggregate=cfg["aggregate"], audit=d > 0), reporting=Reporting(progress=False),
+                      runtime=Runtime(comm=sub)).fit()
         del os.environ[PLANE_ENV]
         if sub.Get_rank() == 0:
             res = {**cfg, "ps_plane": run.ps_plane, "ps_plane_reason": run.ps_plane_reason}
             if d == 0:
-                ref = Trainer(make(), loss, sgd(), data(), plan=plan, epochs=2, aggregate=cfg["aggregate"]).replay()
+                ref = Trainer(make(), loss, sgd(), data(), plan=plan, epochs=2,
+                              ps=PSRule(aggregate=cfg["aggregate"])).replay()
                 res["equal"] = same_outcome(run, ref)
                 res["buffers"] = sum(b.size for b in run.buffers.values())
                 ok = ok and res["equal"]

@@ -14,6 +14,7 @@ from mpi4py import MPI
 import real_models as rm
 from common import cross_entropy, one_vw_plan, same_outcome, sgd, split_world, synthetic, two_vw_plan
 from hetpipe.run.trainer import Trainer
+from hetpipe.run.config import Reporting, Runtime
 
 MODELS = {"dropout": (rm.dropout_mlp, synthetic, cross_entropy), "tied": (rm.tied_mlp, synthetic, rm.tied_loss),
           "resnet": (rm.resnet, rm.images, cross_entropy), "pytree": (rm.pytree_model, rm.DictBatches, cross_entropy)}
@@ -32,7 +33,8 @@ def main() -> int:
         if sub is None:
             MPI.COMM_WORLD.Barrier()
             continue
-        run = Trainer(make(), loss, sgd(), data(), plan=plan, epochs=2, progress=False, comm=sub).fit()
+        run = Trainer(make(), loss, sgd(), data(), plan=plan, epochs=2, reporting=Reporting(progress=False),
+                      runtime=Runtime(comm=sub)).fit()
         if sub.Get_rank() == 0:
             ref = Trainer(make(), loss, sgd(), data(), plan=plan, epochs=2).replay()
             same = same_outcome(run, ref)

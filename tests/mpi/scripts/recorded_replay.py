@@ -23,6 +23,7 @@ from common import cross_entropy, same_outcome, sgd, split_world, synthetic
 from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
 from hetpipe.run.record import RunRecord
 from hetpipe.run.trainer import Trainer
+from hetpipe.run.config import Reporting, Runtime
 
 NUM_LAYERS = 7
 
@@ -112,8 +113,8 @@ def main() -> int:
             continue
         path = run_dir / f"run{i}" / "record.json"
         data = synthetic(n=cfg.get("n", 256))
-        run = Trainer(model(), cross_entropy, sgd(), data, plan=plan, epochs=cfg.get("epochs", 2), progress=False,
-                      comm=sub, record=path).fit()
+        run = Trainer(model(), cross_entropy, sgd(), data, plan=plan, epochs=cfg.get("epochs", 2),
+                      reporting=Reporting(progress=False, record=path), runtime=Runtime(comm=sub)).fit()
         if sub.Get_rank() == 0:
             Jittered.on = False
             record = RunRecord.load(path)

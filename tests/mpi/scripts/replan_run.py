@@ -10,6 +10,7 @@ import torch
 from common import cross_entropy, mlp, save_run, sgd
 from hetpipe.run.data import Batches
 from hetpipe.run.trainer import Trainer
+from hetpipe.run.config import Planning, Reporting, Runtime
 
 CLUSTER = {"name": "three", "emulated": True, "device_types": {"emu": {"memory_bytes": 1 << 26, "speed": 0.002}},
            "nodes": [{"name": "n0", "type": "emu", "count": 3}],
@@ -27,8 +28,9 @@ def main() -> int:
     metrics = sys.argv[2] if len(sys.argv) > 2 else None
     from hetpipe.cluster import cluster_from_dict
 
-    run = Trainer(mlp(), cross_entropy, sgd(momentum=0.0), data(), cluster=cluster_from_dict(CLUSTER), policy="NP",
-                  nm=2, d=0, progress=False, emulate=True, metrics=metrics).fit()
+    run = Trainer(mlp(), cross_entropy, sgd(momentum=0.0), data(),
+                  planning=Planning(cluster=cluster_from_dict(CLUSTER), policy="NP", nm=2, d=0),
+                  reporting=Reporting(progress=False, metrics=metrics), runtime=Runtime(emulate=True)).fit()
     if run.rank == 0:
         save_run(out, run)
     return 0

@@ -28,6 +28,7 @@ from common import cross_entropy, mlp, save_run, sgd
 from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
 from hetpipe.run.data import Batches
 from hetpipe.run.trainer import Trainer
+from hetpipe.run.config import Checkpointing, Numerics, Reporting, Runtime
 
 FAULT_DIR_ENV = "SOAK_FAULT_DIR"
 
@@ -100,8 +101,9 @@ def main() -> int:
     if os.environ.get(FAULT_DIR_ENV):
         arm_disk_full(Path(os.environ[FAULT_DIR_ENV]))
     run = Trainer(mlp(), LoggedLoss(), sgd(momentum=0.9), data_of(cfg), plan=plan_of(cfg), epochs=cfg["epochs"],
-                  progress=False, emulate=True, checkpoint_keep=2, resume_fallback=True,
-                  lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 8, gamma=0.7)).fit()
+                  numerics=Numerics(lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 8, gamma=0.7)),
+                  checkpointing=Checkpointing(keep=2, fallback=True), reporting=Reporting(progress=False),
+                  runtime=Runtime(emulate=True)).fit()
     if run.rank == 0:
         save_run(out, run)
     return 0

@@ -19,6 +19,7 @@ from common import same_outcome, sgd, split_world
 from hetpipe.run.trainer import Trainer
 from hetpipe.transport.core import STAGE_PLANE_ENV
 from transport_equal import MODELS, plan_of
+from hetpipe.run.config import Reporting, Runtime
 
 
 def main() -> int:
@@ -35,8 +36,9 @@ def main() -> int:
         for plane in ("core", "python"):
             os.environ[STAGE_PLANE_ENV] = plane
             metrics = run_dir / f"metrics-{i}-{plane}.jsonl"
-            runs[plane] = Trainer(make(), loss, sgd(), data(), plan=plan, epochs=2, progress=False, comm=sub,
-                                  copy_stream=cfg.get("copy_stream"), metrics=metrics).fit()
+            runs[plane] = Trainer(make(), loss, sgd(), data(), plan=plan, epochs=2,
+                                  reporting=Reporting(progress=False, metrics=metrics),
+                                  runtime=Runtime(comm=sub, copy_stream=cfg.get("copy_stream"))).fit()
             sub.Barrier()                                # the last stage has written its summary
             if sub.Get_rank() == 0:
                 summaries[plane] = json.loads(metrics.read_text().splitlines()[-1])

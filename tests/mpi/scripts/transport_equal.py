@@ -19,6 +19,7 @@ from mpi4py import MPI
 import real_models as rm
 from common import cross_entropy, mlp, one_vw_plan, same_outcome, sgd, split_world, synthetic, two_vw_plan
 from hetpipe.run.trainer import Trainer
+from hetpipe.run.config import Reporting, Runtime
 
 MODELS = {"mlp": (mlp, synthetic, cross_entropy), "tied": (rm.tied_mlp, synthetic, rm.tied_loss),
           "pytree": (rm.pytree_model, rm.DictBatches, cross_entropy)}
@@ -42,9 +43,9 @@ def main() -> int:
             MPI.COMM_WORLD.Barrier()
             continue
         metrics = run_dir / f"metrics-{i}.jsonl"
-        runs = {name: Trainer(make(), loss, sgd(), data(), plan=plan, epochs=2, progress=False, comm=sub,
-                              copy_stream=cfg.get("copy_stream"), transport=name,
-                              metrics=metrics if name == "torch-p2p" else None).fit()
+        runs = {name: Trainer(make(), loss, sgd(), data(), plan=plan, epochs=2,
+                              reporting=Reporting(progress=False, metrics=metrics if name == "torch-p2p" else None),
+                              runtime=Runtime(comm=sub, copy_stream=cfg.get("copy_stream"), transport=name)).fit()
                 for name in ("torch-p2p", "mpi-host")}
         if sub.Get_rank() == 0:
             ref = Trainer(make(), loss, sgd(), data(), plan=plan, epochs=2).replay()

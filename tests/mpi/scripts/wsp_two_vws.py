@@ -12,6 +12,7 @@ from mpi4py import MPI
 from common import cross_entropy, mlp, sgd, synthetic, two_vw_plan
 from hetpipe.model.weights import initial_weights
 from hetpipe.run.trainer import Trainer
+from hetpipe.run.config import PSRule, Reporting
 
 
 def check(run, d: int) -> dict:
@@ -41,8 +42,8 @@ def main() -> int:
     ok, previous = True, {}
     for d in json.loads(sys.argv[1]):
         plan = two_vw_plan(([3], [2]), (0.002, 0.006), nm=2, d=d)
-        run = Trainer(mlp(), cross_entropy, sgd(), synthetic(n=192), plan=plan, epochs=2, audit=True,
-                      progress=False).fit()
+        run = Trainer(mlp(), cross_entropy, sgd(), synthetic(n=192), plan=plan, epochs=2, ps=PSRule(audit=True),
+                      reporting=Reporting(progress=False)).fit()
         if MPI.COMM_WORLD.Get_rank() == 0:
             res = check(run, d)
             if d in previous:

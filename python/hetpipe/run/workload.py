@@ -1,0 +1,213 @@
+"""What a run trains (:class:`Workload`) and the plan and spec it trains it with.
+
+A :class:`Workload` is built the same on every rank from the Trainer's four essentials. The functions
+below turn it and a resolved :class:`~hetpipe.run.config.RunConfig` into the plan every rank runs
+(given, the launcher's, or made here from a profile of the model) and into the run's
+:class:`~hetpipe.run.spec.RunSpec`. Rank 0 makes the plan; :mod:`hetpipe.run.world_plan` makes it on the
+world's own devices instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from torch import nn
+
+from hetpipe.checkpoint import state as ckpt
+from hetpipe.job.roles import LaunchError
+from hetpipe.loader import as_source
+from hetpipe.model.contract import as_layers, infer_boundaries
+from hetpipe.model.names import model_names, param_names
+from hetpipe.model.tree import batch_of
+from hetpipe.plan.types import Plan
+from hetpipe.precision import check_precision
+from hetpipe.run.config import RunConfig, as_path
+from hetpipe.run.plan_cache import PlanCache, model_key, sample_key
+from hetpipe.run.report import Reporter
+from hetpipe.run.spec import RunSpec
+from hetpipe.run.world_plan import on_world
+from hetpipe.schedule.registry import ScheduleOptions, generate
+
+
+@dataclass
+class Workload:
+    """The model (as the plan's layers, and their names), the loss, the optimizer factory and the data.
+
+    Built identically on every rank (same seed): the start-up checks compare the layers' digests and the
+    first minibatches across ranks."""
+
+    model: Any
+    layers: List[nn.Module]
+    names: Dict[str, Any]
+    loss_fn: Callable
+    optimizer: Callable
+    data: Any
+    eval_data: Any
+
+    @classmethod
+    def of(cls, model: Any, loss_fn: Callable, optimizer: Callable, data: Any, config: RunConfig) -> "Workload":
+        layers = as_layers(model)
+        seed = config.numerics.seed
+        eval_data = config.reporting.eval_data
+        return cls(model, layers, model_names(model, layers), loss_fn, optimizer, as_source(data, seed),
+                   as_source(eval_data, seed) if eval_data is not None else None)
+
+    def check_layers(self, plan: Plan) -> Plan:
+        if plan.num_layers != len(self.layers):
+            raise LaunchError(f"hetpipe: the plan has {plan.num_layers} layers, the model {len(self.layers)}")
+        return plan
+
+
+def override(plan: Plan, nm: Optional[int], d: Optional[int]) -> Plan:
+    """``plan`` with ``nm`` / ``d`` replaced where given and different.
+
+    The stage boundaries and memory verdict were made for the plan's own Nm: a larger ``nm`` keeps
+    more activations in flight, so it is refused when the plan's stages carry a memory capacity (the
+    plan has no layer profile to re-check it with). The cost model's prediction no longer applies:
+    the plan's and its VWs' throughputs become 0 and ``meta["prediction"]`` says why."""
+    changes: Dict[str, Any] = {}
+    if nm is not None and nm != plan.nm:
+        changes["nm"] = nm
+    if d is not None and d != plan.d:
+        changes["d"] = d
+    if not changes:
+        return plan
+    if changes.get("nm", 0) > plan.nm:
+        for vw in plan.virtual_workers:
+            for k, st in enumerate(vw.stages):
+                if st.memory_capacity > 0:
+                    raise LaunchError(
+                        f"hetpipe: nm = {nm} exceeds the plan's nm = {plan.nm}, for which VW {vw.index} stage {k} "
+                        f"on {st.device} was sized to {st.memory_bytes} of its {st.memory_capacity} bytes; more "
+                        "minibatches in flight may not fit: re-plan with this nm instead of overriding it")
+    what = ", ".join(f"{k} {getattr(plan, k)} -> {v}" for k, v in changes.items())
+    vws = tuple(dataclasses.replace(vw, throughput=0.0) for vw in plan.virtual_workers)
+    meta = {**plan.meta, "prediction": f"none: the plan's predicted throughput was for other settings ({what})"}
+    return dataclasses.replace(plan, virtual_workers=vws, throughput=0.0, meta=meta, **changes)
+
+
+def with_precision(plan: Plan, precision: str) -> Plan:
+    """``plan`` training in ``precision`` ("fp32" or "bf16"). Its stages' send times were predicted
+    for its own wire bytes, which the precision halves or doubles: when it changes, the plan's and
+    its VWs' throughputs become 0 and ``meta["prediction"]`` says why (re-plan to predict)."""
+    check_precision(precision, "hetpipe")
+    if precision == plan.precision:
+        return plan
+    vws = tuple(dataclasses.replace(vw, throughput=0.0) for vw in plan.virtual_workers)
+    meta = {**plan.meta, "prediction": f"none: the plan's predicted throughput was for precision {plan.precision}"}
+    return dataclasses.replace(plan, virtual_workers=vws, throughput=0.0, meta=meta, precision=precision)
+
+
+def given_plan(work: Workload, config: RunConfig) -> Optional[Plan]:
+    """The plan the config names (the script's, or the launcher's), None when one is to be made."""
+    if config.plan is None:
+        return None
+    plan = config.plan if isinstance(config.plan, Plan) else Plan.load(config.plan)
+    if config.plan_source == "script":
+        plan = override(plan, config.planning.nm, config.planning.d)
+    return work.check_layers(plan)
+
+
+def with_rule(plan: Plan, config: RunConfig) -> Plan:
+    """``plan`` with the config's PS rule (aggregate, outer optimizer) and precision where they are set."""
+    ps = config.ps
+    if ps.aggregate is not None and ps.aggregate != plan.aggregate:
+        plan = dataclasses.replace(plan, aggregate=ps.aggregate)
+    outer = ps.outer_overrides
+    if any(plan.outer_options[k] != v for k, v in outer.items()):
+        plan = dataclasses.replace(plan, **outer)
+    if config.numerics.precision is not None:
+        plan = with_precision(plan, config.numerics.precision)
+    return plan
+
+
+def resolve_plan(work: Workload, config: RunConfig) -> Tuple[Plan, Optional[Dict[str, Any]]]:
+    """The plan this run trains (what rank 0 broadcasts), and the planning inputs of one made here (None
+    for a given plan): what a restarting launcher re-plans the surviving devices with."""
+    given = given_plan(work, config)
+    if given is not None:
+        return with_rule(given, config), None
+    cluster = config.planning.cluster
+    if on_world(cluster):
+        raise LaunchError(f"hetpipe: cluster={cluster!r} is planned on the devices of an MPI world "
+                          f"(Trainer.fit under mpiexec); give an emulated cluster or a plan to replay")
+    plan, planning = _plan_here(work, config)
+    return with_rule(plan, config), planning
+
+
+def _plan_here(work: Workload, config: RunConfig) -> Tuple[Plan, Dict[str, Any]]:
+    from hetpipe.cluster import load_cluster
+    from hetpipe.model.measure import profile_model
+    from hetpipe.plan import make_plan
+
+    p = config.planning
+    precision = config.numerics.precision or "fp32"
+    cluster = load_cluster(p.cluster if p.cluster is not None else "cpu-emulated")
+    x, y = work.data.sample()
+    cache, key, plan = None, None, None
+    if config.plan_cache is not None:
+        cache = PlanCache(config.plan_cache)
+        key = {"model": model_key(work.layers), "sample": sample_key((x, y)), "cluster": cluster.to_dict(),
+               "precision": precision, "policy": p.policy, "nm": p.nm, "d": p.d or 0}
+        plan, why = cache.lookup(key)
+        sys.stderr.write(f"hetpipe: plan cache: {why}\n")
+    if plan is not None:
+        profile_data = cache.profile()
+    else:
+        profile = profile_model(work.model, x, cluster, loss_fn=lambda out: work.loss_fn(out, y))
+        plan = make_plan(cluster, profile, policy=p.policy, nm=p.nm, d=p.d or 0, minibatch_size=batch_of(x),
+                         precision=precision)
+        if cache is not None:
+            cache.store(key, plan, profile, cluster)
+        profile_data = profile.to_dict()
+    planning = {"cluster": cluster.to_dict(), "profile": profile_data, "policy": p.policy, "nm": p.nm,
+                "d": p.d or 0, "minibatch_size": batch_of(x), "precision": precision}
+    return work.check_layers(plan), planning
+
+
+def run_spec(work: Workload, config: RunConfig, plan: Plan, resume: Optional[ckpt.Resume] = None) -> RunSpec:
+    """The run's :class:`RunSpec` for ``plan`` (schedules, activation shapes) on this rank; a resumed
+    run trains what is left after the checkpoint's cut."""
+    num_vws = len(plan.virtual_workers)
+    per_epoch = work.data.minibatches_per_epoch(num_vws)
+    per_vw = per_epoch // num_vws
+    if per_vw < 1:
+        raise ValueError(f"hetpipe: one epoch has fewer minibatches than the {num_vws} VWs")
+    epochs, num = config.epochs, config.numerics
+    total, split = per_vw * epochs, config.planning.split_startup
+    if resume is not None:
+        total = resume.start.per_vw(per_epoch, num_vws, epochs)
+        split = max(0, split - resume.minibatches) if resume.same_plan else 0
+        if total < 1:
+            raise ValueError(f"hetpipe: the checkpoint {resume.checkpoint.path} is at epoch "
+                             f"{resume.start.epoch} minibatch {resume.start.index}: nothing is left of the "
+                             f"{epochs} epoch(s) to train")
+    x, _ = work.data.sample()
+    schedules = []
+    for vw in plan.virtual_workers:
+        recompute = any(st.recompute for st in vw.stages)
+        schedules.append(generate(config.planning.schedule, ScheduleOptions(
+            len(vw.stages), total, plan.nm, plan.d, recompute=recompute, split_startup=split)))
+    rep = config.reporting
+    return RunSpec(plan, work.layers, work.loss_fn, work.optimizer, work.data, epochs, schedules,
+                   infer_boundaries(work.layers, x), batch_of(x), copy_stream=config.runtime.copy_stream,
+                   audit=config.ps.audit, seed=num.seed, resume=resume, lr_scheduler=num.lr_scheduler,
+                   clip_grad_norm=float(num.clip_grad_norm) if num.clip_grad_norm is not None else None,
+                   param_names=param_names(work.names), eval_every=rep.eval_every, eval_data=work.eval_data,
+                   eval_metric=rep.eval_metric, loss_scale=dict(num.loss_scale or {}), accumulate=num.accumulate)
+
+
+def reporter(config: RunConfig, plan: Plan, spec: RunSpec) -> Reporter:
+    """The reporter of the last stage of VW 0 (progress bar, metrics, TensorBoard, callbacks)."""
+    rep = config.reporting
+    return Reporter(plan, as_path(rep.metrics), as_path(rep.tensorboard), rep.progress,
+                    spec.schedules[0].num_minibatches, config.epochs, list(rep.callbacks), rep.eval_every is not None)
+
+
+def wants_reporter(config: RunConfig) -> bool:
+    """Whether a single-process replay needs a reporter (evaluation, callbacks or an output file)."""
+    rep = config.reporting
+    return rep.eval_every is not None or bool(rep.callbacks) or rep.metrics is not None or rep.tensorboard is not None
