@@ -1,7 +1,7 @@
 """Multi-node launch tested on one machine: `hetpipe launch --emulate-hosts` runs every rank here, each
 counting as the host the host list gives it (HETPIPE_HOST), so placement, the start-up checks and the
 supervision of ranks "on other hosts" run for real under mpiexec. What needs a real second node (ssh
-or Slurm start-up, a host that vanishes from the network) is listed in the README."""
+or Slurm start-up, a host that vanishes from the network) is listed in docs/clusters.md."""
 
 import json
 import os
