@@ -23,8 +23,7 @@ from hetpipe.run.data import Batches  # noqa: E402
 from hetpipe.loader.check import DataMismatch, Reading, compare  # noqa: E402
 from hetpipe.loader.source import BOTH, INPUTS, LABELS  # noqa: E402
 from hetpipe.run.trainer import Trainer  # noqa: E402
-from hetpipe.run.config import Numerics, Reporting
-from hetpipe.run.config import Numerics
+from hetpipe.run.config import Numerics, Reporting  # noqa: E402
 
 
 def _dataset(n=100, seed=1):
