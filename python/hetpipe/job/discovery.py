@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from hetpipe.cluster import ClusterSpec, Device, DeviceType, Link, cluster_from_dict
+from hetpipe.plan.cluster import ClusterSpec, Device, DeviceType, Link, cluster_from_dict
 
 # Link defaults by kind (bytes/s, s). Discovery reads the kind of each link, not its speed: these
 # are typical figures (NVLink 3 per direction, PCIe 4 x16 in practice, 100 Gb/s Ethernet/IB), and

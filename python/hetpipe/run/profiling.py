@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from hetpipe.job.discovery import Discovery
 from hetpipe.model.measure import ModelMeasure, measure_layers
-from hetpipe.profile import ModelProfile
+from hetpipe.plan.profile import ModelProfile
 
 
 class ProfilingError(RuntimeError):

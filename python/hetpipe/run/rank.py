@@ -23,7 +23,7 @@ from hetpipe.job.world import gather_hosts
 from hetpipe.loader.check import DataMismatch, compare
 from hetpipe.model.fingerprint import first_difference, layer_digests
 from hetpipe.model.weights import load_layer_weights
-from hetpipe.outputs import check_file
+from hetpipe.util.outputs import check_file
 from hetpipe.plan.types import Plan
 from hetpipe.ps.core_plane import choose_plane
 from hetpipe.run.build import build_shard, build_stage, data_reading, shard_pool, stage_pairs, stage_pool

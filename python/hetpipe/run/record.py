@@ -38,8 +38,8 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 
 import numpy as np
 
-from hetpipe.outer import is_plain
-from hetpipe.outputs import write_file
+from hetpipe.plan.outer import is_plain
+from hetpipe.util.outputs import write_file
 from hetpipe.ps.shard import ShardLog, ShardState
 from hetpipe.run.spec import Outcome, RunSpec
 

@@ -30,9 +30,9 @@ from hetpipe.model.names import model_names, param_names
 from hetpipe.model.tree import batch_of
 from hetpipe.model.weights import load_layer_weights
 from hetpipe.plan.types import Plan
-from hetpipe.numbers import seconds, whole
-from hetpipe.outer import OUTER_DEFAULTS, check_outer
-from hetpipe.precision import check_precision
+from hetpipe.util.numbers import seconds, whole
+from hetpipe.plan.outer import OUTER_DEFAULTS, check_outer
+from hetpipe.plan.precision import check_precision
 from hetpipe.run.callbacks import Callbacks
 from hetpipe.run.checkpoints import RunCheckpoints
 from hetpipe.run.plan_cache import PLAN_CACHE_ENV, PlanCache, model_key, sample_key
@@ -140,7 +140,7 @@ class Trainer:
         "mean"). With "mean" a wave moves the weights by the VWs' average change, so learning rates
         tuned on one GPU carry over (as with DDP); "sum" is HetPipe's rule, which with N VWs takes
         N times the step: scale the learning rate by 1/N to get the same.
-    outer, outer_lr, outer_momentum, outer_staleness: the PS's outer optimizer (:mod:`hetpipe.outer`;
+    outer, outer_lr, outer_momentum, outer_staleness: the PS's outer optimizer (:mod:`hetpipe.plan.outer`;
         docs/design.md, "Outer optimizer"); each None: the plan's (by default "sgd", 1.0, 0.9, "none",
         the plain rule). ``outer="nesterov"`` treats each wave's aggregated delta as a pseudo-gradient
         and takes a Nesterov momentum step with ``outer_lr`` and ``outer_momentum`` (DiLoCo's outer
@@ -320,7 +320,7 @@ class Trainer:
             raise LaunchError(f"hetpipe: cluster={self.cluster!r} is planned on the devices of an MPI world "
                               f"(Trainer.fit under mpiexec); give an emulated cluster or a plan to replay")
         else:
-            from hetpipe.cluster import load_cluster
+            from hetpipe.plan.cluster import load_cluster
             from hetpipe.plan import make_plan
             from hetpipe.model.measure import profile_model
 
