@@ -38,7 +38,7 @@ TORCH_FREE = ["hetpipe.launch.supervisor", "hetpipe.launch.restart", "hetpipe.la
               "hetpipe.ps.shard", "hetpipe.ps.server", "hetpipe.ps.core_plane", "hetpipe.transport.core",
               "hetpipe.transport.mpi", "hetpipe.transport.base", "hetpipe.transport.loopback",
               "hetpipe.transport.array_link", "hetpipe.transport.drive", "hetpipe.ps.serve", "hetpipe.ps.worker",
-              "hetpipe.numpy", "hetpipe.jax", "hetpipe.plan.manual",
+              "hetpipe.numpy", "hetpipe.jax", "hetpipe.plan.manual", "hetpipe.util.errors",
               "hetpipe.util.numbers", "hetpipe.util.outputs"]
 # The only modules at the top of the package: every other one lives in the package of its job.
 TOP = {"__init__.py", "cli.py"}

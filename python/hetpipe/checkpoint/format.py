@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from hetpipe.util.errors import HetpipeError
+
 FORMAT = 1
 MANIFEST = "manifest.json"
 RESUME_ENV = "HETPIPE_RESUME"                   # a checkpoint directory to resume from
@@ -30,7 +32,7 @@ EVERY_ENV = "HETPIPE_CHECKPOINT_EVERY"          # Trainer(checkpoint_every=) whe
 RUN_ID_ENV = "HETPIPE_RUN_ID"                   # the run a fresh start continues (set on a restart from the start)
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(HetpipeError, RuntimeError):
     """A checkpoint directory holds nothing to resume from, or something unreadable."""
 
 

@@ -48,10 +48,10 @@ import numpy as np
 import hetpipe_core
 from hetpipe.plan.outer import check_outer
 from hetpipe.ps.gate import Gate, WSPGate
+from hetpipe.util.errors import HetpipeError
 
 
-
-class WSPViolation(RuntimeError):
+class WSPViolation(HetpipeError, RuntimeError):
     """The PS saw something WSP forbids: a duplicate push, a broken clock bound, a malformed push."""
 
 

@@ -29,13 +29,14 @@ from hetpipe.transport.loopback import LoopbackHub
 from hetpipe.transport.mpi import MPITransport
 from hetpipe.transport.torch_groups import NCCL, Channels, flavour_for, job_channels, open_channels
 from hetpipe.transport.torch_p2p import TorchP2PTransport
+from hetpipe.util.errors import HetpipeError
 
 TORCH_P2P = "torch-p2p"
 MPI_HOST = "mpi-host"
 TRANSPORT_ENV = "HETPIPE_TRANSPORT"     # the backend the stage ranks must use (``hetpipe launch --transport``)
 
 
-class TransportChoiceError(ValueError):
+class TransportChoiceError(HetpipeError, ValueError):
     """A forced backend cannot serve a rank, or no backend can."""
 
 
