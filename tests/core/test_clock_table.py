@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-import hetpipe_core
 from hetpipe_core import ClockTable
+from hetpipe_core.bench import clock_bench, clock_stress, mutex_clock_bench
 
 
 def test_basics_and_global_minimum():
@@ -49,7 +49,7 @@ def test_remove_takes_vw_out_of_minimum():
 def test_contention_no_lost_update():
     t = ClockTable(5)
     ops = 1_000_000
-    seconds = hetpipe_core.clock_stress(t, 8, ops)
+    seconds = clock_stress(t, 8, ops)
     assert seconds > 0
     assert sum(t.clock(v) for v in range(5)) == ops
     assert t.global_clock() == min(t.clock(v) for v in range(5))
@@ -73,7 +73,7 @@ def test_waiters_never_pass_the_staleness_bound():
         th.start()
     # C++ advancers race the Python waiters: 8 threads, waves * n advances in steps.
     for _ in range(waves):
-        hetpipe_core.clock_stress(t, 8, n)
+        clock_stress(t, 8, n)
     for th in waiters:
         th.join(60)
     assert not violations
@@ -127,8 +127,8 @@ def test_timeout_fires_in_bounded_time():
 def test_bench_helpers_run():
     t = ClockTable(4)
     for op in ("advance", "clock", "global_clock", "wait_check"):
-        assert hetpipe_core.clock_bench(t, op, 2, 1000) > 0
-        assert hetpipe_core.mutex_clock_bench(4, op, 2, 1000) > 0
+        assert clock_bench(t, op, 2, 1000) > 0
+        assert mutex_clock_bench(4, op, 2, 1000) > 0
     assert t.clock(0) + t.clock(1) == 1000
     with pytest.raises(ValueError, match="unknown clock op 'bogus'"):
-        hetpipe_core.clock_bench(t, "bogus", 1, 1)
+        clock_bench(t, "bogus", 1, 1)

@@ -79,9 +79,9 @@ def test_plan_cli_discovers_the_world_and_derives_unmeasured_types(tmp_path):
     import sys
 
     from mpirun import mpiexec
-    from hetpipe.cluster import load_cluster
+    from hetpipe.plan.cluster import load_cluster
+    from hetpipe.plan.profile import analytic_profile
     from hetpipe.plan.types import Plan
-    from hetpipe.profile import analytic_profile
 
     # A profile measured on emu_fast only (modelled numbers standing in for a saved measurement).
     fast = load_cluster("cpu-emulated").device_types["emu_fast"]

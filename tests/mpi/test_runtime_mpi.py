@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -112,7 +113,8 @@ def test_digits_converges_with_two_vws(tmp_path):
     plan.save(tmp_path / "plan.json")
     from mpirun import mpiexec
 
-    proc = subprocess.run([mpiexec(), "-n", "5", sys.executable, "-m", "hetpipe.run.demo", "--plan",
+    demo = Path(__file__).resolve().parents[2] / "examples" / "demo.py"
+    proc = subprocess.run([mpiexec(), "-n", "5", sys.executable, str(demo), "--rank", "--plan",
                            str(tmp_path / "plan.json"), "--out", str(tmp_path / "out"), "--epochs", "10",
                            "--no-progress"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr

@@ -1,11 +1,15 @@
-"""Bad input to `hetpipe simulate` and unwritable output paths of every command: one line, exit 2, nothing written."""
+"""Bad input to `hetpipe simulate` and unwritable output paths of every command (and of examples/demo.py): one
+line, exit 2, nothing written."""
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from hetpipe.cli import main
-from hetpipe.outputs import OutputError, write_file
+from hetpipe.util.outputs import OutputError, write_file
 from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
 
 
@@ -77,12 +81,17 @@ def test_plan_unwritable_output_is_one_line_and_plans_nothing(tmp_path, capsys):
         assert leftovers(tmp_path) == []
 
 
-def test_demo_unwritable_out_is_one_line(tmp_path, capsys):
+def test_demo_unwritable_out_is_one_line(tmp_path):
+    demo = Path(__file__).resolve().parents[2] / "examples" / "demo.py"
     blocker = tmp_path / "file"
     blocker.write_text("x")
     for path in (blocker, blocker / "sub"):
-        assert main(["demo", "--out", str(path)]) == 2
-        one_line_error(capsys, "--out", str(path))
+        proc = subprocess.run([sys.executable, str(demo), "--out", str(path)], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2, proc
+        err = proc.stderr.strip()
+        assert "\n" not in err and "Traceback" not in err and "--out" in err and str(path) in err, err
+        assert "launching" not in proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"] and blocker.read_text() == "x"
 
 

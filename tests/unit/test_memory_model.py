@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hetpipe.plan.stage_cost import LayerTable, LinkCost, StageDevice
-from hetpipe.profile import LayerProfile, ModelProfile
+from hetpipe.plan.profile import LayerProfile, ModelProfile
 from hetpipe.ps.ledger import WaveLedger
 from hetpipe.stage import params as stage_module
 from hetpipe.run.trainer import Trainer

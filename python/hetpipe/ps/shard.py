@@ -10,7 +10,7 @@ A shard owns some layers' weights ``W`` (float32, one flat array per layer). Pro
   ``W_g``, ``g`` = global clock (the version: every wave ``< g`` applied). The order is logged.
   ``aggregate="sum"`` adds every VW's delta (HetPipe's rule); ``"mean"`` adds each divided by the
   number of VWs (the step of one VW, as data-parallel SGD averages gradients).
-* The outer optimizer (:mod:`hetpipe.outer`) turns a wave's pushes into a step: ``outer="sgd"`` adds each
+* The outer optimizer (:mod:`hetpipe.plan.outer`) turns a wave's pushes into a step: ``outer="sgd"`` adds each
   push's ``delta / k`` times ``outer_lr`` as above (lr 1, no staleness scale: exactly the plain rule);
   ``"nesterov"`` sums the wave's ``delta / k`` into ``A`` (in apply order) and takes DiLoCo's outer step
   on the pseudo-gradient ``g = -A`` with the momentum buffer ``M`` (float32, one per layer, part of the
@@ -46,12 +46,12 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Set, Tupl
 import numpy as np
 
 import hetpipe_core
-from hetpipe.outer import check_outer
+from hetpipe.plan.outer import check_outer
 from hetpipe.ps.gate import Gate, WSPGate
+from hetpipe.util.errors import HetpipeError
 
 
-
-class WSPViolation(RuntimeError):
+class WSPViolation(HetpipeError, RuntimeError):
     """The PS saw something WSP forbids: a duplicate push, a broken clock bound, a malformed push."""
 
 

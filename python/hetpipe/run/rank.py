@@ -24,7 +24,7 @@ from hetpipe.job.world import gather_hosts
 from hetpipe.loader.check import DataMismatch, compare
 from hetpipe.model.fingerprint import first_difference, layer_digests
 from hetpipe.model.weights import load_layer_weights
-from hetpipe.outputs import check_file
+from hetpipe.util.outputs import check_file
 from hetpipe.plan.types import Plan
 from hetpipe.ps.core_plane import choose_plane
 from hetpipe.run.checkpoints import RunCheckpoints

@@ -66,7 +66,7 @@ from torch.utils import _pytree as pytree
 from hetpipe.model.layout import ModelLayout
 from hetpipe.model.names import NAMED_ATTR
 from hetpipe.model.swap import SwapCall
-from hetpipe.precision import HALF_DTYPE, check_precision
+from hetpipe.plan.precision import HALF_DTYPE, check_precision
 from hetpipe.ps.ledger import LedgerLayout, WaveLedger
 
 TiedKey = Tuple[int, str]          # (owner layer, the owner's parameter name)
