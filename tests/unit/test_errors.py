@@ -19,6 +19,7 @@ BUILTIN_BASE = {
     "hetpipe.adapters.errors.AdapterError": ValueError,
     "hetpipe.checkpoint.format.CheckpointError": RuntimeError,
     "hetpipe.job.discovery.DiscoveryError": ValueError,
+    "hetpipe.job.launch_file.LaunchFileError": ValueError,
     "hetpipe.job.roles.LaunchError": RuntimeError,
     "hetpipe.job.world.MPIUnavailable": RuntimeError,
     "hetpipe.launch.hosts.HostsError": ValueError,
@@ -45,12 +46,13 @@ def _classes(namespace, module: str):
 
 
 def exception_classes():
-    """``{"module.QualName": class}`` of every exception class defined in the package."""
+    """``{"module.QualName": class}`` of every exception class defined in the package (warning categories,
+    which are not raised as failures, aside)."""
     found = {}
     for info in pkgutil.walk_packages(hetpipe.__path__, "hetpipe."):
         module = importlib.import_module(info.name)
         for cls in _classes(module, module.__name__):
-            if issubclass(cls, BaseException):
+            if issubclass(cls, BaseException) and not issubclass(cls, Warning):
                 found[f"{cls.__module__}.{cls.__qualname__}"] = cls
     return found
 
