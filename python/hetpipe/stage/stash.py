@@ -39,6 +39,12 @@ class WeightStashes:
         self._latest: Optional[Tuple[int, torch.Tensor]] = None          # the newest snapshot, with its version
 
     @property
+    def buffers_held(self) -> int:
+        """The weight copies this stage holds for stashes: those in flight and the spares kept for reuse
+        (what the planner's memory model counts as snapshots)."""
+        return len(self._snapshots) + len(self._spare)
+
+    @property
     def version(self) -> int:
         """The live weights' version: each optimizer step and each pull that changed them makes one."""
         return self._steps + self._ledger.merges
