@@ -54,9 +54,12 @@ def test_each_emulated_type_is_profiled_on_its_holder_under_its_pacer():
     assert sorted(got) == ["emu_fast", "emu_slow"]
     assert "emu_fast by rank 0, emu_slow by rank 1" in got["emu_fast"]["source"]
     for t, r in got.items():
-        assert not r["derived"], t
-        expected = r["host"] / r["speed"]          # what the old path derived by speed ratio
-        assert abs(r["paced"] - expected) <= 0.10 * expected, (t, r)
+        # The world's profile holds a measurement of the type (positive, not derived by speed ratio).
+        assert not r["derived"] and r["profiled"] > 0, (t, r)
+        # Under its pacer a layer's section lasts at least its host time / speed (the pacer sleeps until
+        # then), so the paced figure is at least the host figure / speed; unpaced, at speed < 1, it would
+        # be about the host figure. (Within rounding: both are sums of per-layer medians of clock differences.)
+        assert r["speed"] < 1 and r["paced"] >= r["host"] / r["speed"] * (1 - 1e-6), (t, r)
 
 
 @pytest.mark.parametrize("env, message", [
