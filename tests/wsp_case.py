@@ -13,7 +13,7 @@ from torch import nn
 from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
 from hetpipe.run.trainer import Trainer
 from wsp_oracle import PullKey, flat, wsp_oracle
-from hetpipe.run.config import Reporting
+from hetpipe.run.config import Reporting, Runtime
 
 NUM_LAYERS = 6
 WAVES = 8
@@ -69,14 +69,14 @@ def plan(d: int, shards: int, aggregate: str) -> Plan:
     return Plan(NUM_LAYERS, 1, d, "manual", vws, ps, aggregate=aggregate)
 
 
-def trainer(net: nn.Module, data: Sequence[Sequence[Batch]], run_plan: Plan, momentum: float,
-            **run: Any) -> Trainer:
+def trainer(net: nn.Module, data: Sequence[Sequence[Batch]], run_plan: Plan, momentum: float, *,
+            emulate: bool, comm: Any = None, record: Any = None) -> Trainer:
     """The one place these tests construct a Trainer: ``data[v]`` is VW ``v``'s minibatches (one epoch);
-    ``run``: how to run it (``emulate``, ``comm``, ``record``)."""
+    ``emulate``, ``comm``, ``record``: how to run it."""
     return Trainer(net, nn.functional.cross_entropy,
                    lambda params: torch.optim.SGD(params, lr=LR, momentum=momentum),
                    lambda vw, num_vws, epoch: data[vw], plan=run_plan, epochs=1,
-                   reporting=Reporting(progress=False), **run)
+                   reporting=Reporting(progress=False, record=record), runtime=Runtime(emulate=emulate, comm=comm))
 
 
 def versions(pulls: Iterable[Tuple[int, Tuple[int, ...]]]) -> Dict[PullKey, int]:
