@@ -1,6 +1,6 @@
 """ClockTable cost per operation: lock-free table vs. a std::mutex-protected baseline, 1 to 8 threads.
 
-Both loops run in C++ threads (hetpipe_core.clock_bench / mutex_clock_bench), so the figures are the
+Both loops run in C++ threads (hetpipe_core.bench.clock_bench / mutex_clock_bench), so the figures are the
 table's, not the interpreter's. ns/op is per thread (wall time x threads / operations); Mops/s is the
 aggregate rate. wait_check is a wait_until whose bound already holds (the common, non-blocking case).
 
@@ -10,14 +10,15 @@ aggregate rate. wait_check is a wait_until whose bound already holds (the common
 import os
 
 import hetpipe_core
+from hetpipe_core.bench import clock_bench, mutex_clock_bench
 
 OPS = ("advance", "clock", "global_clock", "wait_check")
 NUM_VWS = 8
 
 
 def measure(op: str, threads: int, ops: int, repeat: int = 3):
-    best_table = min(hetpipe_core.clock_bench(hetpipe_core.ClockTable(NUM_VWS), op, threads, ops) for _ in range(repeat))
-    best_mutex = min(hetpipe_core.mutex_clock_bench(NUM_VWS, op, threads, ops) for _ in range(repeat))
+    best_table = min(clock_bench(hetpipe_core.ClockTable(NUM_VWS), op, threads, ops) for _ in range(repeat))
+    best_mutex = min(mutex_clock_bench(NUM_VWS, op, threads, ops) for _ in range(repeat))
     return best_table, best_mutex
 
 

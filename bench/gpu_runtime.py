@@ -43,8 +43,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from hetpipe.launch.mpiexec import mpiexec_path
 from hetpipe.job.procs import environment_marker, processes_with, send
+from hetpipe.launch.mpiexec import mpiexec_path
 from hetpipe import Reporting
 
 GOAL_RATIO = 0.85
@@ -169,9 +169,9 @@ def role_hetpipe(args, tied: bool, d: int, metrics: str) -> None:
     """One rank of the hetpipe run (under mpiexec); rank 0 prints every rank's figures."""
     from mpi4py import MPI
 
-    import hetpipe_core
     from hetpipe.adapters import adapt
     from hetpipe.run.trainer import Trainer
+    import hetpipe_core
 
     layers, loss_fn = adapt(gpt2(args, tied))
     plan = plan_for(args, len(layers), d)
@@ -240,8 +240,8 @@ def steady_rate(metrics: Path, args) -> Tuple[float, float]:
 
 def planned_memory(profile_dict: Dict[str, Any], args, d: int) -> List[int]:
     """The planner's memory (bytes) of each stage of :func:`plan_for` at staleness bound ``d``."""
+    from hetpipe.plan.profile import ModelProfile
     from hetpipe.plan.stage_cost import LayerTable, StageDevice
-    from hetpipe.profile import ModelProfile
 
     profile = ModelProfile.from_dict(profile_dict)
     kind = profile.device_types[0]

@@ -28,10 +28,10 @@ from typing import List, Sequence
 
 import numpy as np
 
-from hetpipe.cluster import cluster_from_dict, load_cluster
 from hetpipe.plan import LayerTable, StageDevice, make_plan, partition
+from hetpipe.plan.cluster import cluster_from_dict, load_cluster
 from hetpipe.plan.partition import evaluate, links_of, partition_order
-from hetpipe.profile import LayerProfile, ModelProfile, load_profile
+from hetpipe.plan.profile import LayerProfile, ModelProfile, load_profile
 
 TESTBED_TYPES = {"titan_v": (12, 14.9e12), "titan_rtx": (24, 16.3e12), "rtx2060": (6, 6.45e12),
                  "quadro_p4000": (8, 5.3e12)}

@@ -12,11 +12,11 @@ import dataclasses
 from typing import Any, Callable, Dict, Sequence, Tuple
 
 from devices import DeviceModel
-from hetpipe.cluster import load_cluster
-from hetpipe.plan import make_plan as hetpipe_make_plan
-from hetpipe.plan.types import Plan
 from hetpipe.model.measure import profile_model
-from hetpipe.profile import ModelProfile
+from hetpipe.plan import make_plan as hetpipe_make_plan
+from hetpipe.plan.cluster import load_cluster
+from hetpipe.plan.profile import ModelProfile
+from hetpipe.plan.types import Plan
 from model import ModelSpec, build_layers, loss_fn, synthetic_batches
 
 CLUSTER = "cpu-emulated-6"

@@ -1,5 +1,7 @@
 """hetpipe: train large DNNs on clusters of mixed GPUs with pipelined virtual workers and WSP."""
 
+from hetpipe.util.errors import HetpipeError
+
 __version__ = "0.1.0"
 
 # The runtime needs torch; load it only when one of these names is first used, so `import hetpipe`
@@ -33,4 +35,4 @@ def __getattr__(name):
 
 __all__ = ["Trainer", "TrainResult", "Batches", "DatasetSource", "StreamSource", "PerVWSource", "Plan", "named_params",
            "Planning", "PSRule", "Numerics", "Checkpointing", "Reporting", "Runtime", "HetpipeDeprecationWarning",
-           "__version__"]
+           "HetpipeError", "__version__"]

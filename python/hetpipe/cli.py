@@ -1,11 +1,10 @@
-"""Command line: `hetpipe plan | simulate | reproduce | demo | launch | export`."""
+"""Command line: `hetpipe plan | simulate | launch | export | info`."""
 
 import argparse
 import dataclasses
-import math
 import sys
 
-from hetpipe.numbers import arg_fraction, arg_seconds, arg_whole
+from hetpipe.util.numbers import arg_seconds, arg_whole, number
 
 
 def main(argv=None) -> int:
@@ -14,8 +13,6 @@ def main(argv=None) -> int:
     sub.add_parser("info", help="what the compiled core contains")
     _add_plan_command(sub)
     _add_simulate_command(sub)
-    _add_reproduce_command(sub)
-    _add_demo_command(sub)
     _add_launch_command(sub)
     _add_export_command(sub)
     args = parser.parse_args(argv)
@@ -23,10 +20,6 @@ def main(argv=None) -> int:
         return _run_plan(args)
     if args.command == "simulate":
         return _run_simulate(args)
-    if args.command == "reproduce":
-        return _run_reproduce(args)
-    if args.command == "demo":
-        return _run_demo(args)
     if args.command == "launch":
         return _run_launch(args)
     if args.command == "export":
@@ -68,9 +61,9 @@ def _add_plan_command(sub) -> None:
 
 
 def _run_plan(args) -> int:
-    from hetpipe.cluster import load_cluster
-    from hetpipe.outputs import OutputError, check_file, write_file
     from hetpipe.plan import format_plan, make_plan
+    from hetpipe.plan.cluster import load_cluster
+    from hetpipe.util.outputs import OutputError, check_file, write_file
 
     try:
         for flag, path in (("-o", args.output), ("--save-cluster", args.save_cluster)):
@@ -81,7 +74,7 @@ def _run_plan(args) -> int:
         return 2
     from pathlib import Path
 
-    from hetpipe.profile import profile_for_cluster
+    from hetpipe.plan.profile import profile_for_cluster
 
     ps_nodes = None
     try:
@@ -158,23 +151,10 @@ def _add_simulate_command(sub) -> None:
     p.add_argument("--png", help="write a Gantt chart PNG to this file (needs matplotlib)")
 
 
-def _number(flag: str, text: str, *, integer: bool = False, positive: bool = False) -> float:
-    """``text`` as a finite number >= 0 (> 0 with ``positive``; a whole number with ``integer``,
-    ``1e3`` included), else ValueError naming ``flag``."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{flag} must be a number, got {text!r}") from None
-    kind = "a whole number" if integer else "a finite number"
-    if not math.isfinite(value) or value < 0 or (positive and value == 0) or (integer and value != int(value)):
-        raise ValueError(f"{flag} must be {kind} {'> 0' if positive else '>= 0'}, got {text!r}")
-    return int(value) if integer else value
-
-
 def _ps_model(args, plan):
     """``(cluster, param_bytes)`` for the PS model, from the flags or the plan's presets; None if neither."""
-    from hetpipe.cluster import load_cluster, presets
-    from hetpipe.profile import load_profile
+    from hetpipe.plan.cluster import load_cluster, presets
+    from hetpipe.plan.profile import load_profile
 
     cluster_name = args.cluster or plan.meta.get("cluster")
     profile_name = args.profile or plan.meta.get("profile")
@@ -192,20 +172,20 @@ def _ps_model(args, plan):
 
 
 def _run_simulate(args) -> int:
-    from hetpipe.outputs import OutputError, check_file, write_file
     from hetpipe.plan.types import Plan
     from hetpipe.schedule import save_gantt, simulate_plan
     from hetpipe.schedule.ps import DEFAULT_APPLY_RATE
     from hetpipe.schedule.simulate import check_waves
     from hetpipe.schedule.trace import write_chrome_trace
+    from hetpipe.util.outputs import OutputError, check_file, write_file
 
     try:
         for flag, path in (("--trace", args.trace), ("--png", args.png)):
             if path:
                 check_file(flag, path)
-        waves = _number("--waves", args.waves, integer=True, positive=True)
-        push, pull = _number("--push", args.push), _number("--pull", args.pull)
-        rate = DEFAULT_APPLY_RATE if args.ps_apply_rate is None else _number(
+        waves = number("--waves", args.waves, integer=True, positive=True)
+        push, pull = number("--push", args.push), number("--pull", args.pull)
+        rate = DEFAULT_APPLY_RATE if args.ps_apply_rate is None else number(
             "--ps-apply-rate", args.ps_apply_rate, positive=True)
         plan = Plan.load(args.plan)
         check_waves(plan, waves, "--waves")
@@ -233,64 +213,6 @@ def _run_simulate(args) -> int:
     except (RuntimeError, OutputError) as e:
         print(f"hetpipe simulate: {e}", file=sys.stderr)
         return 2
-    return 0
-
-
-def _add_reproduce_command(sub) -> None:
-    p = sub.add_parser("reproduce", help="HetPipe's NP/ED/HD and staleness findings on hetpipe-testbed, as the "
-                                         "simulator predicts them with the PS modelled")
-    p.add_argument("--models", default="resnet152,vgg19", help="profile presets (default resnet152,vgg19)")
-    p.add_argument("--nm", default="2,4,8", help="Nm values (default 2,4,8)")
-    p.add_argument("--d", default="0,1,2,4,32", help="D values (default 0,1,2,4,32)")
-    p.add_argument("--waves", default="40", help="waves per VW per simulation (default 40)")
-    p.add_argument("--ps-apply-rate", default=None, help="bytes/s a PS shard applies pushed deltas at (default 4e9)")
-    p.add_argument("--tta", metavar="JSON", help="also model time to accuracy: samples to target measured in this "
-                                                 "bench/convergence JSON over the modelled throughputs, beside a "
-                                                 "Horovod-style baseline")
-    p.add_argument("--tta-aggregate", default="sum", help="the hetpipe rows of --tta's JSON to use (sum or mean)")
-
-
-def _run_reproduce(args) -> int:
-    from hetpipe import reproduce
-    from hetpipe.schedule.ps import DEFAULT_APPLY_RATE
-
-    try:
-        models = [m for m in args.models.split(",") if m]
-        nms = [_number("--nm", x, integer=True, positive=True) for x in args.nm.split(",")]
-        ds = [_number("--d", x, integer=True) for x in args.d.split(",")]
-        waves = _number("--waves", args.waves, integer=True, positive=True)
-        rate = DEFAULT_APPLY_RATE if args.ps_apply_rate is None else _number(
-            "--ps-apply-rate", args.ps_apply_rate, positive=True)
-        points = reproduce.run(models, nms, ds, waves, rate)
-    except ValueError as e:
-        print(f"hetpipe reproduce: {e}", file=sys.stderr)
-        return 2
-    print(reproduce.report(points, ds, waves, rate))
-    if args.tta:
-        return _print_tta(args, models, points)
-    return 0
-
-
-def _print_tta(args, models, points) -> int:
-    import json
-    from pathlib import Path
-
-    from hetpipe import reproduce_tta
-    from hetpipe.cluster import load_cluster
-    from hetpipe.profile import load_profile
-    from hetpipe.reproduce import CLUSTER
-
-    try:
-        conv = json.loads(Path(args.tta).read_text())
-        cluster = load_cluster(CLUSTER)
-        profiles = {m: load_profile(m) for m in models}
-        rows = reproduce_tta.rows(points, profiles, cluster, conv, args.tta_aggregate)
-        hv = [reproduce_tta.horovod(cluster, p) for p in profiles.values()]
-    except (OSError, ValueError, KeyError) as e:
-        print(f"hetpipe reproduce --tta: {e}", file=sys.stderr)
-        return 2
-    print()
-    print(reproduce_tta.report(rows, hv, Path(args.tta).name, conv, args.tta_aggregate))
     return 0
 
 
@@ -418,91 +340,6 @@ def _placement(args):
     placement = Placement(slots, bool(args.emulate_hosts), nodes)
     placement.rank_hosts(args.n)        # too few slots, or a node not listed: said now, before anything starts
     return placement
-
-
-def _add_demo_command(sub) -> None:
-    p = sub.add_parser("demo", help="plan and train on an emulated heterogeneous cluster on this machine")
-    p.add_argument("--out", default="hetpipe-demo-out", help="output directory (default ./hetpipe-demo-out)")
-    p.add_argument("--epochs", type=arg_whole("--epochs"), default=12, help="training epochs (default 12)")
-    p.add_argument("--cluster", default="cpu-emulated", help="cluster preset to plan for (default cpu-emulated)")
-    p.add_argument("--policy", default="auto", help="VW formation policy (default auto)")
-    p.add_argument("--nm", type=arg_whole("--nm"), default=2, help="minibatches in flight per VW (default 2)")
-    p.add_argument("--d", type=arg_whole("--d", 0), default=1, help="WSP staleness bound D (default 1)")
-    p.add_argument("--batch", type=arg_whole("--batch"), default=32, help="minibatch size (default 32)")
-    p.add_argument("--plan", help="use this plan JSON instead of planning")
-    p.add_argument("--slowdown", type=arg_seconds("--slowdown"), default=12.0,
-                   help="plan for emulated devices this many times slower than the preset, so that device "
-                        "time dominates host overheads (default 12)")
-    p.add_argument("--emulation-scale", type=arg_seconds("--emulation-scale"), default=1.0,
-                   help="multiply emulated device times at run time only (the plan's predictions do not follow)")
-    p.add_argument("--min-accuracy", type=arg_fraction("--min-accuracy"), default=0.9, help="fail below this test accuracy")
-
-
-def _run_demo(args) -> int:
-    from hetpipe.outputs import OutputError, check_dir, write_file
-
-    try:
-        out = check_dir("--out", args.out)
-    except OutputError as e:
-        print(f"hetpipe demo: {e}", file=sys.stderr)
-        return 2
-    plan_path = out / "plan.json"
-    try:
-        plan = _demo_plan(args)
-    except (ImportError, ValueError) as e:
-        print(f"hetpipe demo: planning failed: {e}", file=sys.stderr)
-        return 2
-    try:
-        write_file("--out", plan_path, plan.save)
-    except OutputError as e:
-        print(f"hetpipe demo: {e}", file=sys.stderr)
-        return 2
-    from hetpipe.job.world import MPIUnavailable
-    from hetpipe.launch.mpiexec import launch
-
-    print(f"launching {plan.num_ranks} ranks ({plan.num_stage_ranks} stages, {len(plan.ps_shards)} PS shard(s))")
-    try:
-        rc = launch(plan.num_ranks, ["-m", "hetpipe.run.demo", "--plan", str(plan_path), "--out", str(out),
-                                     "--epochs", str(args.epochs), "--batch", str(args.batch),
-                                     "--emulation-scale", str(args.emulation_scale),
-                                     "--min-accuracy", str(args.min_accuracy)])
-    except MPIUnavailable as e:
-        print(e, file=sys.stderr)
-        return 2
-    if rc == 0:
-        print(f"metrics: {out / 'metrics.jsonl'}  trace: {out / 'trace.json'}  plan: {plan_path}")
-    else:
-        print(f"hetpipe demo: the run failed (exit status {rc})", file=sys.stderr)
-    return rc
-
-
-def _demo_plan(args):
-    """Profile the digits model on the cluster preset, plan it, print the plan table."""
-    from hetpipe.plan.types import Plan
-
-    if args.plan:
-        plan = Plan.load(args.plan)
-    else:
-        import torch
-
-        from hetpipe.cluster import load_cluster
-        from hetpipe.plan import make_plan
-        from hetpipe.model.measure import profile_model
-        from hetpipe.run.data import digits
-        from hetpipe.run.demo import digits_model, loss_fn, slowed
-
-        torch.set_num_threads(1)
-        cluster = slowed(load_cluster(args.cluster), args.slowdown)
-        x, y, _, _ = digits()
-        sample = x[:args.batch]
-        profile = profile_model(digits_model(), sample, cluster, loss_fn=lambda out: loss_fn(out, y[:args.batch]))
-        plan = make_plan(cluster, profile, policy=args.policy, nm=args.nm, d=args.d, minibatch_size=args.batch)
-    try:
-        from hetpipe.plan import format_plan
-        print(format_plan(plan))
-    except ImportError:
-        print(plan.to_json())
-    return plan
 
 
 def _add_export_command(sub) -> None:

@@ -110,7 +110,7 @@ def test_exhaustion_timeout_names_pool_size():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"all 3 slots of 512 bytes"):
         pool.acquire(timeout=0.1)
-    assert 0.09 <= time.monotonic() - start < 2.0
+    assert time.monotonic() - start >= 0.09       # it waited (a lower bound: no load can break it)
     with pytest.raises(TimeoutError, match="3 slots"):
         pool.acquire(timeout=0)
     pool.release(held[0])
@@ -123,17 +123,15 @@ def test_blocking_acquire_wakes_on_release():
     got = []
 
     def waiter():
-        got.append((pool.acquire(timeout=10), time.monotonic()))
+        got.append(pool.acquire(timeout=3600))
 
     th = threading.Thread(target=waiter)
     th.start()
     time.sleep(0.1)
     assert not got  # blocked, and the GIL is free for this thread
-    released = time.monotonic()
     pool.release(slot)
-    th.join(5)
-    assert got and got[0][0].index == slot.index
-    assert got[0][1] - released < 0.05
+    th.join(60)     # a hang guard: with that timeout only the release can end the wait
+    assert got and got[0].index == slot.index
 
 
 def test_double_release_and_stale_handle():

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-import hetpipe_core
 from hetpipe_core import ClockTable
+from hetpipe_core.bench import clock_bench, clock_stress, mutex_clock_bench
 
 
 def test_basics_and_global_minimum():
@@ -49,7 +49,7 @@ def test_remove_takes_vw_out_of_minimum():
 def test_contention_no_lost_update():
     t = ClockTable(5)
     ops = 1_000_000
-    seconds = hetpipe_core.clock_stress(t, 8, ops)
+    seconds = clock_stress(t, 8, ops)
     assert seconds > 0
     assert sum(t.clock(v) for v in range(5)) == ops
     assert t.global_clock() == min(t.clock(v) for v in range(5))
@@ -73,52 +73,51 @@ def test_waiters_never_pass_the_staleness_bound():
         th.start()
     # C++ advancers race the Python waiters: 8 threads, waves * n advances in steps.
     for _ in range(waves):
-        hetpipe_core.clock_stress(t, 8, n)
+        clock_stress(t, 8, n)
     for th in waiters:
         th.join(60)
     assert not violations
     assert t.global_clock() == waves
 
 
-def test_wait_until_wakes_within_milliseconds():
+def test_wait_until_wakes_when_the_clock_reaches_its_bound():
+    """The advance that completes the bound wakes the waiter, not its timeout: with a timeout the test
+    never reaches, only a wake-up can end the wait."""
     t = ClockTable(2)
     woke = []
 
     def waiter():
-        g = t.wait_until(1, 0, timeout=10)
-        woke.append((g, time.monotonic()))
+        woke.append(t.wait_until(1, 0, timeout=3600))
 
     th = threading.Thread(target=waiter)
     th.start()
     time.sleep(0.1)
-    assert not woke
     t.advance(0)
-    advanced = time.monotonic()
+    th.join(0.1)
+    assert not woke and th.is_alive()            # one VW at clock 1 is not yet a global clock of 1
     t.advance(1)
-    th.join(5)
-    assert woke and woke[0][0] == 1
-    assert woke[0][1] - advanced < 0.05
+    th.join(60)                                   # a hang guard, not a latency bound
+    assert not th.is_alive() and woke == [1]
 
 
 def test_remove_wakes_waiters():
     t = ClockTable(2)
     t.advance(0)
     out = []
-    th = threading.Thread(target=lambda: out.append(t.wait_until(1, 0, timeout=10)))
+    th = threading.Thread(target=lambda: out.append(t.wait_until(1, 0, timeout=3600)))
     th.start()
     time.sleep(0.05)
     t.remove(1)
-    th.join(5)
+    th.join(60)                                   # a hang guard: only the wake-up can end the wait
     assert out == [1]
 
 
-def test_timeout_fires_in_bounded_time():
+def test_timeout_fires_after_waiting_its_timeout():
     t = ClockTable(2)
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"wait_until\(wave=3, bound_d=1\) timed out after 0.2 s: global clock 0 < 2"):
         t.wait_until(3, 1, timeout=0.2)
-    elapsed = time.monotonic() - start
-    assert 0.19 <= elapsed < 1.0
+    assert time.monotonic() - start >= 0.19       # it waited (a lower bound: no load can break it)
     with pytest.raises(TimeoutError):
         t.wait_until(1, 0, timeout=0)
     assert t.wait_until(1, 1, timeout=0) == 0  # already satisfied: returns without waiting
@@ -127,8 +126,8 @@ def test_timeout_fires_in_bounded_time():
 def test_bench_helpers_run():
     t = ClockTable(4)
     for op in ("advance", "clock", "global_clock", "wait_check"):
-        assert hetpipe_core.clock_bench(t, op, 2, 1000) > 0
-        assert hetpipe_core.mutex_clock_bench(4, op, 2, 1000) > 0
+        assert clock_bench(t, op, 2, 1000) > 0
+        assert mutex_clock_bench(4, op, 2, 1000) > 0
     assert t.clock(0) + t.clock(1) == 1000
     with pytest.raises(ValueError, match="unknown clock op 'bogus'"):
-        hetpipe_core.clock_bench(t, "bogus", 1, 1)
+        clock_bench(t, "bogus", 1, 1)

@@ -6,7 +6,9 @@ environment's MPICH), ``test_mpi_loopback`` also runs the MPI data planes in one
 mpiexec: a StageEndpoint sending to itself, and a ShardService serving an endpoint of the same rank,
 every thread of both live at once. The test configures its own build of the core alone (no Python
 module, no CUDA) in a temporary directory, instrumented with ThreadSanitizer where the compiler can
-build and run it here, plain otherwise (one build: CI time).
+build and run it here, plain otherwise, and once more under AddressSanitizer. Each build is made once
+per test session (a session fixture) and shared by the tests reading its ctest output; they are
+``slow``, outside the unit tier.
 """
 
 import os
@@ -53,8 +55,9 @@ def _build_and_ctest(build: Path, sanitize: str, env=None) -> subprocess.Complet
 
 def _check_loopback_ran(build: Path, out: str) -> None:
     """With MPI built, the MPI loopback test must have run (and passed), not been left out."""
-    if "HETPIPE_MPI_BUILT:INTERNAL=ON" in (build / "CMakeCache.txt").read_text():
-        assert "test_mpi_loopback ...." in out and "Passed" in out.split("test_mpi_loopback ....", 1)[1][:80], out
+    if "HETPIPE_MPI_BUILT:INTERNAL=ON" not in (build / "CMakeCache.txt").read_text():
+        pytest.skip("the core was built without MPI: there is no loopback test")
+    assert "test_mpi_loopback ...." in out and "Passed" in out.split("test_mpi_loopback ....", 1)[1][:80], out
 
 
 def _tsan_usable(tmp_path: Path) -> bool:
@@ -71,15 +74,28 @@ def _tsan_usable(tmp_path: Path) -> bool:
     return _run([str(exe)], timeout=60).returncode == 0
 
 
+@pytest.fixture(scope="session")
+def tsan_ctest(tmp_path_factory):
+    """The core's C++ tests built and run once per session, under ThreadSanitizer where usable (plain
+    otherwise): (build directory, ctest's completed process)."""
+    tmp = tmp_path_factory.mktemp("tsan")
+    sanitize = "thread" if _tsan_usable(tmp) else ""
+    return tmp / "build", _build_and_ctest(tmp / "build", sanitize, env={"TSAN_OPTIONS": "halt_on_error=1"})
+
+
 @pytest.mark.slow
-def test_ctest_passes(tmp_path):
-    sanitize = "thread" if _tsan_usable(tmp_path) else ""
-    proc = _build_and_ctest(tmp_path / "build", sanitize, env={"TSAN_OPTIONS": "halt_on_error=1"})
+def test_ctest_passes(tsan_ctest):
+    _, proc = tsan_ctest
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-8000:]
     assert "WARNING: ThreadSanitizer" not in out, out[-8000:]
     assert "100% tests passed" in proc.stdout
-    _check_loopback_ran(tmp_path / "build", proc.stdout)
+
+
+@pytest.mark.slow
+def test_mpi_loopback_ran_under_thread_sanitizer(tsan_ctest):
+    build, proc = tsan_ctest
+    _check_loopback_ran(build, proc.stdout)
 
 
 def _asan_usable(tmp_path: Path) -> bool:
@@ -95,14 +111,27 @@ def _asan_usable(tmp_path: Path) -> bool:
     return _run([str(exe)], timeout=60).returncode == 0
 
 
-@pytest.mark.slow
-def test_ctest_passes_under_address_sanitizer(tmp_path):
-    """The same C++ tests with AddressSanitizer: no out-of-bounds access, use after free or leak."""
-    if not _asan_usable(tmp_path):
+@pytest.fixture(scope="session")
+def asan_ctest(tmp_path_factory):
+    """The same C++ tests built and run once per session under AddressSanitizer (and LeakSanitizer)."""
+    tmp = tmp_path_factory.mktemp("asan")
+    if not _asan_usable(tmp):
         pytest.skip("AddressSanitizer does not build or run with this compiler here")
-    proc = _build_and_ctest(tmp_path / "build", "address", env={"ASAN_OPTIONS": "detect_leaks=1:halt_on_error=1"})
+    return tmp / "build", _build_and_ctest(tmp / "build", "address",
+                                           env={"ASAN_OPTIONS": "detect_leaks=1:halt_on_error=1"})
+
+
+@pytest.mark.slow
+def test_ctest_passes_under_address_sanitizer(asan_ctest):
+    """No out-of-bounds access, use after free or leak."""
+    _, proc = asan_ctest
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-8000:]
     assert "ERROR: AddressSanitizer" not in out and "ERROR: LeakSanitizer" not in out, out[-8000:]
     assert "100% tests passed" in proc.stdout
-    _check_loopback_ran(tmp_path / "build", proc.stdout)
+
+
+@pytest.mark.slow
+def test_mpi_loopback_ran_under_address_sanitizer(asan_ctest):
+    build, proc = asan_ctest
+    _check_loopback_ran(build, proc.stdout)

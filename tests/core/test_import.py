@@ -19,6 +19,21 @@ def test_build_info_keys():
         assert not info["cuda_available"]
 
 
+def test_the_api_is_explicit_and_holds_no_bench_helper():
+    """Every public name of the compiled module is either API (hetpipe_core.__all__) or a benchmark
+    helper (hetpipe_core.bench), never both; a new binding must be placed in one of them."""
+    from hetpipe_core import _C, bench
+
+    api, helpers = set(hetpipe_core.__all__), set(bench.__all__)
+    assert not api & helpers, sorted(api & helpers)
+    assert [n for n in sorted(api) if not hasattr(hetpipe_core, n)] == []
+    assert [n for n in sorted(helpers) if not hasattr(bench, n)] == []
+    assert [n for n in sorted(helpers) if hasattr(hetpipe_core, n)] == []
+    compiled = {n for n in dir(_C) if not n.startswith("_")}
+    assert compiled == api | helpers, f"in neither: {sorted(compiled - api - helpers)}; " \
+                                      f"not compiled: {sorted(api | helpers - compiled)}"
+
+
 def test_import_without_torch():
     code = textwrap.dedent("""
         import sys

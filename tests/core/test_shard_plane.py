@@ -1,7 +1,7 @@
 """ShardPlane (the PS shard's data plane in the core) against the Python shard, ShardState of
 hetpipe.ps.shard: the same pushes and pulls give bit-identical weights, clocks and pull replies,
 sequentially and with one thread per stage pushing and pulling at once (GIL released), under the
-plain rule and under every outer optimizer (hetpipe.outer: nesterov, an outer lr, the staleness scale)."""
+plain rule and under every outer optimizer (hetpipe.plan.outer: nesterov, an outer lr, the staleness scale)."""
 
 import random
 import threading
@@ -49,7 +49,7 @@ def _assert_same_weights(ref: ShardState, plane: ShardPlane):
         assert np.array_equal(plane.momentum(i), ref.M[l]), f"layer {l}"
 
 
-# The outer optimizers the plane must compute as the Python shard does (hetpipe.outer).
+# The outer optimizers the plane must compute as the Python shard does (hetpipe.plan.outer).
 OUTERS = {
     "nesterov-mean": dict(aggregate="mean", outer="nesterov", outer_lr=0.7, outer_momentum=0.9),
     "nesterov-sum-inverse": dict(aggregate="sum", outer="nesterov", outer_lr=1.3, outer_momentum=0.5,

@@ -16,7 +16,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path[:0] = [str(BENCH / "convergence"), str(BENCH / "e2e")]
 
 import snapshots  # noqa: E402
-from hetpipe.cluster import load_cluster  # noqa: E402
+from hetpipe.plan.cluster import load_cluster  # noqa: E402
 from hetpipe.plan import make_plan  # noqa: E402
 from hetpipe.model.measure import profile_model  # noqa: E402
 from hetpipe.run.trainer import Trainer  # noqa: E402

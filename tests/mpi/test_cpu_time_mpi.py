@@ -17,4 +17,6 @@ def test_cpu_time_per_rank_counts_the_work_each_rank_did():
     assert stage0 >= burnt, r
     # Wall time would read the same on every rank: the other ranks did none of the burning.
     assert stage1 < stage0 - burnt / 2 and ps < stage0 - burnt / 2, r
-    assert stage0 <= r["elapsed_s"] * 2, r
+    # The run's window only: within what the process used between building the Trainer and printing,
+    # its start-up (importing torch) left out.
+    assert stage0 <= r["process_cpu_s"] - r["before_s"], r

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from hetpipe.cluster import ClusterSpec, load_cluster, presets
+from hetpipe.plan.cluster import ClusterSpec, load_cluster, presets
 
 
 def test_presets():

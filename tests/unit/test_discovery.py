@@ -3,11 +3,11 @@ given the parts of a plan, and the per-rank environment (hetpipe.job.inventory, 
 
 import pytest
 
-from hetpipe.cluster import cluster_from_dict, load_cluster
 from hetpipe.job.discovery import DiscoveryError, assign_ranks, discover, gpu_type_name, match, peak_fp32
 from hetpipe.job.inventory import EMULATE_ENV, HOST_ENV, emulated_type, host_name, parse_topology, rank_facts
 from hetpipe.plan import make_plan
-from hetpipe.profile import analytic_profile
+from hetpipe.plan.cluster import cluster_from_dict, load_cluster
+from hetpipe.plan.profile import analytic_profile
 
 TOPO = """\
 \tGPU0\tGPU1\tGPU2\tGPU3\tCPU Affinity\tNUMA Affinity
@@ -170,7 +170,7 @@ LAB = {"name": "lab", "device_types": {"a100_40g": {"memory_bytes": 40 << 30, "p
 
 
 def test_profiles_for_gpu_types_outside_the_presets():
-    from hetpipe.profile import analytic_profile, profile_for_cluster
+    from hetpipe.plan.profile import analytic_profile, profile_for_cluster
 
     lab = cluster_from_dict(LAB)
     profile, note = profile_for_cluster("gpt", lab)

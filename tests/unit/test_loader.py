@@ -2,24 +2,28 @@
 only its share, a shuffled DataLoader trained on its own labels, and ranks that read different data
 stopped at start-up. References: plain PyTorch loops over DistributedSampler and the global order."""
 
+import multiprocessing
+import os
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import (DataLoader, Dataset, DistributedSampler, RandomSampler, Subset, TensorDataset,
+                              get_worker_info)
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "mpi" / "scripts"))
 
 from common import cross_entropy, mlp, one_vw_plan, sgd  # noqa: E402
 
 from hetpipe.loader import DatasetSource, PerVWSource, StreamSource, as_source  # noqa: E402
+from hetpipe.run.data import Batches  # noqa: E402
 from hetpipe.loader.check import DataMismatch, Reading, compare  # noqa: E402
 from hetpipe.loader.source import BOTH, INPUTS, LABELS  # noqa: E402
 from hetpipe.run.trainer import Trainer  # noqa: E402
-from hetpipe.run.config import Numerics, Reporting
-from hetpipe.run.config import Numerics
+from hetpipe.run.config import Numerics, Reporting  # noqa: E402
 
 
 def _dataset(n=100, seed=1):
@@ -242,3 +246,189 @@ def test_too_few_minibatches_for_the_vws_is_named():
     src = DatasetSource(_dataset(16), 8)
     with pytest.raises(ValueError, match="one epoch has 2 minibatch.*fewer than the 3 virtual workers"):
         src.vw_stream(0, 3, 1)
+
+
+# A DataLoader's settings under hetpipe: each carries over to the rebuilt per-VW loaders, or is refused.
+
+class Probe(Dataset):
+    """Samples that tell where and how they were loaded: ``[index, loading pid, worker_init_fn calls in
+    that process]``, label ``index % 10``; sample ``slow`` sleeps 1.5 s when loaded in a worker."""
+
+    def __init__(self, n=48, slow=None):
+        self.n, self.inits, self.slow = n, 0, slow
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.slow and get_worker_info() is not None:
+            time.sleep(1.5)
+        return torch.tensor([i, os.getpid(), self.inits]), i % 10
+
+
+class Noisy(Dataset):
+    """A random transform: the inputs and the label are drawn from the loading process's generator."""
+
+    def __len__(self):
+        return 96
+
+    def __getitem__(self, i):
+        return torch.rand(3), torch.rand(())
+
+
+class ProbeStream(torch.utils.data.IterableDataset):
+    """Probe's samples as a stream."""
+
+    def __init__(self):
+        self.inits = 0
+
+    def __iter__(self):
+        return ((torch.tensor([i, os.getpid(), self.inits]), i % 10) for i in range(48))
+
+
+def _count_init(worker_id):
+    get_worker_info().dataset.inits += 1
+
+
+def _in_forked_worker(worker_id):
+    get_worker_info().dataset.inits = int(isinstance(multiprocessing.current_process(),
+                                                     multiprocessing.context.ForkProcess))
+
+
+def _inputs(src, epochs=1, vw=0, num_vws=1):
+    return torch.cat([x for x in src.vw_stream(vw, num_vws, epochs, part=INPUTS)])
+
+
+def test_a_dataloaders_loading_settings_reach_every_loader_hetpipe_builds():
+    ctx = multiprocessing.get_context("fork")
+    settings = dict(num_workers=2, pin_memory=True, pin_memory_device="cuda:0", timeout=7.5,
+                    worker_init_fn=_count_init, multiprocessing_context=ctx, prefetch_factor=3,
+                    persistent_workers=True)
+    for shuffle in (True, False):
+        src = as_source(DataLoader(_dataset(96), batch_size=8, shuffle=shuffle, **settings), seed=3)
+        assert isinstance(src, DatasetSource)
+        built = [src._loader()]
+        src = StreamSource(ProbeStream(), 8, **settings)
+        built.append(src._loader())
+        for loader in built:
+            for name, value in settings.items():
+                got = getattr(loader, name)
+                assert got is value if name in ("worker_init_fn", "multiprocessing_context") else got == value, name
+
+
+def test_worker_init_fn_runs_in_the_per_vw_loaders_workers_and_persistent_workers_persist_across_epochs():
+    for persistent in (True, False):
+        loader = DataLoader(Probe(), batch_size=8, shuffle=True, num_workers=1, worker_init_fn=_count_init,
+                            persistent_workers=persistent)
+        for src in (as_source(loader, seed=1),
+                    StreamSource(ProbeStream(), 8, num_workers=1, worker_init_fn=_count_init,
+                                 persistent_workers=persistent)):
+            got = _inputs(src, epochs=3)
+            assert len(got) == 3 * 48 and set(got[:, 2].tolist()) == {1}, "worker_init_fn did not run in the worker"
+            pids = set(got[:, 1].tolist())
+            assert os.getpid() not in pids
+            # A stream keeps one loader for all its epochs: persistent workers serve them all, else
+            # each epoch starts its own.
+            assert len(pids) == (1 if persistent else 3), (persistent, type(src).__name__, pids)
+
+
+def test_multiprocessing_context_starts_the_workers():
+    ctx = multiprocessing.get_context("fork")
+    for context, forked in ((ctx, 1), (None, 0)):
+        loader = DataLoader(Probe(), batch_size=8, num_workers=1, worker_init_fn=_in_forked_worker,
+                            multiprocessing_context=context)
+        assert set(_inputs(as_source(loader))[:, 2].tolist()) == {forked}
+        src = StreamSource(ProbeStream(), 8, num_workers=1, worker_init_fn=_in_forked_worker,
+                           multiprocessing_context=context)
+        assert set(_inputs(src)[:, 2].tolist()) == {forked}
+
+
+def test_timeout_stops_a_per_vw_loader_whose_worker_is_late():
+    loader = DataLoader(Probe(slow=0), batch_size=8, num_workers=1, timeout=0.25)
+    with pytest.raises(RuntimeError, match=r"DataLoader timed out after 0.25 seconds"):
+        _inputs(as_source(loader))
+
+
+def test_pin_memory_pins_the_inputs_and_the_labels_read_by_index():
+    loader = DataLoader(_dataset(96), batch_size=8, num_workers=1, pin_memory=True)
+    src = as_source(loader)
+    if torch.accelerator.is_available():
+        x = next(src.vw_stream(0, 2, 1, part=INPUTS))
+        y = next(src.vw_stream(0, 2, 1, part=LABELS))
+        assert x.is_pinned() and y.is_pinned()
+    else:
+        # A CPU-only torch pins nothing and says so, on the per-VW loader's first pass.
+        with pytest.warns(UserWarning, match="'pin_memory' argument is set as true but no accelerator"):
+            next(src.vw_stream(0, 2, 1, part=INPUTS))
+
+
+def test_workers_are_seeded_from_the_sources_seed_so_both_ranks_of_a_vw_draw_the_same_transforms():
+    """Stage 0 and the last stage read VW 1's minibatches on different ranks, whose global generators
+    differ: their workers' random transforms agree all the same, and depend on the seed, the epoch and
+    the VW only (a run resumed at epoch 1 draws epoch 1's)."""
+    src = as_source(DataLoader(Noisy(), batch_size=8, shuffle=True, num_workers=1), seed=4)
+    torch.manual_seed(1)
+    both = list(src.vw_stream(1, 2, 2, part=BOTH))
+    torch.manual_seed(2)
+    labels = list(src.vw_stream(1, 2, 2, part=LABELS))
+    assert len(both) == len(labels) == 12
+    assert all(torch.equal(y, z) for (_, y), z in zip(both, labels))
+    resumed = list(src.vw_stream(1, 2, 2, start_epoch=1, part=LABELS))
+    assert all(torch.equal(y, z) for (_, y), z in zip(both[6:], resumed))
+    assert not torch.equal(both[0][0], both[6][0]), "epochs 0 and 1 drew the same transforms"
+    assert not torch.equal(both[0][0], next(src.vw_stream(0, 2, 1))[0]), "VWs 0 and 1 drew the same transforms"
+    stream = StreamSource(ProbeNoise(), 8, num_workers=1, seed=4)
+    torch.manual_seed(1)
+    a = _inputs(stream, epochs=2, vw=0, num_vws=2)
+    torch.manual_seed(2)
+    assert torch.equal(a, _inputs(stream, epochs=2, vw=0, num_vws=2))
+    assert torch.equal(a[len(a) // 2:], torch.cat([x for x, _ in stream.vw_stream(0, 2, 2, start_epoch=1)]))
+    assert not torch.equal(a, _inputs(StreamSource(ProbeNoise(), 8, num_workers=1, seed=5), 2, 0, 2))
+
+
+class ProbeNoise(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return ((torch.rand(3), i % 10) for i in range(48))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda ds: DataLoader(ds, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1)),
+     r"DataLoader\(generator=\.\.\.\) is refused: .* pass seed= to the Trainer"),
+    (lambda ds: DataLoader(ds, batch_size=8, generator=torch.Generator()),
+     r"DataLoader\(generator=\.\.\.\) is refused"),
+    (lambda ds: DataLoader(ds, batch_size=8, sampler=RandomSampler(ds, generator=torch.Generator())),
+     r"RandomSampler\(generator=\.\.\.\) is refused: .* pass seed= to the Trainer"),
+    (lambda ds: DataLoader(ds, batch_size=8, num_workers=1, in_order=False),
+     r"DataLoader\(in_order=False\) .* drop in_order=False"),
+    (lambda ds: DataLoader(ds, batch_size=8, num_workers=1, in_order=False,
+                           sampler=RandomSampler(ds, replacement=True)),
+     r"DataLoader\(in_order=False\)"),
+])
+def test_a_setting_hetpipe_cannot_honour_is_refused_naming_it(make, match):
+    with pytest.raises(ValueError, match=match):
+        as_source(make(_dataset(96)), seed=0)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda: DatasetSource(_dataset(96), 8, persistent_workers=True),
+     r"hetpipe: persistent_workers option needs num_workers > 0"),
+    (lambda: DatasetSource(_dataset(96), 8, prefetch_factor=2), r"hetpipe: prefetch_factor option could only"),
+    (lambda: DatasetSource(_dataset(96), 8, num_workers=-1), r"num_workers must be an int >= 0"),
+    (lambda: StreamSource(ProbeStream(), 8, timeout=-1), r"hetpipe: timeout option should be non-negative"),
+    (lambda: StreamSource([], num_workers=2, pin_memory=True),
+     r"StreamSource without batch_size= .* so num_workers, pin_memory would do nothing"),
+    (lambda: StreamSource(Batches(torch.zeros(8, 2), torch.zeros(8), 4), 2, num_workers=1,
+                          persistent_workers=True), r"persistent_workers=True\) over data with set_epoch"),
+])
+def test_bad_loader_settings_are_named_when_the_source_is_built(bad, match):
+    with pytest.raises(ValueError, match=match):
+        bad()
+
+
+def test_a_dataloader_with_workers_and_persistent_workers_trains_like_plain_pytorch():
+    ds = _dataset(96)
+    loader = DataLoader(ds, batch_size=16, shuffle=True, num_workers=1, persistent_workers=True, prefetch_factor=4)
+    model, got = _replay(loader, epochs=2, seed=7)
+    ref = mlp()
+    want = _plain(ref, _sampler_loader(ds, 16, 7), 2)
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6 and _max_diff(model, ref) <= 1e-6

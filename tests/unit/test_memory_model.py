@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hetpipe.plan.stage_cost import LayerTable, LinkCost, StageDevice
-from hetpipe.profile import LayerProfile, ModelProfile
+from hetpipe.plan.profile import LayerProfile, ModelProfile
 from hetpipe.ps.ledger import WaveLedger
 from hetpipe.stage import params as stage_module
 from hetpipe.run.trainer import Trainer
@@ -30,7 +30,7 @@ def observed_peaks(monkeypatch, nm: int, d: int):
     peaks = {}
 
     def sample(model) -> None:
-        now = [len(model._snapshots) + len(model._spare_snapshots),
+        now = [model.stashes.buffers_held,
                sum(1 for st in model.stash.values() if any(v.grad is not None for layer in st for v in layer.values())),
                len(model.ledger.deltas) + model.ledger.spare_deltas]
         old = peaks.setdefault((model.start, model.stop), [0, 0, 0])
@@ -102,7 +102,7 @@ def test_planner_counts_the_replicas_of_tied_weights_a_stage_holds(monkeypatch, 
 
     def recording_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        flat_bytes[(self.start, self.stop)] = self._flat.numel() * self._flat.element_size()
+        flat_bytes[(self.start, self.stop)] = self.flat.data.numel() * self.flat.data.element_size()
 
     monkeypatch.setattr(stage_module.StageModel, "__init__", recording_init)
     nm, d = 2, 1

@@ -1,4 +1,4 @@
-"""Bad numbers, one line each naming the argument: Trainer arguments, CLI options and HETPIPE_TIMEOUT
+"""Bad numbers, one line each naming the argument: Trainer arguments, CLI and demo options and HETPIPE_TIMEOUT
 (``nan`` once turned the peer timeout off, ``-5`` failed every rank at once)."""
 
 import subprocess
@@ -47,10 +47,6 @@ def test_a_bad_hetpipe_timeout_is_named(monkeypatch, env):
     (["launch", "-n", "2", "--max-restarts", "-1", "x.py"], "--max-restarts must be a whole number >= 0"),
     (["launch", "-n", "2", "--checkpoint-every", "0", "x.py"], "--checkpoint-every must be a whole number >= 1"),
     (["launch", "-n", "2", "--term-grace", "-1", "x.py"], "--term-grace must be a finite number >= 0"),
-    (["demo", "--batch", "0"], "--batch must be a whole number >= 1, got 0"),
-    (["demo", "--epochs", "1.5"], "--epochs must be a whole number >= 1, got '1.5'"),
-    (["demo", "--min-accuracy", "2"], "--min-accuracy must be between 0 and 1, got '2'"),
-    (["demo", "--slowdown", "nan"], "--slowdown must be a finite number > 0"),
     (["plan", "--cluster", "cpu-emulated", "--profile", "gpt", "--d", "-1"], "--d must be a whole number >= 0"),
     (["plan", "--cluster", "cpu-emulated", "--profile", "gpt", "--ps-shards", "0"],
      "--ps-shards must be a whole number >= 1"),
@@ -61,11 +57,25 @@ def test_bad_cli_numbers_are_one_line_naming_the_option(argv, culprit):
     assert culprit in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("argv, culprit", [
+    (["--batch", "0"], "--batch must be a whole number >= 1, got 0"),
+    (["--epochs", "1.5"], "--epochs must be a whole number >= 1, got '1.5'"),
+    (["--min-accuracy", "2"], "--min-accuracy must be between 0 and 1, got '2'"),
+    (["--slowdown", "nan"], "--slowdown must be a finite number > 0"),
+    (["--rank"], "--rank needs --plan"),
+])
+def test_bad_demo_numbers_are_one_line_naming_the_option(argv, culprit):
+    demo = Path(__file__).resolve().parents[2] / "examples" / "demo.py"
+    proc = subprocess.run([sys.executable, str(demo), *argv], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc
+    assert culprit in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_bad_plan_and_input_files_are_named(tmp_path):
-    from hetpipe.cluster import load_cluster
     from hetpipe.plan import make_plan
+    from hetpipe.plan.cluster import load_cluster
+    from hetpipe.plan.profile import load_profile
     from hetpipe.plan.types import Plan
-    from hetpipe.profile import load_profile
 
     with pytest.raises(ValueError, match=r"a plan is a JSON object .* got a list: \[1, 2\]"):
         Plan.from_dict([1, 2])

@@ -1,4 +1,4 @@
-"""The PS's outer optimizer (hetpipe.outer) in the Python shard, against references written here: plain
+"""The PS's outer optimizer (hetpipe.plan.outer) in the Python shard, against references written here: plain
 PyTorch's Nesterov SGD on the pseudo-gradient, the explicit plain WSP rule, the explicit staleness
 scale; the plan fields, the Trainer's and the command line's options; the momentum buffer through a
 checkpoint and back."""

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hetpipe.cluster import cluster_from_dict
 from hetpipe.plan import LayerTable, StageDevice, partition
+from hetpipe.plan.cluster import cluster_from_dict
 from hetpipe.plan.partition import links_of
-from hetpipe.profile import LayerProfile, ModelProfile
+from hetpipe.plan.profile import LayerProfile, ModelProfile
 
 
 def make_cluster(types, nodes, intra=(1e3, 0.01), inter=(1e2, 0.05)):
@@ -230,8 +230,8 @@ def test_stash_count_follows_the_schedule_warmup():
 
 
 def test_partition_accepts_a_profile_and_device_ids():
-    from hetpipe.cluster import load_cluster
-    from hetpipe.profile import load_profile
+    from hetpipe.plan.cluster import load_cluster
+    from hetpipe.plan.profile import load_profile
     tb = load_cluster("hetpipe-testbed")
     part = partition(load_profile("vgg19"), ["n0.g0", "n2.g0"], tb, 2)
     n = {s.device_type: st_.stop - st_.start for st_, s in zip(part.stages, part.stage_devs)}

@@ -8,10 +8,10 @@ import sys
 import pytest
 
 from hetpipe.cli import main
-from hetpipe.cluster import load_cluster
 from hetpipe.plan import Plan, format_plan, form_virtual_workers, make_plan, place_layers
 from hetpipe.plan import cost
-from hetpipe.profile import LayerProfile, ModelProfile, load_profile
+from hetpipe.plan.cluster import load_cluster
+from hetpipe.plan.profile import LayerProfile, ModelProfile, load_profile
 
 
 def toy_profile(types=("emu_fast", "emu_slow"), n=6, param=1000, act=1000):
@@ -246,7 +246,7 @@ def test_every_policy_uses_every_device_once_on_irregular_clusters():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from hetpipe.cluster import cluster_from_dict
+    from hetpipe.plan.cluster import cluster_from_dict
 
     @settings(max_examples=60, deadline=None)
     @given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(1, 5)), min_size=1, max_size=7),

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from hetpipe.cli import main
-from hetpipe.cluster import load_cluster
+from hetpipe.plan.cluster import load_cluster
 from hetpipe.plan import Plan, make_plan
-from hetpipe.profile import load_profile
+from hetpipe.plan.profile import load_profile
 
 
 def one_line(excinfo) -> str:

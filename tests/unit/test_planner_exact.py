@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from hetpipe.cluster import cluster_from_dict
+from hetpipe.plan.cluster import cluster_from_dict
 from hetpipe.plan import LayerTable, StageDevice, format_plan, make_plan, partition
 from hetpipe.plan.orders import lower_bound
-from hetpipe.profile import LayerProfile, ModelProfile
+from hetpipe.plan.profile import LayerProfile, ModelProfile
 
 INTRA = (1e3, 0.01)
 INTER = (1e2, 0.05)

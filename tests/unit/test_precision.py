@@ -161,7 +161,7 @@ def test_the_plan_records_its_precision():
 
 
 def _toy_profile():
-    from hetpipe.profile import LayerProfile, ModelProfile
+    from hetpipe.plan.profile import LayerProfile, ModelProfile
     acts = [4000, 8000, 2000, 100]
     return ModelProfile("toy", 1, tuple(LayerProfile(f"l{i}", {"g": 1.0}, {"g": 2.0}, activation_bytes=a,
                                                      param_bytes=40) for i, a in enumerate(acts)))
@@ -189,8 +189,8 @@ def test_the_planner_and_simulator_send_half_the_bytes_under_bf16(precision, wir
 
 
 def test_a_profile_already_in_two_byte_activations_is_not_halved_again():
-    from hetpipe.precision import wire_factor
-    from hetpipe.profile import load_profile
+    from hetpipe.plan.precision import wire_factor
+    from hetpipe.plan.profile import load_profile
     gpt = load_profile("gpt")
     assert gpt.activation_dtype == "bfloat16"
     assert wire_factor("bf16", gpt.activation_dtype) == 1.0

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from hetpipe.cluster import load_cluster
-from hetpipe.profile import (LayerProfile, ModelProfile, analytic_profile, load_profile, presets, write_presets)
+from hetpipe.plan.cluster import load_cluster
+from hetpipe.plan.profile import (LayerProfile, ModelProfile, analytic_profile, load_profile, presets, write_presets)
 
 
 def test_presets_have_testbed_types_and_realistic_sizes():

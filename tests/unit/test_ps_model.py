@@ -2,7 +2,7 @@
 
 import pytest
 
-from hetpipe.cluster import cluster_from_dict
+from hetpipe.plan.cluster import cluster_from_dict
 from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
 from hetpipe.schedule import hetpipe_schedule, simulate, simulate_plan, vw_costs
 from hetpipe.schedule.ps import Calendar, ShardTraffic, plan_traffic

@@ -3,10 +3,10 @@ devices, and the new plan names the surviving devices by their own ids (a GPU st
 
 import pytest
 
-from hetpipe.cluster import load_cluster
 from hetpipe.launch.restart import replan
 from hetpipe.plan import make_plan
-from hetpipe.profile import load_profile
+from hetpipe.plan.cluster import load_cluster
+from hetpipe.plan.profile import load_profile
 
 
 def _planning():

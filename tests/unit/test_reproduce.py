@@ -1,13 +1,20 @@
-"""`hetpipe reproduce` and `hetpipe simulate` with the PS modelled, on the shipped presets."""
+"""bench/reproduce.py (the paper reproduction) and `hetpipe simulate` with the PS modelled, on the shipped presets."""
 
 import re
+import sys
+from pathlib import Path
 
 import pytest
 
 from hetpipe.cli import main
-from hetpipe.cluster import cluster_from_dict
+from hetpipe.plan.cluster import cluster_from_dict
 from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
-from hetpipe.reproduce import round_robin, remote_share
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.append(str(BENCH))
+
+import reproduce  # noqa: E402
+from reproduce import remote_share, round_robin  # noqa: E402
 
 
 def test_round_robin_and_remote_share_by_hand():
@@ -27,7 +34,7 @@ def test_round_robin_and_remote_share_by_hand():
 
 
 def test_reproduce_prints_the_table_and_a_verdict_per_finding(capsys):
-    assert main(["reproduce", "--models", "resnet152,vgg19", "--nm", "4", "--d", "0,1,4", "--waves", "6"]) == 0
+    assert reproduce.main(["--models", "resnet152,vgg19", "--nm", "4", "--d", "0,1,4", "--waves", "6"]) == 0
     out = capsys.readouterr().out
     rows = [ln.split() for ln in out.splitlines() if ln.startswith(("resnet152 ", "vgg19 "))]
     assert {(r[0], r[1]) for r in rows} == {(m, p) for m in ("resnet152", "vgg19") for p in ("NP", "ED", "HD", "ED-rr")}
@@ -38,9 +45,9 @@ def test_reproduce_prints_the_table_and_a_verdict_per_finding(capsys):
 
 @pytest.mark.parametrize("flag,value", [("--d", "0,-1"), ("--nm", "2,x"), ("--waves", "1e9"), ("--models", "nope")])
 def test_reproduce_rejects_bad_input_in_one_line(capsys, flag, value):
-    assert main(["reproduce", flag, value]) == 2
+    assert reproduce.main([flag, value]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("hetpipe reproduce: ") and (flag in err or value in err), err
+    assert "\n" not in err and err.startswith("reproduce: ") and (flag in err or value in err), err
 
 
 def test_simulate_models_the_ps_of_a_preset_plan(tmp_path, capsys):
@@ -63,8 +70,8 @@ def test_simulate_models_the_ps_of_a_preset_plan(tmp_path, capsys):
 
 
 def test_horovod_step_is_the_slowest_gpu_plus_a_ring_allreduce_by_hand():
-    from hetpipe.profile import LayerProfile, ModelProfile
-    from hetpipe.reproduce_tta import horovod, ring_allreduce_s
+    from hetpipe.plan.profile import LayerProfile, ModelProfile
+    from reproduce_tta import horovod, ring_allreduce_s
 
     cluster = cluster_from_dict({
         "name": "two", "device_types": {"fast": {"memory_bytes": 1 << 30, "speed": 2.0},
@@ -92,8 +99,8 @@ def test_horovod_step_is_the_slowest_gpu_plus_a_ring_allreduce_by_hand():
 
 
 def test_tta_scales_with_samples_and_inversely_with_throughput_and_reads_the_convergence_json():
-    from hetpipe.reproduce import Point
-    from hetpipe.reproduce_tta import best_points, samples_to_target, tta_s
+    from reproduce import Point
+    from reproduce_tta import best_points, samples_to_target, tta_s
 
     assert tta_s(1000, 50) == pytest.approx(20.0)
     assert tta_s(2000, 50) == pytest.approx(2 * tta_s(1000, 50))
@@ -115,10 +122,8 @@ def test_tta_scales_with_samples_and_inversely_with_throughput_and_reads_the_con
 
 
 def test_reproduce_tta_prints_the_table_with_its_sources(capsys):
-    from pathlib import Path
-
-    conv = Path(__file__).resolve().parents[2] / "bench" / "convergence" / "results" / "convergence-full.json"
-    assert main(["reproduce", "--models", "resnet152", "--nm", "4", "--d", "0,1", "--waves", "6",
+    conv = BENCH / "convergence" / "results" / "convergence-full.json"
+    assert reproduce.main(["--models", "resnet152", "--nm", "4", "--d", "0,1", "--waves", "6",
                  "--tta", str(conv)]) == 0
     out = capsys.readouterr().out
     assert "MEASURED" in out and "MODELLED" in out and "not found" in out

@@ -71,9 +71,9 @@ def test_todays_schedules_are_unchanged_but_for_the_nm_below_stages_wave_gate():
 
 
 def test_simulate_plan_gives_todays_makespans():
-    from hetpipe.cluster import load_cluster
     from hetpipe.plan import make_plan
-    from hetpipe.profile import load_profile
+    from hetpipe.plan.cluster import load_cluster
+    from hetpipe.plan.profile import load_profile
 
     cluster, profile = load_cluster("hetpipe-testbed"), load_profile("resnet152")
     pb = [float(layer.param_bytes) for layer in profile.layers]

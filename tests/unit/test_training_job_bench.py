@@ -1,12 +1,21 @@
 """bench/training_job.py runs and its table says what the unit tests assert: every feature within
-float32 rounding of plain PyTorch, and far from it with the feature off."""
+float32 rounding of plain PyTorch, and far from it with the feature off.
+
+It runs a benchmark script, so it is ``slow``, outside the unit tier; the features themselves are
+proven there against plain PyTorch (tests/unit/test_loader.py: a shuffled DataLoader;
+test_training_options.py: lr schedules, clipping, accumulation; test_precision.py: fp16 with loss
+scaling)."""
 
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
 
 
 def test_the_training_job_bench_prints_small_gaps_beside_large_ones():

@@ -17,7 +17,6 @@ from hetpipe.run.trainer import Trainer  # noqa: E402
 from hetpipe.stage.grad_norm import bits_float, float_bits  # noqa: E402
 from hetpipe.transport.protocol import StageError  # noqa: E402
 from hetpipe.run.config import Numerics, Reporting
-from hetpipe.run.config import Numerics
 
 
 def _plain(model, data, epochs, opt_factory, loss_fn=cross_entropy, scheduler=None, clip=None):

@@ -8,7 +8,7 @@ from typing import Callable, Iterator, List, Optional
 from torch import nn
 
 from hetpipe.model.names import named_source
-from hetpipe.profile import LAYER_NAMES_ATTR
+from hetpipe.plan.profile import LAYER_NAMES_ATTR
 
 
 @dataclass

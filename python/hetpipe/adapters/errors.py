@@ -6,8 +6,10 @@ from typing import Iterable
 
 from torch import nn
 
+from hetpipe.util.errors import HetpipeError
 
-class AdapterError(ValueError):
+
+class AdapterError(HetpipeError, ValueError):
     """A model an adapter cannot turn into layers; the message names the culprit."""
 
 

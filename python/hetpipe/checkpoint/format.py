@@ -21,11 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from hetpipe.util.errors import HetpipeError
+
 FORMAT = 1
 MANIFEST = "manifest.json"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(HetpipeError, RuntimeError):
     """A checkpoint directory holds nothing to resume from, or something unreadable."""
 
 

@@ -17,7 +17,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from hetpipe.cluster import ClusterSpec, Device, DeviceType, Link, cluster_from_dict
+from hetpipe.plan.cluster import ClusterSpec, Device, DeviceType, Link, cluster_from_dict
+from hetpipe.util.errors import HetpipeError
 
 # Link defaults by kind (bytes/s, s). Discovery reads the kind of each link, not its speed: these
 # are typical figures (NVLink 3 per direction, PCIe 4 x16 in practice, 100 Gb/s Ethernet/IB), and
@@ -33,7 +34,7 @@ PEAK_FP32 = {"h200": 67e12, "h100": 67e12, "a100": 19.5e12, "a40": 37.4e12, "a30
              "titan v": 14.9e12, "titan rtx": 16.3e12, "p4000": 5.3e12}
 
 
-class DiscoveryError(ValueError):
+class DiscoveryError(HetpipeError, ValueError):
     """The world's ranks do not describe a usable cluster, or do not fit a cluster or plan."""
 
 

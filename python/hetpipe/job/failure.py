@@ -17,7 +17,7 @@ import traceback
 from typing import Callable, Iterator, Optional
 
 from hetpipe.job.rundir import mark_aborted
-from hetpipe.numbers import seconds
+from hetpipe.util.numbers import seconds
 
 DEFAULT_TIMEOUT_S = 120.0
 # mpiexec forwards each rank's stderr asynchronously, and Abort tears its proxies down at once, which

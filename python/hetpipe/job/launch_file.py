@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from hetpipe.job.rundir import RUN_DIR_ENV
+from hetpipe.util.errors import HetpipeError
 
 LAUNCH_FILE = "launch.json"
 
@@ -27,7 +28,7 @@ _TYPES: Dict[str, tuple] = {"cluster": (str,), "plan_cache": (str,), "plan": (st
                             "resume": (str,), "run_id": (str,), "transport": (str,), "timeout": (int, float)}
 
 
-class LaunchFileError(ValueError):
+class LaunchFileError(HetpipeError, ValueError):
     """The run file cannot be read or does not hold valid settings (names the file and the field)."""
 
 

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hetpipe.plan.types import Plan, StagePlan
+from hetpipe.util.errors import HetpipeError
 
 
-class LaunchError(RuntimeError):
+class LaunchError(HetpipeError, RuntimeError):
     """The world does not fit the plan (rank count, devices)."""
 
 

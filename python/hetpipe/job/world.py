@@ -9,6 +9,7 @@ from typing import Any, Dict, List
 
 from hetpipe.job.inventory import host_name
 from hetpipe.job.rundir import RUN_DIR_ENV, mark_starting, register_rank
+from hetpipe.util.errors import HetpipeError
 
 # hetpipe sends host memory only over MPI (pinned slots; device-to-device traffic has its own
 # backends), so MPI's GPU layer is switched off before MPI_Init: an MPICH built with it would query,
@@ -17,7 +18,7 @@ from hetpipe.job.rundir import RUN_DIR_ENV, mark_starting, register_rank
 MPI_GPU_ENV = {"MPIR_CVAR_ENABLE_GPU": "0"}
 
 
-class MPIUnavailable(RuntimeError):
+class MPIUnavailable(HetpipeError, RuntimeError):
     """mpi4py (or an MPI library) is missing."""
 
 

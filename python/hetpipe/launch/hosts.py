@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from hetpipe.util.errors import HetpipeError
 
-class HostsError(ValueError):
+
+class HostsError(HetpipeError, ValueError):
     """A host list that cannot hold the run (too few slots, an unknown node, a malformed line)."""
 
 

@@ -43,7 +43,7 @@ from hetpipe.job.failure import ABORT_GRACE_S, signal_grace_s
 from hetpipe.job.guard import LAUNCHER_HOST_ENV, LAUNCHER_PID_ENV
 from hetpipe.job.procs import environment_marker, processes_with, rank_processes, send, signal_name, stopped
 from hetpipe.job.rundir import RUN_DIR_ENV, marked, rank_hosts, ranks_by_pid, recorded_ranks, starting_ranks
-from hetpipe.numbers import seconds
+from hetpipe.util.numbers import seconds
 from hetpipe.launch.deaths import DeathWatcher
 
 OUTCOME_FILE = "outcome.json"

@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, Optional, Sequence, Tuple
 
+from hetpipe.util.errors import HetpipeError
 
-class DataMismatch(ValueError):
+
+class DataMismatch(HetpipeError, ValueError):
     """Ranks read different data."""
 
 

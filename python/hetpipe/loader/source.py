@@ -9,8 +9,9 @@ the seed and the epoch only, never on how often, or on which rank, the data is r
 * :class:`DatasetSource` - a map-style ``Dataset`` of ``(inputs, label)`` samples: the epoch's order
   is ``DistributedSampler``'s with one replica (``randperm`` seeded by ``seed + epoch``, or the identity
   without shuffling), cut into ``batch_size`` minibatches; a VW's loader (``batch_sampler`` of its own
-  minibatches, the user's ``collate_fn`` and ``num_workers``) loads only its samples, and the last
-  stage reads only labels when the source can give them (``labels=``, or a ``TensorDataset``).
+  minibatches, the user's ``collate_fn``, ``num_workers`` and other :data:`LOADER_SETTINGS`) loads only
+  its samples, and the last stage reads only labels when the source can give them (``labels=``, or a
+  ``TensorDataset``).
 * :class:`StreamSource` - an ``IterableDataset`` (samples, batched here) or any re-iterable of
   ``(inputs, labels)`` minibatches (``set_epoch(e)`` called before epoch ``e`` when it has one): every
   reading rank iterates the whole epoch and keeps its VW's share. Its order is the user's to keep
@@ -21,8 +22,18 @@ the seed and the epoch only, never on how often, or on which rank, the data is r
 
 :func:`as_source` turns what a user hands the Trainer into one of these; a ``DataLoader`` over a
 map-style dataset with an ordinary sampler becomes a :class:`DatasetSource` of the same dataset,
-batch size, collate function and workers (shuffled, seeded by the Trainer's seed, when its sampler
-is random), so a shuffled ``DataLoader`` is safe.
+batch size, collate function, workers and :data:`LOADER_SETTINGS` (shuffled, seeded by the Trainer's
+seed, when its sampler is random), so a shuffled ``DataLoader`` is safe. Its ``generator`` is refused
+(the Trainer's seed orders the data), and so is ``in_order=False`` with workers (see :func:`as_source`).
+
+Loader workers. A loader hetpipe builds takes a ``generator`` seeded by :func:`worker_seed` before
+each epoch, from which ``DataLoader`` draws its workers' base seed: a worker's ``torch``, ``random``
+and ``numpy`` generators start from the source's seed, the epoch and (for a :class:`DatasetSource`)
+the VW, never from the rank's global generator, so the two ranks reading one VW's minibatches (stage
+0 and the last stage) run the same random transforms in their workers. A stream keeps one loader for
+all its epochs: with ``persistent_workers`` its workers are started, and seeded, once, at its first
+epoch, and keep their generators across epochs, as a ``DataLoader``'s persistent workers do. Each
+evaluation pass is a stream of its own, and so starts its own workers.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import hashlib
 import itertools
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
+import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler,
@@ -38,6 +50,12 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset
 
 INPUTS, LABELS, BOTH = "inputs", "labels", "both"
 CHECKED = 2         # minibatches per reading rank whose digests the start-up check compares
+
+# The DataLoader settings a source hands every loader it builds, with their defaults; they change how
+# minibatches are loaded, never which ones or in what order.
+LOADER_SETTINGS: Dict[str, Any] = {"pin_memory": False, "pin_memory_device": "", "timeout": 0,
+                                   "worker_init_fn": None, "multiprocessing_context": None,
+                                   "prefetch_factor": None, "persistent_workers": False}
 
 
 def digest(what: Any) -> str:
@@ -76,6 +94,48 @@ class DataSource:
         """What makes two ranks' sources deal the same order (compared across every reading rank at
         start-up), or None when only the minibatches themselves can tell."""
         return None
+
+
+def worker_seed(seed: int, epoch: int, vw: int = 0) -> int:
+    """The seed of the generator from which a loader of epoch ``epoch`` (of VW ``vw``) draws its
+    workers' base seed (see the module docstring)."""
+    return int(np.random.SeedSequence([seed, epoch, vw, 0x10AD]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def _loader_settings(data: Any, num_workers: Any, settings: Dict[str, Any]) -> Dict[str, Any]:
+    """``num_workers`` and ``settings`` (:data:`LOADER_SETTINGS`) as DataLoader keywords, checked now by
+    DataLoader's own rules rather than at the first epoch."""
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
+        raise ValueError(f"hetpipe: num_workers must be an int >= 0, got {num_workers!r}")
+    kw = {"num_workers": num_workers, **settings}
+    try:
+        DataLoader(data, batch_size=None, **kw)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"hetpipe: {e}") from None
+    return kw
+
+
+def _pins() -> bool:
+    """Whether ``DataLoader(pin_memory=True)`` pins here: on an accelerator other than MPS (torch < 2.6,
+    which has no ``torch.accelerator``: on CUDA)."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is None:
+        return torch.cuda.is_available()
+    return accelerator.is_available() and accelerator.current_accelerator().type != "mps"
+
+
+class _Minibatches:
+    """A loader's ``batch_sampler``: the index lists of the epoch it reads next, set before each pass, so
+    that one DataLoader (and with ``persistent_workers`` one set of workers) serves every epoch."""
+
+    def __init__(self) -> None:
+        self.batches: List[List[int]] = []
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[List[int]]:
+        return iter(self.batches)
 
 
 def epoch_range(per_epoch: int, num_vws: int, vw: int, first: int) -> range:
@@ -142,24 +202,33 @@ class DatasetSource(DataSource):
     """A map-style dataset of ``(inputs, label)`` samples, sharded by VW with a seeded sampler.
 
     batch_size: samples per minibatch. shuffle/seed: the epoch's order is ``DistributedSampler(dataset,
-    num_replicas=1, rank=0, shuffle=shuffle, seed=seed)`` after ``set_epoch(epoch)``. drop_last: a last
+    num_replicas=1, rank=0, shuffle=shuffle, seed=seed)`` after ``set_epoch(epoch)``; the seed also
+    seeds the loader workers (:func:`worker_seed`; the source takes no ``generator``). drop_last: a last
     minibatch of fewer than ``batch_size`` samples is dropped (False: it is the epoch's last).
-    collate_fn / num_workers: as ``DataLoader``'s. labels: per-sample labels the last stage reads
-    without loading the samples (a tensor or sequence indexed like the dataset; a ``TensorDataset``'s
-    last tensor by default); ``None`` on another dataset: the last stage loads the samples."""
+    collate_fn / num_workers / pin_memory / pin_memory_device / timeout / worker_init_fn /
+    multiprocessing_context / prefetch_factor / persistent_workers: as ``DataLoader``'s, for each VW's
+    loader (with ``pin_memory``, labels read by index are pinned too). labels: per-sample labels the
+    last stage reads without loading the samples (a tensor or sequence indexed like the dataset; a
+    ``TensorDataset``'s last tensor by default); ``None`` on another dataset: the last stage loads the
+    samples."""
 
     def __init__(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = True, collate_fn: Optional[Callable] = None, num_workers: int = 0,
-                 labels: Any = None) -> None:
+                 labels: Any = None, pin_memory: bool = False, pin_memory_device: str = "", timeout: float = 0,
+                 worker_init_fn: Optional[Callable[[int], None]] = None, multiprocessing_context: Any = None,
+                 prefetch_factor: Optional[int] = None, persistent_workers: bool = False) -> None:
         if isinstance(dataset, IterableDataset):
             raise TypeError("hetpipe: DatasetSource takes a map-style dataset; an IterableDataset goes to StreamSource")
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"hetpipe: batch_size must be a positive int, got {batch_size!r}")
-        if not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"hetpipe: num_workers must be an int >= 0, got {num_workers!r}")
+        self.loader_settings = _loader_settings(dataset, num_workers, dict(
+            pin_memory=pin_memory, pin_memory_device=pin_memory_device, timeout=timeout,
+            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers))
         self.dataset, self.batch_size = dataset, batch_size
         self.shuffle, self.seed, self.drop_last = shuffle, int(seed), drop_last
         self.collate_fn, self.num_workers = collate_fn, num_workers
+        self._pin_labels = pin_memory and _pins()
         self.size = len(dataset)  # type: ignore[arg-type]
         if labels is None and isinstance(dataset, TensorDataset):
             labels = dataset.tensors[-1]
@@ -183,25 +252,36 @@ class DatasetSource(DataSource):
         order = self.order(epoch)
         return [order[i * self.batch_size:(i + 1) * self.batch_size].tolist() for i in minibatches]
 
-    def _loader(self, batches: List[List[int]]) -> DataLoader:
+    def _loader(self) -> DataLoader:
+        """A loader over the dataset with this source's settings; :meth:`_read` points it at an epoch."""
         kw = {} if self.collate_fn is None else {"collate_fn": self.collate_fn}
-        return DataLoader(self.dataset, batch_sampler=batches, num_workers=self.num_workers, **kw)
+        return DataLoader(self.dataset, batch_sampler=_Minibatches(), generator=torch.Generator(),
+                          **self.loader_settings, **kw)
+
+    def _read(self, loader: DataLoader, epoch: int, vw: int, batches: List[List[int]]) -> DataLoader:
+        """``loader`` set to load ``batches`` of epoch ``epoch``, VW ``vw``, at its next pass."""
+        loader.batch_sampler.batches = batches  # type: ignore[union-attr]
+        loader.generator.manual_seed(worker_seed(self.seed, epoch, vw))
+        return loader
 
     def sample(self) -> Any:
         if self.minibatches_per_epoch() == 0:
             raise ValueError(f"hetpipe: the dataset of {self.size} samples yields no minibatch of {self.batch_size}")
-        return next(iter(self._loader(self.indices(0, [0]))))
+        return next(iter(self._read(self._loader(), 0, 0, self.indices(0, [0]))))
 
     def _labels_of(self, idx: List[int]) -> torch.Tensor:
         if isinstance(self.labels, torch.Tensor):
-            return self.labels[torch.as_tensor(idx, dtype=torch.long)]
-        return torch.as_tensor([self.labels[i] for i in idx])
+            labels = self.labels[torch.as_tensor(idx, dtype=torch.long)]
+        else:
+            labels = torch.as_tensor([self.labels[i] for i in idx])
+        return labels.pin_memory() if self._pin_labels else labels
 
     def vw_stream(self, vw: int, num_vws: int, epochs: int, start_epoch: int = 0, start_index: int = 0,
                   part: str = BOTH) -> VWStream:
         shares = vw_epochs(self.minibatches_per_epoch(), num_vws, vw, epochs, start_epoch, start_index)
 
         def items(stream: VWStream) -> Iterator[Any]:
+            loader: Optional[DataLoader] = None     # one for all epochs, built when first needed
             for epoch, mine in shares:
                 batches = self.indices(epoch, mine)
                 for i, idx in zip(mine, batches):
@@ -209,7 +289,8 @@ class DatasetSource(DataSource):
                 if part == LABELS and self.labels is not None:
                     yield from (self._labels_of(idx) for idx in batches)
                 elif batches:
-                    yield from (_field(b, part) for b in self._loader(batches))
+                    loader = self._loader() if loader is None else loader
+                    yield from (_field(b, part) for b in self._read(loader, epoch, vw, batches))
 
         return VWStream(items)
 
@@ -224,23 +305,59 @@ def _set_epoch(data: Any, epoch: int) -> None:
 
 
 class StreamSource(DataSource):
-    """An ``IterableDataset`` of samples (batched here: ``batch_size``, ``collate_fn``, ``num_workers``,
-    full minibatches only) or a re-iterable of ``(inputs, labels)`` minibatches (``batch_size`` None)."""
+    """An ``IterableDataset`` of samples (batched here: ``batch_size``, full minibatches only) or a
+    re-iterable of ``(inputs, labels)`` minibatches (``batch_size`` None: read as it yields them).
+
+    collate_fn / num_workers / pin_memory / pin_memory_device / timeout / worker_init_fn /
+    multiprocessing_context / prefetch_factor / persistent_workers: as ``DataLoader``'s, for the loader
+    batching the samples (refused without ``batch_size``: set them on the iterable's own loader). seed:
+    seeds that loader's workers (:func:`worker_seed`, the same on every VW: each reading rank iterates
+    the whole epoch). ``persistent_workers`` is refused for data with ``set_epoch``: the workers keep
+    the copy of the dataset they started with, which the ``set_epoch`` called here would not reach."""
 
     def __init__(self, data: Iterable, batch_size: Optional[int] = None, *, collate_fn: Optional[Callable] = None,
-                 num_workers: int = 0) -> None:
+                 num_workers: int = 0, seed: int = 0, pin_memory: bool = False, pin_memory_device: str = "",
+                 timeout: float = 0, worker_init_fn: Optional[Callable[[int], None]] = None,
+                 multiprocessing_context: Any = None, prefetch_factor: Optional[int] = None,
+                 persistent_workers: bool = False) -> None:
         if isinstance(data, IterableDataset) and batch_size is None:
             raise ValueError("hetpipe: an IterableDataset needs batch_size= (samples per minibatch)")
+        settings = dict(pin_memory=pin_memory, pin_memory_device=pin_memory_device, timeout=timeout,
+                        worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+                        prefetch_factor=prefetch_factor, persistent_workers=persistent_workers)
+        if batch_size is None:
+            given = [k for k, v in {"collate_fn": collate_fn, "num_workers": num_workers, **settings}.items()
+                     if v != {"collate_fn": None, "num_workers": 0, **LOADER_SETTINGS}[k]]
+            if given:
+                raise ValueError(f"hetpipe: StreamSource without batch_size= reads the minibatches as the iterable "
+                                 f"yields them, so {', '.join(given)} would do nothing: set them on the loader "
+                                 f"that yields them")
+            self.loader_settings: Dict[str, Any] = {}
+        else:
+            self.loader_settings = _loader_settings(data, num_workers, settings)
+        if persistent_workers and hasattr(data, "set_epoch"):
+            raise ValueError("hetpipe: StreamSource(persistent_workers=True) over data with set_epoch: the workers "
+                             "would keep reading the first epoch's copy of the dataset; drop persistent_workers")
         self.data, self.batch_size = data, batch_size
-        self.collate_fn, self.num_workers = collate_fn, num_workers
+        self.collate_fn, self.num_workers, self.seed = collate_fn, num_workers, int(seed)
         self._per_epoch: Optional[int] = None
 
-    def _epoch(self, epoch: int) -> Iterable:
-        _set_epoch(self.data, epoch)
+    def _loader(self) -> Iterable:
+        """What a pass reads: the data itself, or (``batch_size`` set) a loader batching it with this
+        source's settings, which :meth:`_epoch` points at an epoch."""
         if self.batch_size is None:
             return self.data
         kw = {} if self.collate_fn is None else {"collate_fn": self.collate_fn}
-        return DataLoader(self.data, batch_size=self.batch_size, num_workers=self.num_workers, drop_last=True, **kw)
+        return DataLoader(self.data, batch_size=self.batch_size, drop_last=True, generator=torch.Generator(),
+                          **self.loader_settings, **kw)
+
+    def _epoch(self, epoch: int, loader: Optional[Iterable] = None) -> Iterable:
+        """``loader`` (a new one when None) set to read epoch ``epoch`` at its next pass."""
+        loader = self._loader() if loader is None else loader
+        _set_epoch(self.data, epoch)
+        if self.batch_size is not None:
+            loader.generator.manual_seed(worker_seed(self.seed, epoch))  # type: ignore[attr-defined]
+        return loader
 
     def minibatches_per_epoch(self, num_vws: int = 1) -> int:
         if self._per_epoch is None:
@@ -260,12 +377,13 @@ class StreamSource(DataSource):
         shares = vw_epochs(self.minibatches_per_epoch(), num_vws, vw, epochs, start_epoch, start_index)
 
         def items(stream: VWStream) -> Iterator[Any]:
+            loader = self._loader()     # one for all epochs
             for epoch, mine in shares:
                 if not mine:
                     continue
                 wanted = iter(mine)
                 nxt = next(wanted)
-                for i, batch in enumerate(self._epoch(epoch)):
+                for i, batch in enumerate(self._epoch(epoch, loader)):
                     if i == nxt:
                         stream.note(epoch, i, _field(batch, LABELS))
                         yield _field(batch, part)
@@ -319,7 +437,15 @@ class PerVWSource(DataSource):
 
 
 def as_source(data: Any, seed: int = 0) -> DataSource:
-    """The :class:`DataSource` for what a user hands the Trainer (see the module docstring)."""
+    """The :class:`DataSource` for what a user hands the Trainer (see the module docstring).
+
+    A ``DataLoader``'s settings carry over (to the rebuilt :class:`DatasetSource`, or as the loader
+    itself when it stays a stream), except two, refused with a ValueError naming them:
+    ``in_order=False`` with workers (minibatches would come out as workers finish them, in an order
+    that differs between ranks), and, on a loader rebuilt as a :class:`DatasetSource`, a ``generator``
+    (the DataLoader's or its ``RandomSampler``'s): the order is dealt from the Trainer's ``seed`` so
+    that every rank computes the same one whatever it read before, and the workers are seeded from it
+    too; a generator's state may differ between ranks (and the order needs one seed, not two)."""
     if isinstance(data, DataSource):
         return data
     if isinstance(data, DataLoader):
@@ -340,8 +466,11 @@ def as_source(data: Any, seed: int = 0) -> DataSource:
 
 def _from_loader(loader: DataLoader, seed: int) -> DataSource:
     """A DataLoader over a map-style dataset with a sequential or random sampler: the same data as a
-    seeded :class:`DatasetSource`; any other DataLoader (an IterableDataset, a custom sampler) is a
-    stream whose order the start-up check verifies."""
+    seeded :class:`DatasetSource` with the loader's settings; any other DataLoader (an IterableDataset,
+    a custom sampler) is a stream whose order the start-up check verifies (see :func:`as_source`)."""
+    if not getattr(loader, "in_order", True) and loader.num_workers > 0:
+        raise ValueError("hetpipe: DataLoader(in_order=False) yields minibatches as its workers finish them, in an "
+                         "order that differs between ranks; drop in_order=False")
     sampler = loader.sampler
     plain = (loader.batch_size is not None and isinstance(loader.batch_sampler, BatchSampler)
              and type(loader.batch_sampler) is BatchSampler
@@ -351,5 +480,12 @@ def _from_loader(loader: DataLoader, seed: int) -> DataSource:
         plain = False
     if not plain:
         return StreamSource(loader)
+    for where, generator in (("DataLoader(generator=...)", loader.generator),
+                             ("the DataLoader's RandomSampler(generator=...)", getattr(sampler, "generator", None))):
+        if generator is not None:
+            raise ValueError(f"hetpipe: {where} is refused: hetpipe deals the order from the Trainer's seed, the "
+                             f"same on every rank, and seeds the loader workers from it; drop the generator and "
+                             f"pass seed= to the Trainer")
     return DatasetSource(loader.dataset, loader.batch_size, shuffle=isinstance(sampler, RandomSampler), seed=seed,
-                         drop_last=loader.drop_last, collate_fn=loader.collate_fn, num_workers=loader.num_workers)
+                         drop_last=loader.drop_last, collate_fn=loader.collate_fn, num_workers=loader.num_workers,
+                         **{k: getattr(loader, k) for k in LOADER_SETTINGS})

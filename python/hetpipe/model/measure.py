@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from hetpipe.precision import HALF_DTYPE
-from hetpipe.profile import LayerProfile, ModelProfile, layer_names
+from hetpipe.plan.precision import HALF_DTYPE
+from hetpipe.plan.profile import LayerProfile, ModelProfile, layer_names
 
 
 def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional[Callable] = None,
@@ -26,13 +26,13 @@ def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional
     the loss, for the last layer) run, above what it held before plus the layer's output and stash
     (transients such as a language-model head's logits and their gradient); elsewhere it is 0.
     ``precision="bf16"`` runs each forward and the loss under ``torch.autocast`` to bfloat16, as a
-    bf16 run does (:mod:`hetpipe.precision`), so the stash holds what such a run keeps.
+    bf16 run does (:mod:`hetpipe.plan.precision`), so the stash holds what such a run keeps.
     """
-    from hetpipe.precision import check_precision
+    from hetpipe.plan.precision import check_precision
 
     check_precision(precision, "profile_model")
 
-    from hetpipe.cluster import load_cluster
+    from hetpipe.plan.cluster import load_cluster
 
     cluster = load_cluster(cluster)
     if repeats < 1:

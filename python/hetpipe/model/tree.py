@@ -18,7 +18,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch.utils import _pytree as pytree
 
-from hetpipe.precision import HALF_DTYPE
+from hetpipe.plan.precision import HALF_DTYPE
 
 ALIGN = 16
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import List
 
-from hetpipe.outer import describe_outer, is_plain
+from hetpipe.plan.outer import describe_outer, is_plain
 from hetpipe.plan.recompute import runs
 from hetpipe.plan.types import Plan
 

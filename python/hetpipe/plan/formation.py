@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from hetpipe.cluster import ClusterSpec
+from hetpipe.plan.cluster import ClusterSpec
 
 POLICIES = ("NP", "ED", "HD")
 

@@ -15,16 +15,16 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from hetpipe.cluster import ClusterSpec, load_cluster
 from hetpipe.plan import cost as cost_model
+from hetpipe.plan.cluster import ClusterSpec, load_cluster
 from hetpipe.plan.formation import POLICIES, default_vw_size, form_virtual_workers
 from hetpipe.plan.partition import Partition, partition
 from hetpipe.plan.placement import place_layers
+from hetpipe.plan.precision import check_precision, wire_factor
+from hetpipe.plan.profile import ModelProfile, load_profile
 from hetpipe.plan.recompute import memory_efficiency, single_device_throughput
 from hetpipe.plan.stage_cost import LayerTable, StageDevice
 from hetpipe.plan.types import MAX_NM, Plan, StagePlan, VirtualWorkerPlan, check_integer
-from hetpipe.precision import check_precision, wire_factor
-from hetpipe.profile import ModelProfile, load_profile
 
 OBJECTIVES = ("throughput", "memory_efficiency")
 

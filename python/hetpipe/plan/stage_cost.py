@@ -9,7 +9,7 @@ in flight in the VW:
   gradient (as large as the activation of layer ``a-1``) back to stage ``k-1``, each
   ``latency + wire_factor x bytes / bandwidth`` over the link between the two devices (0 at the
   pipeline ends); ``wire_factor`` is 1/2 for a bf16 plan of a float32 profile
-  (:func:`hetpipe.precision.wire_factor`), 1 otherwise;
+  (:func:`hetpipe.plan.precision.wire_factor`), 1 otherwise;
 * stage time = compute + transfer; the VW's bottleneck is the largest stage time.
 * memory: the runtime's memory model (:mod:`hetpipe.stage.params`). With ``P = param[a:b]`` and
   ``n_k = min(nm, K - k)`` (the HetPipe schedule's 1F1B rule lets stage ``k`` run at most ``n_k``
@@ -42,7 +42,7 @@ from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hetpipe.profile import ModelProfile
+from hetpipe.plan.profile import ModelProfile
 
 DENSE_MAX = 512
 

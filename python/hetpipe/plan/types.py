@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple, Union
 
-from hetpipe.outer import OUTER_FIELDS, check_outer
-from hetpipe.precision import check_precision
+from hetpipe.plan.outer import OUTER_FIELDS, check_outer
+from hetpipe.plan.precision import check_precision
 
 PLAN_FORMAT = 1
 # the most minibatches in flight per VW a plan may ask for: past a few times the pipeline depth a
@@ -97,9 +97,9 @@ class Plan:
     # one GPU, as with DDP) or "sum" (HetPipe's rule). Plans written before the field read as "mean".
     aggregate: str = "mean"
     # "fp32", or "bf16": stages compute under autocast on float32 master weights and send bfloat16
-    # activations (hetpipe.precision). Plans written before the field read as "fp32".
+    # activations (hetpipe.plan.precision). Plans written before the field read as "fp32".
     precision: str = "fp32"
-    # The PS's outer optimizer (hetpipe.outer, docs/design.md "Outer optimizer"): "sgd" adds each
+    # The PS's outer optimizer (hetpipe.plan.outer, docs/design.md "Outer optimizer"): "sgd" adds each
     # aggregated push times outer_lr (lr 1: the plain rule); "nesterov" takes DiLoCo's outer step with
     # momentum outer_momentum on the wave's aggregated delta. outer_staleness "inverse" divides a push
     # whose pull lagged by s versions by 1 + s. Plans written before these fields read as the plain rule.

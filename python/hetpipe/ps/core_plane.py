@@ -27,7 +27,7 @@ import numpy as np
 
 import hetpipe_core
 from hetpipe.ps.server import ShardServerBase
-from hetpipe.outer import check_outer
+from hetpipe.plan.outer import check_outer
 from hetpipe.ps.shard import ShardLog, WSPViolation, check_aggregate, held_layers, initial_momentum
 from hetpipe.schedule.trace import PS_VW, TraceEvent
 from hetpipe.transport.base import Transport

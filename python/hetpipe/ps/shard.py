@@ -10,7 +10,7 @@ A shard owns some layers' weights ``W`` (float32, one flat array per layer). Pro
   ``W_g``, ``g`` = global clock (the version: every wave ``< g`` applied). The order is logged.
   ``aggregate="sum"`` adds every VW's delta (HetPipe's rule); ``"mean"`` adds each divided by the
   number of VWs (the step of one VW, as data-parallel SGD averages gradients).
-* The outer optimizer (:mod:`hetpipe.outer`) turns a wave's pushes into a step: ``outer="sgd"`` adds each
+* The outer optimizer (:mod:`hetpipe.plan.outer`) turns a wave's pushes into a step: ``outer="sgd"`` adds each
   push's ``delta / k`` times ``outer_lr`` as above (lr 1, no staleness scale: exactly the plain rule);
   ``"nesterov"`` sums the wave's ``delta / k`` into ``A`` (in apply order) and takes DiLoCo's outer step
   on the pseudo-gradient ``g = -A`` with the momentum buffer ``M`` (float32, one per layer, part of the
@@ -46,12 +46,16 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Set, Tupl
 import numpy as np
 
 import hetpipe_core
-from hetpipe.outer import check_outer
+from hetpipe.plan.outer import check_outer
 from hetpipe.ps.gate import Gate, WSPGate
+from hetpipe.util.errors import HetpipeError
+from hetpipe.ps.outer_step import OuterStep, initial_momentum
+
+__all__ = ["ShardLog", "ShardState", "ShardView", "WSPViolation", "check_aggregate", "held_layers",
+           "initial_momentum"]
 
 
-
-class WSPViolation(RuntimeError):
+class WSPViolation(HetpipeError, RuntimeError):
     """The PS saw something WSP forbids: a duplicate push, a broken clock bound, a malformed push."""
 
 
@@ -86,24 +90,6 @@ def check_aggregate(index: int, aggregate: str) -> None:
     """ValueError naming the shard unless ``aggregate`` is "sum" or "mean"."""
     if aggregate not in ("sum", "mean"):
         raise ValueError(f"PS shard {index}: aggregate must be 'sum' or 'mean', got {aggregate!r}")
-
-
-def initial_momentum(index: int, weights: Dict[int, np.ndarray], momentum: Optional[Dict[int, np.ndarray]],
-                     nesterov: bool) -> Dict[int, np.ndarray]:
-    """Per layer, the outer momentum buffer a shard starts with: ``momentum``'s (a checkpoint's) where it has
-    the layer, else zeros; empty arrays unless ``nesterov``. ValueError naming the layer for a wrong size."""
-    momentum = momentum or {}
-    out = {}
-    for l, w in weights.items():
-        if not nesterov or l not in momentum:
-            out[l] = np.zeros(w.size if nesterov else 0, dtype=np.float32)
-            continue
-        m = np.ascontiguousarray(momentum[l], dtype=np.float32).reshape(-1)
-        if m.size != w.size:
-            raise ValueError(f"PS shard {index}: the outer momentum of layer {l} has {m.size} elements, "
-                             f"its weights {w.size}")
-        out[l] = m.copy()
-    return out
 
 
 class ShardView(Protocol):
@@ -143,12 +129,9 @@ class ShardState:
         self.W = {l: np.ascontiguousarray(weights[l], dtype=np.float32).copy() for l in self.layers}
         buffers = buffers or {}
         self.B = {l: np.ascontiguousarray(buffers.get(l, np.zeros(0)), dtype=np.float32).copy() for l in self.layers}
-        self.M = initial_momentum(index, self.W, momentum, outer == "nesterov")
-        # nesterov: per layer, the wave's aggregated delta A, summed before the outer step (reused).
-        self.aggregated = {l: np.zeros_like(self.M[l]) for l in self.layers}
-        # outer_staleness "inverse": (vw, stage, wave) -> the version its pull got, until the wave is applied.
-        self.pulled: Dict[Tuple[int, int, int], int] = {}
         self.num_vws = len(stage_layers)
+        self.outer = OuterStep(index, self.W, self.num_vws, aggregate, self.outer_options, momentum)
+        self.M = self.outer.M
         self.stage_layers = held_layers(self.W, self.B, stage_layers)
         # (vw, stage) -> (layer, offset, numel) slices of W it pulls as replicas of tied parameters.
         self.replicas = {k: list(v) for k, v in (replicas or {}).items() if v}
@@ -176,21 +159,6 @@ class ShardState:
     @property
     def global_clock(self) -> int:
         return int(self.clock.global_clock())
-
-    @property
-    def _scale(self) -> int:
-        """What each VW's delta is divided by before it is applied (without the staleness scale)."""
-        return self.num_vws if self.aggregate == "mean" else 1
-
-    def _divisor(self, vw: int, stage: int, wave: int) -> int:
-        """``k`` of the push (module docstring): the aggregate's scale, times ``1 + s`` with "inverse" staleness."""
-        if self.outer_options["outer_staleness"] != "inverse":
-            return self._scale
-        version = self.pulled.pop((vw, stage, wave), wave)
-        if version > wave:
-            raise WSPViolation(f"PS shard {self.index}: VW {vw} stage {stage} pulled wave {wave} at version {version}, "
-                               "after that wave was applied")
-        return self._scale * (1 + wave - version)
 
     def stage_numel(self, vw: int, stage: int) -> int:
         """Elements of a push from the stage: its layers' weights, then their synced buffers."""
@@ -233,7 +201,7 @@ class ShardState:
             parts[l] = self.spare[l].pop() if self.spare[l] else np.empty(n, dtype=np.float32)
             np.copyto(parts[l], delta[off:off + n])
             if self.log_sums:
-                self.log.pushed_sum[l] += parts[l] / self._scale
+                self.log.pushed_sum[l] += parts[l] / self.outer.scale
             off += n
         values = self.pending_buffers[wave].setdefault(vw, {})
         for l in self.stage_layers[vw][stage]:
@@ -271,45 +239,22 @@ class ShardState:
                 return
             order = self.gate.order(c, self.apply_order())
             wave = self.pending.pop(c)
-            nesterov = self.outer_options["outer"] == "nesterov"
-            lr = self.outer_options["outer_lr"]
             for vw, stage in order:
-                k = self._divisor(vw, stage, c)
+                version = self.outer.version_of(vw, stage, c)
+                if version > c:
+                    raise WSPViolation(f"PS shard {self.index}: VW {vw} stage {stage} pulled wave {c} at version "
+                                       f"{version}, after that wave was applied")
+                k = self.outer.divisor(c, version)
                 for l in self.stage_layers[vw][stage]:
                     delta = wave[vw][l]
-                    if k > 1:
-                        np.divide(delta, np.float32(k), out=delta)
-                    if nesterov:
-                        self.aggregated[l] += delta
-                    else:
-                        hetpipe_core.apply_delta(self.W[l], delta, lr)
+                    self.outer.add(l, delta, k)
                     self.spare[l].append(delta)
                 self.log.applied.append((vw, stage, c))
-            if nesterov:
-                self._nesterov_step()
+            self.outer.end_wave()
             self._average_buffers(self.pending_buffers.pop(c, {}), list(dict.fromkeys(vw for vw, _ in order)))
             self.applied += 1
             if self.on_applied is not None:
                 self.on_applied(self.applied)
-
-    def _nesterov_step(self) -> None:
-        """DiLoCo's outer step on each layer's aggregated delta ``A`` (then zeroed for the next wave):
-        ``g = -A``, ``M <- mu * M + g``, ``W <- W - lr * (g + mu * M)``, every operation one float32 rounding
-        in this order (the core's ``outer_nesterov`` computes the same bits)."""
-        mu = np.float32(self.outer_options["outer_momentum"])
-        lr = np.float32(self.outer_options["outer_lr"])
-        for l in self.layers:
-            a, m = self.aggregated[l], self.M[l]
-            if not a.size:
-                continue
-            g = np.negative(a)
-            np.multiply(m, mu, out=m)
-            m += g
-            step = np.multiply(m, mu)
-            step += g
-            step *= lr
-            self.W[l] -= step
-            a.fill(0)
 
     def apply_order(self) -> List[Tuple[int, int]]:
         """The (vw, stage) pushes of one wave, in the order this shard applies them on its own."""
@@ -359,12 +304,11 @@ class ShardState:
         g = self.global_clock
         ready = [q for q in self.queued if self.gate.due(q[1], q[2], q[3], self.applied, g, self.d)][:limit]
         self.queued = [q for q in self.queued if q not in ready]
-        inverse = self.outer_options["outer_staleness"] == "inverse"
         for (_, vw, stage, wave) in ready:
             self.log.pulls.append((vw, stage, wave, self.applied))
             self.log.pull_clocks.append(int(self.clock.clock(vw)))
-            if inverse and stage in self.stage_layers[vw]:
-                self.pulled[(vw, stage, wave)] = self.applied
+            if stage in self.stage_layers[vw]:
+                self.outer.pulled_at(vw, stage, wave, self.applied)
         return ready
 
     def answered(self, pulls: Sequence[Tuple[int, int, int, int]]) -> None:

@@ -18,12 +18,13 @@ from hetpipe.ps.server import ShardServerBase
 from hetpipe.run.spec import RunSpec
 from hetpipe.schedule.trace import TraceEvent
 from hetpipe.stage.evaluate import Evaluation
-from hetpipe.stage.executor import StageContext, StageExecutor
+from hetpipe.stage.executor import StageExecutor
 from hetpipe.stage.loss_scale import LossScale
 from hetpipe.loader.check import Reading, reading
 from hetpipe.loader.source import CHECKED, INPUTS, LABELS
 from hetpipe.stage.feed import MinibatchFeed
 from hetpipe.stage.pacer import Pacer
+from hetpipe.stage.settings import StageContext, StageIO, StageRun, StageTiming
 from hetpipe.stage.params import StageModel, TiedKey
 from hetpipe.transport import slots
 from hetpipe.transport.base import Transport
@@ -114,14 +115,12 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
     if spec.eval_every is not None and vw == 0:
         evaluation = Evaluation(spec.eval_every, spec.eval_data, layout.num_waves - 1, plan.d, spec.eval_metric,
                                 decide)
-    return StageExecutor(ctx, layout.streams[stage], model, link, loss_fn=spec.loss_fn,
-                         inputs=inputs, labels=labels,
-                         expect_in=on_wire(spec.boundaries[st.start], plan.precision) if stage > 0 else None,
-                         expect_out=on_wire(spec.boundaries[st.stop], plan.precision) if stage < num_stages - 1
-                         else None,
-                         pacer=pacer, fwd_time=st.fwd_time, bwd_time=st.bwd_time, trace=trace, t0=t0, d=plan.d,
-                         layout=layout, clip_grad_norm=spec.clip_grad_norm, evaluation=evaluation,
-                         loss_scale=scaler, accumulate=spec.accumulate)
+    io = StageIO(spec.loss_fn, inputs, labels,
+                 expect_in=on_wire(spec.boundaries[st.start], plan.precision) if stage > 0 else None,
+                 expect_out=on_wire(spec.boundaries[st.stop], plan.precision) if stage < num_stages - 1 else None)
+    run = StageRun(plan.d, layout, spec.clip_grad_norm, evaluation, scaler, spec.accumulate)
+    timing = StageTiming(pacer, st.fwd_time, st.bwd_time, trace, t0)
+    return StageExecutor(ctx, layout.streams[stage], model, link, io, run, timing)
 
 
 def tied_stages(spec: RunSpec, vw: int) -> Dict[TiedKey, Tuple[int, ...]]:

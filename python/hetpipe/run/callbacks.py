@@ -3,7 +3,7 @@ evaluation point; returning True asks for an early stop.
 
 A stop asked at an evaluation point after wave ``w`` ends the run after wave ``w + D + 1`` (every VW
 trains the same waves: docs/design.md, "Evaluation and early stopping"); one asked by
-``on_wave_end`` takes effect at the next evaluation point (``Trainer(eval_every=)``), so without
+``on_wave_end`` takes effect at the next evaluation point (``Reporting(eval_every=)``), so without
 evaluation points it only warns.
 """
 
@@ -66,7 +66,7 @@ class Callbacks:
         if self.stop_asked and not self.evaluates and not self._warned:
             self._warned = True
             sys.stderr.write(f"hetpipe: {self.stop_asked} asked to stop, but the run has no evaluation points "
-                             "(Trainer(eval_every=)) where a stop can take effect; training goes on\n")
+                             "(reporting.eval_every) where a stop can take effect; training goes on\n")
 
     def evaluated(self, info: EvalInfo) -> bool:
         """Whether to stop: asked now by an ``on_eval``, or earlier by an ``on_wave_end``."""

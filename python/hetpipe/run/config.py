@@ -27,9 +27,9 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Type
 from hetpipe.job import failure
 from hetpipe.job.launch_file import LaunchSettings
 from hetpipe.job.roles import LaunchError
-from hetpipe.numbers import seconds, whole
-from hetpipe.outer import OUTER_DEFAULTS, check_outer
-from hetpipe.precision import check_precision
+from hetpipe.util.numbers import seconds, whole
+from hetpipe.plan.outer import OUTER_DEFAULTS, check_outer
+from hetpipe.plan.precision import check_precision
 
 PathLike = Union[str, Path]
 

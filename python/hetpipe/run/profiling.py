@@ -16,10 +16,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from hetpipe.job.discovery import Discovery
 from hetpipe.model.measure import ModelMeasure, measure_layers
-from hetpipe.profile import ModelProfile
+from hetpipe.plan.profile import ModelProfile
+from hetpipe.util.errors import HetpipeError
 
 
-class ProfilingError(RuntimeError):
+class ProfilingError(HetpipeError, RuntimeError):
     """A rank could not measure the model on its device."""
 
 

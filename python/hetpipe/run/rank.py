@@ -24,7 +24,7 @@ from hetpipe.job.world import gather_hosts
 from hetpipe.loader.check import DataMismatch, compare
 from hetpipe.model.fingerprint import first_difference, layer_digests
 from hetpipe.model.weights import load_layer_weights
-from hetpipe.outputs import check_file
+from hetpipe.util.outputs import check_file
 from hetpipe.plan.types import Plan
 from hetpipe.ps.core_plane import choose_plane
 from hetpipe.run.checkpoints import RunCheckpoints
@@ -216,15 +216,17 @@ class RankRun:
             losses = resumed_losses(outcome.losses, spec.resume)
             resumed = {"path": str(spec.resume.checkpoint.path), "clock": spec.resume.checkpoint.clock,
                        "same_plan": spec.resume.same_plan, "losses": spec.resume.checkpoint.losses()}
-        result = TrainResult(plan, role.rank, role.describe(), losses, outcome.weights, outcome.shard_logs,
-                             max(m["elapsed"] for m in everyone), outcome.samples,
-                             [e for m in everyone for e in m["trace"]], emulated, outcome.buffers, resumed,
-                             "+".join(sorted({m["transport"] for m in everyone})), outcome.local_buffers,
-                             "+".join(sorted({m["ps_plane"][0] for m in everyone} - {""})),
-                             "; ".join(sorted({m["ps_plane"][1] for m in everyone} - {""})),
-                             outcome.evals, stopped_of(outcome, comm.allgather(
-                                 reporter.callbacks.stop_asked if reporter is not None else None)),
-                             outcome.loss_scale, [m["cpu"] for m in everyone])
+        asked = comm.allgather(reporter.callbacks.stop_asked if reporter is not None else None)
+        result = TrainResult(
+            plan=plan, rank=role.rank, role=role.describe(), losses=losses, weights=outcome.weights,
+            shard_logs=outcome.shard_logs, elapsed_s=max(m["elapsed"] for m in everyone), samples=outcome.samples,
+            trace=[e for m in everyone for e in m["trace"]], emulated=emulated, buffers=outcome.buffers,
+            resumed=resumed, transport="+".join(sorted({m["transport"] for m in everyone})),
+            local_buffers=outcome.local_buffers,
+            ps_plane="+".join(sorted({m["ps_plane"][0] for m in everyone} - {""})),
+            ps_plane_reason="; ".join(sorted({m["ps_plane"][1] for m in everyone} - {""})),
+            evals=outcome.evals, stopped=stopped_of(outcome, asked), loss_scale=outcome.loss_scale,
+            cpu_s=[m["cpu"] for m in everyone])
         load_layer_weights(self.work.layers, result.weights, result.buffers, result.local_buffers)
         if reporter is not None:
             reporter.finish(result, trace_path, reason)

@@ -38,17 +38,18 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 
 import numpy as np
 
-from hetpipe.outer import is_plain
-from hetpipe.outputs import write_file
+from hetpipe.plan.outer import is_plain
 from hetpipe.ps.shard import ShardLog, ShardState
 from hetpipe.run.spec import Outcome, RunSpec
+from hetpipe.util.errors import HetpipeError
+from hetpipe.util.outputs import write_file
 
 FORMAT = "hetpipe-wsp-record"
 VERSION = 1
 PullKey = Tuple[int, int, int]          # (vw, stage, wave)
 
 
-class RecordMismatch(ValueError):
+class RecordMismatch(HetpipeError, ValueError):
     """A record that does not belong to this run, or that the replay cannot follow; names the field."""
 
 

@@ -27,9 +27,10 @@ from hetpipe.stage.executor import StageExecutor
 from hetpipe.transport import registry as transports
 from hetpipe.transport.loopback import LoopbackHub
 from hetpipe.transport.registry import LoopbackPort
+from hetpipe.util.errors import HetpipeError
 
 
-class ReplayDeadlock(RuntimeError):
+class ReplayDeadlock(HetpipeError, RuntimeError):
     """No part of the replay can make progress, yet not all have finished."""
 
 

@@ -30,7 +30,7 @@ def tensorboard_writer(directory: Optional[Path]):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
-        raise ImportError(f"hetpipe: Trainer(tensorboard=) needs the tensorboard package ({e}); pip install "
+        raise ImportError(f"hetpipe: Reporting(tensorboard=) needs the tensorboard package ({e}); pip install "
                           "tensorboard") from None
     return SummaryWriter(log_dir=str(directory))
 

@@ -39,7 +39,7 @@ class TrainResult:
     # The PS shards' data plane(s), "+"-joined ("core", "python"; "" without shards), and why.
     ps_plane: str = ""
     ps_plane_reason: str = ""
-    # VW 0's evaluation points: {"wave", "samples", "loss", "metric"} each (Trainer(eval_every=)).
+    # VW 0's evaluation points: {"wave", "samples", "loss", "metric"} each (reporting.eval_every).
     evals: List[Dict[str, Any]] = field(default_factory=list)
     # An early stop: {"after_wave": the last wave trained, "asked_by": which callback, when}; {} without.
     stopped: Dict[str, Any] = field(default_factory=dict)

@@ -23,7 +23,7 @@ from hetpipe.model.contract import as_layers, infer_boundaries
 from hetpipe.model.names import model_names, param_names
 from hetpipe.model.tree import batch_of
 from hetpipe.plan.types import Plan
-from hetpipe.precision import check_precision
+from hetpipe.plan.precision import check_precision
 from hetpipe.run.config import RunConfig, as_path
 from hetpipe.run.plan_cache import PlanCache, model_key, sample_key
 from hetpipe.run.report import Reporter
@@ -139,7 +139,7 @@ def resolve_plan(work: Workload, config: RunConfig) -> Tuple[Plan, Optional[Dict
 
 
 def _plan_here(work: Workload, config: RunConfig) -> Tuple[Plan, Dict[str, Any]]:
-    from hetpipe.cluster import load_cluster
+    from hetpipe.plan.cluster import load_cluster
     from hetpipe.model.measure import profile_model
     from hetpipe.plan import make_plan
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from hetpipe.cluster import ClusterSpec, load_cluster
+from hetpipe.plan.cluster import ClusterSpec, load_cluster
 from hetpipe.job.discovery import Discovery, DiscoveryError, assign_ranks, discover, match
 from hetpipe.job.inventory import rank_facts
 from hetpipe.job.roles import LaunchError
@@ -77,7 +77,7 @@ def plan_on_world(work: Any, config: Any, comm: Any,
 
 def _planned(work: Any, config: Any, comm: Any, discovery: Discovery) -> Tuple[Plan, Dict[str, Any]]:
     from hetpipe.plan import make_plan
-    from hetpipe.profile import ModelProfile
+    from hetpipe.plan.profile import ModelProfile
 
     rank = comm.Get_rank()
     cluster = discovery.cluster

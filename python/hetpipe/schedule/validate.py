@@ -9,13 +9,14 @@ from hetpipe.schedule.ir import (
     Apply, Bwd, Fwd, Pull, Push, Recompute, RecvAct, RecvGrad, Schedule, SendAct, SendGrad,
 )
 from hetpipe.schedule.lockstep import BufferCaps, lockstep
+from hetpipe.util.errors import HetpipeError
 
 # The fixed order of one micro-batch's instructions on a stage (Recompute is checked separately,
 # and SendGrad / Apply may come in either order).
 _CHAIN = (RecvAct, Fwd, SendAct, RecvGrad, Bwd, SendGrad)
 
 
-class ScheduleError(ValueError):
+class ScheduleError(HetpipeError, ValueError):
     """A schedule breaks a rule; the message names the stage and instruction (and, for a deadlock,
     shows the step × stage grid ending in the stuck stages)."""
 

@@ -21,7 +21,7 @@ Thread role: the stage's executor thread.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -49,17 +49,55 @@ class Evaluation:
         return (wave + 1) % self.every == 0 and wave < self.last_wave
 
 
+class EvalPoints:
+    """VW 0's evaluation points on one stage: the pass in progress (``running``), the results (last
+    stage), and what the stage needs to run a pass: its context, model, feeds and loss (``io``, a
+    ``StageIO``), its value messages (``values``, a ``ValueChannel``), its link and its ``blocked``."""
+
+    def __init__(self, evaluation: Optional[Evaluation], ctx, model, io, values, link, blocked) -> None:
+        self.evaluation = evaluation
+        self.ctx, self.model, self.io, self.values, self.link, self.blocked = ctx, model, io, values, link, blocked
+        self.is_first, self.is_last = ctx.stage == 0, ctx.stage == ctx.num_stages - 1
+        self.results: List[Dict[str, float]] = []
+        self._pass: Optional[EvalPass] = None
+        self._stop: Optional[int] = None
+
+    @property
+    def running(self) -> bool:
+        return self._pass is not None
+
+    def after_push(self, wave: int) -> None:
+        """Push(``wave``) ran: start the evaluation point of ``wave`` if there is one."""
+        if self.evaluation is not None and self.evaluation.due(wave):
+            self._pass = EvalPass(self, self.evaluation, wave)
+
+    def step(self) -> bool:
+        """Run the pass until it blocks or ends; True if it made progress."""
+        progressed = self._pass.step()
+        if self._pass.done:
+            done, self._pass = self._pass, None
+            if done.result is not None:
+                self.results.append(done.result)
+            self._stop = done.stop_after
+        return progressed
+
+    def take_stop(self) -> Optional[int]:
+        """The early stop the pass that just ended decided (the last wave trained), once; None: go on."""
+        stop, self._stop = self._stop, None
+        return stop
+
+
 class EvalPass:
     """One evaluation point of one stage of VW 0 (see the module docstring); ``step()`` never blocks."""
 
-    def __init__(self, ex, evaluation: Evaluation, wave: int) -> None:
-        self.ex, self.ev, self.wave = ex, evaluation, wave
+    def __init__(self, points: EvalPoints, evaluation: Evaluation, wave: int) -> None:
+        self.points, self.ev, self.wave = points, evaluation, wave
         src = evaluation.source
         self.count = src.minibatches_per_epoch() if src is not None else 0
         self.inputs: Optional[Iterator[Any]] = src.vw_stream(0, 1, 1, part=INPUTS) \
-            if src is not None and ex.inputs is not None else None
+            if src is not None and points.io.inputs is not None else None
         self.labels: Optional[Iterator[Any]] = src.vw_stream(0, 1, 1, part=LABELS) \
-            if src is not None and ex.is_last else None
+            if src is not None and points.is_last else None
         self.next = 0                               # the next evaluation minibatch to run
         self._received: Dict[int, Any] = {}
         self._data: Any = None                      # the inputs read for minibatch ``next``
@@ -69,13 +107,13 @@ class EvalPass:
         self.result: Optional[Dict[str, float]] = None
         self.stop_after: Optional[int] = None       # the verdict: the last wave trained, None: go on
         self.done = False
-        self._was_training = [m.training for layer in ex.model.layers for m in layer.modules()]
+        self._was_training = [m.training for layer in points.model.layers for m in layer.modules()]
 
     def step(self) -> bool:
-        ex = self.ex
+        pt = self.points
         progressed = False
         if self._unsent is not None:
-            if not ex._send_value(EVAL, ex.ctx.stage + 1, self.next - 1, self._unsent):
+            if not pt.values.send(EVAL, pt.ctx.stage + 1, self.next - 1, self._unsent):
                 return False
             self._unsent, progressed = None, True
         while self.next < self.count:
@@ -83,14 +121,14 @@ class EvalPass:
             if got is None:
                 return progressed
             out = self._forward(*got)
-            if ex.is_last:
+            if pt.is_last:
                 self._score(out)
             else:
-                leaves, _ = flatten(out, f"layer {ex.model.stop - 1}")
-                if ex.model.precision != "fp32" and ex.expect_out is not None:
-                    leaves = to_wire(leaves, ex.expect_out)
+                leaves, _ = flatten(out, f"layer {pt.model.stop - 1}")
+                if pt.model.precision != "fp32" and pt.io.expect_out is not None:
+                    leaves = to_wire(leaves, pt.io.expect_out)
                 self.next += 1
-                if not ex._send_value(EVAL, ex.ctx.stage + 1, self.next - 1, leaves):
+                if not pt.values.send(EVAL, pt.ctx.stage + 1, self.next - 1, leaves):
                     self._unsent = leaves
                     return True
                 progressed = True
@@ -101,13 +139,13 @@ class EvalPass:
 
     def _input(self) -> Any:
         """``(x, side inputs)`` of minibatch ``next``, or None while its activation has not arrived."""
-        ex, i = self.ex, self.next
+        pt, i = self.points, self.next
         if self.inputs is not None and self._data is None:
-            self._data = to_device(next(self.inputs), ex.model.device)
-        if ex.is_first:
+            self._data = to_device(next(self.inputs), pt.model.device)
+        if pt.is_first:
             x = self._data
-        elif i in self._received or ex._recv(EVAL, ex.ctx.stage - 1, i, self._received, ex.expect_in,
-                                            "evaluation activation"):
+        elif i in self._received or pt.values.recv(EVAL, pt.ctx.stage - 1, i, self._received,
+                                                  pt.io.expect_in, "evaluation activation"):
             x = self._received.pop(i)
         else:
             return None
@@ -116,7 +154,7 @@ class EvalPass:
         return x, side
 
     def _forward(self, x: Any, side: Dict[str, Any]) -> Any:
-        model = self.ex.model
+        model = self.points.model
         for layer in model.layers:
             layer.eval()
         try:
@@ -129,11 +167,11 @@ class EvalPass:
         return x
 
     def _score(self, out: Any) -> None:
-        ex = self.ex
-        y = to_device(next(self.labels), ex.model.device)
+        pt = self.points
+        y = to_device(next(self.labels), pt.model.device)
         n = batch_of(y)
-        with torch.no_grad(), ex.model.compute_context():
-            loss = float(ex.loss_fn(out, y))
+        with torch.no_grad(), pt.model.compute_context():
+            loss = float(pt.io.loss_fn(out, y))
             metric = float(self.ev.metric(out, y)) if self.ev.metric is not None else 0.0
         self.loss_sum += loss * n
         self.metric_sum += metric * n
@@ -141,9 +179,9 @@ class EvalPass:
 
     def _conclude(self) -> bool:
         """After the last minibatch: the last stage decides and tells the others; they wait for it."""
-        ex = self.ex
-        last = ex.ctx.num_stages - 1
-        if ex.is_last:
+        pt = self.points
+        last = pt.ctx.num_stages - 1
+        if pt.is_last:
             self.result = {"wave": self.wave, "samples": self.samples}
             if self.samples:
                 self.result["loss"] = self.loss_sum / self.samples
@@ -153,16 +191,16 @@ class EvalPass:
             after = self.wave + self.ev.d + 1
             self.stop_after = after if stop and after < self.ev.last_wave else None
             for s in range(last):
-                ex.link.send_header(ex.ctx.rank_of_stage(s), Header(VERDICT, ex.ctx.vw, ex.ctx.stage, self.wave,
+                pt.link.send_header(pt.ctx.rank_of_stage(s), Header(VERDICT, pt.ctx.vw, pt.ctx.stage, self.wave,
                                                                     -1 if self.stop_after is None else self.stop_after))
             self.done = True
             return True
-        msg = ex.link.transport.try_recv(ex.ctx.rank_of_stage(last), VERDICT)
+        msg = pt.link.transport.try_recv(pt.ctx.rank_of_stage(last), VERDICT)
         if msg is None:
-            ex.blocked_on = f"the evaluation verdict of wave {self.wave} from {ex.ctx.who(last)}"
+            pt.blocked.on = f"the evaluation verdict of wave {self.wave} from {pt.ctx.who(last)}"
             return False
         if msg.header.mb != self.wave:
-            raise StageError(f"hetpipe: {ex.ctx.who()} waits for the evaluation verdict of wave {self.wave}, got "
+            raise StageError(f"hetpipe: {pt.ctx.who()} waits for the evaluation verdict of wave {self.wave}, got "
                              f"one of wave {msg.header.mb}")
         self.stop_after = msg.header.aux if msg.header.aux >= 0 else None
         self.done = True

@@ -6,6 +6,7 @@ import time
 from typing import Callable, Optional, Protocol
 
 from hetpipe.transport.backoff import Backoff
+from hetpipe.util.errors import HetpipeError
 
 
 class Steppable(Protocol):
@@ -18,7 +19,7 @@ class Steppable(Protocol):
     def step(self) -> bool: ...
 
 
-class PeerTimeout(TimeoutError):
+class PeerTimeout(HetpipeError, TimeoutError):
     """A rank waited longer than the run's timeout for a peer."""
 
 

@@ -16,6 +16,8 @@ from typing import Tuple
 
 import numpy as np
 
+from hetpipe.util.errors import HetpipeError
+
 ANY = -1
 HEADER_WORDS = 16
 MAX_NDIM = HEADER_WORDS - 8
@@ -46,11 +48,11 @@ DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "uint8"
 _DTYPE_CODE = {name: i + 1 for i, name in enumerate(DTYPES)}
 
 
-class TransportError(RuntimeError):
+class TransportError(HetpipeError, RuntimeError):
     """A message was lost or cannot be delivered."""
 
 
-class StageError(RuntimeError):
+class StageError(HetpipeError, RuntimeError):
     """A stage received something it cannot use (wrong shape, dtype or header)."""
 
 

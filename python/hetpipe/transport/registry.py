@@ -29,12 +29,13 @@ from hetpipe.transport.loopback import LoopbackHub
 from hetpipe.transport.mpi import MPITransport
 from hetpipe.transport.torch_groups import NCCL, Channels, flavour_for, job_channels, open_channels
 from hetpipe.transport.torch_p2p import TorchP2PTransport
+from hetpipe.util.errors import HetpipeError
 
 TORCH_P2P = "torch-p2p"
 MPI_HOST = "mpi-host"
 
 
-class TransportChoiceError(ValueError):
+class TransportChoiceError(HetpipeError, ValueError):
     """A forced backend cannot serve a rank, or no backend can."""
 
 

@@ -1,4 +1,4 @@
-"""Runs with the PS's outer optimizer (hetpipe.outer) under mpiexec, each against the single-process
+"""Runs with the PS's outer optimizer (hetpipe.plan.outer) under mpiexec, each against the single-process
 replay: at D = 0 the replay without a record, at D >= 1 (seeded random delays, so pulls lag) the replay
 of the run's record; both must be bitwise equal to the run. The same replay under the plain rule must
 differ (the outer optimizer acted), and at D >= 1 a plain-rule replay of the record is refused naming

@@ -26,7 +26,7 @@ def data(minibatches: int = 32) -> Batches:
 def main() -> int:
     out = Path(sys.argv[1])
     metrics = sys.argv[2] if len(sys.argv) > 2 else None
-    from hetpipe.cluster import cluster_from_dict
+    from hetpipe.plan.cluster import cluster_from_dict
 
     run = Trainer(mlp(), cross_entropy, sgd(momentum=0.0), data(),
                   planning=Planning(cluster=cluster_from_dict(CLUSTER), policy="NP", nm=2, d=0),

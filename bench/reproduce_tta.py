@@ -2,7 +2,7 @@
 
 ``modelled TTA = samples to target / samples per second``. The throughput of each system is modelled
 on the ``hetpipe-testbed`` preset (every device modelled, nothing run): hetpipe's from
-:func:`hetpipe.reproduce.run` (the simulator with the PS modelled), best policy and Nm per D; a
+:func:`reproduce.run` (the simulator with the PS modelled), best policy and Nm per D; a
 Horovod-style baseline's from the same profiles by :func:`horovod`. The samples to target are not
 modelled: they are read from a convergence run of bench/convergence (its JSON), per system the mean
 over seeds of ``time to target x that run's samples/s``. That run trains a byte-level GPT on
@@ -20,11 +20,13 @@ the GPUs span nodes, plus ``2 (N - 1)`` link latencies), not overlapped with the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from hetpipe.cluster import ClusterSpec, Link
-from hetpipe.profile import ModelProfile
-from hetpipe.reproduce import Point
+from hetpipe.plan.cluster import ClusterSpec, Link
+from hetpipe.plan.profile import ModelProfile
+
+if TYPE_CHECKING:     # annotations only: reproduce.py, run as a script, imports this module and must not load twice
+    from reproduce import Point
 
 # What HetPipe's paper reports on its convergence, as found in its published abstract (USENIX ATC'20).
 PAPER = ("HetPipe paper (abstract, USENIX ATC'20): 'DNN models converge up to 49% faster compared to the "

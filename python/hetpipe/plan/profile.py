@@ -41,9 +41,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
-from hetpipe.precision import ACTIVATION_DTYPES
+from hetpipe.plan.precision import ACTIVATION_DTYPES
 
-PRESET_DIR = Path(__file__).resolve().parent / "data" / "profiles"
+PRESET_DIR = Path(__file__).resolve().parents[1] / "data" / "profiles"
 EFFICIENCY = 0.5
 
 
@@ -78,7 +78,7 @@ class ModelProfile:
     input_bytes: int = 0        # bytes of one minibatch's input to layer 0
     source: str = ""
     # The dtype ``activation_bytes`` counts floating activations in (the planner halves float32 ones
-    # for a bf16 plan, see hetpipe.precision.wire_factor); profile_model measures float32 models.
+    # for a bf16 plan, see hetpipe.plan.precision.wire_factor); profile_model measures float32 models.
     activation_dtype: str = "float32"
 
     def __post_init__(self) -> None:
@@ -287,7 +287,7 @@ def profile_for_cluster(spec: Union[str, Path, Mapping, "ModelProfile"], cluster
     A preset name (``resnet152``, ``vgg19``, ``gpt``) whose shipped file lacks some of the cluster's
     types is rebuilt analytically for the cluster's types (each needs ``peak_flops``). Any other
     profile keeps what it measured and derives the missing types by speed ratio, marked ``derived``."""
-    from hetpipe.cluster import load_cluster
+    from hetpipe.plan.cluster import load_cluster
 
     cluster = load_cluster(cluster)
     types = sorted({d.type for d in cluster.devices})      # the types a plan can use
@@ -445,7 +445,7 @@ def analytic_profile(name: str, device_types: Mapping[str, Any], efficiency: flo
 
 def write_presets(cluster: Any = "hetpipe-testbed", directory: Union[str, Path, None] = None) -> List[Path]:
     """Write the analytic presets for the device types of ``cluster`` as JSON files."""
-    from hetpipe.cluster import load_cluster
+    from hetpipe.plan.cluster import load_cluster
 
     c = load_cluster(cluster)
     d = Path(directory) if directory is not None else PRESET_DIR

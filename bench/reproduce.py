@@ -18,21 +18,30 @@ The findings checked, from the paper's evaluation:
   each policy's best Nm and D, and at D = 0, where the PS traffic is not overlapped).
 * F3: a larger D raises throughput, with diminishing returns (D 0 -> 1 gains more than 4 -> 32);
   checked on the best Nm per policy, and on every row (no configuration loses throughput as D grows).
+
+``--tta JSON`` adds the modelled time to accuracy of :mod:`reproduce_tta` (samples to target measured
+by bench/convergence over these throughputs, beside a Horovod-style baseline).
+
+    python bench/reproduce.py [--models resnet152,vgg19] [--nm 2,4,8] [--d 0,1,2,4,32] [--waves 40]
+    python bench/reproduce.py --tta bench/convergence/results/convergence-full.json
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from hetpipe.cluster import ClusterSpec, load_cluster
 from hetpipe.plan import make_plan
+from hetpipe.plan.cluster import ClusterSpec, load_cluster
 from hetpipe.plan.formation import default_vw_size
+from hetpipe.plan.profile import load_profile
 from hetpipe.plan.types import Plan, ShardPlan
-from hetpipe.profile import load_profile
 from hetpipe.schedule.ps import DEFAULT_APPLY_RATE
 from hetpipe.schedule.simulate import MAX_MINIBATCH_STAGES, simulate_plan
+from hetpipe.util.numbers import number
 
 CLUSTER = "hetpipe-testbed"
 MODELS = ("resnet152", "vgg19")
@@ -217,3 +226,59 @@ def report(points: Sequence[Point], ds: Sequence[int], waves: int, apply_rate: f
     for text, ok, why in findings(points, ds):
         lines.append(f"{'AGREES ' if ok else 'DIFFERS'} {text}: {why}")
     return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """Print the table and the findings (and with ``--tta`` the modelled time to accuracy); 2 on bad
+    input, said in one line."""
+    p = argparse.ArgumentParser(prog="reproduce", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(MODELS), help="profile presets (default resnet152,vgg19)")
+    p.add_argument("--nm", default=",".join(map(str, NMS)), help="Nm values (default 2,4,8)")
+    p.add_argument("--d", default=",".join(map(str, DS)), help="D values (default 0,1,2,4,32)")
+    p.add_argument("--waves", default="40", help="waves per VW per simulation (default 40)")
+    p.add_argument("--ps-apply-rate", default=None, help="bytes/s a PS shard applies pushed deltas at (default 4e9)")
+    p.add_argument("--tta", metavar="JSON", help="also model time to accuracy: samples to target measured in this "
+                                                 "bench/convergence JSON over the modelled throughputs, beside a "
+                                                 "Horovod-style baseline")
+    p.add_argument("--tta-aggregate", default="sum", help="the hetpipe rows of --tta's JSON to use (sum or mean)")
+    args = p.parse_args(argv)
+    try:
+        models = [m for m in args.models.split(",") if m]
+        nms = [number("--nm", x, integer=True, positive=True) for x in args.nm.split(",")]
+        ds = [number("--d", x, integer=True) for x in args.d.split(",")]
+        waves = number("--waves", args.waves, integer=True, positive=True)
+        rate = DEFAULT_APPLY_RATE if args.ps_apply_rate is None else number(
+            "--ps-apply-rate", args.ps_apply_rate, positive=True)
+        points = run(models, nms, ds, waves, rate)
+    except ValueError as e:
+        print(f"reproduce: {e}", file=sys.stderr)
+        return 2
+    print(report(points, ds, waves, rate))
+    if args.tta:
+        return _print_tta(args, models, points)
+    return 0
+
+
+def _print_tta(args, models, points) -> int:
+    import json
+    from pathlib import Path
+
+    import reproduce_tta
+
+    try:
+        conv = json.loads(Path(args.tta).read_text())
+        cluster = load_cluster(CLUSTER)
+        profiles = {m: load_profile(m) for m in models}
+        rows = reproduce_tta.rows(points, profiles, cluster, conv, args.tta_aggregate)
+        hv = [reproduce_tta.horovod(cluster, p) for p in profiles.values()]
+    except (OSError, ValueError, KeyError) as e:
+        print(f"reproduce --tta: {e}", file=sys.stderr)
+        return 2
+    print()
+    print(reproduce_tta.report(rows, hv, Path(args.tta).name, conv, args.tta_aggregate))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,10 +7,12 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Union
 
+from hetpipe.util.errors import HetpipeError
+
 PathLike = Union[str, Path]
 
 
-class OutputError(Exception):
+class OutputError(HetpipeError):
     """An output path that cannot be written; the message names the flag and the path on one line."""
 
 

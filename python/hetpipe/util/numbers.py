@@ -2,8 +2,9 @@
 bad one is one line naming the argument and the value, never a traceback or a silent surprise
 (``--timeout nan`` turning the peer timeout off, ``--timeout -5`` failing every rank at once).
 
-``whole(name, value, least)`` and ``seconds(name, value, least)`` check Python values; the ``arg_*``
-functions are argparse ``type=`` converters built on them. Torch-free.
+``whole(name, value, least)`` and ``seconds(name, value, least)`` check Python values; ``number(flag, text)``
+reads a command-line option's text; the ``arg_*`` functions are argparse ``type=`` converters built on
+them. Torch-free.
 """
 
 from __future__ import annotations
@@ -30,6 +31,19 @@ def seconds(name: str, value: Any, least: float = 0.0, inclusive: bool = False) 
         bound = f">= {least:g}" if inclusive else f"> {least:g}"
         raise ValueError(f"hetpipe: {name} must be a finite number {bound}, got {value!r}")
     return x
+
+
+def number(flag: str, text: str, *, integer: bool = False, positive: bool = False) -> float:
+    """``text`` as a finite number >= 0 (> 0 with ``positive``; a whole number with ``integer``,
+    ``1e3`` included), else ValueError naming ``flag``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{flag} must be a number, got {text!r}") from None
+    kind = "a whole number" if integer else "a finite number"
+    if not math.isfinite(value) or value < 0 or (positive and value == 0) or (integer and value != int(value)):
+        raise ValueError(f"{flag} must be {kind} {'> 0' if positive else '>= 0'}, got {text!r}")
+    return int(value) if integer else value
 
 
 def _converter(check: Callable[[str], Any]) -> Callable[[str], Any]:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Tuple, Union
 
-PRESET_DIR = Path(__file__).resolve().parent / "data" / "clusters"
+PRESET_DIR = Path(__file__).resolve().parents[1] / "data" / "clusters"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,99 @@
+"""``Apply(p)`` on a stage: minibatch ``p``'s gradients gathered (with the tied peers' gradients),
+accumulated, checked finite, unscaled or skipped (fp16), clipped by the VW's norm, stepped
+(docs/design.md, "Gradient norm, clipping, accumulation and fp16 loss scaling").
+
+The gradients are gathered once; when the VW's gradient norm is needed (clipping, fp16), the stage's
+share goes to the other stages (:class:`~hetpipe.stage.grad_norm.NormExchange`) and the Apply waits
+for theirs, a retry only waiting for the shares. With accumulation the step comes every
+``accumulate`` minibatches (and after the last one) with the mean of their gradients.
+Thread role: the stage's executor thread.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Sequence, Tuple
+
+from hetpipe.stage.grad_norm import NormExchange, clip_coef
+from hetpipe.stage.loss import LossHead
+from hetpipe.stage.params import StageModel
+from hetpipe.stage.settings import StageContext, StageRun
+from hetpipe.stage.tied_exchange import TiedExchange
+from hetpipe.stage.traffic import Blocked
+from hetpipe.transport.link import StageLink
+from hetpipe.transport.protocol import StageError
+
+
+class MinibatchStep:
+    """The Apply of each minibatch on this stage. ``head``: the stage's losses (on the last stage, an
+    overflowed fp16 loss skips the step even if the gradients look finite) and its fp16 verdicts."""
+
+    def __init__(self, ctx: StageContext, model: StageModel, run: StageRun, tied: TiedExchange, link: StageLink,
+                 head: LossHead, blocked: Blocked) -> None:
+        self.ctx, self.model, self.tied, self.losses, self.blocked = ctx, model, tied, head.losses, blocked
+        self.clip = run.clip_grad_norm
+        self.verdicts = head.verdicts
+        exchange = self.clip is not None or self.verdicts is not None
+        self.norms = (NormExchange(ctx.vw, ctx.stage, [ctx.rank_of_stage(k) for k in range(ctx.num_stages)],
+                                   link.transport) if exchange and ctx.num_stages > 1 else None)
+        self.grad_norms: Dict[int, float] = {}      # minibatch -> the VW's gradient norm (with clipping)
+        # Minibatches gathered since the last step, and the last minibatch (a step follows it).
+        self.accumulate, self._group = run.accumulate, 0
+        self.last_minibatch = run.layout.num_minibatches - 1 if run.layout is not None else None
+        self._gathered: Optional[Tuple[int, float]] = None     # (minibatch, own sum of squares) awaiting its step
+
+    def stop_after(self, last_wave: int) -> None:
+        """The run ends after wave ``last_wave``: its last minibatch takes the last step."""
+        if self.last_minibatch is not None:
+            self.last_minibatch = min(self.last_minibatch, (last_wave + 1) * self.model.nm - 1)
+
+    def apply(self, p: int, micros: Sequence[int]) -> bool:
+        """Apply minibatch ``p`` (micro-batches ``micros``); False while a peer's tied gradients or
+        norm share is missing (call again)."""
+        if self._gathered is None and not self.tied.arrived(p, micros):
+            return False
+        wave = p // self.model.nm
+        if self._gathered is None and not self._gather(p, micros, wave):
+            return True                         # accumulating: the step comes with a later minibatch
+        if self.clip is not None or self.verdicts is not None:
+            own = self._gathered[1]
+            norm = self.norms.norm(p, own) if self.norms is not None else math.sqrt(own)
+            if norm is None:
+                self.blocked.on = self.norms.waiting_for(p)
+                return False
+            if self.verdicts is not None:
+                scale = self.verdicts.verdict(p, wave, norm)
+                if scale is None:
+                    self._gathered = None
+                    return True                 # skipped on every stage of the VW
+                norm /= scale
+            if self.clip is not None:
+                self.grad_norms[p] = norm
+                coef = clip_coef(self.clip, norm)
+                if coef < 1.0:
+                    self.model.scale_grads(coef)
+        self._gathered = None
+        self.model.step(wave)
+        return True
+
+    def _gather(self, p: int, micros: Sequence[int], wave: int) -> bool:
+        """Gather ``p``'s gradients; True when a step follows now (the share then went to the peers)."""
+        self.model.gather(micros, wave, self.tied.take(micros), accumulate=self._group > 0)
+        self._group += 1
+        if (p + 1) % self.accumulate and p != self.last_minibatch:
+            return False
+        if self._group > 1:
+            self.model.scale_grads(1.0 / self._group)
+        self._group = 0
+        own = self.model.grad_sumsq()
+        if self.verdicts is None and not math.isfinite(own):
+            raise StageError(f"hetpipe: {self.ctx.who()}: the gradient of VW {self.ctx.vw}'s minibatch {p} "
+                             f"(wave {wave}) is not finite (its squared norm on this stage is {own}); the "
+                             "weights were not updated with it")
+        is_last = self.ctx.stage == self.ctx.num_stages - 1
+        if self.verdicts is not None and is_last and not math.isfinite(self.losses.get(p, 0.0)):
+            own = math.inf                      # an overflowed loss skips the step even if its gradients look finite
+        self._gathered = (p, own)
+        if self.norms is not None:
+            self.norms.send(p, own)
+        return True
