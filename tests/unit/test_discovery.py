@@ -32,7 +32,7 @@ def fact(rank, host, gpus=(), emulate=None, links=()):
 
 
 def lab_world():
-    """The lab of the README: 2 A100-40GB on node a (NVLink), 4 RTX 3090 on node b (PCIe), one rank
+    """A lab of mixed GPUs: 2 A100-40GB on node a (NVLink), 4 RTX 3090 on node b (PCIe), one rank
     beyond the GPUs on each node (PS slots)."""
     a = [gpu(0), gpu(1)]
     b = [gpu(i, "NVIDIA GeForce RTX 3090", 24576) for i in range(4)]

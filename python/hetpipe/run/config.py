@@ -183,8 +183,8 @@ class Reporting:
     the run's record (which version each pull got, the order each shard applied pushes), from which
     ``Trainer.replay(record=...)`` reproduces the run bitwise. eval_data / eval_every / eval_metric:
     evaluate the global weights every ``eval_every`` waves on ``eval_data`` (loss, and
-    ``eval_metric(output, labels)`` when given). callbacks: objects with ``on_eval`` / ``on_wave`` /
-    ``on_end`` hooks (:mod:`hetpipe.run.callbacks`), run on the reporting rank.
+    ``eval_metric(output, labels)`` when given). callbacks: objects with ``on_wave_end`` and/or ``on_eval`` hooks
+    (:mod:`hetpipe.run.callbacks`), run on the reporting rank.
     """
 
     progress: bool = True
