@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import os
 import shutil
@@ -43,7 +42,6 @@ import report  # noqa: E402
 from baselines import batch_split, fast_subset, step_time  # noqa: E402
 from cluster_setup import CLUSTER, make_plan, memory_notes, profile_device_model  # noqa: E402
 from curves import validation_curve  # noqa: E402
-from hetpipe.run.trainer import Trainer
 from hetpipe.schedule import simulate_plan  # noqa: E402
 from job import Job, save_jobs  # noqa: E402
 from launch import run_worker  # noqa: E402
@@ -117,8 +115,7 @@ def systems(args, plan, choice: dict) -> List[dict]:
         out.append({"key": "pipelining", "label": LABELS["pipelining"], "group": "pipelining",
                     "script": "train_pipelining.py", "ranks": ndev, "job": {}})
     if "hetpipe" in only:
-        aggs = args.aggregate.split(",") if args.aggregate != "auto" else (
-            ["sum", "mean"] if "aggregate" in inspect.signature(Trainer).parameters else ["sum"])
+        aggs = args.aggregate.split(",") if args.aggregate != "auto" else ["sum", "mean"]
         for agg in aggs:
             for d in (int(x) for x in args.d.split(",")):
                 # Every hetpipe variant runs the same plan on the same ranks: one launch serves them all.

@@ -14,7 +14,6 @@ minibatches (``job.minibatches``), sized by the entry to outlast the time budget
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import os
 import sys
@@ -36,7 +35,7 @@ from hetpipe.ps.core_plane import PLANE_ENV
 from hetpipe.run.trainer import Trainer
 from job import Job, load_jobs
 from task import MinibatchStream, build_layers, corpus, loss_fn, optimizer
-from hetpipe import Reporting, Runtime
+from hetpipe import PSRule, Reporting, Runtime
 
 
 class RecordingServer(ShardServer):
@@ -72,21 +71,15 @@ def train(job: Job, comm, rank: int) -> Optional[dict]:
     RecordingServer.last_wave = math.ceil(job.minibatches // nvw / plan.nm)
     text, _, _ = corpus(job.task)
     data = MinibatchStream(text, job.task, job.seed, count=job.minibatches)
-    extra = {}
-    if "aggregate" in inspect.signature(Trainer).parameters:
-        extra["aggregate"] = job.aggregate
-    elif job.aggregate != "sum":
-        raise SystemExit(f"hetpipe: this Trainer has no aggregate option (asked for {job.aggregate!r})")
+    ps = {"aggregate": job.aggregate}
     rule = job.aggregate
     if job.outer != "sgd" or job.outer_lr != 1.0:
-        if "outer" not in inspect.signature(Trainer).parameters:
-            raise SystemExit(f"hetpipe: this Trainer has no outer optimizer option (asked for {job.outer!r})")
-        extra.update(outer=job.outer, outer_lr=job.outer_lr, outer_momentum=job.outer_momentum)
+        ps.update(outer=job.outer, outer_lr=job.outer_lr, outer_momentum=job.outer_momentum)
         rule += f" + {job.outer} lr {job.outer_lr:g}" + (f" momentum {job.outer_momentum:g}"
                                                          if job.outer == "nesterov" else "")
     result = Trainer(build_layers(job.task, job.seed), loss_fn, lambda p: optimizer(p, job.lr), data, plan=plan,
-                     reporting=Reporting(progress=False), runtime=Runtime(emulate=True, timeout=job.timeout_s),
-                     **extra).fit()
+                     ps=PSRule(**ps), reporting=Reporting(progress=False),
+                     runtime=Runtime(emulate=True, timeout=job.timeout_s)).fit()
     pacers = e2e.RecordingPacer.instances
     role = role_of(plan, rank)
     mine = {"rank": rank, "role": result.role, "elapsed_s": result.elapsed_s,
