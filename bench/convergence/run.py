@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seeds", default="0,1,2", help="seeds; the sweep runs on the first")
     ap.add_argument("--d", default="0,1,4", help="hetpipe staleness bounds")
     ap.add_argument("--aggregate", default="auto",
-                    help="hetpipe aggregation rules, comma separated (auto: sum and mean if the Trainer has both)")
+                    help="hetpipe aggregation rules, comma separated (auto: sum and mean)")
     ap.add_argument("--only", default=SYSTEMS, help=f"systems to run (of {SYSTEMS})")
     ap.add_argument("--nm", type=int, help="hetpipe minibatches in flight per VW (default: the planner's choice)")
     ap.add_argument("--policy", default="auto", help="hetpipe VW formation policy (NP, ED, HD, auto)")
