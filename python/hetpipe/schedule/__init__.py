@@ -4,10 +4,11 @@ Pure Python: nothing here imports torch, MPI or hetpipe_core.
 """
 
 from hetpipe.schedule.ir import (  # noqa: F401
-    Apply, Bwd, Fwd, Instr, Pull, Push, Recompute, RecvAct, RecvGrad, Schedule, SendAct, SendGrad,
-    parse, parse_stream,
+    Apply, Bwd, Done, Eval, Fwd, Instr, Pull, Push, Recompute, RecvAct, RecvGrad, RecvNorm, RecvTied, RecvVerdict,
+    Schedule, SendAct, SendGrad, SendNorm, SendTied, SendVerdict, parse, parse_stream,
 )
 from hetpipe.schedule.lower import lower  # noqa: F401
+from hetpipe.schedule.messages import MessageOptions, with_messages, without_messages  # noqa: F401
 from hetpipe.schedule.registry import (  # noqa: F401
     ScheduleOptions, ScheduleSpec, generate, get_schedule, register, schedule_names, unregister,
 )

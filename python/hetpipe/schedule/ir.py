@@ -10,6 +10,13 @@ Text form (round-trips through ``str`` and :func:`parse`)::
     B3      Bwd(3)          SA3:2   SendAct(3, peer=2)      PULL2   Pull(2)
     R3      Recompute(3)    RG3:2   RecvGrad(3, peer=2)
     A3      Apply(3)        SG3:0   SendGrad(3, peer=0)
+
+The messages a run adds besides activations and gradients (:mod:`hetpipe.schedule.messages` inserts
+them where the run's options need them)::
+
+    ST3:2   SendTied(3, peer=2)     SN3:1   SendNorm(3, peer=1)     EVAL1   Eval(1)
+    RT3:0   RecvTied(3, peer=0)     RN3:1   RecvNorm(3, peer=1)     SV1:0   SendVerdict(1, peer=0)
+    DONE    Done()                                                  RV1:2   RecvVerdict(1, peer=2)
 """
 
 from __future__ import annotations
@@ -171,23 +178,159 @@ class Pull:
         return f"PULL{self.wave}"
 
 
-Instr = Union[Fwd, Bwd, Recompute, Apply, SendAct, RecvAct, SendGrad, RecvGrad, Push, Pull]
+@dataclass(frozen=True)
+class SendTied:
+    """Send micro-batch ``mb``'s gradients of the tied parameters this stage shares with stage ``peer``.
+
+    Non-blocking for the stage: the message is queued and sent, in order, as pool slots free (the
+    stage's DONE waits for the queue to drain). Comes after ``Bwd(mb)``, which made the gradients.
+    Pairs with: ``RecvTied(mb, peer=this stage)`` on stage ``peer``, in the same order.
+    """
+
+    mb: int
+    peer: int
+    code: ClassVar[str] = "ST"
+
+    def __str__(self) -> str:
+        return f"ST{self.mb}:{self.peer}"
+
+
+@dataclass(frozen=True)
+class RecvTied:
+    """Receive stage ``peer``'s gradients of the tied parameters of micro-batch ``mb``, which the
+    ``Apply`` of ``mb``'s minibatch adds to this stage's (every holder sums them in stage order).
+
+    Pairs with: ``SendTied(mb, peer=this stage)`` on stage ``peer``, in the same order.
+    """
+
+    mb: int
+    peer: int
+    code: ClassVar[str] = "RT"
+
+    def __str__(self) -> str:
+        return f"RT{self.mb}:{self.peer}"
+
+
+@dataclass(frozen=True)
+class SendNorm:
+    """Send stage ``peer`` this stage's share of the squared gradient norm of the minibatch whose
+    ``Apply(mb)`` follows (``mb``: that Apply's micro-batch); the minibatch's gradients are gathered
+    first, once. Header-only (the share's float64 bits ride in a header word).
+
+    Pairs with: ``RecvNorm(mb, peer=this stage)`` on stage ``peer``, in the same order.
+    """
+
+    mb: int
+    peer: int
+    code: ClassVar[str] = "SN"
+
+    def __str__(self) -> str:
+        return f"SN{self.mb}:{self.peer}"
+
+
+@dataclass(frozen=True)
+class RecvNorm:
+    """Receive stage ``peer``'s share of the squared gradient norm for the ``Apply(mb)`` that follows,
+    which sums every stage's share in stage order (clipping, fp16's overflow verdict).
+
+    Pairs with: ``SendNorm(mb, peer=this stage)`` on stage ``peer``, in the same order.
+    """
+
+    mb: int
+    peer: int
+    code: ClassVar[str] = "RN"
+
+    def __str__(self) -> str:
+        return f"RN{self.mb}:{self.peer}"
+
+
+@dataclass(frozen=True)
+class Eval:
+    """VW 0's evaluation point after ``Push(wave)``: a forward-only pass over the evaluation data on the
+    live weights, pipelined: each evaluation minibatch's input comes from stage ``s - 1`` (EVAL
+    messages; the data on stage 0) and its output goes to stage ``s + 1``; the last stage scores it and
+    decides whether the run stops.
+
+    Pairs with: ``Eval(wave)`` on every other stage (the EVAL stream between neighbours), then the
+    verdict: ``SendVerdict(wave, s)`` on the last stage and ``RecvVerdict(wave, last)`` on stage ``s``.
+    """
+
+    wave: int
+    code: ClassVar[str] = "EVAL"
+
+    def __str__(self) -> str:
+        return f"EVAL{self.wave}"
+
+
+@dataclass(frozen=True)
+class SendVerdict:
+    """Last stage: send stage ``peer`` the outcome of the evaluation point after wave ``wave`` (the
+    wave after which the run stops, or none). Header-only, never blocks.
+
+    Pairs with: ``RecvVerdict(wave, peer=this stage)`` on stage ``peer``, in the same order.
+    """
+
+    wave: int
+    peer: int
+    code: ClassVar[str] = "SV"
+
+    def __str__(self) -> str:
+        return f"SV{self.wave}:{self.peer}"
+
+
+@dataclass(frozen=True)
+class RecvVerdict:
+    """Receive the outcome of the evaluation point after wave ``wave`` from the last stage ``peer``;
+    a stop ends this stage's stream after the wave it names.
+
+    Pairs with: ``SendVerdict(wave, peer=this stage)`` on stage ``peer``, in the same order.
+    """
+
+    wave: int
+    peer: int
+    code: ClassVar[str] = "RV"
+
+    def __str__(self) -> str:
+        return f"RV{self.wave}:{self.peer}"
+
+
+@dataclass(frozen=True)
+class Done:
+    """Tell every PS shard that this stage finished its stream, with the number of pushes it sent each
+    (DONE messages); runs once the stage's device copies and queued tied gradients are out.
+
+    Pairs with: the last instruction of the stream; every shard counts one DONE per stage.
+    """
+
+    code: ClassVar[str] = "DONE"
+
+    def __str__(self) -> str:
+        return "DONE"
+
+
+Instr = Union[Fwd, Bwd, Recompute, Apply, SendAct, RecvAct, SendGrad, RecvGrad, Push, Pull,
+              SendTied, RecvTied, SendNorm, RecvNorm, Eval, SendVerdict, RecvVerdict, Done]
 COMPUTE = (Fwd, Bwd, Recompute, Apply)
 COMMS = (SendAct, RecvAct, SendGrad, RecvGrad)
 SYNC = (Push, Pull)
+# The run's messages besides activations, gradients and the PS's pushes and pulls.
+MESSAGES = (SendTied, RecvTied, SendNorm, RecvNorm, Eval, SendVerdict, RecvVerdict, Done)
+_PEERED = (*COMMS, SendTied, RecvTied, SendNorm, RecvNorm, SendVerdict, RecvVerdict)
 
-_BY_CODE = {cls.code: cls for cls in (*COMPUTE, *COMMS, *SYNC)}
-_TOKEN = re.compile(r"^(PUSH|PULL|SA|RA|SG|RG|F|B|R|A)(\d+)(?::(\d+))?$")
+_BY_CODE = {cls.code: cls for cls in (*COMPUTE, *COMMS, *SYNC, *MESSAGES)}
+_TOKEN = re.compile(r"^(PUSH|PULL|EVAL|SA|RA|SG|RG|ST|RT|SN|RN|SV|RV|F|B|R|A)(\d+)(?::(\d+))?$")
 
 
 def parse(text: str) -> Instr:
     """Parse one instruction from its text form, e.g. ``"SA3:1"`` → ``SendAct(3, peer=1)``."""
+    if text.strip() == "DONE":
+        return Done()
     m = _TOKEN.match(text.strip())
     if not m:
         raise ValueError(f"not an instruction: {text!r} (expected e.g. F3, B3, SA3:1, PUSH0, PULL1)")
     code, num, peer = m.group(1), int(m.group(2)), m.group(3)
     cls = _BY_CODE[code]
-    takes_peer = cls in COMMS
+    takes_peer = cls in _PEERED
     if takes_peer != (peer is not None):
         raise ValueError(f"instruction {text!r}: {cls.__name__} {'needs' if takes_peer else 'takes no'} ':peer'")
     return cls(num, int(peer)) if takes_peer else cls(num)

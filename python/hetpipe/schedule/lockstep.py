@@ -3,10 +3,17 @@ printer, buffer assignment and the simulator share.
 
 Model: in every step, each stage whose next instruction can run executes it; effects become visible
 in the next step. Sends never block unless ``buffers`` bounds the receiving stage's buffers; a
-receive runs once the matching message has been sent (channels are FIFO per direction and a receive
-must find its own message at the head); ``Pull(w)`` runs once every stage has executed
+receive runs once the matching message has been sent (channels are FIFO per kind and direction and
+a receive must find its own message at the head); ``Pull(w)`` runs once every stage has executed
 ``Push(w - d - 1)``; everything else always runs. A run that stops with stages unfinished and
 none able to run is a deadlock.
+
+The run's messages (:mod:`hetpipe.schedule.messages`) are channels too: tied gradients
+(``SendTied``/``RecvTied``), norm shares (``SendNorm``/``RecvNorm``) and verdicts
+(``SendVerdict``/``RecvVerdict``), each FIFO per pair of stages. ``Eval(w)`` stands for its
+evaluation pass's EVAL stream: on stage ``s > 0`` it runs once stage ``s - 1`` ran its ``Eval(w)``
+(the pass forwards each evaluation minibatch as soon as its input arrived, so a stage finishes its
+pass only after its predecessor's), and it lets stage ``s + 1``'s run. ``Done`` always runs.
 
 Bounded buffers: an activation buffer on stage ``s`` is taken when stage ``s - 1`` executes
 ``SendAct(mb, s)`` and released when stage ``s`` finishes ``Bwd(mb)`` (the received input is kept for
@@ -20,9 +27,20 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
-from hetpipe.schedule.ir import Bwd, Instr, Pull, Push, RecvAct, RecvGrad, Schedule, SendAct, SendGrad
+from hetpipe.schedule.ir import (Bwd, Eval, Instr, Pull, Push, RecvAct, RecvGrad, RecvNorm, RecvTied, RecvVerdict,
+                                 Schedule, SendAct, SendGrad, SendNorm, SendTied, SendVerdict)
 
 BufferCaps = Union[None, int, Sequence[Tuple[int, int]]]
+
+# The channel each send and receive uses, by kind: activations, gradients, tied gradients, norm
+# shares, verdicts (the EVAL stream is "E", between Eval instructions).
+_SENDS = {SendAct: "A", SendGrad: "G", SendTied: "T", SendNorm: "N", SendVerdict: "V"}
+_RECVS = {RecvAct: "A", RecvGrad: "G", RecvTied: "T", RecvNorm: "N", RecvVerdict: "V"}
+
+
+def _key(ins: Instr) -> int:
+    """What a message names: its micro-batch, or its wave (verdicts)."""
+    return ins.wave if isinstance(ins, (SendVerdict, RecvVerdict, Eval)) else ins.mb
 
 
 @dataclass(frozen=True)
@@ -68,9 +86,13 @@ def lockstep(schedule: Schedule, buffers: BufferCaps = None) -> Lockstep:
     steps: List[Tuple[Optional[Instr], ...]] = []
 
     def ready(s: int, ins: Instr) -> bool:
-        if isinstance(ins, (RecvAct, RecvGrad)):
-            q = chan.get(("A" if isinstance(ins, RecvAct) else "G", ins.peer, s))
-            return bool(q) and q[0] == ins.mb
+        kind = _RECVS.get(type(ins))
+        if kind is not None:
+            q = chan.get((kind, ins.peer, s))
+            return bool(q) and q[0] == _key(ins)
+        if isinstance(ins, Eval) and s > 0:
+            q = chan.get(("E", s - 1, s))
+            return bool(q) and q[0] == ins.wave
         if isinstance(ins, (SendAct, SendGrad)) and caps is not None:
             kind = 0 if isinstance(ins, SendAct) else 1
             if not 0 <= ins.peer < k:
@@ -82,13 +104,18 @@ def lockstep(schedule: Schedule, buffers: BufferCaps = None) -> Lockstep:
         return True
 
     def execute(s: int, ins: Instr) -> None:
-        if isinstance(ins, (SendAct, SendGrad)):
-            kind = "A" if isinstance(ins, SendAct) else "G"
-            chan.setdefault((kind, s, ins.peer), deque()).append(ins.mb)
-            if 0 <= ins.peer < k:
+        if type(ins) in _SENDS:
+            kind = _SENDS[type(ins)]
+            chan.setdefault((kind, s, ins.peer), deque()).append(_key(ins))
+            if kind in "AG" and 0 <= ins.peer < k:
                 held[ins.peer][0 if kind == "A" else 1].add(ins.mb)
-        elif isinstance(ins, (RecvAct, RecvGrad)):
-            chan[("A" if isinstance(ins, RecvAct) else "G", ins.peer, s)].popleft()
+        elif type(ins) in _RECVS:
+            chan[(_RECVS[type(ins)], ins.peer, s)].popleft()
+        elif isinstance(ins, Eval):
+            if s > 0:
+                chan[("E", s - 1, s)].popleft()
+            if s < k - 1:
+                chan.setdefault(("E", s, s + 1), deque()).append(ins.wave)
         elif isinstance(ins, Bwd):
             held[s][0].discard(ins.mb)
             held[s][1].discard(ins.mb)

@@ -7,14 +7,21 @@ the cost model. The trainer, the simulator, the cost model, the command line and
 schedules up here by name, so adding one is a single :func:`register` call in the module that defines
 its generator. The built-in schedules (``hetpipe``, ``gpipe``, ``1f1b``) register in
 :mod:`hetpipe.schedule.generators`.
+
+A generator only orders computation, transfers between neighbours and the PS's pushes and pulls. The
+run's other messages (tied gradients, norm shares, evaluation points, DONE) depend on the run, not on
+the schedule: when ``ScheduleOptions.messages`` asks for them, :func:`generate` inserts them into
+whatever the generator returned with one shared pass (:func:`hetpipe.schedule.messages.with_messages`),
+so every registered schedule carries them the same way and none has to know of them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Callable, Dict, FrozenSet, Tuple
+from typing import Callable, Dict, FrozenSet, Optional, Tuple
 
 from hetpipe.schedule.ir import Schedule
+from hetpipe.schedule.messages import MessageOptions, with_messages
 
 
 @dataclass(frozen=True)
@@ -24,7 +31,9 @@ class ScheduleOptions:
     ``nm``: minibatches in flight (the wave size); ``d``: the WSP staleness bound; ``recompute``:
     rebuild activations before each backward; ``split_startup``: run the first ``split_startup``
     minibatches as two half micro-batches (AutoPipe-H). The defaults ask for nothing: a schedule that
-    does not honour an option accepts only its default.
+    does not honour an option accepts only its default. ``messages``: the run's messages besides
+    activations and gradients, inserted into every schedule alike (None: none, not even DONE; the
+    streams a runtime executes always have them).
     """
 
     stages: int
@@ -33,9 +42,16 @@ class ScheduleOptions:
     d: int = 0
     recompute: bool = False
     split_startup: int = 0
+    messages: Optional[MessageOptions] = None
 
     def __post_init__(self) -> None:
+        if self.messages is not None:
+            if not isinstance(self.messages, MessageOptions):
+                raise ValueError(f"schedule options: messages must be a MessageOptions, got {self.messages!r}")
+            self.messages.check(self.stages)
         for f in fields(self):
+            if f.name == "messages":
+                continue
             v, flag = getattr(self, f.name), f.name == "recompute"
             if not (isinstance(v, bool) if flag else isinstance(v, int) and not isinstance(v, bool)):
                 raise ValueError(f"schedule options: {f.name} must be {'a bool' if flag else 'an int'}, got {v!r}")
@@ -47,8 +63,9 @@ class ScheduleOptions:
                              f"{self.minibatches} minibatches")
 
 
-# Options every generator takes; the others a spec lists in ``takes`` or refuses unless at default.
-_ALWAYS = frozenset({"stages", "minibatches"})
+# Options every generator takes (``messages`` by the shared pass); the others a spec lists in ``takes``
+# or refuses unless at default.
+_ALWAYS = frozenset({"stages", "minibatches", "messages"})
 _DEFAULTS = {f.name: f.default for f in fields(ScheduleOptions) if f.name not in _ALWAYS}
 
 # ``wave_time(bottleneck, round_trip, sync, options)``: seconds per wave of one VW (see
@@ -124,10 +141,12 @@ def get_schedule(name: str) -> ScheduleSpec:
 
 
 def generate(name: str, options: ScheduleOptions) -> Schedule:
-    """The lowered schedule ``name`` builds for ``options``; options it does not honour must be at
-    their defaults (ValueError naming the option otherwise)."""
+    """The lowered schedule ``name`` builds for ``options``, with the run's messages inserted when
+    ``options.messages`` asks for them; options it does not honour must be at their defaults
+    (ValueError naming the option otherwise)."""
     spec = get_schedule(name)
     why = spec.options_error(options)
     if why:
         raise ValueError(why)
-    return spec.generate(options)
+    schedule = spec.generate(options)
+    return schedule if options.messages is None else with_messages(schedule, options.messages)

@@ -17,6 +17,10 @@ Time model, per VW (each stage runs its stream in order, one instruction at a ti
   applied wave ``w - d - 1`` from every VW (the WSP wait), then takes the stage's fixed pull time
   plus its pull from each shard, queued at the shard's link back.
 
+The run's messages besides activations and gradients (tied gradients, norm shares, evaluation
+points, DONE: :mod:`hetpipe.schedule.messages`) are not modelled: a schedule carrying them plays as
+without them.
+
 Everything is deterministic. The engine plays instructions in the lock-step order of
 :mod:`hetpipe.schedule.lockstep` (a topological order of each schedule's dependencies), vectorised over
 the VWs that share a schedule, and merges VWs with different schedules at Pull boundaries.
@@ -32,7 +36,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from hetpipe.schedule.ir import (
-    Apply, Bwd, Fwd, Pull, Push, Recompute, RecvAct, RecvGrad, Schedule, SendAct, SendGrad,
+    MESSAGES, Apply, Bwd, Fwd, Pull, Push, Recompute, RecvAct, RecvGrad, Schedule, SendAct, SendGrad,
 )
 from hetpipe.schedule.ps import DEFAULT_APPLY_RATE, Shards, ShardStats, ShardTraffic, StageTraffic, plan_traffic
 from hetpipe.schedule.lockstep import lockstep
@@ -279,6 +283,8 @@ def _compile(schedule: Schedule) -> List[Tuple[int, int, int, int]]:
         raise ScheduleError(f"simulate: schedule {schedule.name!r} deadlocks; run validate() for the grid")
     ops = []
     for s, ins in rep.order():
+        if isinstance(ins, MESSAGES):
+            continue
         op = _OPS[type(ins)]
         num = ins.wave if op in (_PUSH, _PULL) else ins.mb
         boundary = s if op == _SA else s - 1 if op == _SG else -1

@@ -18,8 +18,9 @@ PS_VW = -1
 
 @dataclass(frozen=True)
 class TraceEvent:
-    """One timed activity. ``kind`` is the instruction code (F, B, R, A, SA, RA, SG, RG, PUSH, PULL)
-    or ``WAIT`` for time spent blocked on the WSP staleness bound; ``mb`` is -1 when not per-minibatch.
+    """One timed activity. ``kind`` is the instruction code (F, B, R, A, SA, RA, SG, RG, PUSH, PULL; a
+    run's stages also ST, RT, SN, RN, EVAL, SV, RV, DONE) or ``WAIT`` for time spent blocked on the WSP
+    staleness bound; ``mb`` is -1 when not per-minibatch.
     With ``vw == PS_VW`` the event is a parameter-server shard's (``stage`` = shard index): ``PUSH``
     for a push received (and the waves it let the shard apply), ``PULL`` for a pull served."""
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 from hetpipe.schedule.grid import format_lockstep
 from hetpipe.schedule.ir import (
-    Apply, Bwd, Fwd, Pull, Push, Recompute, RecvAct, RecvGrad, Schedule, SendAct, SendGrad,
+    MESSAGES, Apply, Bwd, Done, Eval, Fwd, Pull, Push, Recompute, RecvAct, RecvGrad, RecvNorm, RecvTied, RecvVerdict,
+    Schedule, SendAct, SendGrad, SendNorm, SendTied, SendVerdict,
 )
 from hetpipe.schedule.lockstep import BufferCaps, lockstep
 from hetpipe.util.errors import HetpipeError
@@ -30,6 +31,8 @@ def _check_stage(schedule: Schedule, s: int) -> None:
     stream = schedule.streams[s]
     where: Dict[Tuple[type, int], int] = {}
     for i, ins in enumerate(stream):
+        if isinstance(ins, MESSAGES):
+            continue                            # checked by _check_messages
         num = ins.wave if isinstance(ins, (Push, Pull)) else ins.mb
         if isinstance(ins, (Push, Pull)):
             if not 0 <= num < schedule.num_waves:
@@ -120,6 +123,127 @@ def _check_pairing(schedule: Schedule, s: int) -> None:
                 f"{sent} but stage {dst} receives {got} (first difference at message {at})")
 
 
+def _positions(schedule: Schedule, s: int) -> Dict[Tuple[type, int, int], int]:
+    """Stage ``s``'s instructions by (type, micro-batch or wave, peer or -1), with their positions;
+    a message named twice is an error."""
+    where: Dict[Tuple[type, int, int], int] = {}
+    for i, ins in enumerate(schedule.streams[s]):
+        num = -1 if isinstance(ins, Done) else getattr(ins, "mb", getattr(ins, "wave", -1))
+        key = (type(ins), num, getattr(ins, "peer", -1))
+        if key in where and isinstance(ins, MESSAGES):
+            _fail(schedule, s, f"{ins} appears twice (positions {where[key]} and {i})")
+        where[key] = i
+    return where
+
+
+def _check_message_stage(schedule: Schedule, s: int, where: Dict[Tuple[type, int, int], int]) -> None:
+    """Stage ``s``'s messages: peers, and each one's place relative to the compute it serves."""
+    k, stream = schedule.num_stages, schedule.streams[s]
+    at = {(t, num): i for (t, num, _), i in where.items()}
+    last_tied: Dict[int, int] = {}          # minibatch -> position of its last RecvTied
+    last_bwd: Dict[int, Tuple[int, int]] = {}   # norm exchange's micro-batch -> (position, mb) of its last Bwd
+    for (t, num, _), i in where.items():
+        if t is RecvTied:
+            p = schedule.minibatch_of(num)
+            last_tied[p] = max(last_tied.get(p, -1), i)
+    for i, ins in enumerate(stream):
+        if not isinstance(ins, MESSAGES) or isinstance(ins, Done):
+            if isinstance(ins, Done) and i != len(stream) - 1:
+                _fail(schedule, s, f"DONE at position {i} must end the stream")
+            continue
+        peer = getattr(ins, "peer", None)
+        if peer is not None and not (0 <= peer < k and peer != s):
+            _fail(schedule, s, f"{ins} must name another stage of the {k}")
+        if isinstance(ins, (SendTied, RecvTied, SendNorm, RecvNorm)):
+            if not 0 <= ins.mb < schedule.num_micro:
+                _fail(schedule, s, f"{ins} names micro-batch {ins.mb}; the schedule has 0..{schedule.num_micro - 1}")
+            last = schedule.micros_of(schedule.minibatch_of(ins.mb))[-1]
+            apply = at.get((Apply, last), -1)
+            if isinstance(ins, SendTied) and not at.get((Bwd, ins.mb), len(stream)) < i:
+                _fail(schedule, s, f"{ins} at position {i} must come after B{ins.mb}, whose gradients it sends")
+            if not isinstance(ins, SendTied) and not i < apply:
+                _fail(schedule, s, f"{ins} at position {i} must come before A{last}, which uses it")
+        if isinstance(ins, (SendNorm, RecvNorm)):
+            if ins.mb not in last_bwd:          # once per exchange: its Apply, its backwards, every stage in it
+                micros = schedule.micros_of(schedule.minibatch_of(ins.mb))
+                if ins.mb != micros[-1]:
+                    _fail(schedule, s, f"{ins} must name its minibatch's Apply, the last micro-batch")
+                last_bwd[ins.mb] = max((where.get((Bwd, j, -1), len(stream)), j) for j in micros)
+                for t in range(k):
+                    if t != s and ((SendNorm, ins.mb, t) not in where or (RecvNorm, ins.mb, t) not in where):
+                        _fail(schedule, s, f"the norm exchange of A{ins.mb} misses stage {t} (every stage sends its "
+                                           "share to every other one and receives theirs)")
+            bwd, j = last_bwd[ins.mb]
+            if not bwd < i:
+                _fail(schedule, s, f"{ins} at position {i} must come after B{j}: the share covers its gradients")
+            if isinstance(ins, SendNorm) and last_tied.get(schedule.minibatch_of(ins.mb), -1) > i:
+                late = {t for (typ, num, t), j in where.items() if typ is RecvTied and j > i
+                        and schedule.minibatch_of(num) == schedule.minibatch_of(ins.mb)}
+                _fail(schedule, s, f"{ins} at position {i} comes before the tied gradients of its minibatch "
+                                   f"from stage(s) {sorted(late)}: its share covers them")
+        if isinstance(ins, (Eval, SendVerdict, RecvVerdict)):
+            if not 0 <= ins.wave < schedule.num_waves - 1:
+                _fail(schedule, s, f"{ins} names wave {ins.wave}; evaluation points follow waves "
+                                   f"0..{schedule.num_waves - 2}")
+            if not at.get((Push, ins.wave), len(stream)) < i:
+                _fail(schedule, s, f"{ins} at position {i} must come after PUSH{ins.wave}")
+        if isinstance(ins, (SendVerdict, RecvVerdict)):
+            sender = s if isinstance(ins, SendVerdict) else ins.peer
+            if sender != k - 1:
+                _fail(schedule, s, f"{ins}: verdicts go from the last stage {k - 1} to the others")
+            if not at.get((Eval, ins.wave), len(stream)) < i:
+                _fail(schedule, s, f"{ins} at position {i} must come after EVAL{ins.wave}")
+        if isinstance(ins, Eval):
+            want = [SendVerdict(ins.wave, t) for t in range(k - 1)] if s == k - 1 else [RecvVerdict(ins.wave, k - 1)]
+            missing = [str(v) for v in want if (type(v), v.wave, v.peer) not in where]
+            if missing:
+                _fail(schedule, s, f"EVAL{ins.wave} has no verdict {' '.join(missing)}")
+
+
+def _check_messages(schedule: Schedule) -> None:
+    """The run's messages (:mod:`hetpipe.schedule.messages`): each stage's are in place, and every
+    send has its receive on the peer, in the same order; tied gradients cover every micro-batch
+    between two holders; every stage evaluates at the same waves; DONE ends every stream or none."""
+    k = schedule.num_stages
+    where = [_positions(schedule, s) for s in range(k)]
+    for s in range(k):
+        _check_message_stage(schedule, s, where[s])
+    done = [bool(schedule.streams[s]) and isinstance(schedule.streams[s][-1], Done) for s in range(k)]
+    if any(done) and not all(done):
+        raise ScheduleError(f"schedule {schedule.name!r}: stage(s) {[s for s in range(k) if not done[s]]} do not end "
+                            "with DONE, the others do")
+    evals = [[i.wave for i in schedule.streams[s] if isinstance(i, Eval)] for s in range(k)]
+    if any(e != evals[0] for e in evals):
+        raise ScheduleError(f"schedule {schedule.name!r}: the stages evaluate after different waves: "
+                            + "; ".join(f"stage {s}: {e}" for s, e in enumerate(evals)))
+    # (stage, instruction type, peer) -> what its messages name, in stream order
+    named: Dict[Tuple[int, type, int], List[int]] = {}
+    for s in range(k):
+        for i in schedule.streams[s]:
+            if isinstance(i, (SendTied, RecvTied, SendNorm, RecvNorm, SendVerdict, RecvVerdict)):
+                named.setdefault((s, type(i), i.peer), []).append(_key(i))
+    for send, recv in ((SendTied, RecvTied), (SendNorm, RecvNorm), (SendVerdict, RecvVerdict)):
+        for s in range(k):
+            for t in range(k):
+                sent, got = named.get((s, send, t), []), named.get((t, recv, s), [])
+                if sent != got:
+                    at = next((n for n, (x, y) in enumerate(zip(sent, got)) if x != y), min(len(sent), len(got)))
+                    raise ScheduleError(f"schedule {schedule.name!r}: stage {s} sends {send.__name__} to stage {t} "
+                                        f"in order {sent} but stage {t} receives {got} (first difference at message "
+                                        f"{at})")
+                if send is SendTied and bool(sent) != bool(named.get((t, send, s))):
+                    raise ScheduleError(f"schedule {schedule.name!r}: stage {s if sent else t} sends stage "
+                                        f"{t if sent else s} tied gradients but gets none back: holders exchange "
+                                        "them both ways")
+                if send is SendTied and sent and sorted(sent) != list(range(schedule.num_micro)):
+                    raise ScheduleError(f"schedule {schedule.name!r}: stage {s} sends stage {t} the tied gradients of "
+                                        f"micro-batches {sorted(sent)}, not of every micro-batch")
+
+
+def _key(ins) -> int:
+    return ins.wave if isinstance(ins, (SendVerdict, RecvVerdict)) else ins.mb
+
+
 def validate(schedule: Schedule, buffers: BufferCaps = None) -> None:
     """Raise :class:`ScheduleError` unless ``schedule`` is executable and honours WSP.
 
@@ -128,7 +252,12 @@ def validate(schedule: Schedule, buffers: BufferCaps = None) -> None:
     and Bwd); forwards in micro-batch order; each minibatch's Apply after its Bwd(s); local staleness
     (``Fwd`` of minibatch ``p`` after ``Apply`` of ``p - nm``); at most ``nm`` minibatches in flight;
     each wave pushed exactly once, after every Apply of the wave; ``Pull(w)`` for every wave ``w >= 1`` before
-    the wave's first Fwd. Between neighbours: sends and receives pair up in the same order. Finally
+    the wave's first Fwd. Between neighbours: sends and receives pair up in the same order. The
+    run's messages, where the schedule has them (:mod:`hetpipe.schedule.messages`): ``SendTied(mb)``
+    after ``Bwd(mb)``; ``RecvTied`` and the norm exchange before the Apply they serve (the tied
+    gradients first, the exchange after the minibatch's backwards, with every other stage); ``Eval(w)``
+    after ``Push(w)`` with its verdicts after it, from the last stage; each send paired with its
+    receive on the peer in the same order; ``DONE`` ending every stream or none. Finally
     the lock-step run of all stages (:mod:`hetpipe.schedule.lockstep`, with ``Pull(w)`` blocked until
     every stage has pushed ``w - d - 1``, and buffers bounded by ``buffers`` if given) must finish;
     otherwise the error shows the last steps of the grid and the stuck stages.
@@ -137,6 +266,7 @@ def validate(schedule: Schedule, buffers: BufferCaps = None) -> None:
         _check_stage(schedule, s)
     for s in range(schedule.num_stages - 1):
         _check_pairing(schedule, s)
+    _check_messages(schedule)
     rep = lockstep(schedule, buffers)
     if rep.stuck:
         blocked = ", ".join(f"stage {s} on {ins}" for s, ins in sorted(rep.stuck.items()))
