@@ -1,6 +1,6 @@
 """The run's messages as schedule instructions (tied gradients, norm shares, evaluation points and
 verdicts, DONE): their text forms, where the shared pass puts them, what validate() and the lock-step
-run check of them."""
+run check of them, and the runtime executing them from its streams."""
 
 import dataclasses
 import itertools
@@ -198,3 +198,46 @@ def test_the_lock_step_run_pairs_every_message_with_its_sender():
     for stage in range(s.num_stages):
         ran = [row[stage] for row in rep.steps if row[stage] is not None]
         assert len(ran) == len(s.streams[stage]) and isinstance(ran[-1], Done)
+
+
+# --- the runtime executes them ----------------------------------------------------------------------
+
+def test_a_stage_refuses_a_stream_without_the_messages_its_run_needs():
+    from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic
+    from hetpipe.run.replay import replay_run
+    from hetpipe.run.trainer import Trainer
+
+    plan = one_vw_plan([3], nm=2, d=0)
+    spec = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, clip_grad_norm=0.5).spec(plan)
+    assert any(isinstance(i, SendNorm) for i in spec.schedules[0].streams[0])
+    spec.schedules = [generate("hetpipe", ScheduleOptions(2, spec.schedules[0].num_minibatches, 2, 0,
+                                                          messages=MessageOptions()))]
+    with pytest.raises(ValueError, match=r"stream of VW 0 stage 0 does not carry the messages the run needs"):
+        replay_run(spec)
+
+
+def test_an_early_stop_at_a_minibatch_inside_an_accumulation_group_steps_with_the_vws_norm():
+    """Nm = 3, a step every 2 minibatches, clipping: a stop asked after wave 1 ends the run after wave 2,
+    whose last minibatch (8) now takes the last step, with the VW's norm: each stage puts that step's norm
+    exchange into its stream. The weights are bitwise those of the run given only those 9 minibatches."""
+    from common import cross_entropy, mlp, one_vw_plan, sgd
+    from hetpipe.run.callbacks import Callback
+    from hetpipe.run.data import Batches
+    from hetpipe.run.trainer import Trainer
+    import torch
+
+    class StopAt1(Callback):
+        def on_eval(self, info):
+            return info.wave >= 1
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16 * 24, 64, generator=g), torch.randint(0, 10, (16 * 24,), generator=g)
+    plan = one_vw_plan([2, 4], nm=3, d=0)
+    kw = dict(plan=plan, progress=False, clip_grad_norm=0.3, accumulate=2)
+    stopped = Trainer(mlp(), cross_entropy, sgd(), Batches(x, y, 16, shuffle=False), eval_every=1,
+                      callbacks=[StopAt1()], **kw).replay()
+    short = Trainer(mlp(), cross_entropy, sgd(), Batches(x[:16 * 9], y[:16 * 9], 16, shuffle=False), **kw).replay()
+    assert stopped.stopped_after == 2 and sorted(stopped.losses[0]) == list(range(9))
+    assert stopped.losses == short.losses
+    assert all(torch.equal(torch.from_numpy(stopped.weights[l]), torch.from_numpy(short.weights[l]))
+               for l in short.weights)

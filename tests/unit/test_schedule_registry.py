@@ -197,6 +197,43 @@ def test_a_registered_schedule_trains_end_to_end_in_the_replay(sequential):
     assert max(abs(a - b) for a, b in zip(losses["hetpipe"], plain)) > 1e-4
 
 
+def test_a_registered_schedule_carries_the_runs_messages_and_trains_with_them(sequential):
+    """Its generator knows nothing of tied gradients, norm shares, evaluation points or DONE; the shared
+    pass adds them. A tied weight on stages 0 and 2, clipping by the VW's norm, an evaluation point
+    every wave: one minibatch at a time at D = 0 is plain SGD with clip_grad_norm_."""
+    import torch
+
+    import real_models as rm
+    from common import one_vw_plan, sgd
+    from hetpipe.run.data import Batches
+    from hetpipe.run.trainer import Trainer
+    from hetpipe.schedule import Eval, RecvTied, SendNorm
+
+    g = torch.Generator().manual_seed(4)
+    data = Batches(torch.randn(96, 64, generator=g), torch.randint(0, 64, (96,), generator=g), 16, seed=2)
+    plan = one_vw_plan([2, 4], nm=2, d=0, num_layers=5)
+    trainer = Trainer(rm.tied_mlp(), rm.tied_loss, sgd(), data, plan=plan, epochs=2, progress=False,
+                      schedule="sequential", clip_grad_norm=0.2, eval_every=1)
+    streams = trainer.spec(plan).schedules[0].streams
+    assert {type(i) for i in streams[0]} >= {RecvTied, SendNorm, Eval} and not any(
+        isinstance(i, RecvTied) for i in streams[1])
+    result = trainer.replay()
+    ref = rm.tied_mlp()
+    opt, want, norms = sgd()(ref.parameters()), [], []
+    for e in range(2):
+        data.set_epoch(e)
+        for x, y in data:
+            opt.zero_grad()
+            loss = rm.tied_loss(rm.run_layers(ref, x), y)
+            loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.2)))
+            opt.step()
+            want.append(float(loss.detach()))
+    got = [v for _, v in sorted(result.losses[0].items())]
+    assert min(norms) > 0.2 and len(got) == len(want) == 12 and len(result.evals) == 5
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5
+
+
 def test_the_trainer_refuses_unknown_schedules_and_options_they_ignore():
     from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic
     from hetpipe.run.trainer import Trainer

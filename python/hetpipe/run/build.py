@@ -11,11 +11,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from hetpipe.model.contract import LayerFailure, boundary_bytes
+from hetpipe.model.layout import ModelLayout
 from hetpipe.model.tree import on_wire
 from hetpipe.plan.types import Plan
 from hetpipe.ps.serve import shard_server
 from hetpipe.ps.server import ShardServerBase
 from hetpipe.run.spec import RunSpec
+from hetpipe.schedule.ir import Schedule
+from hetpipe.schedule.messages import MessageOptions, with_messages, without_messages
+from hetpipe.schedule.registry import ScheduleOptions, generate
 from hetpipe.schedule.trace import TraceEvent
 from hetpipe.stage.evaluate import Evaluation
 from hetpipe.stage.executor import StageExecutor
@@ -90,6 +94,7 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
                        lr_scheduler=spec.lr_scheduler, param_names=spec.param_names)
     if spec.resume is not None:
         spec.resume.restore_stage(model, spec.layout, vw, stage)
+    check_messages(spec, vw, stage)
     owning = {sh.index: plan.ps_rank(sh.index) for sh in plan.ps_shards
               if any(st.start <= l < st.stop for l in sh.layers)}
     ctx = StageContext(vw, stage, num_stages, lambda s: plan.rank_of(vw, s), owning,
@@ -113,8 +118,7 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
             scaler.load(saved)
     evaluation = None
     if spec.eval_every is not None and vw == 0:
-        evaluation = Evaluation(spec.eval_every, spec.eval_data, layout.num_waves - 1, plan.d, spec.eval_metric,
-                                decide)
+        evaluation = Evaluation(spec.eval_data, layout.num_waves - 1, plan.d, spec.eval_metric, decide)
     io = StageIO(spec.loss_fn, inputs, labels,
                  expect_in=on_wire(spec.boundaries[st.start], plan.precision) if stage > 0 else None,
                  expect_out=on_wire(spec.boundaries[st.stop], plan.precision) if stage < num_stages - 1 else None)
@@ -123,16 +127,52 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
     return StageExecutor(ctx, layout.streams[stage], model, link, io, run, timing)
 
 
-def tied_stages(spec: RunSpec, vw: int) -> Dict[TiedKey, Tuple[int, ...]]:
+def tied_holders(plan: Plan, layout: ModelLayout, vw: int) -> Dict[TiedKey, Tuple[int, ...]]:
     """Per tied parameter, the stages of VW ``vw`` holding it (the parameter's owner first in layers)."""
-    stages = spec.plan.virtual_workers[vw].stages
+    stages = plan.virtual_workers[vw].stages
     stage_of = {l: k for k, st in enumerate(stages) for l in range(st.start, st.stop)}
     out: Dict[TiedKey, Tuple[int, ...]] = {}
-    for reps in spec.layout.replicas:
+    for reps in layout.replicas:
         for r in reps:
             key = (r.owner, r.owner_name)
-            out[key] = tuple(sorted({stage_of[l] for l in spec.layout.holders(*key)}))
+            out[key] = tuple(sorted({stage_of[l] for l in layout.holders(*key)}))
     return out
+
+
+def tied_stages(spec: RunSpec, vw: int) -> Dict[TiedKey, Tuple[int, ...]]:
+    """:func:`tied_holders` of the run's plan and model."""
+    return tied_holders(spec.plan, spec.layout, vw)
+
+
+def vw_messages(plan: Plan, layout: ModelLayout, vw: int, clip_grad_norm: Optional[float], accumulate: int,
+                eval_every: Optional[int]) -> MessageOptions:
+    """What VW ``vw``'s streams exchange besides activations and gradients (schedule.messages): tied
+    gradients between the stages holding a tied parameter together, norm shares when clipping by the
+    VW's norm or scaling fp16's loss, VW 0's evaluation points."""
+    pairs = {(a, b) for holders in tied_holders(plan, layout, vw).values() for a in holders for b in holders if a < b}
+    norm = clip_grad_norm is not None or plan.precision == "fp16"
+    return MessageOptions(tuple(sorted(pairs)), norm, accumulate, (eval_every or 0) if vw == 0 else 0)
+
+
+def vw_schedule(name: str, plan: Plan, layout: ModelLayout, vw: int, minibatches: int, split: int,
+                clip_grad_norm: Optional[float], accumulate: int, eval_every: Optional[int]) -> Schedule:
+    """The streams VW ``vw``'s stages execute: registered schedule ``name`` over ``minibatches`` (the first
+    ``split`` run as halves), recomputing where the plan's stages do, with the run's messages."""
+    stages = plan.virtual_workers[vw].stages
+    messages = vw_messages(plan, layout, vw, clip_grad_norm, accumulate, eval_every)
+    return generate(name, ScheduleOptions(len(stages), minibatches, plan.nm, plan.d, any(st.recompute for st in stages),
+                                          split, messages))
+
+
+def check_messages(spec: RunSpec, vw: int, stage: int) -> None:
+    """ValueError unless stage ``stage`` of VW ``vw`` has in its stream exactly the messages the run needs
+    (:func:`vw_messages`, where :func:`vw_schedule` puts them): a stream without them would compute other
+    numbers (a clip by one stage's share of the norm) or wait forever."""
+    layout = spec.schedules[vw]
+    want = vw_messages(spec.plan, spec.layout, vw, spec.clip_grad_norm, spec.accumulate, spec.eval_every)
+    if with_messages(without_messages(layout), want).streams[stage] != layout.streams[stage]:
+        raise ValueError(f"hetpipe: the stream of VW {vw} stage {stage} does not carry the messages the run needs "
+                         f"({want}); build the schedules with run.build.vw_schedule")
 
 
 def stage_pairs(spec: RunSpec) -> List[Tuple[int, int]]:
@@ -170,7 +210,8 @@ def build_shard(spec: RunSpec, shard: int, transport: Transport, pool, *,
 def data_reading(spec: RunSpec, part: Any, who: str) -> Reading:
     """What ``part`` (a built stage or shard) reads of the data, for the start-up data check
     (:mod:`hetpipe.loader.check`); a stage reads its first minibatches ahead."""
-    feeds = [f for f in (getattr(part, "inputs", None), getattr(part, "labels", None)) if f is not None]
+    io = getattr(part, "io", None)        # a stage's (StageIO); a shard reads no data
+    feeds = [f for f in (io.inputs, io.labels) if f is not None] if io is not None else []
     num_vws = len(spec.plan.virtual_workers)
     return reading(who, spec.data.minibatches_per_epoch(num_vws), spec.data.identity(),
                    [f.source for f in feeds], CHECKED)

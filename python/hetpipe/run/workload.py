@@ -20,16 +20,17 @@ from hetpipe.checkpoint import state as ckpt
 from hetpipe.job.roles import LaunchError
 from hetpipe.loader import as_source
 from hetpipe.model.contract import as_layers, infer_boundaries
+from hetpipe.model.layout import ModelLayout
 from hetpipe.model.names import model_names, param_names
 from hetpipe.model.tree import batch_of
 from hetpipe.plan.types import Plan
 from hetpipe.plan.precision import check_precision
+from hetpipe.run.build import vw_schedule
 from hetpipe.run.config import RunConfig, as_path
 from hetpipe.run.plan_cache import PlanCache, model_key, sample_key
 from hetpipe.run.report import Reporter
 from hetpipe.run.spec import RunSpec
 from hetpipe.run.world_plan import on_world
-from hetpipe.schedule.registry import ScheduleOptions, generate
 
 
 @dataclass
@@ -186,17 +187,15 @@ def run_spec(work: Workload, config: RunConfig, plan: Plan, resume: Optional[ckp
                              f"{resume.start.epoch} minibatch {resume.start.index}: nothing is left of the "
                              f"{epochs} epoch(s) to train")
     x, _ = work.data.sample()
-    schedules = []
-    for vw in plan.virtual_workers:
-        recompute = any(st.recompute for st in vw.stages)
-        schedules.append(generate(config.planning.schedule, ScheduleOptions(
-            len(vw.stages), total, plan.nm, plan.d, recompute=recompute, split_startup=split)))
     rep = config.reporting
+    clip = float(num.clip_grad_norm) if num.clip_grad_norm is not None else None
+    layout = ModelLayout(work.layers)
+    schedules = [vw_schedule(config.planning.schedule, plan, layout, vw.index, total, split, clip, num.accumulate,
+                             rep.eval_every) for vw in plan.virtual_workers]
     return RunSpec(plan, work.layers, work.loss_fn, work.optimizer, work.data, epochs, schedules,
                    infer_boundaries(work.layers, x), batch_of(x), copy_stream=config.runtime.copy_stream,
                    audit=config.ps.audit, seed=num.seed, resume=resume, lr_scheduler=num.lr_scheduler,
-                   clip_grad_norm=float(num.clip_grad_norm) if num.clip_grad_norm is not None else None,
-                   param_names=param_names(work.names), eval_every=rep.eval_every, eval_data=work.eval_data,
+                   clip_grad_norm=clip, param_names=param_names(work.names), eval_every=rep.eval_every, eval_data=work.eval_data,
                    eval_metric=rep.eval_metric, loss_scale=dict(num.loss_scale or {}), accumulate=num.accumulate)
 
 

@@ -2,10 +2,11 @@
 accumulated, checked finite, unscaled or skipped (fp16), clipped by the VW's norm, stepped
 (docs/design.md, "Gradient norm, clipping, accumulation and fp16 loss scaling").
 
-The gradients are gathered once; when the VW's gradient norm is needed (clipping, fp16), the stage's
-share goes to the other stages (:class:`~hetpipe.stage.grad_norm.NormExchange`) and the Apply waits
-for theirs, a retry only waiting for the shares. With accumulation the step comes every
-``accumulate`` minibatches (and after the last one) with the mean of their gradients.
+The gradients are gathered once, by the first of the minibatch's ``SendNorm`` and its ``Apply``.
+When the VW's gradient norm is needed (clipping, fp16), the stream's ``SendNorm`` and ``RecvNorm``
+before the Apply exchange the stages' shares (:class:`~hetpipe.stage.grad_norm.NormExchange`); the
+Apply sums them. With accumulation the step comes every ``accumulate`` minibatches (and after the
+last one) with the mean of their gradients; only those minibatches exchange shares.
 Thread role: the stage's executor thread.
 """
 
@@ -35,7 +36,7 @@ class MinibatchStep:
         self.verdicts = head.verdicts
         exchange = self.clip is not None or self.verdicts is not None
         self.norms = (NormExchange(ctx.vw, ctx.stage, [ctx.rank_of_stage(k) for k in range(ctx.num_stages)],
-                                   link.transport) if exchange and ctx.num_stages > 1 else None)
+                                   link.transport, ctx.who()) if exchange and ctx.num_stages > 1 else None)
         self.grad_norms: Dict[int, float] = {}      # minibatch -> the VW's gradient norm (with clipping)
         # Minibatches gathered since the last step, and the last minibatch (a step follows it).
         self.accumulate, self._group = run.accumulate, 0
@@ -47,20 +48,37 @@ class MinibatchStep:
         if self.last_minibatch is not None:
             self.last_minibatch = min(self.last_minibatch, (last_wave + 1) * self.model.nm - 1)
 
+    def send_norm(self, p: int, micros: Sequence[int], peer: int) -> bool:
+        """Send stage ``peer`` this stage's share of minibatch ``p``'s squared norm (gathering ``p``'s
+        gradients first, once); never blocks (True)."""
+        if self.norms is None:
+            raise StageError(f"hetpipe: {self.ctx.who()}: its stream exchanges gradient-norm shares, but the run "
+                             "neither clips by the VW's norm nor scales the loss")
+        if self._gathered is None and not self._gather(p, micros, p // self.model.nm):
+            raise StageError(f"hetpipe: {self.ctx.who()}: its stream exchanges gradient-norm shares at minibatch "
+                             f"{p}, whose Apply only accumulates (accumulate={self.accumulate})")
+        self.norms.send(p, peer, self._gathered[1])
+        return True
+
+    def recv_norm(self, p: int, peer: int) -> bool:
+        """Receive stage ``peer``'s share of minibatch ``p``'s squared norm; False while it has not arrived."""
+        if self.norms is None:
+            raise StageError(f"hetpipe: {self.ctx.who()}: its stream exchanges gradient-norm shares, but the run "
+                             "neither clips by the VW's norm nor scales the loss")
+        if self.norms.recv(p, peer):
+            return True
+        self.blocked.on = f"the gradient-norm share of minibatch {p} from {self.ctx.who(peer)}"
+        return False
+
     def apply(self, p: int, micros: Sequence[int]) -> bool:
-        """Apply minibatch ``p`` (micro-batches ``micros``); False while a peer's tied gradients or
-        norm share is missing (call again)."""
-        if self._gathered is None and not self.tied.arrived(p, micros):
-            return False
+        """Apply minibatch ``p`` (micro-batches ``micros``), its peers' tied gradients and norm shares
+        received before (the stream's ``RecvTied`` and ``RecvNorm``); never blocks (True)."""
         wave = p // self.model.nm
         if self._gathered is None and not self._gather(p, micros, wave):
             return True                         # accumulating: the step comes with a later minibatch
         if self.clip is not None or self.verdicts is not None:
             own = self._gathered[1]
             norm = self.norms.norm(p, own) if self.norms is not None else math.sqrt(own)
-            if norm is None:
-                self.blocked.on = self.norms.waiting_for(p)
-                return False
             if self.verdicts is not None:
                 scale = self.verdicts.verdict(p, wave, norm)
                 if scale is None:
@@ -77,7 +95,7 @@ class MinibatchStep:
         return True
 
     def _gather(self, p: int, micros: Sequence[int], wave: int) -> bool:
-        """Gather ``p``'s gradients; True when a step follows now (the share then went to the peers)."""
+        """Gather ``p``'s gradients; True when a step follows now (with this stage's share of the norm)."""
         self.model.gather(micros, wave, self.tied.take(micros), accumulate=self._group > 0)
         self._group += 1
         if (p + 1) % self.accumulate and p != self.last_minibatch:
@@ -94,6 +112,4 @@ class MinibatchStep:
         if self.verdicts is not None and is_last and not math.isfinite(self.losses.get(p, 0.0)):
             own = math.inf                      # an overflowed loss skips the step even if its gradients look finite
         self._gathered = (p, own)
-        if self.norms is not None:
-            self.norms.send(p, own)
         return True

@@ -2,12 +2,13 @@
 weights, and the verdict (go on, or stop early) that every stage of VW 0 waits for.
 
 Contract (docs/design.md, "Evaluation and early stopping"). After Push(w) of each wave ``w`` with
-``(w + 1) % every == 0`` (the last wave excepted), every stage of VW 0 runs an :class:`EvalPass`
-before its next instruction: the stages that read inputs (stage 0, and stages taking side inputs)
-read the evaluation minibatches; each stage runs its layers forward on its live weights (no
-gradient, modules in eval mode, the run's precision) and sends the output to the next stage as an
-EVAL message; the last stage computes the loss (and the metric) of each minibatch, then asks
-``decide`` (the run's callbacks) and sends the VERDICT to the other stages of VW 0: the wave after
+``(w + 1) % every == 0`` (the last wave excepted), the streams of VW 0's stages hold ``Eval(w)``
+(:mod:`hetpipe.schedule.messages`), which runs an :class:`EvalPass`: the stages that read inputs
+(stage 0, and stages taking side inputs) read the evaluation minibatches; each stage runs its layers
+forward on its live weights (no gradient, modules in eval mode, the run's precision) and sends the
+output to the next stage as an EVAL message; the last stage computes the loss (and the metric) of
+each minibatch, then asks ``decide`` (the run's callbacks). Its ``SendVerdict(w, s)`` instructions
+then send the VERDICT to the other stages of VW 0, whose ``RecvVerdict`` wait for it: the wave after
 which the run stops, or -1. A stop after wave ``w`` takes effect after wave ``w + D + 1``: under the
 staleness bound another VW may have started waves up to that one, and every VW trains the same waves.
 
@@ -34,24 +35,21 @@ from hetpipe.transport.protocol import EVAL, VERDICT, Header
 
 @dataclass
 class Evaluation:
-    """How VW 0 evaluates: every ``every`` waves, on ``source`` (a DataSource; None: the evaluation
-    point only decides), with ``metric(output, labels) -> float`` besides the loss; ``decide(wave,
-    result) -> bool`` (on the last stage) says whether to stop; ``last_wave`` is the run's last wave."""
+    """How VW 0 evaluates at the points its streams hold (``Eval``): on ``source`` (a DataSource; None:
+    the evaluation point only decides), with ``metric(output, labels) -> float`` besides the loss;
+    ``decide(wave, result) -> bool`` (on the last stage) says whether to stop; ``last_wave`` is the
+    run's last wave and ``d`` its staleness bound (a stop takes effect ``d + 1`` waves later)."""
 
-    every: int
     source: Any
     last_wave: int
     d: int
     metric: Optional[Callable] = None
     decide: Optional[Callable[[int, Dict[str, float]], bool]] = None
 
-    def due(self, wave: int) -> bool:
-        return (wave + 1) % self.every == 0 and wave < self.last_wave
-
 
 class EvalPoints:
-    """VW 0's evaluation points on one stage: the pass in progress (``running``), the results (last
-    stage), and what the stage needs to run a pass: its context, model, feeds and loss (``io``, a
+    """VW 0's evaluation points on one stage: the pass in progress, the results (last stage), the
+    verdicts, and what the stage needs to run a pass: its context, model, feeds and loss (``io``, a
     ``StageIO``), its value messages (``values``, a ``ValueChannel``), its link and its ``blocked``."""
 
     def __init__(self, evaluation: Optional[Evaluation], ctx, model, io, values, link, blocked) -> None:
@@ -60,29 +58,55 @@ class EvalPoints:
         self.is_first, self.is_last = ctx.stage == 0, ctx.stage == ctx.num_stages - 1
         self.results: List[Dict[str, float]] = []
         self._pass: Optional[EvalPass] = None
+        self._moved = False                                  # a pass progressed without ending
+        self._decided: Dict[int, Optional[int]] = {}         # last stage: wave -> the verdict (a stop, or None)
         self._stop: Optional[int] = None
 
-    @property
-    def running(self) -> bool:
-        return self._pass is not None
-
-    def after_push(self, wave: int) -> None:
-        """Push(``wave``) ran: start the evaluation point of ``wave`` if there is one."""
-        if self.evaluation is not None and self.evaluation.due(wave):
+    def run(self, wave: int) -> bool:
+        """``Eval(wave)``: run the pass of wave ``wave`` until it blocks (False) or ends (True)."""
+        if self.evaluation is None:
+            raise StageError(f"hetpipe: {self.ctx.who()}: its stream evaluates after wave {wave}, but only VW 0's "
+                             "stages of a run with eval_every have evaluation points")
+        if self._pass is None:
             self._pass = EvalPass(self, self.evaluation, wave)
-
-    def step(self) -> bool:
-        """Run the pass until it blocks or ends; True if it made progress."""
         progressed = self._pass.step()
-        if self._pass.done:
-            done, self._pass = self._pass, None
-            if done.result is not None:
-                self.results.append(done.result)
-            self._stop = done.stop_after
-        return progressed
+        if not self._pass.done:
+            self._moved = self._moved or progressed
+            return False
+        done, self._pass = self._pass, None
+        if done.result is not None:
+            self.results.append(done.result)
+        if self.is_last:
+            self._decided[wave] = self._stop = done.stop_after
+        return True
+
+    def moved(self) -> bool:
+        """Whether a pass progressed without ending since the last call."""
+        moved, self._moved = self._moved, False
+        return moved
+
+    def send_verdict(self, wave: int, peer: int) -> bool:
+        """``SendVerdict(wave, peer)``: the last stage's verdict of wave ``wave`` to stage ``peer``."""
+        stop = self._decided[wave]
+        self.link.send_header(self.ctx.rank_of_stage(peer), Header(VERDICT, self.ctx.vw, self.ctx.stage, wave,
+                                                                   -1 if stop is None else stop))
+        return True
+
+    def recv_verdict(self, wave: int, peer: int) -> bool:
+        """``RecvVerdict(wave, peer)``: the verdict of wave ``wave`` from the last stage ``peer``; False
+        while it has not arrived."""
+        msg = self.link.transport.try_recv(self.ctx.rank_of_stage(peer), VERDICT)
+        if msg is None:
+            self.blocked.on = f"the evaluation verdict of wave {wave} from {self.ctx.who(peer)}"
+            return False
+        if msg.header.mb != wave:
+            raise StageError(f"hetpipe: {self.ctx.who()} waits for the evaluation verdict of wave {wave}, got "
+                             f"one of wave {msg.header.mb}")
+        self._stop = msg.header.aux if msg.header.aux >= 0 else None
+        return True
 
     def take_stop(self) -> Optional[int]:
-        """The early stop the pass that just ended decided (the last wave trained), once; None: go on."""
+        """The early stop the last ``Eval`` (last stage) or ``RecvVerdict`` decided, once; None: go on."""
         stop, self._stop = self._stop, None
         return stop
 
@@ -178,10 +202,9 @@ class EvalPass:
         self.samples += n
 
     def _conclude(self) -> bool:
-        """After the last minibatch: the last stage decides and tells the others; they wait for it."""
-        pt = self.points
-        last = pt.ctx.num_stages - 1
-        if pt.is_last:
+        """After the last minibatch: the last stage scores the point and decides (its verdict goes out
+        with the stream's SendVerdict instructions)."""
+        if self.points.is_last:
             self.result = {"wave": self.wave, "samples": self.samples}
             if self.samples:
                 self.result["loss"] = self.loss_sum / self.samples
@@ -190,18 +213,5 @@ class EvalPass:
             stop = bool(self.ev.decide(self.wave, self.result)) if self.ev.decide is not None else False
             after = self.wave + self.ev.d + 1
             self.stop_after = after if stop and after < self.ev.last_wave else None
-            for s in range(last):
-                pt.link.send_header(pt.ctx.rank_of_stage(s), Header(VERDICT, pt.ctx.vw, pt.ctx.stage, self.wave,
-                                                                    -1 if self.stop_after is None else self.stop_after))
-            self.done = True
-            return True
-        msg = pt.link.transport.try_recv(pt.ctx.rank_of_stage(last), VERDICT)
-        if msg is None:
-            pt.blocked.on = f"the evaluation verdict of wave {self.wave} from {pt.ctx.who(last)}"
-            return False
-        if msg.header.mb != self.wave:
-            raise StageError(f"hetpipe: {pt.ctx.who()} waits for the evaluation verdict of wave {self.wave}, got "
-                             f"one of wave {msg.header.mb}")
-        self.stop_after = msg.header.aux if msg.header.aux >= 0 else None
         self.done = True
         return True

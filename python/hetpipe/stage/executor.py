@@ -5,14 +5,16 @@ arrived, a Pull whose reply has not come) and returns whether it made progress. 
 driver polls ``step()`` with a back-off and a deadline; the single-process replay round-robins the
 ``step()`` of every stage and shard. Both run exactly this code, so both compute the same numbers.
 
-Thread role: one thread per executor. Lifetime: built once per run, ``finished`` after its stream,
-its pushes' completion and its DONE messages to the PS shards.
+Thread role: one thread per executor. Lifetime: built once per run, ``finished`` after its stream
+(which ends with ``Done``: the DONE messages to the PS shards) and the completion of its sends.
 
-The executor dispatches; its collaborators own the rest: the stage's values to and from its
+Every message the stage sends or receives is an instruction of its stream (``schedule.ir``; the run's
+messages besides activations and gradients are inserted by ``schedule.messages``). The executor
+dispatches each instruction to the collaborator owning it: the stage's values to and from its
 neighbours (``stage.traffic``), its tied-gradient exchange (``stage.tied_exchange``), each
-minibatch's Apply with the norm exchange, clipping and fp16 verdicts (``stage.apply``), VW 0's
-evaluation points (``stage.evaluate``) and the early stop (``stage.early_stop``). Every message goes
-through the stage's :class:`StageLink` (``transport.link``), which moves tensors device to device or
+minibatch's norm exchange and Apply with clipping and fp16 verdicts (``stage.apply``), VW 0's
+evaluation points and verdicts (``stage.evaluate``) and the early stop (``stage.early_stop``).
+Every message goes through the stage's :class:`StageLink` (``transport.link``), which moves tensors device to device or
 through pinned slots as the rank's transport backend allows. The wire codec lives in
 ``transport.codec``, the parameter-server client side in ``ps.client``.
 """
@@ -20,13 +22,14 @@ through pinned slots as the rank's transport backend allows. The wire codec live
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from hetpipe.model.tree import batch_of, flatten, to_device
-from hetpipe.schedule.ir import (Apply, Bwd, Fwd, Instr, Pull, Push, Recompute, RecvAct, RecvGrad, SendAct,
-                                 SendGrad)
+from hetpipe.schedule.ir import (Apply, Bwd, Done, Eval, Fwd, Instr, Pull, Push, Recompute, RecvAct, RecvGrad,
+                                 RecvNorm, RecvTied, RecvVerdict, SendAct, SendGrad, SendNorm, SendTied, SendVerdict)
+from hetpipe.schedule.messages import norm_exchange
 from hetpipe.schedule.trace import TraceEvent
 from hetpipe.stage.apply import MinibatchStep
 from hetpipe.stage.early_stop import EarlyStop
@@ -74,13 +77,31 @@ class StageExecutor:
         # VW 0's evaluation points, and the early stop they (or a STOPPED pull reply) may decide.
         self.evals = EvalPoints(run.evaluation if ctx.vw == 0 else None, ctx, model, io, self.values, link,
                                 self.blocked)
-        self.early_stop = EarlyStop(self._minibatch, model.nm)
+        exchange = (lambda mb: norm_exchange(ctx.stage, ctx.num_stages, mb)) if self.steps.norms is not None else None
+        self.early_stop = EarlyStop(self._minibatch, model.nm, exchange)
         self._recv_act: Dict[int, torch.Tensor] = {}
         self._recv_grad: Dict[int, torch.Tensor] = {}
         self._outputs: Dict[int, torch.Tensor] = {}
         self._in_grads: Dict[int, Optional[torch.Tensor]] = {}
         self._bwd_started: Dict[int, float] = {}
-        self._done_sent = False
+        # Each instruction kind's handler: True once it ran, False while it cannot proceed yet.
+        self._handlers: Dict[type, Callable[[Any], bool]] = {
+            Fwd: self._fwd, Bwd: self._bwd, Recompute: self._recompute, Apply: self._apply,
+            SendAct: self._send_act, SendGrad: self._send_grad,
+            RecvAct: lambda i: self.values.recv(ACT, i.peer, i.mb, self._recv_act, io.expect_in, "activation"),
+            RecvGrad: lambda i: self.values.recv(GRAD, i.peer, i.mb, self._recv_grad, self._grad_boundary, "gradient"),
+            Push: lambda i: self._ps_step(self.ps.push(i.wave)),
+            Pull: lambda i: self._ps_step(self.ps.pull(i.wave)),
+            SendTied: lambda i: self.tied.send(i.mb, i.peer),
+            RecvTied: lambda i: self.tied.recv(i.mb, i.peer),
+            SendNorm: lambda i: self.steps.send_norm(self._minibatch(i.mb), self._micros_of(self._minibatch(i.mb)),
+                                                     i.peer),
+            RecvNorm: lambda i: self.steps.recv_norm(self._minibatch(i.mb), i.peer),
+            Eval: lambda i: self.evals.run(i.wave),
+            SendVerdict: lambda i: self.evals.send_verdict(i.wave, i.peer),
+            RecvVerdict: lambda i: self.evals.recv_verdict(i.wave, i.peer),
+            Done: self._done,
+        }
 
     # --- what the run reads of a stage ---------------------------------------------------------
     @property
@@ -97,14 +118,6 @@ class StageExecutor:
     def lrs(self) -> Dict[int, float]:
         """Last stage: minibatch -> its step's learning rate."""
         return self.head.lrs
-
-    @property
-    def inputs(self) -> Any:
-        return self.io.inputs
-
-    @property
-    def labels(self) -> Any:
-        return self.io.labels
 
     @property
     def scaler(self) -> Any:
@@ -134,49 +147,30 @@ class StageExecutor:
         """g of the latest Pull (the minimum over the shards pulled from)."""
         return self.ps.global_clock
 
-    @property
-    def pushes_sent(self) -> Dict[int, int]:
-        """PS shard -> the pushes this stage sent to it."""
-        return self.ps.pushes_sent
-
     # --- driver interface ---------------------------------------------------------------------
     def step(self) -> bool:
         """Run instructions until blocked or finished; True if anything happened."""
         progressed = self.link.progress()
-        progressed = self.tied.send() or progressed
+        progressed = self.tied.flush() or progressed
         while self.pc < len(self.stream):
-            if self.evals.running:
-                progressed = self.evals.step() or progressed
-                if self.evals.running:
-                    return self.link.progress() or progressed
-                stop = self.evals.take_stop()
-                if stop is not None:
-                    self.ps.stop_after = stop
-                    self._stop_after(stop)
-                continue
             instr = self.stream[self.pc]
             started = time.perf_counter()
-            if not self._execute(instr):
-                return self.link.progress() or progressed
+            handler = self._handlers.get(type(instr))
+            if handler is None:
+                raise StageError(f"hetpipe: {self.ctx.who()} cannot execute {instr!r}")
+            if not handler(instr):
+                return self.link.progress() or self.evals.moved() or progressed
             if self.timing.trace is not None:
                 self._record(instr, started)
             self.pc += 1
             progressed = True
-            if isinstance(instr, Push):
-                self.evals.after_push(instr.wave)
+            stop = self.evals.take_stop()
+            if stop is not None:
+                self.ps.stop_after = stop
+                self._stop_after(stop)
             elif isinstance(instr, Pull) and self.ps.stopped:
                 self._stop_after(instr.wave - 1)
             self.link.progress()
-        if self.link.copies_pending():
-            self.blocked.on = "its device copies"
-            return self.link.progress() or progressed
-        if self.tied.unsent:
-            self.blocked.on = f"{self.link.waiting_for} to send tied gradients"
-            return progressed
-        if not self._done_sent:
-            self.ps.send_done()
-            self._done_sent = True
-            progressed = True
         self.link.progress()
         if self.link.pending_sends():
             self.blocked.on = "completion of its outgoing messages"
@@ -200,46 +194,45 @@ class StageExecutor:
 
     def _stop_after(self, last: int) -> None:
         """End the stream after wave ``last`` (stage.early_stop)."""
-        self.stream = self.early_stop.truncate(self.stream, self.pc, last)
         self.steps.stop_after(last)
+        p = self.steps.last_minibatch
+        self.stream = self.early_stop.truncate(self.stream, self.pc, last,
+                                               None if p is None else self._micros_of(p)[-1])
 
     # --- instructions ---------------------------------------------------------------------------
-    def _execute(self, instr: Instr) -> bool:
-        if isinstance(instr, Fwd):
-            self._fwd(instr.mb)
-        elif isinstance(instr, Bwd):
-            self._bwd(instr.mb)
-        elif isinstance(instr, Recompute):
-            self._recompute(instr.mb)
-        elif isinstance(instr, Apply):
-            p = self._minibatch(instr.mb)
-            return self.steps.apply(p, tuple(self.layout.micros_of(p)) if self.layout is not None else (p,))
-        elif isinstance(instr, SendAct):
-            return self._send_act(instr.mb, instr.peer)
-        elif isinstance(instr, SendGrad):
-            g = self._in_grads.get(instr.mb)
-            if g is None:
-                raise StageError(f"hetpipe: {self.ctx.who()} has no input gradient for minibatch {instr.mb}")
-            if not self.values.send(GRAD, instr.peer, instr.mb, g):
-                return False
-            del self._in_grads[instr.mb]
-        elif isinstance(instr, RecvAct):
-            return self.values.recv(ACT, instr.peer, instr.mb, self._recv_act, self.io.expect_in, "activation")
-        elif isinstance(instr, RecvGrad):
-            return self.values.recv(GRAD, instr.peer, instr.mb, self._recv_grad, self._grad_boundary, "gradient")
-        elif isinstance(instr, Push):
-            return self._ps_step(self.ps.push(instr.wave))
-        elif isinstance(instr, Pull):
-            return self._ps_step(self.ps.pull(instr.wave))
-        else:
-            raise StageError(f"hetpipe: {self.ctx.who()} cannot execute {instr!r}")
+    def _apply(self, instr: Apply) -> bool:
+        p = self._minibatch(instr.mb)
+        return self.steps.apply(p, self._micros_of(p))
+
+    def _send_grad(self, instr: SendGrad) -> bool:
+        g = self._in_grads.get(instr.mb)
+        if g is None:
+            raise StageError(f"hetpipe: {self.ctx.who()} has no input gradient for minibatch {instr.mb}")
+        if not self.values.send(GRAD, instr.peer, instr.mb, g):
+            return False
+        del self._in_grads[instr.mb]
         return True
+
+    def _done(self, instr: Done) -> bool:
+        """DONE to every shard, once the stage's device copies and queued tied gradients are out."""
+        if self.link.copies_pending():
+            self.blocked.on = "its device copies"
+            return False
+        if self.tied.unsent:
+            self.blocked.on = f"{self.link.waiting_for} to send tied gradients"
+            return False
+        self.ps.send_done()
+        return True
+
+    def _micros_of(self, p: int) -> Sequence[int]:
+        """The micro-batches of minibatch ``p``."""
+        return tuple(self.layout.micros_of(p)) if self.layout is not None else (p,)
 
     def _minibatch(self, mb: int) -> int:
         return self.layout.minibatch_of(mb) if self.layout is not None else mb
 
-    def _fwd(self, mb: int) -> None:
-        started = time.perf_counter()
+    def _fwd(self, instr: Fwd) -> bool:
+        mb, started = instr.mb, time.perf_counter()
         data = to_device(self.io.inputs.get(mb), self.model.device) if self.io.inputs is not None else None
         side = data if isinstance(data, dict) else {}
         x = data if self.is_first else self._recv_act.pop(mb)
@@ -251,16 +244,20 @@ class StageExecutor:
         else:
             self._outputs[mb] = out
         self.pacer.pad(started, self.timing.fwd_time)
+        return True
 
-    def _recompute(self, mb: int) -> None:
+    def _recompute(self, instr: Recompute) -> bool:
         """Rebuild ``mb``'s recomputed segments (a no-op on a stage that recomputes no layer); the
         last stage takes its loss from the rebuilt output. Its time counts towards ``Bwd(mb)``'s."""
+        mb = instr.mb
         self._bwd_started[mb] = time.perf_counter()
         out = self.model.recompute_forward(mb)
         if self.is_last:
             self.head.recomputed(mb, out)
+        return True
 
-    def _bwd(self, mb: int) -> None:
+    def _bwd(self, instr: Bwd) -> bool:
+        mb = instr.mb
         started = self._bwd_started.pop(mb, None) or time.perf_counter()
         if self.is_last:
             root, grad = self.head.root(mb), None
@@ -272,10 +269,11 @@ class StageExecutor:
         if not self.is_first:
             # An input without floating leaves (token ids) still gets its (empty) gradient message.
             self._in_grads[mb] = grads if grads is not None else []
-        self.tied.queue(mb)
         self.pacer.pad(started, self.timing.bwd_time)
+        return True
 
-    def _send_act(self, mb: int, peer: int) -> bool:
+    def _send_act(self, instr: SendAct) -> bool:
+        mb, peer = instr.mb, instr.peer
         leaves, spec = flatten(self._outputs[mb], f"layer {self.model.stop - 1}")
         expect = self.io.expect_out
         if expect is not None and spec != expect.spec:

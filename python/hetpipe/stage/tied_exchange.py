@@ -1,10 +1,12 @@
 """The exchange of tied-parameter gradients among the stages of a VW that hold the same parameter
 (TIED messages; docs/design.md, "Tied weights").
 
-After its ``Bwd(mb)`` a stage queues, for each peer holding some of its tied parameters, the flat
-gradients of the parameters they share; they are sent in order as pool slots allow, without ever
-blocking the stage. ``Apply(p)`` waits until every peer's gradients of ``p``'s micro-batches arrived.
-No wait cycle: a peer sends after its own ``Bwd(mb)``, which never waits for any stage's Apply.
+The stream says when (:mod:`hetpipe.schedule.messages`): ``SendTied(mb, peer)`` after ``Bwd(mb)``
+queues the flat gradients of the parameters the stage shares with ``peer``; queued messages are sent
+in order as pool slots allow, without ever blocking the stage (DONE waits for the queue to drain).
+``RecvTied(mb, peer)`` receives the peer's, in the order the peer sent them, before the Apply of
+``mb``'s minibatch takes them. No wait cycle: a peer sends after its own ``Bwd(mb)``, which never
+waits for any stage's Apply.
 Thread role: the stage's executor thread.
 """
 
@@ -18,7 +20,7 @@ from hetpipe.stage.params import StageModel
 from hetpipe.stage.settings import StageContext
 from hetpipe.stage.traffic import Blocked
 from hetpipe.transport.link import StageLink
-from hetpipe.transport.protocol import TIED, Header
+from hetpipe.transport.protocol import TIED, Header, StageError
 
 
 class TiedExchange:
@@ -34,13 +36,14 @@ class TiedExchange:
     def unsent(self) -> bool:
         return bool(self._out)
 
-    def queue(self, mb: int) -> None:
-        """Queue micro-batch ``mb``'s tied gradients for every peer (after its backward) and send what fits."""
-        for peer in self.peers:
-            self._out.append((peer, mb, self.model.tied_grad(mb, self.model.keys_shared_with(peer))))
-        self.send()
+    def send(self, mb: int, peer: int) -> bool:
+        """Queue micro-batch ``mb``'s tied gradients for ``peer`` (after its backward) and send what fits;
+        never blocks (True)."""
+        self._out.append((peer, mb, self.model.tied_grad(mb, self.model.keys_shared_with(peer))))
+        self.flush()
+        return True
 
-    def send(self) -> bool:
+    def flush(self) -> bool:
         """Send the queued gradients, in order, while pool slots are free; True if any was sent."""
         sent = False
         while self._out:
@@ -52,19 +55,23 @@ class TiedExchange:
             sent = True
         return sent
 
-    def arrived(self, p: int, micros: Sequence[int]) -> bool:
-        """Receive until every peer's gradients of ``micros`` (minibatch ``p``'s) are here; False while
-        one is missing (the stage's ``blocked`` says which)."""
-        for peer in self.peers:
-            while any((peer, m) not in self._in for m in micros):
-                got = self.link.try_recv(self.ctx.rank_of_stage(peer), TIED)
-                if got is None:
-                    self.blocked.on = f"the tied-parameter gradients of minibatch {p} from {self.ctx.who(peer)}"
-                    return False
-                h, flat = got
-                self._in[(peer, h.mb)] = flat
+    def recv(self, mb: int, peer: int) -> bool:
+        """Receive ``peer``'s tied gradients of micro-batch ``mb``; False while they have not arrived."""
+        got = self.link.try_recv(self.ctx.rank_of_stage(peer), TIED)
+        if got is None:
+            self.blocked.on = f"the tied-parameter gradients of micro-batch {mb} from {self.ctx.who(peer)}"
+            return False
+        h, flat = got
+        if h.mb != mb:
+            raise StageError(f"hetpipe: {self.ctx.who()} expected the tied-parameter gradients of micro-batch {mb} "
+                             f"from {self.ctx.who(peer)}, got those of micro-batch {h.mb}")
+        self._in[(peer, mb)] = flat
         return True
 
     def take(self, micros: Sequence[int]) -> Dict[int, List[torch.Tensor]]:
         """Per peer, its received gradients of ``micros`` (in order), removed."""
+        missing = [(peer, m) for peer in self.peers for m in micros if (peer, m) not in self._in]
+        if missing:
+            raise StageError(f"hetpipe: {self.ctx.who()}: an Apply needs the tied-parameter gradients (stage, "
+                             f"micro-batch) {missing}, which its stream did not receive (RecvTied) before it")
         return {peer: [self._in.pop((peer, m)) for m in micros] for peer in self.peers}
