@@ -17,6 +17,7 @@ from hetpipe.schedule.registry import (
     ScheduleOptions, ScheduleSpec, generate, get_schedule, register, schedule_names, unregister,
 )
 from hetpipe.run.config import Planning, Reporting
+from hetpipe.run.config import Numerics
 
 GOLDEN = Path(__file__).parent / "golden"
 sys.path.insert(0, str(Path(__file__).parents[1] / "mpi" / "scripts"))
@@ -212,8 +213,9 @@ def test_a_registered_schedule_carries_the_runs_messages_and_trains_with_them(se
     g = torch.Generator().manual_seed(4)
     data = Batches(torch.randn(96, 64, generator=g), torch.randint(0, 64, (96,), generator=g), 16, seed=2)
     plan = one_vw_plan([2, 4], nm=2, d=0, num_layers=5)
-    trainer = Trainer(rm.tied_mlp(), rm.tied_loss, sgd(), data, plan=plan, epochs=2, progress=False,
-                      schedule="sequential", clip_grad_norm=0.2, eval_every=1)
+    trainer = Trainer(rm.tied_mlp(), rm.tied_loss, sgd(), data, plan=plan, epochs=2,
+                      planning=Planning(schedule="sequential"), numerics=Numerics(clip_grad_norm=0.2),
+                      reporting=Reporting(progress=False, eval_every=1))
     streams = trainer.spec(plan).schedules[0].streams
     assert {type(i) for i in streams[0]} >= {RecvTied, SendNorm, Eval} and not any(
         isinstance(i, RecvTied) for i in streams[1])
