@@ -43,6 +43,29 @@ def test_reproduce_prints_the_table_and_a_verdict_per_finding(capsys):
     assert "modelled devices" in out
 
 
+def test_the_default_run_gives_the_verdicts_the_docs_state(capsys):
+    """docs/performance.md states each finding's verdict for ``python bench/reproduce.py`` (the defaults),
+    with the gains of local PS placement: pinned here, so a simulator change that flips a verdict or
+    moves a stated gain fails until the docs say so."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "performance.md").read_text()
+    assert reproduce.main([]) == 0
+    out = capsys.readouterr().out
+    verdicts = re.findall(r"^(AGREES|DIFFERS) +(F\d) (.*)$", out, re.M)
+    assert [(v, f) for v, f, _ in verdicts] == [("AGREES", "F1"), ("AGREES", "F2"), ("AGREES", "F2"),
+                                                ("DIFFERS", "F2"), ("AGREES", "F3"), ("AGREES", "F3")]
+    assert "F1, ResNet-152: ED is the best policy. **Agrees** at every D." in docs
+    assert "- F3, larger D raises throughput with diminishing returns. **Agrees**" in docs
+
+    def gains(text):
+        r, v = re.search(r"resnet152 x([0-9.]+), vgg19 x([0-9.]+)", text).groups()
+        return round((float(r) - 1) * 100), round((float(v) - 1) * 100)
+
+    best, at_zero = gains(verdicts[2][2]), gains(verdicts[3][2])
+    flat = " ".join(docs.split())
+    assert f"at the best Nm and D ({best[1]}% against {best[0]}%)" in flat, best
+    assert f"**Differs** at D = 0 ({at_zero[1]}% against {at_zero[0]}%)" in flat, at_zero
+
+
 @pytest.mark.parametrize("flag,value", [("--d", "0,-1"), ("--nm", "2,x"), ("--waves", "1e9"), ("--models", "nope")])
 def test_reproduce_rejects_bad_input_in_one_line(capsys, flag, value):
     assert reproduce.main([flag, value]) == 2
