@@ -209,7 +209,8 @@ def test_a_stage_refuses_a_stream_without_the_messages_its_run_needs():
     from hetpipe.run.trainer import Trainer
 
     plan = one_vw_plan([3], nm=2, d=0)
-    spec = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, numerics=Numerics(clip_grad_norm=0.5)).spec(plan)
+    spec = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan,
+                   numerics=Numerics(clip_grad_norm=0.5)).spec(plan)
     assert any(isinstance(i, SendNorm) for i in spec.schedules[0].streams[0])
     spec.schedules = [generate("hetpipe", ScheduleOptions(2, spec.schedules[0].num_minibatches, 2, 0,
                                                           messages=MessageOptions()))]
@@ -234,10 +235,11 @@ def test_an_early_stop_at_a_minibatch_inside_an_accumulation_group_steps_with_th
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(16 * 24, 64, generator=g), torch.randint(0, 10, (16 * 24,), generator=g)
     plan = one_vw_plan([2, 4], nm=3, d=0)
-    kw = dict(plan=plan, progress=False, clip_grad_norm=0.3, accumulate=2)
+    kw = dict(plan=plan, numerics=Numerics(clip_grad_norm=0.3, accumulate=2))
     stopped = Trainer(mlp(), cross_entropy, sgd(), Batches(x, y, 16, shuffle=False),
-                      reporting=Reporting(eval_every=1, callbacks=[StopAt1()]), **kw).replay()
-    short = Trainer(mlp(), cross_entropy, sgd(), Batches(x[:16 * 9], y[:16 * 9], 16, shuffle=False), **kw).replay()
+                      reporting=Reporting(progress=False, eval_every=1, callbacks=[StopAt1()]), **kw).replay()
+    short = Trainer(mlp(), cross_entropy, sgd(), Batches(x[:16 * 9], y[:16 * 9], 16, shuffle=False),
+                    reporting=Reporting(progress=False), **kw).replay()
     assert stopped.stopped_after == 2 and sorted(stopped.losses[0]) == list(range(9))
     assert stopped.losses == short.losses
     assert all(torch.equal(torch.from_numpy(stopped.weights[l]), torch.from_numpy(short.weights[l]))
