@@ -222,8 +222,9 @@ def _add_launch_command(sub) -> None:
     p.add_argument("--hostfile", help="hosts to run on, one per line: host, host:slots or host slots=N; ranks fill "
                                       "the slots in order (default: -H, else the Slurm allocation, else this host)")
     p.add_argument("-H", "--hosts", dest="hosts", metavar="HOST:SLOTS,...", help="hosts to run on, as host:slots,...")
-    p.add_argument("--plan", metavar="PLAN", help="train this plan (the script's plan= must be none or the same) and put each rank on the host "
-                                                  "its node names; each node of the plan must be a host of the list")
+    p.add_argument("--plan", metavar="PLAN",
+                   help="train this plan (the script's plan= must be none or the same); put each rank on the host "
+                        "its node names; each node of the plan must be a host of the list")
     p.add_argument("--cluster", metavar="SPEC", help="the cluster a script's Trainer plans on when it names none: "
                                                      "auto (discover the ranks' devices), a preset or a JSON file "
                                                      "(the script's planning.cluster must be unset or the same)")
@@ -232,8 +233,9 @@ def _add_launch_command(sub) -> None:
                         "multi-node placement and supervision tested on one machine")
     p.add_argument("--mpi-arg", action="append", default=[], metavar="ARG",
                    help="pass ARG to mpiexec as it is (repeat for several, e.g. --mpi-arg=-genv --mpi-arg=X --mpi-arg=1)")
-    p.add_argument("--timeout", type=arg_seconds("--timeout"), help="seconds a rank may wait for a peer (runtime.timeout); "
-                                                 "a rank stopped for half of it is declared unresponsive")
+    p.add_argument("--timeout", type=arg_seconds("--timeout"),
+                   help="seconds a rank may wait for a peer (runtime.timeout); a rank stopped for half of it is "
+                        "declared unresponsive")
     p.add_argument("--start-timeout", type=arg_seconds("--start-timeout"), metavar="SECONDS",
                    help="seconds every rank gets to reach MPI start-up before the launcher names the ones that did "
                         "not and ends the job (sets HETPIPE_START_TIMEOUT; default: the peer timeout, at least 60)")
@@ -256,7 +258,8 @@ def _add_launch_command(sub) -> None:
                                                       "model, cluster and settings match, else plan and keep them "
                                                       "there (planning.plan_cache)")
     p.add_argument("--transport", help="the stage ranks' transport backend, e.g. torch-p2p or mpi-host "
-                                       "(runtime.transport; default: chosen per pair of stages, reported in the metrics)")
+                                       "(runtime.transport; default: chosen per pair of stages, reported in the "
+                                       "metrics)")
     p.add_argument("script", help="the Python script every rank runs")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
 

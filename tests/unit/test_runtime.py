@@ -227,19 +227,23 @@ def test_overriding_nm_or_d_clears_the_prediction_and_refuses_a_larger_nm_that_m
     from hetpipe.run.trainer import Trainer
     c = _common()
     plan = dataclasses.replace(c.one_vw_plan([3], nm=2, d=0), throughput=5.0)
-    got = Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=plan, planning=Planning(nm=1, d=1)).resolve_plan()
+    got = Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=plan,
+                  planning=Planning(nm=1, d=1)).resolve_plan()
     assert (got.nm, got.d, got.throughput) == (1, 1, 0.0)
     assert "nm 2 -> 1, d 0 -> 1" in got.meta["prediction"]
-    same = Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=plan, planning=Planning(nm=2, d=0)).resolve_plan()
+    same = Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=plan,
+                   planning=Planning(nm=2, d=0)).resolve_plan()
     assert same.throughput == 5.0 and "prediction" not in same.meta
     vw = plan.virtual_workers[0]
     sized = dataclasses.replace(plan, virtual_workers=(dataclasses.replace(vw, stages=tuple(
         dataclasses.replace(st, memory_bytes=900, memory_capacity=1000) for st in vw.stages)),))
-    assert Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=sized, planning=Planning(nm=1)).resolve_plan().nm == 1
+    assert Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=sized,
+                   planning=Planning(nm=1)).resolve_plan().nm == 1
     with pytest.raises(LaunchError, match=r"nm = 3 exceeds the plan's nm = 2, for which VW 0 stage 0 on cpu was "
                                           r"sized to 900 of its 1000 bytes.*re-plan"):
         Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=sized, planning=Planning(nm=3)).resolve_plan()
-    assert Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=plan, planning=Planning(nm=3)).resolve_plan().nm == 3
+    assert Trainer(c.mlp(), c.cross_entropy, c.sgd(), c.synthetic(), plan=plan,
+                   planning=Planning(nm=3)).resolve_plan().nm == 3
 
 
 @pytest.mark.parametrize("copy_stream", [False, True])

@@ -195,8 +195,8 @@ def run_spec(work: Workload, config: RunConfig, plan: Plan, resume: Optional[ckp
     return RunSpec(plan, work.layers, work.loss_fn, work.optimizer, work.data, epochs, schedules,
                    infer_boundaries(work.layers, x), batch_of(x), copy_stream=config.runtime.copy_stream,
                    audit=config.ps.audit, seed=num.seed, resume=resume, lr_scheduler=num.lr_scheduler,
-                   clip_grad_norm=clip, param_names=param_names(work.names), eval_every=rep.eval_every, eval_data=work.eval_data,
-                   eval_metric=rep.eval_metric, loss_scale=dict(num.loss_scale or {}), accumulate=num.accumulate)
+                   clip_grad_norm=clip, param_names=param_names(work.names), eval_every=rep.eval_every,
+                   eval_data=work.eval_data, eval_metric=rep.eval_metric, loss_scale=dict(num.loss_scale or {}), accumulate=num.accumulate)
 
 
 def reporter(config: RunConfig, plan: Plan, spec: RunSpec) -> Reporter:

@@ -49,7 +49,8 @@ def main() -> int:
 
     torch.cuda.set_device = observed_set_device
     plan = one_vw_plan([3], nm=2, d=0, device="cuda:0")
-    run = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=1, reporting=Reporting(progress=False)).fit()
+    run = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=1,
+                  reporting=Reporting(progress=False)).fit()
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD

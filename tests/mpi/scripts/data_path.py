@@ -116,7 +116,8 @@ def main() -> int:
         Trainer(m, loss_fn, opt, DataLoader(dataset(), batch_size=BATCH), plan=plan, epochs=1,
                 reporting=Reporting(progress=False)).fit()
         return 0
-    Trainer(model(), loss_fn, opt, RankOrdered(dataset()), plan=plan, epochs=1, reporting=Reporting(progress=False)).fit()
+    Trainer(model(), loss_fn, opt, RankOrdered(dataset()), plan=plan, epochs=1,
+                  reporting=Reporting(progress=False)).fit()
     return 0
 
 
