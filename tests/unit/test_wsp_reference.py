@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
+from wsp_oracle import forward
 from hetpipe.run.trainer import Trainer
 from hetpipe.schedule import Apply, Bwd, Fwd, hetpipe_compute_schedule
 from hetpipe.run.config import PSRule, Reporting, Runtime
@@ -76,21 +77,6 @@ def initial_params(model: nn.Sequential) -> List[List[torch.Tensor]]:
     return [[p.detach().clone() for p in layer.parameters()] for layer in model]
 
 
-def run_layers(model: nn.Sequential, params: List[List[torch.Tensor]], first: int, x: torch.Tensor) -> torch.Tensor:
-    """Layers ``first ..`` of ``model`` applied to ``x`` with the given parameters."""
-    for i, ps in enumerate(params):
-        layer = model[first + i]
-        if isinstance(layer, nn.Linear):
-            x = nn.functional.linear(x, ps[0], ps[1])
-        elif isinstance(layer, nn.ReLU):
-            x = torch.relu(x)
-        elif isinstance(layer, nn.Tanh):
-            x = torch.tanh(x)
-        else:
-            raise TypeError(f"no reference for {layer}")
-    return x
-
-
 class Sgd:
     """SGD, optionally with momentum (torch's convention: buf = g, then buf = m * buf + g;
     w -= lr * buf), on a list of tensors updated in place; its state belongs to one stage of one VW."""
@@ -114,7 +100,7 @@ def loss_and_grads(model: nn.Sequential, params: List[List[torch.Tensor]], batch
     """Mean cross-entropy of the whole model on ``batch`` and the gradients of every parameter."""
     leaves = [[p.clone().requires_grad_(True) for p in ps] for ps in params]
     x, y = batch
-    loss = nn.functional.cross_entropy(run_layers(model, leaves, 0, x), y)
+    loss = nn.functional.cross_entropy(forward(model, leaves, 0, x), y)
     loss.backward()
     return float(loss.detach()), [[p.grad for p in ps] for ps in leaves]
 
@@ -198,7 +184,7 @@ def two_stage_pipeline(model: nn.Sequential, batches: Sequence[Batch], cut: int,
                     continue
                 leaves = [[w.clone().requires_grad_(True) for w in ps] for ps in live[s]]
                 x = batches[p][0] if s == 0 else acts.pop(p).detach().requires_grad_(True)
-                out = run_layers(model, leaves, first[s], x)
+                out = forward(model, leaves, first[s], x)
                 if s == 0:
                     acts[p] = out.detach()
                 stash[s][p] = [leaves, x, out]

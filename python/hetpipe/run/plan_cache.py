@@ -19,6 +19,24 @@ from hetpipe.plan.types import Plan
 
 
 
+def plan_key(layers: Sequence[Any], sample: Any, cluster: Any, precision: str, planning: Any,
+             **extra: Any) -> Dict[str, Any]:
+    """The cache key of a plan made for ``layers`` on ``sample`` over ``cluster`` (a ClusterSpec) in
+    ``precision`` with ``planning``'s policy, Nm and D (a :class:`~hetpipe.run.config.Planning`); ``extra``:
+    what else the planner was given (e.g. the world's PS nodes). The fields in the order a mismatch is
+    reported."""
+    return {"model": model_key(layers), "sample": sample_key(sample), "cluster": cluster.to_dict(),
+            "precision": precision, "policy": planning.policy, "nm": planning.nm, "d": planning.d or 0, **extra}
+
+
+def planning_inputs(cluster: Any, profile: Dict[str, Any], planning: Any, minibatch_size: int, precision: str,
+                    **extra: Any) -> Dict[str, Any]:
+    """What a restarting launcher re-plans the surviving devices with (``planning.json``): the cluster,
+    the profile (JSON data) and the planner's settings of a plan made in this run."""
+    return {"cluster": cluster.to_dict(), "profile": profile, "policy": planning.policy, "nm": planning.nm,
+            "d": planning.d or 0, "minibatch_size": minibatch_size, "precision": precision, **extra}
+
+
 def model_key(layers: Sequence[Any]) -> list:
     """Per layer: its class, and the shape and dtype of each parameter and buffer, by name."""
     out = []

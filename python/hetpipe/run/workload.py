@@ -27,7 +27,7 @@ from hetpipe.plan.types import Plan
 from hetpipe.plan.precision import check_precision
 from hetpipe.run.build import vw_schedule
 from hetpipe.run.config import RunConfig, as_path
-from hetpipe.run.plan_cache import PlanCache, model_key, sample_key
+from hetpipe.run.plan_cache import PlanCache, plan_key, planning_inputs
 from hetpipe.run.report import Reporter
 from hetpipe.run.spec import RunSpec
 from hetpipe.run.world_plan import on_world
@@ -151,8 +151,7 @@ def _plan_here(work: Workload, config: RunConfig) -> Tuple[Plan, Dict[str, Any]]
     cache, key, plan = None, None, None
     if config.plan_cache is not None:
         cache = PlanCache(config.plan_cache)
-        key = {"model": model_key(work.layers), "sample": sample_key((x, y)), "cluster": cluster.to_dict(),
-               "precision": precision, "policy": p.policy, "nm": p.nm, "d": p.d or 0}
+        key = plan_key(work.layers, (x, y), cluster, precision, p)
         plan, why = cache.lookup(key)
         sys.stderr.write(f"hetpipe: plan cache: {why}\n")
     if plan is not None:
@@ -164,9 +163,7 @@ def _plan_here(work: Workload, config: RunConfig) -> Tuple[Plan, Dict[str, Any]]
         if cache is not None:
             cache.store(key, plan, profile, cluster)
         profile_data = profile.to_dict()
-    planning = {"cluster": cluster.to_dict(), "profile": profile_data, "policy": p.policy, "nm": p.nm,
-                "d": p.d or 0, "minibatch_size": batch_of(x), "precision": precision}
-    return work.check_layers(plan), planning
+    return work.check_layers(plan), planning_inputs(cluster, profile_data, p, batch_of(x), precision)
 
 
 def run_spec(work: Workload, config: RunConfig, plan: Plan, resume: Optional[ckpt.Resume] = None) -> RunSpec:

@@ -23,7 +23,7 @@ from hetpipe.job.roles import LaunchError
 from hetpipe.job.rundir import RUN_DIR_ENV
 from hetpipe.model.tree import batch_of
 from hetpipe.plan.types import Plan
-from hetpipe.run.plan_cache import PlanCache, model_key, sample_key
+from hetpipe.run.plan_cache import PlanCache, plan_key, planning_inputs
 from hetpipe.run.profiling import ProfilingError, profile_on_devices
 
 CLUSTER_FILE = "cluster.json"       # the discovered (or matched) cluster, in the run directory
@@ -85,9 +85,7 @@ def _planned(work: Any, config: Any, comm: Any, discovery: Discovery) -> Tuple[P
     p, cache_dir = config.planning, config.plan_cache
     precision = config.numerics.precision or "fp32"
     ps_nodes = [h.host for h in discovery.ps_slots()] or None
-    key = {"model": model_key(work.layers), "sample": sample_key((x, y)), "cluster": cluster.to_dict(),
-           "precision": precision, "policy": p.policy, "nm": p.nm, "d": p.d or 0,
-           "ps_nodes": ps_nodes}
+    key = plan_key(work.layers, (x, y), cluster, precision, p, ps_nodes=ps_nodes)
     cached = None
     if rank == 0 and cache_dir is not None:
         plan, why = PlanCache(cache_dir).lookup(key)
@@ -119,9 +117,8 @@ def _planned(work: Any, config: Any, comm: Any, discovery: Discovery) -> Tuple[P
     if rank == 0:
         sys.stderr.write(f"hetpipe: profile: {ModelProfile.from_dict(profile_data).source}\n")
     # What a restarting launcher re-plans the surviving devices with (plan rank 0 saves it).
-    planning = {"cluster": cluster.to_dict(), "profile": profile_data, "policy": p.policy, "nm": p.nm,
-                "d": p.d or 0, "minibatch_size": batch_of(x), "precision": precision, "ps_nodes": ps_nodes}
-    return Plan.from_json(plan_text), planning
+    return Plan.from_json(plan_text), planning_inputs(cluster, profile_data, p, batch_of(x), precision,
+                                                      ps_nodes=ps_nodes)
 
 
 def _save_cluster(cluster: ClusterSpec, plan_cache: Optional[Path]) -> None:
