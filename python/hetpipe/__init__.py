@@ -15,6 +15,8 @@ _LAZY = {
     "PerVWSource": "hetpipe.loader.source",
     "Plan": "hetpipe.plan.types",
     "named_params": "hetpipe.model.names",
+    "EarlyStopping": "hetpipe.run.callbacks",
+    "Callback": "hetpipe.run.callbacks",
     "Planning": "hetpipe.run.config",
     "PSRule": "hetpipe.run.config",
     "Numerics": "hetpipe.run.config",
@@ -34,5 +36,6 @@ def __getattr__(name):
 
 
 __all__ = ["Trainer", "TrainResult", "Batches", "DatasetSource", "StreamSource", "PerVWSource", "Plan", "named_params",
+           "EarlyStopping", "Callback",
            "Planning", "PSRule", "Numerics", "Checkpointing", "Reporting", "Runtime", "HetpipeDeprecationWarning",
            "HetpipeError", "__version__"]

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -189,13 +189,26 @@ class VWStream:
         return next(self._items)
 
 
-def _field(batch: Any, part: str) -> Any:
-    if part == BOTH:
-        return batch
+def as_pair(batch: Any) -> Tuple[Any, Any]:
+    """A minibatch as ``(inputs, labels)``: a pair as it is, or a Hugging Face-style mapping whose
+    ``"labels"`` entry is the labels and whose other entries are the inputs (a dict, as the model's
+    ``forward(**inputs)`` takes them)."""
+    if isinstance(batch, Mapping):
+        if "labels" not in batch:
+            raise ValueError(f"hetpipe: a minibatch given as a mapping needs a 'labels' entry; it has {sorted(batch)}")
+        return {k: v for k, v in batch.items() if k != "labels"}, batch["labels"]
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise ValueError(f"hetpipe: a minibatch must be an (inputs, labels) pair, got a {type(batch).__name__}"
-                         + (f" of {len(batch)} items" if isinstance(batch, (tuple, list)) else ""))
-    return batch[0] if part == INPUTS else batch[1]
+        raise ValueError(f"hetpipe: a minibatch must be an (inputs, labels) pair or a mapping with 'labels', got a "
+                         f"{type(batch).__name__}" + (f" of {len(batch)} items" if isinstance(batch, (tuple, list))
+                                                       else ""))
+    return batch[0], batch[1]
+
+
+def _field(batch: Any, part: str) -> Any:
+    inputs, labels = as_pair(batch)
+    if part == BOTH:
+        return inputs, labels
+    return inputs if part == INPUTS else labels
 
 
 class DatasetSource(DataSource):
@@ -267,7 +280,7 @@ class DatasetSource(DataSource):
     def sample(self) -> Any:
         if self.minibatches_per_epoch() == 0:
             raise ValueError(f"hetpipe: the dataset of {self.size} samples yields no minibatch of {self.batch_size}")
-        return next(iter(self._read(self._loader(), 0, 0, self.indices(0, [0]))))
+        return as_pair(next(iter(self._read(self._loader(), 0, 0, self.indices(0, [0])))))
 
     def _labels_of(self, idx: List[int]) -> torch.Tensor:
         if isinstance(self.labels, torch.Tensor):
@@ -369,7 +382,7 @@ class StreamSource(DataSource):
 
     def sample(self) -> Any:
         for batch in self._epoch(0):
-            return batch
+            return as_pair(batch)
         raise ValueError("hetpipe: the data yields no minibatch")
 
     def vw_stream(self, vw: int, num_vws: int, epochs: int, start_epoch: int = 0, start_index: int = 0,
@@ -418,7 +431,7 @@ class PerVWSource(DataSource):
 
     def sample(self) -> Any:
         for batch in self.factory(0, 1, 0):
-            return batch
+            return as_pair(batch)
         raise ValueError("hetpipe: the per-VW data factory yields no minibatch for VW 0")
 
     def vw_stream(self, vw: int, num_vws: int, epochs: int, start_epoch: int = 0, start_index: int = 0,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class WaveInfo:
     samples_per_s: float            # estimate for the whole run (VW 0's rate x VWs)
     global_clock: int               # the global clock of VW 0's latest pull
     time_s: float
+    step: int = 0                   # the run's optimizer steps by the wave's end, all VWs (see run_steps)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,14 @@ class EvalInfo:
     metric: Optional[float]         # the evaluation metric's mean, if one was given
     samples: int
     time_s: float
+    step: int = 0                   # the run's optimizer steps at the point, all VWs (see run_steps)
+
+
+def run_steps(wave: int, nm: int, num_vws: int, accumulate: int = 1) -> int:
+    """The optimizer steps the run has taken when every VW has finished wave ``wave``, counted as one
+    process training on all the data would take them: ``nm`` minibatches per VW per wave, one step per
+    ``accumulate`` of them."""
+    return (wave + 1) * nm * num_vws // accumulate
 
 
 class Callback:
@@ -74,3 +83,39 @@ class Callbacks:
             if getattr(cb, "on_eval", None) is not None and cb.on_eval(info) and self.stop_asked is None:
                 self.stop_asked = f"{type(cb).__name__}.on_eval at wave {info.wave}"
         return self.stop_asked is not None
+
+
+class EarlyStopping:
+    """Stop when the evaluation loss (``monitor="loss"``) or metric (``monitor="metric"``) has not
+    improved on its best by more than ``min_delta`` for ``patience`` evaluation points in a row
+    (``mode="max"`` for a metric that grows, such as accuracy). Its state is in the run's checkpoints
+    (``state_dict``), so a resumed run counts on where the killed one was."""
+
+    def __init__(self, patience: int = 3, min_delta: float = 0.0, monitor: str = "loss", mode: str = "min") -> None:
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"hetpipe: EarlyStopping(patience=) must be a whole number >= 1, got {patience!r}")
+        if not min_delta >= 0:
+            raise ValueError(f"hetpipe: EarlyStopping(min_delta=) must be >= 0, got {min_delta!r}")
+        if monitor not in ("loss", "metric") or mode not in ("min", "max"):
+            raise ValueError(f"hetpipe: EarlyStopping monitors 'loss' or 'metric' in mode 'min' or 'max', got "
+                             f"monitor={monitor!r}, mode={mode!r}")
+        self.patience, self.min_delta, self.monitor, self.mode = patience, float(min_delta), monitor, mode
+        self.best: Optional[float] = None
+        self.bad = 0                            # evaluation points in a row without an improvement
+
+    def on_eval(self, info: EvalInfo) -> bool:
+        value = info.loss if self.monitor == "loss" else info.metric
+        if value is None:
+            raise ValueError(f"hetpipe: EarlyStopping monitors the evaluation {self.monitor}, which the run does not "
+                             "compute (reporting.eval_data" + (" and eval_metric)" if self.monitor == "metric" else ")"))
+        if self.best is None or (self.best - value if self.mode == "min" else value - self.best) > self.min_delta:
+            self.best, self.bad = float(value), 0
+        else:
+            self.bad += 1
+        return self.bad >= self.patience
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"best": self.best, "bad": self.bad}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.best, self.bad = state["best"], int(state["bad"])

@@ -120,7 +120,13 @@ class Numerics:
     seed: seeds the data order and every stage's random draws (dropout), per (seed, VW, stage, minibatch).
     accumulate: each stage steps every ``accumulate`` minibatches with the mean of their gradients.
     clip_grad_norm: clip each minibatch's gradient to this norm, taken over all of its VW's stages.
-    lr_scheduler: a factory ``optimizer -> LRScheduler``, stepped once per local optimizer step.
+    lr_scheduler: a factory ``optimizer -> LRScheduler`` (any of ``torch.optim.lr_scheduler``'s or
+        transformers' ``get_*_schedule*``), built by every stage over its optimizer.
+    lr_scheduler_steps: what the scheduler counts. "run" (the default): the optimizer steps of the whole
+        run, as one process training on all the data would take them: each VW's scheduler steps once for
+        every VW's step, so a schedule sized for a plain loop (``epochs * len(loader)`` steps) spans the
+        run at any number of VWs. "vw": the VW's own steps (once per step; a VW takes about
+        ``1 / num_vws`` of the run's).
     """
 
     precision: Optional[str] = None
@@ -129,6 +135,7 @@ class Numerics:
     clip_grad_norm: Optional[float] = None
     lr_scheduler: Optional[Callable] = None
     loss_scale: Optional[Mapping[str, Any]] = None
+    lr_scheduler_steps: str = "run"
 
     def __post_init__(self) -> None:
         from hetpipe.stage.loss_scale import LossScale
@@ -144,6 +151,8 @@ class Numerics:
         if self.lr_scheduler is not None and not callable(self.lr_scheduler):
             raise TypeError("hetpipe: numerics.lr_scheduler must be a factory optimizer -> LR scheduler, "
                             f"got {self.lr_scheduler!r}")
+        if self.lr_scheduler_steps not in ("run", "vw"):
+            raise ValueError(f"hetpipe: numerics.lr_scheduler_steps must be 'run' or 'vw', got {self.lr_scheduler_steps!r}")
         LossScale(**dict(self.loss_scale or {}))             # checks the options now
 
 
@@ -183,7 +192,8 @@ class Reporting:
     the run's record (which version each pull got, the order each shard applied pushes), from which
     ``Trainer.replay(record=...)`` reproduces the run bitwise. eval_data / eval_every / eval_metric:
     evaluate the global weights every ``eval_every`` waves on ``eval_data`` (loss, and
-    ``eval_metric(output, labels)`` when given). callbacks: objects with ``on_wave_end`` and/or ``on_eval`` hooks
+    ``eval_metric(output, labels)`` when given); or every ``eval_every_steps`` optimizer steps of the
+    run, all VWs together as one process counts them (rounded to whole waves). callbacks: objects with ``on_wave_end`` and/or ``on_eval`` hooks
     (:mod:`hetpipe.run.callbacks`), run on the reporting rank.
     """
 
@@ -196,20 +206,29 @@ class Reporting:
     eval_every: Optional[int] = None
     eval_metric: Optional[Callable] = None
     callbacks: Sequence[object] = ()
+    eval_every_steps: Optional[int] = None
+
+    @property
+    def evaluates(self) -> bool:
+        return self.eval_every is not None or self.eval_every_steps is not None
 
     def __post_init__(self) -> None:
         from hetpipe.run.callbacks import Callbacks
 
         if self.eval_every is not None:
             whole("reporting.eval_every (waves)", self.eval_every)
-        if self.eval_data is not None and self.eval_every is None:
-            raise ValueError("hetpipe: reporting.eval_data needs reporting.eval_every (how many waves between "
-                             "evaluation points)")
+        if self.eval_every_steps is not None:
+            whole("reporting.eval_every_steps (optimizer steps)", self.eval_every_steps)
+            if self.eval_every is not None:
+                raise ValueError("hetpipe: give reporting.eval_every (waves) or eval_every_steps (steps), not both")
+        if self.eval_data is not None and not self.evaluates:
+            raise ValueError("hetpipe: reporting.eval_data needs reporting.eval_every_steps or eval_every (how often "
+                             "to evaluate)")
         if self.eval_metric is not None and not callable(self.eval_metric):
             raise TypeError("hetpipe: reporting.eval_metric must be a function (output, labels) -> float, "
                             f"got {self.eval_metric!r}")
         object.__setattr__(self, "callbacks", tuple(self.callbacks))
-        Callbacks(list(self.callbacks), self.eval_every is not None)       # checks them now, on every rank
+        Callbacks(list(self.callbacks), self.evaluates)       # checks them now, on every rank
 
 
 @dataclass(frozen=True)

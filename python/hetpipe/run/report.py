@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from hetpipe.plan.types import Plan
-from hetpipe.run.callbacks import Callbacks, EvalInfo, WaveInfo
+from hetpipe.run.callbacks import Callbacks, EvalInfo, WaveInfo, run_steps
 from hetpipe.schedule.trace import write_chrome_trace
 
 
@@ -39,8 +39,10 @@ class Reporter:
     """See the module docstring. ``attach`` the last stage of VW 0 before the first ``update``."""
 
     def __init__(self, plan: Plan, metrics: Optional[Path], tensorboard: Optional[Path], progress: bool,
-                 total: int, epochs: int, callbacks: Sequence[object] = (), evaluates: bool = False) -> None:
+                 total: int, epochs: int, callbacks: Sequence[object] = (), evaluates: bool = False,
+                 accumulate: int = 1) -> None:
         self.plan, self.total, self.epochs = plan, total, epochs
+        self.accumulate = accumulate
         self.ex: Any = None
         self.t0 = time.perf_counter()
         self.callbacks = Callbacks(callbacks, evaluates)
@@ -85,7 +87,7 @@ class Reporter:
             rate = self.samples * len(self.plan.virtual_workers) / now if now > 0 else 0.0
             norms = [ex.grad_norms[p] for p in mbs if p in ex.grad_norms]
             info = WaveInfo(self.wave, loss, ex.lrs.get(mbs[-1]), float(np.mean(norms)) if norms else None, rate,
-                            ex.global_clock, now)
+                            ex.global_clock, now, self._step(self.wave))
             # Staleness: how many waves VW 0's weights may lack from the global ones (its clock - g).
             staleness = max(0, self.wave + 1 - ex.global_clock)
             self._write({"event": "wave", "vw": 0, "wave": self.wave, "loss": loss, "lr": info.lr,
@@ -103,11 +105,15 @@ class Reporter:
             self.callbacks.wave_end(info)
             self.wave += 1
 
+    def _step(self, wave: int) -> int:
+        return run_steps(wave, self.plan.nm, len(self.plan.virtual_workers), self.accumulate)
+
     def evaluated(self, wave: int, result: Dict[str, float]) -> bool:
         """The decision hook of VW 0's evaluation points: report, then ask the callbacks."""
         self.update()
         now = time.perf_counter() - self.t0
-        info = EvalInfo(wave, result.get("loss"), result.get("metric"), int(result.get("samples", 0)), now)
+        info = EvalInfo(wave, result.get("loss"), result.get("metric"), int(result.get("samples", 0)), now,
+                        self._step(wave))
         event = {"event": "eval", "wave": wave, "loss": info.loss, "metric": info.metric, "samples": info.samples,
                  "time_s": now}
         stop = self.callbacks.evaluated(info)

@@ -47,6 +47,7 @@ class RunSpec:
     # and the optimizer states each stage restores once built. None: a run from the start.
     resume: Any = None
     lr_scheduler: Optional[Callable] = None     # optimizer -> LR scheduler, built and stepped by every stage
+    lr_stride: int = 1                          # scheduler steps per optimizer step (stage.optim)
     clip_grad_norm: Optional[float] = None      # clip each minibatch's gradient to this VW-wide norm
     param_names: Dict[Any, str] = field(default_factory=dict)   # (layer, local name) -> the model's name
     # VW 0's evaluation points (stage.evaluate): every eval_every waves (None: none), on eval_data (a

@@ -26,7 +26,9 @@ from hetpipe.model.tree import batch_of
 from hetpipe.plan.types import Plan
 from hetpipe.plan.precision import check_precision
 from hetpipe.run.build import vw_schedule
-from hetpipe.run.config import RunConfig, as_path
+from hetpipe.run.callbacks import run_steps
+from hetpipe.run.config import Reporting, RunConfig, as_path
+from hetpipe.run.optimizer import as_factory
 from hetpipe.run.plan_cache import PlanCache, plan_key, planning_inputs
 from hetpipe.run.report import Reporter
 from hetpipe.run.spec import RunSpec
@@ -42,6 +44,7 @@ class Workload:
 
     model: Any
     layers: List[nn.Module]
+    sequence: Any                   # what the profiler measures: the model, or its adapter's named layer list
     names: Dict[str, Any]
     loss_fn: Callable
     optimizer: Callable
@@ -49,17 +52,40 @@ class Workload:
     eval_data: Any
 
     @classmethod
-    def of(cls, model: Any, loss_fn: Callable, optimizer: Callable, data: Any, config: RunConfig) -> "Workload":
-        layers = as_layers(model)
+    def of(cls, model: Any, loss_fn: Optional[Callable], optimizer: Any, data: Any, config: RunConfig) -> "Workload":
+        sequence, loss_fn = _layers_and_loss(model, loss_fn)
+        layers = as_layers(sequence)
+        names = model_names(model, layers)
         seed = config.numerics.seed
         eval_data = config.reporting.eval_data
-        return cls(model, layers, model_names(model, layers), loss_fn, optimizer, as_source(data, seed),
+        return cls(model, layers, sequence, names, loss_fn, as_factory(optimizer, layers, names), as_source(data, seed),
                    as_source(eval_data, seed) if eval_data is not None else None)
 
     def check_layers(self, plan: Plan) -> Plan:
         if plan.num_layers != len(self.layers):
             raise LaunchError(f"hetpipe: the plan has {plan.num_layers} layers, the model {len(self.layers)}")
         return plan
+
+
+def _layers_and_loss(model: Any, loss_fn: Optional[Callable]) -> Tuple[Any, Callable]:
+    """The layer sequence the plan partitions and the loss: a sequence as given, or a model of a family
+    :func:`hetpipe.adapters.adapt` knows (a Hugging Face causal LM, a ResNet, a VGG) cut by its adapter,
+    whose loss (the model's own) is used when ``loss_fn`` is None."""
+    sequence = model
+    if isinstance(model, nn.Module) and not isinstance(model, (nn.Sequential, nn.ModuleList)):
+        from hetpipe.adapters import AdapterError, adapt
+
+        try:
+            adapted = adapt(model)
+        except AdapterError as e:
+            raise TypeError(f"hetpipe: the model must be an nn.Sequential, a list of modules or a model of a family "
+                            f"hetpipe.adapters.adapt knows; {e}") from None
+        loss_fn = loss_fn if loss_fn is not None else adapted.loss_fn
+        sequence = adapted.layers
+    if loss_fn is None:
+        raise TypeError(f"hetpipe: loss_fn is None, and the model ({type(model).__name__}) has no loss of its own "
+                        "that hetpipe knows: give loss_fn(output, labels)")
+    return sequence, loss_fn
 
 
 def override(plan: Plan, nm: Optional[int], d: Optional[int]) -> Plan:
@@ -157,7 +183,7 @@ def _plan_here(work: Workload, config: RunConfig) -> Tuple[Plan, Dict[str, Any]]
     if plan is not None:
         profile_data = cache.profile()
     else:
-        profile = profile_model(work.model, x, cluster, loss_fn=lambda out: work.loss_fn(out, y))
+        profile = profile_model(work.sequence, x, cluster, loss_fn=lambda out: work.loss_fn(out, y))
         plan = make_plan(cluster, profile, policy=p.policy, nm=p.nm, d=p.d or 0, minibatch_size=batch_of(x),
                          precision=precision)
         if cache is not None:
@@ -187,23 +213,35 @@ def run_spec(work: Workload, config: RunConfig, plan: Plan, resume: Optional[ckp
     rep = config.reporting
     clip = float(num.clip_grad_norm) if num.clip_grad_norm is not None else None
     layout = ModelLayout(work.layers)
+    eval_every = eval_waves(rep, plan, num.accumulate)
     schedules = [vw_schedule(config.planning.schedule, plan, layout, vw.index, total, split, clip, num.accumulate,
-                             rep.eval_every) for vw in plan.virtual_workers]
+                             eval_every) for vw in plan.virtual_workers]
     return RunSpec(plan, work.layers, work.loss_fn, work.optimizer, work.data, epochs, schedules,
                    infer_boundaries(work.layers, x), batch_of(x), copy_stream=config.runtime.copy_stream,
                    audit=config.ps.audit, seed=num.seed, resume=resume, lr_scheduler=num.lr_scheduler,
-                   clip_grad_norm=clip, param_names=param_names(work.names), eval_every=rep.eval_every,
+                   lr_stride=num_vws if num.lr_scheduler_steps == "run" else 1,
+                   clip_grad_norm=clip, param_names=param_names(work.names), eval_every=eval_every,
                    eval_data=work.eval_data, eval_metric=rep.eval_metric, loss_scale=dict(num.loss_scale or {}), accumulate=num.accumulate)
+
+
+def eval_waves(rep: Reporting, plan: Plan, accumulate: int) -> Optional[int]:
+    """The waves between VW 0's evaluation points: ``eval_every``, or ``eval_every_steps`` of the run's
+    optimizer steps (:func:`~hetpipe.run.callbacks.run_steps`) rounded to whole waves, at least one."""
+    if rep.eval_every_steps is None:
+        return rep.eval_every
+    per_wave = run_steps(0, plan.nm, len(plan.virtual_workers), accumulate)
+    return max(1, round(rep.eval_every_steps / max(1, per_wave)))
 
 
 def reporter(config: RunConfig, plan: Plan, spec: RunSpec) -> Reporter:
     """The reporter of the last stage of VW 0 (progress bar, metrics, TensorBoard, callbacks)."""
     rep = config.reporting
     return Reporter(plan, as_path(rep.metrics), as_path(rep.tensorboard), rep.progress,
-                    spec.schedules[0].num_minibatches, config.epochs, list(rep.callbacks), rep.eval_every is not None)
+                    spec.schedules[0].num_minibatches, config.epochs, list(rep.callbacks), spec.eval_every is not None,
+                    accumulate=config.numerics.accumulate)
 
 
 def wants_reporter(config: RunConfig) -> bool:
     """Whether a single-process replay needs a reporter (evaluation, callbacks or an output file)."""
     rep = config.reporting
-    return rep.eval_every is not None or bool(rep.callbacks) or rep.metrics is not None or rep.tensorboard is not None
+    return rep.evaluates or bool(rep.callbacks) or rep.metrics is not None or rep.tensorboard is not None

@@ -97,7 +97,7 @@ def _planned(work: Any, config: Any, comm: Any, discovery: Discovery) -> Tuple[P
         plan_text, profile_data = cached
     else:
         try:
-            profile = profile_on_devices(comm, work.model, (x, y), work.loss_fn, discovery, precision)
+            profile = profile_on_devices(comm, work.sequence, (x, y), work.loss_fn, discovery, precision)
         except ProfilingError as e:
             raise LaunchError(str(e)) from None
         plan_text, error = None, None

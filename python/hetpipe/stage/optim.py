@@ -4,6 +4,8 @@ VW's gradient norm for clipping, a skipped step for fp16's loss scaling).
 
 The LR scheduler steps after each optimizer step (one per minibatch, or per accumulated group) and
 after a skipped one, as in PyTorch's loss-scaling recipe: the same schedule on every stage of every VW.
+It steps ``lr_stride`` times each time: with the run's count (``numerics.lr_scheduler_steps="run"``),
+once for each VW's step taken meanwhile, so a schedule sized for one process spans the run.
 Thread role: the stage's one thread.
 """
 
@@ -25,8 +27,10 @@ class OptimizerStep:
     this stage's share of the VW's gradient norm counts."""
 
     def __init__(self, params: List[nn.Parameter], names: List[str], layer_params: List[List[Tuple[str, int]]],
-                 optimizer_factory: Callable, lr_scheduler: Optional[Callable], counted: List[nn.Parameter]) -> None:
+                 optimizer_factory: Callable, lr_scheduler: Optional[Callable], counted: List[nn.Parameter],
+                 lr_stride: int = 1) -> None:
         self.params, self._layer_params, self._counted = params, layer_params, counted
+        self.lr_stride = lr_stride
         if params and getattr(optimizer_factory, NAMED_ATTR, False):
             self.optimizer = optimizer_factory(list(zip(names, params)))
         else:
@@ -73,8 +77,7 @@ class OptimizerStep:
         if self.optimizer is None:
             return
         self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None:
-            self.scheduler.step()
+        self.scheduler_step()
 
     def step(self) -> None:
         """One optimizer step with the gathered gradients, which it then drops (call under no_grad);
@@ -84,4 +87,5 @@ class OptimizerStep:
 
     def scheduler_step(self) -> None:
         if self.scheduler is not None:
-            self.scheduler.step()
+            for _ in range(self.lr_stride):
+                self.scheduler.step()

@@ -64,8 +64,8 @@ class StageModel:
                  device: torch.device, recompute: Sequence[int] = (), layout: Optional[ModelLayout] = None,
                  tied_stages: Optional[Dict[TiedKey, Sequence[int]]] = None, seed: int = 0, vw: int = 0,
                  stage: int = 0, precision: str = "fp32", micro_offset: int = 0,
-                 lr_scheduler: Optional[Callable] = None, param_names: Optional[Dict[Tuple[int, str], str]] = None
-                 ) -> None:
+                 lr_scheduler: Optional[Callable] = None, param_names: Optional[Dict[Tuple[int, str], str]] = None,
+                 lr_stride: int = 1) -> None:
         self.start, self.stop, self.nm = start, stop, nm
         self.device = device
         self.precision = check_precision(precision, f"stage layers [{start}, {stop})")
@@ -95,7 +95,7 @@ class StageModel:
                                  who=f"stage layers [{start}, {stop})")
         self.stashes = WeightStashes(self.flat.data, self.params, self.flat.layer_params, self.ledger)
         self.optim = OptimizerStep(self.params, self.param_names, self.flat.layer_params, optimizer_factory,
-                                   lr_scheduler, self.tied.counted(self.params))
+                                   lr_scheduler, self.tied.counted(self.params), lr_stride)
         self.rng = StageRng(seed, vw, stage, micro_offset, device)
         self.runner = SegmentRunner(self.layers, start, stop, self.segments, self.precision, device,
                                     Replays(self.rng, self.layers))
