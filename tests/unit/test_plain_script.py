@@ -4,6 +4,7 @@ object with decay / no-decay groups, a transformers warm-up + cosine schedule an
 Nm = 1, D = 0: the pipeline is plain training); schedules counted in the run's steps at 2 VWs;
 evaluation every so many steps and EarlyStopping; and what the aggregation rule does per sample."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -193,3 +194,16 @@ def test_summed_updates_follow_plain_pytorchs_curve_per_sample_closer_than_avera
     rate per sample."""
     mean, summed = _per_sample_gap("mean"), _per_sample_gap("sum")
     assert summed < 0.5 * mean, (summed, mean)
+
+
+def test_the_start_up_line_says_what_the_rule_does_per_sample():
+    from hetpipe.run.explain import update_rule
+
+    plan = two_vw_plan(([3], [2]), (0.0, 0.0), nm=4, d=1)
+    mean = update_rule(plan, 32)
+    assert "1/2 as far as a one-process loop" in mean and "effective batch of 64" in mean
+    assert "aggregate='sum'" in mean and "up to 3 minibatch(es) still in flight" in mean
+    summed = update_rule(dataclasses.replace(plan, aggregate="sum"), 32)
+    assert "advances as a one-process loop does" in summed and "up to 1 wave(s)" in summed
+    one = update_rule(one_vw_plan([3], nm=1, d=0), 32, accumulate=2)
+    assert "1 VW stepping once per 2 minibatches of 32" in one and "in flight" not in one
