@@ -1,0 +1,134 @@
+"""The Hugging Face GPT-2 recipe of the README (examples/recipe): the plain PyTorch script runs, its
+hetpipe twin trains under `hetpipe launch`, and a run SIGKILLed at a random wave and resumed with
+`--resume` ends as the uninterrupted run: bitwise on the same plan (its metrics file and the model it
+saves for `from_pretrained`), within float tolerance on another plan (a device excluded)."""
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow, pytest.mark.mpi]
+pytest.importorskip("transformers")
+pytest.importorskip("tensorboard")
+
+RECIPE = Path(__file__).parents[2] / "examples" / "recipe"
+TIMEOUT_S = 420.0
+
+
+def _workdir(tmp_path: Path, name: str) -> Path:
+    work = tmp_path / name
+    work.mkdir()
+    for f in ("plain.py", "train.py"):
+        shutil.copy(RECIPE / f, work / f)
+    return work
+
+
+def _launch(work: Path, *args: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETPIPE_")}
+    return subprocess.Popen([sys.executable, "-m", "hetpipe.cli", "launch", *args, "train.py"], cwd=work, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate()
+        pytest.fail(f"the launch did not finish within {TIMEOUT_S} s:\n{err}")
+    assert proc.returncode == 0, err
+    return out
+
+
+def _waves(work: Path):
+    """The metrics file's wave and evaluation events without their times."""
+    keep = ("vw", "wave", "loss", "lr", "grad_norm", "metric", "samples", "step")
+    events = [json.loads(line) for line in (work / "out" / "metrics.jsonl").read_text().splitlines()]
+    return [{k: e[k] for k in keep if k in e} for e in events if e["event"] in ("wave", "eval")]
+
+
+def _model(work: Path):
+    from safetensors.torch import load_file
+
+    return load_file(str(work / "out" / "model" / "model.safetensors"))
+
+
+def _kill_at_random_wave(work: Path, proc: subprocess.Popen, run: Path) -> None:
+    """SIGKILL a random rank once VW 0 has finished a random wave and a checkpoint is complete."""
+    from hetpipe.checkpoint.format import latest
+
+    wave, victim = random.randint(2, 5), random.randrange(6)
+    metrics, deadline = work / "out" / "metrics.jsonl", time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        done = metrics.read_text().count('"event": "wave"') if metrics.exists() else 0
+        if done >= wave and latest(work / "out" / "ckpt") is not None:
+            os.kill(int((run / "attempt-0" / f"rank-{victim}.txt").read_text().split()[0]), signal.SIGKILL)
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before wave {wave}:\n{proc.communicate()[1]}")
+        time.sleep(0.01)
+    proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode != 0
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference run, and its plan (which the resumed runs are given, or another made from it)."""
+    base = tmp_path_factory.mktemp("recipe")
+    work = _workdir(base, "ref")
+    out = _finish(_launch(work, "-n", "6", "--run-dir", str(base / "run")))
+    assert "last loss" in out
+    return _waves(work), _model(work), base / "run" / "plan.json"
+
+
+def _another(plan_file: Path, to: Path) -> Path:
+    """The plan with VW 0's first stage cut one layer later (or earlier): the same VWs, Nm and D."""
+    from hetpipe.plan.types import Plan
+
+    plan = Plan.load(plan_file)
+    vw = plan.virtual_workers[0]
+    first, second = vw.stages[:2]
+    cut = first.stop + 1 if second.stop - second.start > 1 else first.stop - 1
+    stages = (dataclasses.replace(first, stop=cut), dataclasses.replace(second, start=cut), *vw.stages[2:])
+    other = dataclasses.replace(plan, virtual_workers=(dataclasses.replace(vw, stages=stages),
+                                                       *plan.virtual_workers[1:]))
+    other.save(to)
+    return to
+
+
+def test_the_plain_recipe_runs(tmp_path):
+    work = _workdir(tmp_path, "plain")
+    proc = subprocess.run([sys.executable, "plain.py"], cwd=work, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr
+    assert (work / "out" / "model" / "model.safetensors").exists() and "last loss" in proc.stdout
+
+
+@pytest.mark.parametrize("plan", ["same", "another"])
+def test_a_recipe_killed_at_a_random_wave_resumes_to_the_uninterrupted_runs_end(tmp_path, uninterrupted, plan):
+    """D = 0 (the plan rank 0 makes here). Another plan moves a stage cut: every parameter's optimizer
+    state and the schedule's position must reach the stage that now holds it."""
+    waves, weights, plan_file = uninterrupted
+    work = _workdir(tmp_path, "killed")
+    _kill_at_random_wave(work, _launch(work, "-n", "6", "--plan", str(plan_file), "--run-dir", str(tmp_path / "run")),
+                         tmp_path / "run")
+    given = plan_file if plan == "same" else _another(plan_file, tmp_path / "another.json")
+    _finish(_launch(work, "-n", "6", "--plan", str(given), "--resume", "out/ckpt"))
+    got = _model(work)
+    assert sorted(got) == sorted(weights)
+    if plan == "same":
+        assert _waves(work) == waves
+        assert all(torch.equal(got[k], weights[k]) for k in weights)
+    else:
+        assert [e["wave"] for e in _waves(work)] == [e["wave"] for e in waves]
+        assert max(abs(a["loss"] - b["loss"]) for a, b in zip(_waves(work), waves)) <= 1e-4
+        assert max(float((got[k] - weights[k]).abs().max()) for k in weights) <= 1e-5
