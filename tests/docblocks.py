@@ -2,7 +2,8 @@
 
 A block is fenced with its language: ``python``, ``bash`` or ``console`` (run), ``json`` (parsed),
 ``text`` (output, or commands this host cannot run: those are listed in :data:`NOT_RUN` with the
-reason). A block with another language, or none, is an error. An HTML comment on the line before a
+reason), ``diff`` (a unified diff between two files of the repository, which must equal theirs:
+:func:`repository_diff`). A block with another language, or none, is an error. An HTML comment on the line before a
 fence marks the block:
 
 - ``<!-- test: standalone -->``: a python block run in a namespace of its own (the page's other
@@ -36,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 RUN_LANGS = {"python", "bash", "console"}
-LANGS = RUN_LANGS | {"text", "json"}
+LANGS = RUN_LANGS | {"text", "json", "diff"}
 COMMAND_WORDS = {"hetpipe", "mpiexec", "mpirun", "python", "python3", "pip", "bash", "sh", "srun", "sbatch", "ssh",
                  "cmake", "ctest", "pytest"}
 UNIT_HETPIPE = {"plan", "simulate", "reproduce", "export", "info"}
@@ -107,7 +108,7 @@ class Block:
             return "ci"
         if self.file:
             return "file"
-        if self.lang in ("text", "json"):
+        if self.lang in ("text", "json", "diff"):
             return self.lang
         if self.lang == "python":
             return "mpi" if self.mark == "mpi" else "unit"
@@ -287,3 +288,14 @@ def parse_json(block: Block) -> None:
         json.loads(block.code)
     except ValueError as e:
         raise AssertionError(f"{block.where}: a json block that does not parse: {e}") from None
+
+
+def repository_diff(block: Block) -> str:
+    """The unified diff (one line of context) between the two repository files a ``diff`` block names
+    in its ``---`` / ``+++`` header lines, as the block should read."""
+    import difflib
+
+    lines = block.code.splitlines()
+    old, new = lines[0].removeprefix("--- "), lines[1].removeprefix("+++ ")
+    a, b = ((ROOT / f).read_text().splitlines() for f in (old, new))
+    return "\n".join(difflib.unified_diff(a, b, old, new, n=1, lineterm=""))

@@ -159,3 +159,10 @@ def test_every_environment_variable_is_documented():
     known = _variables(_source_files())
     stale = _variables(PAGES) - known
     assert not stale, f"the docs name HETPIPE_* variables the code does not know: {sorted(stale)}"
+
+
+def test_diff_blocks_are_the_files_diffs():
+    diffs = [b for b in db.all_blocks() if b.lang == "diff"]
+    assert diffs, "README.md shows the GPT-2 recipe's move as a diff"
+    for b in diffs:
+        assert b.code.rstrip("\n") == db.repository_diff(b), f"{b.where}: the diff is not the files' diff"
