@@ -88,7 +88,7 @@ def _run_plan(args) -> int:
             args.save_cluster = args.save_cluster or "cluster.json"
         else:
             cluster = load_cluster(args.cluster)
-        profile, note = profile_for_cluster(args.profile, cluster)
+        profile, note = profile_for_cluster(args.profile, cluster, precision=args.precision)
         if note:
             print(note)
         plan = make_plan(cluster, profile, policy=args.policy, nm=args.nm, d=args.d,
