@@ -303,8 +303,9 @@ def profile_for_cluster(spec: Union[str, Path, Mapping, "ModelProfile"], cluster
             return profile, ""
         flopless = [t for t in types if not cluster.device_types[t].peak_flops]
         if flopless:
-            fix = ("emulated types have none: give --profile a profile measured on this host (hetpipe.profile_model "
-                   "on the cpu-emulated-6 preset, or the profile.json of a launch with a plan cache)"
+            fix = ("which emulated types have not: give a profile measured on this host instead (the profile.json "
+                   "a launch with --plan-cache DIR writes there, or hetpipe.model.measure.profile_model's on "
+                   "cluster cpu-emulated-6)"
                    if cluster.emulated else "or give a profile measured on them (a profile.json that hetpipe wrote)")
             raise ValueError(f"profile {spec!r} is analytic: device type(s) {', '.join(flopless)} of cluster "
                              f"{cluster.name!r} need peak_flops (FLOP/s) in the cluster JSON, {fix}")
