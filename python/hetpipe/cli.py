@@ -88,7 +88,7 @@ def _run_plan(args) -> int:
             args.save_cluster = args.save_cluster or "cluster.json"
         else:
             cluster = load_cluster(args.cluster)
-        profile, note = profile_for_cluster(args.profile, cluster)
+        profile, note = profile_for_cluster(args.profile, cluster, precision=args.precision)
         if note:
             print(note)
         plan = make_plan(cluster, profile, policy=args.policy, nm=args.nm, d=args.d,
@@ -114,12 +114,22 @@ def _run_plan(args) -> int:
 
 
 def _discover():
-    """Under mpiexec: every rank reports what it holds; rank 0 gets the discovery, the others None."""
+    """Under mpiexec: every rank reports what it holds; rank 0 gets the discovery, the others None.
+    A lone process describes the world ``hetpipe launch`` would start on this host
+    (:func:`hetpipe.job.inventory.host_ranks`): its GPUs, or the ranks ``HETPIPE_EMULATE`` lists."""
     from hetpipe.job.discovery import discover
-    from hetpipe.job.inventory import rank_facts
+    from hetpipe.job.inventory import host_ranks, rank_facts
     from hetpipe.job.world import world
 
     comm = world()
+    if comm.Get_size() == 1:
+        n = host_ranks()
+        facts = [rank_facts(r, n) for r in range(n)]
+        if not any(f.get("emulate") or f.get("gpus") for f in facts) and not any(f["error"] for f in facts):
+            raise ValueError("--cluster auto: this host shows no GPU (nvidia-smi) and HETPIPE_EMULATE is not set: "
+                             "set it (e.g. HETPIPE_EMULATE=emu_fast,emu_slow), run under mpiexec on GPU hosts, or "
+                             "give --cluster a preset or a cluster JSON file")
+        return discover(facts)
     facts = comm.allgather(rank_facts(comm.Get_rank(), comm.Get_size()))
     try:
         found = discover(facts)     # the same on every rank: a bad world fails them all alike

@@ -104,3 +104,19 @@ def test_plan_cli_discovers_the_world_and_derives_unmeasured_types(tmp_path):
     plan = Plan.load(tmp_path / "plan.json")
     assert [sh.node for sh in plan.ps_shards] == ["hA"]
     assert plan.num_ranks == 5
+
+
+def test_plan_cli_on_emulated_ranks_with_an_analytic_preset_says_what_to_give(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from mpirun import mpiexec
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("HETPIPE_")},
+           "HETPIPE_EMULATE": "emu_fast,emu_slow,ps"}
+    proc = subprocess.run([mpiexec(), "-n", "3", sys.executable, "-m", "hetpipe.cli", "plan", "--cluster", "auto",
+                           "--profile", "vgg19"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.count("hetpipe plan: profile 'vgg19' is analytic") == 1, proc.stderr
+    assert "give a profile measured on this host instead" in proc.stderr

@@ -6,6 +6,7 @@ or Slurm start-up, a host that vanishes from the network) is listed in docs/clus
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -71,6 +72,20 @@ def test_a_rank_on_the_wrong_node_is_named_before_anything_starts(tmp_path, emul
            f"{_node(plan, 0)}" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("line", ["localhost slots={n}", "127.0.0.1"])
+def test_a_hostfile_naming_localhost_runs_here(tmp_path, emulated_plan, line):
+    path, plan = emulated_plan
+    hosts = tmp_path / "hosts"
+    n = plan.num_ranks
+    hosts.write_text(line.format(n=n) + "\n" if "slots" in line else f"{line}\n" * n)
+    proc = _launch("--hostfile", str(hosts), "-n", str(n), "--run-dir", str(tmp_path / "run"),
+                   "plan_cache_run.py", str(tmp_path / "out"), str(path))
+    assert proc.returncode == 0, proc.stderr
+    placed = json.loads((tmp_path / "run" / "placement.json").read_text())
+    assert set(placed["hosts"]) == {socket.gethostname()}
+    assert json.loads((tmp_path / "out" / "result.json").read_text())["losses"]
 
 
 @pytest.mark.parametrize("args, message", [

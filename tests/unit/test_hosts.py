@@ -31,6 +31,19 @@ def test_hostfile_forms_and_errors(tmp_path):
         choose(str(f), "a:1", {})
 
 
+def test_localhost_is_this_machine(tmp_path):
+    import socket
+
+    here = socket.gethostname()
+    f = tmp_path / "hosts"
+    f.write_text("localhost slots=2\n127.0.0.1:1\nLOCALHOST\nother-box:2\n")
+    slots = parse_hostfile(str(f))
+    # the name each rank reports, so placement and a plan's nodes match it
+    assert slots.hosts == ((here, 4), ("other-box", 2))
+    assert parse_hosts("localhost").hosts == ((here, 1),)
+    assert placement_problems([here, here], fill(parse_hosts("localhost:2"), 2)) == []
+
+
 def test_slurm_allocation():
     assert expand_nodelist("gpu[01-03,07],cpu5") == ["gpu01", "gpu02", "gpu03", "gpu07", "cpu5"]
     assert expand_nodelist("node[8-10]") == ["node8", "node9", "node10"]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from hetpipe.plan.cluster import ClusterSpec, Device, DeviceType, Link, cluster_from_dict
+from hetpipe.plan.peaks import PEAKS, lookup
 from hetpipe.util.errors import HetpipeError
 
 # Link defaults by kind (bytes/s, s). Discovery reads the kind of each link, not its speed: these
@@ -27,11 +28,9 @@ LINKS = {"nvlink": Link(100e9, 5e-6), "pcie": Link(12e9, 1e-5), "network": Link(
          "emulated-host": Link(2.0e9, 2e-5), "emulated-network": Link(2.5e8, 1e-4)}
 
 # Peak dense FP32 FLOP/s of GPUs by a word of their name: a prior for the speed of a type before it
-# is profiled (and the analytic presets' input); the profile measured on the type replaces it.
-PEAK_FP32 = {"h200": 67e12, "h100": 67e12, "a100": 19.5e12, "a40": 37.4e12, "a30": 10.3e12, "a10": 31.2e12,
-             "l40s": 91.6e12, "l40": 90.5e12, "l4": 30.3e12, "v100": 15.7e12, "t4": 8.1e12, "p100": 9.3e12,
-             "4090": 82.6e12, "3090": 35.6e12, "3080": 29.8e12, "2080": 13.4e12, "a6000": 38.7e12,
-             "titan v": 14.9e12, "titan rtx": 16.3e12, "p4000": 5.3e12}
+# is profiled (and the analytic presets' input); the profile measured on the type replaces it. The
+# half-precision figures are in hetpipe.plan.peaks, which the cluster reads by the type's hardware.
+PEAK_FP32 = {key: peak.fp32 for key, peak in PEAKS.items()}
 
 
 class DiscoveryError(HetpipeError, ValueError):
@@ -101,11 +100,8 @@ def gpu_type_name(hardware: str) -> str:
 
 def peak_fp32(hardware: str) -> float:
     """The peak FP32 FLOP/s of :data:`PEAK_FP32` whose key appears in ``hardware``'s name, else 0."""
-    name = hardware.lower()
-    for key in sorted(PEAK_FP32, key=len, reverse=True):
-        if key in name:
-            return PEAK_FP32[key]
-    return 0.0
+    peak = lookup(hardware)
+    return peak.fp32 if peak is not None else 0.0
 
 
 def _check_errors(facts: Sequence[Mapping[str, Any]]) -> None:

@@ -173,6 +173,20 @@ def parse_topology(text: str, indices: List[int]) -> Dict[Tuple[int, int], str]:
     return kinds
 
 
+def host_ranks() -> int:
+    """The world a lone process describes when it discovers for itself (``hetpipe plan --cluster auto``
+    not under mpiexec): the ranks ``hetpipe launch`` would start on this host, one per item of
+    ``HETPIPE_EMULATE``'s (else ``HETPIPE_HOST``'s) comma list, one for a single ``HETPIPE_EMULATE``
+    value, else one per GPU this host shows (one when it shows none)."""
+    for variable in (EMULATE_ENV, HOST_ENV):
+        value = os.environ.get(variable, "").strip()
+        if "," in value:
+            return len(value.split(","))
+    if os.environ.get(EMULATE_ENV, "").strip():
+        return 1
+    return max(1, len(local_gpus()))
+
+
 def rank_facts(rank: int, size: int) -> Dict[str, Any]:
     """Everything discovery needs from this rank (plain data, for an allgather). Bad environment
     values are reported in ``"error"`` rather than raised, so that every rank can name them together."""

@@ -38,15 +38,27 @@ class HostSlots:
         return ", ".join(f"{h}:{s}" for h, s in self.hosts)
 
 
+# Names of this machine a host list may use; they stand for its host name, which is what each rank
+# reports (socket.gethostname) and what plans and placement checks compare against.
+LOCAL_NAMES = ("localhost", "127.0.0.1")
+
+
+def local_host(name: str) -> str:
+    """``name``, or this machine's host name when ``name`` is one of :data:`LOCAL_NAMES`."""
+    import socket
+
+    return socket.gethostname() if name.lower() in LOCAL_NAMES else name
+
+
 def _entry(text: str, where: str) -> Tuple[str, int]:
-    """``host``, ``host:slots`` or Open MPI's ``host slots=N``."""
+    """``host``, ``host:slots`` or Open MPI's ``host slots=N``; ``localhost`` is this machine."""
     m = re.fullmatch(r"\s*([A-Za-z0-9_.\-]+)\s*(?::\s*(\S+)|\s+slots\s*=\s*(\S+))?\s*", text)
     if not m:
         raise HostsError(f"{where}: {text.strip()!r} is not host, host:slots or host slots=N")
     count = m.group(2) or m.group(3) or "1"
     if not count.isdigit() or int(count) < 1:
         raise HostsError(f"{where}: the slots of {m.group(1)} must be an integer >= 1, got {count!r}")
-    return m.group(1), int(count)
+    return local_host(m.group(1)), int(count)
 
 
 def _merged(entries: Sequence[Tuple[str, int]], source: str) -> HostSlots:

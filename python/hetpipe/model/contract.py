@@ -14,12 +14,28 @@ from hetpipe.model.tree import Boundary, boundary_of
 
 
 def as_layers(model: Union[nn.Module, Sequence[nn.Module]]) -> List[nn.Module]:
-    """The ordered layers of an ``nn.Sequential`` (or of a list of modules)."""
-    if isinstance(model, nn.Sequential):
-        return list(model)
-    if isinstance(model, (list, tuple, nn.ModuleList)):
-        return list(model)
-    raise TypeError(f"hetpipe: the model must be an nn.Sequential or a list of modules, got {type(model).__name__}")
+    """The ordered layers of an ``nn.Sequential`` (or of a list of modules). A ``torch.compile``'d
+    model, layer or submodule is refused (docs/training.md, "torch.compile")."""
+    if _compiled(model):
+        raise TypeError("hetpipe: the model is torch.compile'd, which hetpipe does not support yet (docs/training.md): "
+                        "pass the module itself (its ._orig_mod)")
+    if isinstance(model, nn.Sequential) or isinstance(model, (list, tuple, nn.ModuleList)):
+        layers = list(model)
+    else:
+        raise TypeError(f"hetpipe: the model must be an nn.Sequential or a list of modules, got {type(model).__name__}")
+    for i, layer in enumerate(layers):
+        inner = next((name or "itself" for name, m in layer.named_modules() if _compiled(m)), None) \
+            if isinstance(layer, nn.Module) else None
+        if inner is not None:
+            raise TypeError(f"hetpipe: layer {i} ({'its ' + inner if inner != 'itself' else 'the layer itself'}) "
+                            f"is torch.compile'd, which hetpipe does not support yet (docs/training.md): pass "
+                            f"the module itself (its ._orig_mod)")
+    return layers
+
+
+def _compiled(m: Any) -> bool:
+    """Whether ``m`` is a ``torch.compile`` wrapper (dynamo's OptimizedModule), without importing dynamo."""
+    return type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod")
 
 
 @dataclass(frozen=True)

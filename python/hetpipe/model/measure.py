@@ -46,12 +46,13 @@ def profile_model(model: Any, sample_input: Any, cluster: Any, loss_fn: Optional
         raise ValueError(f"profile_model: unknown device type {reference_type!r} "
                          f"(cluster types: {sorted(cluster.device_types)})")
     else:
-        ref_speed = cluster.device_types[reference_type].speed
+        ref_speed = cluster.device_types[reference_type].speed_for(precision)
     measured = measure_layers(model, sample_input, loss_fn=loss_fn, repeats=repeats, precision=precision)
+    speed = {t: dt.speed_for(precision) for t, dt in cluster.device_types.items()}
     out = []
     for m in measured.layers:
-        f = {t: m.fwd_s * ref_speed / dt.speed for t, dt in cluster.device_types.items()}
-        b = {t: m.bwd_s * ref_speed / dt.speed for t, dt in cluster.device_types.items()}
+        f = {t: m.fwd_s * ref_speed / speed[t] for t in cluster.device_types}
+        b = {t: m.bwd_s * ref_speed / speed[t] for t in cluster.device_types}
         derived = {t: cluster.emulated or t != reference_type for t in cluster.device_types}
         out.append(m.profile(f, b, derived, optimizer_factor))
     src = "measured on this host, " + ("emulated types derived by speed" if cluster.emulated

@@ -21,15 +21,26 @@ Device ``j`` of node ``n`` has the id ``"<n>.g<j>"``. A device type's ``speed`` 
 speed: for real GPUs it defaults to the peak FP32 FLOP/s in TFLOP/s (so ratios of speeds are ratios
 of peak rates); for emulated types it is the fraction of the host CPU's measured speed (0.125 means
 eight times slower than the host). Only ratios of speeds are ever used.
+
+Speed per precision: ``speed`` and ``peak_flops`` are those of an fp32 run. A bf16 or fp16 run is
+modelled at the type's half-precision peak (:meth:`DeviceType.peak_for`): ``half_flops`` in the JSON
+(``{"bf16": 312e12, "fp16": 312e12}``, dense FLOP/s), else the published figure of
+:mod:`hetpipe.plan.peaks` for the type's ``hardware`` or name, else its FP32 peak; its speed scales
+by the same ratio (:meth:`DeviceType.speed_for`). A type without ``peak_flops`` (emulated, or given
+by ``speed`` alone) keeps its speed for every precision. :meth:`ClusterSpec.at_precision` is the
+cluster as the planner sees it for one precision.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Tuple, Union
+
+from hetpipe.plan.peaks import lookup
+from hetpipe.plan.precision import HALF_DTYPE, check_precision
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "data" / "clusters"
 
@@ -43,6 +54,31 @@ class DeviceType:
     speed: float
     peak_flops: float = 0.0     # FLOP/s, 0 when unknown (emulated types)
     hardware: str = ""          # what the device reported itself as (discovered clusters)
+    # Dense FLOP/s of a "bf16" / "fp16" run where the cluster JSON gives it (see the module docstring).
+    half_flops: Dict[str, float] = field(default_factory=dict)
+
+    def peak_for(self, precision: str) -> float:
+        """Peak FLOP/s of a run of ``precision``: ``peak_flops`` for "fp32"; for a half type its
+        ``half_flops`` entry, else the published ratio of :mod:`hetpipe.plan.peaks` (by ``hardware``,
+        then name) applied to ``peak_flops``, else ``peak_flops``. 0 when ``peak_flops`` is."""
+        return self.peak_flops * self._ratio(precision)
+
+    def speed_for(self, precision: str) -> float:
+        """Relative speed of a run of ``precision``: ``speed`` scaled by ``peak_for(precision) /
+        peak_flops``; ``speed`` itself for "fp32" and for a type without ``peak_flops``."""
+        return self.speed * self._ratio(precision)
+
+    def _ratio(self, precision: str) -> float:
+        check_precision(precision, f"device type {self.name!r}")
+        if precision == "fp32" or not self.peak_flops:
+            return 1.0
+        if precision in self.half_flops:
+            return self.half_flops[precision] / self.peak_flops
+        for name in (self.hardware, self.name):
+            published = lookup(name) if name else None
+            if published is not None:
+                return getattr(published, precision) / published.fp32
+        return 1.0
 
 
 @dataclass(frozen=True)
@@ -100,6 +136,21 @@ class ClusterSpec:
                 return d
         raise ValueError(f"cluster {self.name!r}: unknown device {device_id!r}")
 
+    def at_precision(self, precision: str) -> "ClusterSpec":
+        """The cluster as the planner sees it for a run of ``precision``: each type's ``speed`` and
+        ``peak_flops`` are :meth:`DeviceType.speed_for` and :meth:`DeviceType.peak_for` of it (and
+        stay so when asked again for ``precision``). ``self`` for "fp32". A view for planning, not a
+        spec to save: its "fp32" figures are the half ones."""
+        check_precision(precision, f"cluster {self.name!r}")
+        if precision == "fp32":
+            return self
+        types = {}
+        for t, dt in self.device_types.items():
+            peak = dt.peak_for(precision)
+            types[t] = replace(dt, speed=dt.speed_for(precision), peak_flops=peak,
+                               half_flops={precision: peak} if peak else {})
+        return replace(self, device_types=types)
+
     def node_link(self, node_a: str, node_b: str) -> Link:
         return self.intra_node if node_a == node_b else self.inter_node
 
@@ -119,6 +170,8 @@ class ClusterSpec:
                 types[t.name]["peak_flops"] = t.peak_flops
             if t.hardware:
                 types[t.name]["hardware"] = t.hardware
+            if t.half_flops:
+                types[t.name]["half_flops"] = dict(t.half_flops)
         out = {
             "name": self.name, "emulated": self.emulated, "device_types": types,
             "nodes": [{"name": n, "devices": [d.type for d in self.devices_of(n)]} for n in self.nodes],
@@ -156,7 +209,7 @@ def _device_type(cname: str, tname: str, data: Any) -> DeviceType:
     where = f"cluster {cname!r}: device type {tname!r}"
     if not isinstance(data, Mapping):
         raise ValueError(f"{where} must be an object, got {data!r}")
-    unknown = set(data) - {"memory_bytes", "speed", "peak_flops", "hardware"}
+    unknown = set(data) - {"memory_bytes", "speed", "peak_flops", "hardware", "half_flops"}
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}")
     if "memory_bytes" not in data:
@@ -171,7 +224,13 @@ def _device_type(cname: str, tname: str, data: Any) -> DeviceType:
         raise ValueError(f"{where}: needs speed or peak_flops")
     if mem < 1:
         raise ValueError(f"{where}: memory_bytes must be at least 1 byte, got {data['memory_bytes']!r}")
-    return DeviceType(tname, int(mem), speed, flops, str(data.get("hardware", "")))
+    half = data.get("half_flops", {})
+    if not isinstance(half, Mapping) or set(half) - set(HALF_DTYPE):
+        raise ValueError(f"{where}: half_flops must be an object keyed by {' or '.join(HALF_DTYPE)}, got {half!r}")
+    if half and not flops:
+        raise ValueError(f"{where}: half_flops needs peak_flops (the fp32 figure its speed scales from)")
+    half = {p: _positive(f"{where}: half_flops.{p}", v) for p, v in half.items()}
+    return DeviceType(tname, int(mem), speed, flops, str(data.get("hardware", "")), half)
 
 
 def cluster_from_dict(data: Any) -> ClusterSpec:

@@ -106,13 +106,16 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     (:func:`hetpipe.plan.partition.partition`); ``meta["search"]`` says, per VW, whether the
     partition is exact or how far from optimal it can be.
     A VW that fits nowhere is left out (``meta["left_out"]``: its devices and why, in bytes).
-    precision: "fp32" or "bf16"; under "bf16" float32 activations and their gradients cross stages
-    as bfloat16, so the transfers cost half the profiled bytes (``meta["wire_factor"]``).
+    precision: "fp32", "bf16" or "fp16"; under a half type float32 activations and their gradients
+    cross stages in it, so the transfers cost half the profiled bytes (``meta["wire_factor"]``), and
+    device speeds are those of the precision (:meth:`hetpipe.plan.cluster.ClusterSpec.at_precision`);
+    the profile's times are used as given (measure or model them at the run's precision).
     ps_nodes: the node of each PS shard, when the shards' ranks are already placed (discovery's PS
     slots); a node may be a host without devices. Excludes ``num_ps_shards``.
     Raises ValueError naming the device, layer and bytes when nothing fits.
     """
-    cluster = load_cluster(cluster)
+    # Device speeds (VW formation, device orders, derived types) are those of the run's precision.
+    cluster = load_cluster(cluster).at_precision(check_precision(precision, "make_plan"))
     profile = load_profile(profile)
     for name, value, lo, hi in (("d", d, 0, None), ("nm", nm, 1, MAX_NM), ("max_nm", max_nm, 1, MAX_NM),
                                 ("horizon", horizon, 1, None), ("minibatch_size", minibatch_size, 0, None)):

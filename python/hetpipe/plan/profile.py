@@ -28,7 +28,8 @@ Where numbers come from:
   2048, 16 heads, sequence 1024) are analytic: :func:`analytic_profile` builds each layer from its
   shape (forward FLOPs, parameters, output and stashed activation elements per sample), and times
   it on each device type as ``minibatch x FLOPs / (peak FLOP/s x efficiency)`` with efficiency 0.5
-  and backward = 2 x forward. CNNs are FP32 with SGD momentum (4 + 4 bytes per parameter); the GPT
+  and backward = 2 x forward, the peak being that of the run's precision (FP32 for the shipped
+  files; :meth:`hetpipe.plan.cluster.DeviceType.peak_for`). CNNs are FP32 with SGD momentum (4 + 4 bytes per parameter); the GPT
   is mixed precision (2-byte weights and activations, 12 bytes of Adam state and master weights per
   parameter). Regenerate the files with ``write_presets()``.
 """
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
-from hetpipe.plan.precision import ACTIVATION_DTYPES
+from hetpipe.plan.precision import ACTIVATION_DTYPES, check_precision
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "data" / "profiles"
 EFFICIENCY = 0.5
@@ -280,34 +281,42 @@ def load_profile(spec: Union[str, Path, Mapping, ModelProfile]) -> ModelProfile:
     return ModelProfile.load(path)
 
 
-def profile_for_cluster(spec: Union[str, Path, Mapping, "ModelProfile"], cluster: Any) -> Tuple["ModelProfile", str]:
+def profile_for_cluster(spec: Union[str, Path, Mapping, "ModelProfile"], cluster: Any,
+                        precision: str = "fp32") -> Tuple["ModelProfile", str]:
     """A profile with times for every device type ``cluster``'s devices have, and a note saying how the times of
     types the profile did not measure were made ("" when none were).
 
     A preset name (``resnet152``, ``vgg19``, ``gpt``) whose shipped file lacks some of the cluster's
-    types is rebuilt analytically for the cluster's types (each needs ``peak_flops``). Any other
-    profile keeps what it measured and derives the missing types by speed ratio, marked ``derived``."""
+    types, or whose types run ``precision`` at another peak than FP32, is rebuilt analytically for the
+    cluster's types at their peak for ``precision`` (each needs ``peak_flops``;
+    :meth:`hetpipe.plan.cluster.DeviceType.peak_for`). Any other profile keeps what it measured and
+    derives the missing types by their speed ratio for ``precision``, marked ``derived``."""
     from hetpipe.plan.cluster import load_cluster
 
     cluster = load_cluster(cluster)
     types = sorted({d.type for d in cluster.devices})      # the types a plan can use
+    rated = cluster.at_precision(precision)
     if isinstance(spec, str) and not Path(spec).suffix and spec in PRESET_SHAPES:
         profile = load_profile(spec)
-        if set(types) <= set(profile.device_types):
+        same_peaks = all(rated.device_types[t].peak_flops == cluster.device_types[t].peak_flops for t in types)
+        if set(types) <= set(profile.device_types) and same_peaks:
             return profile, ""
         flopless = [t for t in types if not cluster.device_types[t].peak_flops]
         if flopless:
+            fix = ("which emulated types have not: give a profile measured on this host instead (the profile.json "
+                   "a launch with --plan-cache DIR writes there, or hetpipe.model.measure.profile_model's on "
+                   "cluster cpu-emulated-6)"
+                   if cluster.emulated else "or give a profile measured on them (a profile.json that hetpipe wrote)")
             raise ValueError(f"profile {spec!r} is analytic: device type(s) {', '.join(flopless)} of cluster "
-                             f"{cluster.name!r} need peak_flops (FLOP/s) in the cluster JSON, or give a profile "
-                             f"measured on them (a profile.json that hetpipe wrote)")
-        return analytic_profile(spec, {t: cluster.device_types[t] for t in types}), (
+                             f"{cluster.name!r} need peak_flops (FLOP/s) in the cluster JSON, {fix}")
+        return analytic_profile(spec, {t: rated.device_types[t] for t in types}, precision=precision), (
             f"profile {spec!r}: analytic for this cluster's types ({', '.join(types)}): layer FLOPs / "
-            f"(peak FLOP/s x {EFFICIENCY}); modelled, not measured")
+            f"(peak {'' if precision == 'fp32' else precision + ' '}FLOP/s x {EFFICIENCY}); modelled, not measured")
     profile = load_profile(spec)
     missing = [t for t in types if t not in profile.device_types]
     if not missing:
         return profile, ""
-    speeds = {t: cluster.device_types[t].speed for t in types}
+    speeds = {t: rated.device_types[t].speed for t in types}
     derived = profile.derive_types(speeds)
     have = [t for t in profile.device_types if t in speeds]
     return derived, (f"profile {profile.name!r}: {', '.join(missing)} derived by speed ratio from "
@@ -418,20 +427,24 @@ PRESET_SHAPES = {
 }
 
 
-def analytic_profile(name: str, device_types: Mapping[str, Any], efficiency: float = EFFICIENCY) -> ModelProfile:
+def analytic_profile(name: str, device_types: Mapping[str, Any], efficiency: float = EFFICIENCY,
+                     precision: str = "fp32") -> ModelProfile:
     """The preset ``name`` built from its layer shapes for ``device_types`` (name -> DeviceType with
-    ``peak_flops``); see the module docstring. The gradient buffer (as large as the weights) is not in
-    ``optimizer_bytes``: the planner adds it."""
+    ``peak_flops``), each timed at its peak for ``precision`` (``peak_flops`` for "fp32",
+    :meth:`hetpipe.plan.cluster.DeviceType.peak_for` otherwise); see the module docstring. The
+    gradient buffer (as large as the weights) is not in ``optimizer_bytes``: the planner adds it."""
     if name not in PRESET_SHAPES:
         raise ValueError(f"analytic_profile: unknown model {name!r} (known: {sorted(PRESET_SHAPES)})")
     shapes_fn, batch, pbytes, abytes, obytes, in_bytes = PRESET_SHAPES[name]
     for t, dt in device_types.items():
         if not getattr(dt, "peak_flops", 0):
             raise ValueError(f"analytic_profile: device type {t!r} has no peak_flops")
+    check_precision(precision, "analytic_profile")
+    peak = {t: dt.peak_flops if precision == "fp32" else dt.peak_for(precision) for t, dt in device_types.items()}
     layers = []
     for sh in shapes_fn():
         fl = batch * sh.flops
-        f = {t: fl / (dt.peak_flops * efficiency) for t, dt in device_types.items()}
+        f = {t: fl / (peak[t] * efficiency) for t in device_types}
         layers.append(LayerProfile(
             name=sh.name, fwd_time=f, bwd_time={t: 2 * v for t, v in f.items()},
             activation_bytes=batch * sh.out_elems * abytes, param_bytes=sh.params * pbytes,
@@ -439,7 +452,8 @@ def analytic_profile(name: str, device_types: Mapping[str, Any], efficiency: flo
             workspace_bytes=batch * sh.out_elems * abytes, derived={t: True for t in device_types},
             stash_bytes=batch * sh.stash_elems * abytes, flops=float(fl)))
     return ModelProfile(name=name, minibatch_size=batch, layers=tuple(layers), input_bytes=batch * in_bytes,
-                        source=f"analytic: layer FLOPs / (peak FP32 FLOP/s x {efficiency}); devices modelled",
+                        source=f"analytic: layer FLOPs / (peak {precision.upper()} FLOP/s x {efficiency}); "
+                               f"devices modelled",
                         activation_dtype="bfloat16" if abytes == 2 else "float32")
 
 

@@ -47,7 +47,7 @@ def profile_on_devices(comm: Any, model: Any, sample: Tuple[Any, Any], loss_fn: 
     failed = [f"rank {profilers(discovery)[t]} could not profile {t}: {err}" for t, m, err in everyone if err]
     if failed:
         raise ProfilingError("hetpipe: " + "; ".join(failed))
-    return merge(dict((t, m) for t, m, _ in everyone), discovery, name)
+    return merge(dict((t, m) for t, m, _ in everyone), discovery, name, precision=precision)
 
 
 def quiet_barrier(comm: Any, poll_s: float = 0.005) -> None:
@@ -78,10 +78,10 @@ def _measure_type(model: Any, sample: Tuple[Any, Any], loss_fn: Callable, discov
 
 
 def merge(measured: Dict[str, ModelMeasure], discovery: Discovery, name: str = "model",
-          optimizer_factor: float = 1.0) -> ModelProfile:
+          optimizer_factor: float = 1.0, precision: str = "fp32") -> ModelProfile:
     """One profile from per-type measurements: each measured type's own times (``derived`` false), the
     bytes of the first measured type with the largest workspace any type saw, and the cluster's other
-    types derived by speed ratio."""
+    types derived by their speed ratio for ``precision`` (the one the types were measured at)."""
     cluster = discovery.cluster
     types = sorted(measured)
     first = measured[types[0]]
@@ -99,5 +99,5 @@ def merge(measured: Dict[str, ModelMeasure], discovery: Discovery, name: str = "
     profile = ModelProfile(name=name, minibatch_size=first.minibatch_size, layers=tuple(layers),
                            input_bytes=first.input_bytes, source=source)
     if unheld:
-        profile = profile.derive_types({t: dt.speed for t, dt in cluster.device_types.items()})
+        profile = profile.derive_types({t: dt.speed_for(precision) for t, dt in cluster.device_types.items()})
     return profile
