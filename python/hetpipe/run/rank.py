@@ -202,7 +202,8 @@ class RankRun:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
         if writer is not None:
-            writer.close()
+            # The run's final checkpoint: every rank's part of its last clock (see Checkpointer.close).
+            writer.close(final=True, wait_s=self.config.timeout_s)
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         transport.close()
         mine = {**part_outcome(part, plan, spec.layout), "elapsed": elapsed, "cpu": cpu, "trace": trace or [],
