@@ -6,6 +6,7 @@ functions, so the replay executes the same code as the real run, only over a loo
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -25,7 +26,7 @@ from hetpipe.stage.evaluate import Evaluation
 from hetpipe.stage.executor import StageExecutor
 from hetpipe.stage.loss_scale import LossScale
 from hetpipe.loader.check import Reading, reading
-from hetpipe.loader.source import CHECKED, INPUTS, LABELS
+from hetpipe.loader.source import CHECKED, INPUTS, LABELS, dropped_note
 from hetpipe.stage.feed import MinibatchFeed
 from hetpipe.stage.pacer import Pacer
 from hetpipe.stage.settings import StageContext, StageIO, StageRun, StageTiming
@@ -215,3 +216,14 @@ def data_reading(spec: RunSpec, part: Any, who: str) -> Reading:
     num_vws = len(spec.plan.virtual_workers)
     return reading(who, spec.data.minibatches_per_epoch(num_vws), spec.data.identity(),
                    [f.source for f in feeds], CHECKED)
+
+
+def say_dropped(spec: RunSpec) -> None:
+    """Say on stderr, in one line, which minibatches the run leaves unused and what to change
+    (:func:`hetpipe.loader.source.dropped_note`); nothing when it trains them all. Called once, on rank 0."""
+    num_vws = len(spec.plan.virtual_workers)
+    start = (spec.resume.start.epoch, spec.resume.start.index) if spec.resume is not None else (0, 0)
+    note = dropped_note(spec.data.minibatches_per_epoch(num_vws), num_vws, spec.plan.nm, spec.epochs, *start)
+    if note is not None:
+        sys.stderr.write(note + "\n")
+        sys.stderr.flush()

@@ -29,7 +29,8 @@ from hetpipe.plan.types import Plan
 from hetpipe.ps.core_plane import choose_plane
 from hetpipe.run.checkpoints import RunCheckpoints
 from hetpipe.run.config import RunConfig, as_path
-from hetpipe.run.build import build_shard, build_stage, data_reading, shard_pool, stage_pairs, stage_pool
+from hetpipe.run.build import (build_shard, build_stage, data_reading, say_dropped, shard_pool, stage_pairs,
+                              stage_pool)
 from hetpipe.transport.drive import drive
 from hetpipe.run.record import RunRecord
 from hetpipe.run.result import TrainResult, resumed_losses, stopped_of
@@ -147,6 +148,7 @@ class RankRun:
             spec.rank_names = {r: _name(self._role(plan, r)) for r in range(size)}
         if rank == 0:
             self.checkpoints.discard_newer(spec.resume.checkpoint.clock if spec.resume is not None else 0)
+            say_dropped(spec)
         if rank == 0 and os.environ.get(RUN_DIR_ENV) and spec.resume is not None:
             # Where this attempt really resumed: the checkpoint it loaded after verification and any
             # fallback, which may be older than the latest complete one. Renamed into place, so that a

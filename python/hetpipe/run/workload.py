@@ -19,6 +19,7 @@ from torch import nn
 from hetpipe.checkpoint import state as ckpt
 from hetpipe.job.roles import LaunchError
 from hetpipe.loader import as_source
+from hetpipe.loader.source import too_few
 from hetpipe.model.contract import as_layers, infer_boundaries
 from hetpipe.model.layout import ModelLayout
 from hetpipe.model.names import model_names, param_names
@@ -173,7 +174,7 @@ def run_spec(work: Workload, config: RunConfig, plan: Plan, resume: Optional[ckp
     per_epoch = work.data.minibatches_per_epoch(num_vws)
     per_vw = per_epoch // num_vws
     if per_vw < 1:
-        raise ValueError(f"hetpipe: one epoch has fewer minibatches than the {num_vws} VWs")
+        raise ValueError(too_few(per_epoch, num_vws, plan.nm))
     epochs, num = config.epochs, config.numerics
     total, split = per_vw * epochs, config.planning.split_startup
     if resume is not None:
@@ -200,7 +201,8 @@ def reporter(config: RunConfig, plan: Plan, spec: RunSpec) -> Reporter:
     """The reporter of the last stage of VW 0 (progress bar, metrics, TensorBoard, callbacks)."""
     rep = config.reporting
     return Reporter(plan, as_path(rep.metrics), as_path(rep.tensorboard), rep.progress,
-                    spec.schedules[0].num_minibatches, config.epochs, list(rep.callbacks), rep.eval_every is not None)
+                    spec.schedules[0].num_minibatches, config.epochs, list(rep.callbacks), rep.eval_every is not None,
+                    resume=spec.resume)
 
 
 def wants_reporter(config: RunConfig) -> bool:
