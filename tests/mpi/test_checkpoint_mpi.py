@@ -70,12 +70,18 @@ CFG = {"nm": 2, "d": 0, "epochs": 2, "minibatches": 16, "cuts": [3], "time": 0.0
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The reference: the same run, never interrupted."""
+def uninterrupted_out(tmp_path_factory):
+    """The reference: the same run, never interrupted (its metrics and TensorBoard logs in its folder)."""
     out = tmp_path_factory.mktemp("ref")
-    rc, err = _finish(_launch("-n", "3", "ckpt_run.py", str(out), json.dumps(CFG)))
+    logs = {"metrics": str(out / "metrics.jsonl"), "tensorboard": str(out / "tb")}
+    rc, err = _finish(_launch("-n", "3", "ckpt_run.py", str(out), json.dumps({**CFG, **logs})))
     assert rc == 0, err
-    return _result(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_out):
+    return _result(uninterrupted_out)
 
 
 def _resume_and_compare(tmp_path, ckpt: Path, uninterrupted, cfg=CFG) -> int:
@@ -108,6 +114,45 @@ def test_run_killed_at_a_random_wave_resumes_bitwise_at_d0(tmp_path, uninterrupt
     rc, err = _finish(killed)
     assert rc != 0 and f"rank {victim}" in err, err
     assert _resume_and_compare(tmp_path, ckpt, uninterrupted) % 2 == 0
+
+
+def _records(metrics: Path) -> list:
+    """The wave and evaluation records of a metrics file, without what timing decides (clocks, rates)."""
+    out = []
+    for line in metrics.read_text().splitlines():
+        r = json.loads(line)
+        if r["event"] in ("wave", "eval"):
+            out.append((r["event"], r["wave"], r["loss"], r.get("lr")))
+    return out
+
+
+def _scalars(tb: Path) -> list:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars("train/loss")]
+
+
+def test_a_resumed_run_continues_the_killed_runs_metrics_and_tensorboard(tmp_path, uninterrupted_out, uninterrupted):
+    """Killed at a random wave and resumed into the same metrics file and TensorBoard folder: the file
+    holds the uninterrupted run's wave records (the killed run's beyond the cut dropped, the rest
+    appended), and TensorBoard shows the uninterrupted run's steps and losses (D = 0: bitwise)."""
+    rng = random.Random(12)
+    wave, victim = rng.randint(4, 10), rng.randint(0, 2)
+    metrics, tb, ckpt, run = tmp_path / "metrics.jsonl", tmp_path / "tb", tmp_path / "ckpt", tmp_path / "run"
+    cfg = {**CFG, "metrics": str(metrics), "tensorboard": str(tb)}
+    killed = _launch("-n", "3", "--run-dir", str(run), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+                     "ckpt_run.py", str(tmp_path / "killed"), json.dumps(cfg))
+    _kill_at_wave(killed, metrics, ckpt, run, wave, victim)
+    rc, err = _finish(killed)
+    assert rc != 0, err
+    _resume_and_compare(tmp_path, ckpt, uninterrupted, cfg)
+    want = _records(uninterrupted_out / "metrics.jsonl")
+    assert len(want) == 16 and _records(metrics) == want
+    steps = _scalars(tb)
+    assert [s for s, _ in steps] == [2 * (w + 1) for w in range(16)]
+    assert steps == _scalars(uninterrupted_out / "tb")
 
 
 # The PS's outer optimizer with a momentum buffer, which the PS part of each checkpoint holds.

@@ -9,8 +9,8 @@ from mpirun import results, run_mpi
 pytestmark = pytest.mark.mpi
 
 
-def _run(tmp_path, mode):
-    proc = run_mpi(3, "export_run.py", str(tmp_path), mode, timeout=300)
+def _run(tmp_path, mode, *every):
+    proc = run_mpi(3, "export_run.py", str(tmp_path), mode, *every, timeout=300)
     assert proc.returncode == 0, proc.stderr
     (r,) = results(proc)
     assert not r["missing"] and not r["extra"] and not r["differ"], r
@@ -21,6 +21,14 @@ def test_a_sequential_with_a_tied_weight_and_batchnorm_loads_strictly(tmp_path):
     r = _run(tmp_path, "sequential")
     assert "10 tensors" in r["said"] and r["trained"] >= 8, r     # 4.weight is 0.weight; num_batches_tracked too
     assert r["optimizer_names"] == ["0.bias", "0.weight", "1.bias", "1.weight", "3.bias", "3.weight"], r
+
+
+def test_export_after_fit_is_the_final_model_when_the_last_clock_was_not_due(tmp_path):
+    """12 minibatches in waves of 2 make 6 clocks; checkpoints every 4 waves: the last due one is 2
+    waves old at the end, and the run's final checkpoint (clock 6) is what the export gives, bitwise
+    the weights the Trainer put into the model."""
+    r = _run(tmp_path, "sequential", "4")
+    assert r["exported"] == "clock-000006" and r["trained"] >= 8, r
 
 
 def test_an_adapted_gpt2_exports_a_folder_from_pretrained_opens(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -55,8 +56,14 @@ def commit(tmp: Path, final: Path) -> None:
     _fsync_dir(final.parent)
 
 
+def temporary_tag() -> str:
+    """What makes a writer's temporary file names its own: its process and thread (two writers of one
+    clock, such as two ranks' manifests, never share a temporary file, even in one process)."""
+    return f"{os.getpid()}-{threading.get_ident()}"
+
+
 def write_json(path: Path, value: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{temporary_tag()}.tmp")
     try:
         tmp.write_text(json.dumps(value, indent=1, allow_nan=True) + "\n")
         commit(tmp, path)

@@ -7,8 +7,10 @@ VW's updates of minibatches ``< b * nm``). A checkpoint is complete once its man
 part's JSON exist; each file is written to a temporary name, fsynced, renamed and its directory
 fsynced, and the JSON of a part only after its tensors, so a crash mid-write leaves an incomplete
 checkpoint that :func:`latest` skips, and the previous complete one intact. A rank removes its own
-parts of older checkpoints only once a newer one is complete. Formats: safetensors and JSON;
-nothing here unpickles.
+parts of older checkpoints only once a newer one is complete, and never writes a clock older than the
+newest complete one (see :meth:`Checkpointer._collect`); incomplete checkpoints a killed run left are
+removed at the next start-up (:func:`remove_incomplete`). A run that ends normally writes its last
+clock too (``Checkpointer.close(final=True)``). Formats: safetensors and JSON; nothing here unpickles.
 
 Thread role: :class:`Checkpointer` is called from the rank's main thread (``boundary``, ``close``,
 ``on_signal``); one writer thread per rank does the disk I/O. At most one checkpoint is in flight:
@@ -19,6 +21,7 @@ when the next is due before the previous is on disk, ``boundary`` waits for it (
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import os
 import shutil
@@ -34,7 +37,7 @@ import torch
 
 from hetpipe.checkpoint.format import (MANIFEST, CheckpointError, DataPosition, clock_dir, commit, complete_clocks,
                                        file_digest, find, is_complete, manifest_digest, part_name, read_manifest,
-                                       read_part, verify_part, write_json)
+                                       read_part, temporary_tag, verify_part, write_json)
 from hetpipe.model.layout import local_buffers
 
 Snapshot = Tuple[Dict[str, torch.Tensor], Dict[str, Any]]      # (tensors on the CPU, JSON part)
@@ -43,7 +46,7 @@ Snapshot = Tuple[Dict[str, torch.Tensor], Dict[str, Any]]      # (tensors on the
 def write_tensors(path: Path, tensors: Dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{temporary_tag()}.tmp")
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     try:
         save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp))
@@ -181,6 +184,7 @@ class Checkpointer:
         self.written: List[int] = []
         self.waited_s = 0.0
         self.error: Optional[BaseException] = None
+        self._last: Optional[Tuple[int, Callable[[], Snapshot]]] = None     # the latest boundary and its capture
         self._job: Optional[Tuple[int, Snapshot]] = None
         self._cv = threading.Condition()
         self._closed = False
@@ -191,6 +195,7 @@ class Checkpointer:
     def boundary(self, clock: int, capture: Callable[[], Snapshot]) -> None:
         """This rank reached clock ``clock``: keep a snapshot, and hand it to the writer if it is due."""
         self._raise()
+        self._last = (clock, capture)
         due = clock % self.every == 0
         if self.keep == 0 and not due:
             snapshot = None
@@ -210,8 +215,14 @@ class Checkpointer:
                 self._job = (clock, snapshot)
                 self._cv.notify_all()
 
-    def close(self) -> None:
-        """Wait for the checkpoint in flight, stop the writer; raise what it failed with."""
+    def close(self, final: bool = False, wait_s: float = 60.0) -> None:
+        """Wait for the checkpoint in flight, stop the writer; raise what it failed with.
+
+        ``final``: the run ended normally (all its waves, or an early stop) at the latest boundary, which
+        every rank of the run reached at the same clock; that clock is written too when it was not due
+        (the run's final checkpoint, from the snapshot kept at the boundary or, with ``keep = 0``, one
+        captured now: nothing a rank holds changes after its last boundary). Older checkpoints are then
+        removed once every rank's part of it is on disk (waiting at most ``wait_s``)."""
         with self._cv:
             while self._job is not None:
                 self._cv.wait()
@@ -219,6 +230,14 @@ class Checkpointer:
             self._cv.notify_all()
         self._thread.join()
         self._raise()
+        if final and self._last is not None:
+            clock, capture = self._last
+            if clock not in self.written:
+                snapshot = next((s for c, s in self.ring if c == clock and s is not None), None)
+                self._write(clock, snapshot if snapshot is not None else capture())
+            deadline = time.monotonic() + wait_s
+            while not is_complete(clock_dir(self.directory, clock)) and time.monotonic() < deadline:
+                time.sleep(0.02)
         self._collect()
 
     def on_signal(self, wait_s: float) -> None:
@@ -265,6 +284,11 @@ class Checkpointer:
                 self._cv.notify_all()
 
     def _write(self, clock: int, snapshot: Snapshot) -> None:
+        """Write this rank's part of ``clock`` (and the manifest if no rank has yet). A clock older than
+        this run's newest complete checkpoint is not written: it is of no use, and :meth:`_collect` may
+        be removing its directory (the SIGTERM path holds such clocks)."""
+        if any(clock < c for c in self._complete()):
+            return
         tensors, part = snapshot
         path = clock_dir(self.directory, clock)
         path.mkdir(parents=True, exist_ok=True)
@@ -278,34 +302,79 @@ class Checkpointer:
                                            "manifest_digest": manifest_digest(manifest)})
         self.written.append(clock)
 
+    def _complete(self) -> List[int]:
+        """The clocks of this run's complete checkpoints, newest first."""
+        return [clock_of(p) for p in complete_clocks(self.directory) if run_of(p) == self.run_id]
+
     def _collect(self) -> None:
-        """Remove this rank's parts of this run's checkpoints older than the newest ``keep_last``
-        complete ones (another run's checkpoints are never touched), and the directory of one left
-        without parts. Every rank does this at once, so a directory can vanish while this rank looks into
-        it (listing a directory another rank has just removed raised FileNotFoundError, which failed the
-        writer and with it the run): that rank did what this one was about to do."""
+        """Remove this rank's parts of this run's checkpoints older than the newest ``keep_last`` complete
+        ones (another run's checkpoints are never touched), and the directory of one left without parts.
+
+        Safe while other ranks write: a clock that is not older than the newest complete checkpoint is
+        never touched, and no rank writes an older one (:meth:`_write`), nor can a newer one be complete
+        before every rank has written its part of it; so nobody writes into a directory removed here.
+        Each rank removes only its own part (rank 0 also those of ranks this run does not have), the
+        manifest goes once no part is left, and the directory only when empty (``rmdir``, never a tree).
+        Every rank does this at once, so a file or the directory can vanish under this rank, or a
+        removal find it not yet empty: that is no error (another rank did, or does, the rest)."""
         mine = [p for p in complete_clocks(self.directory) if run_of(p) == self.run_id]
         if len(mine) < self.keep_last:
             return
-        oldest_kept = mine[self.keep_last - 1]
-        keep = int(oldest_kept.name.split("-")[1])
+        keep = clock_of(mine[self.keep_last - 1])
         name = part_name(self.rank)
-        ranks = len(json.loads((mine[0] / MANIFEST).read_text())["parts"])
-        for path in self.directory.glob("clock-*"):
-            if int(path.name.split("-")[1]) >= keep or run_of(path) != self.run_id:
+        try:
+            ranks = len(json.loads((mine[0] / MANIFEST).read_text())["parts"])
+        except (OSError, ValueError):
+            return
+        for path in list(self.directory.glob("clock-*")):
+            if clock_of(path) >= keep or run_of(path) != self.run_id:
                 continue
             try:
-                for suffix in (".json", ".safetensors"):
-                    (path / f"{name}{suffix}").unlink(missing_ok=True)
-                    if self.rank == 0:
-                        # Parts of ranks a run before a restart had and this one has not: nobody else removes them.
-                        for f in path.glob(f"rank-*{suffix}"):
-                            if int(f.name[5:10]) >= ranks:
-                                f.unlink(missing_ok=True)
-                if not any(path.glob("rank-*")):
-                    shutil.rmtree(path, ignore_errors=True)
+                # The JSON first: without it the part no longer counts as written.
+                files = [path / f"{name}.json", path / f"{name}.safetensors", *path.glob(f".{name}.*.tmp")]
+                if self.rank == 0:
+                    # Parts of ranks a run before a restart had and this one has not: nobody else removes them.
+                    files += [f for f in path.glob("rank-*") if int(f.name[5:10]) >= ranks]
+                for f in files:
+                    f.unlink(missing_ok=True)
+                if any(path.glob("rank-*")):
+                    continue
+                for f in [path / MANIFEST, *path.glob(f".{MANIFEST}.*.tmp")]:
+                    f.unlink(missing_ok=True)
+                path.rmdir()
             except FileNotFoundError:
                 continue
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+
+
+def clock_of(path: Path) -> int:
+    """The clock of a checkpoint directory ``clock-NNNNNN``."""
+    return int(path.name.split("-")[1])
+
+
+def remove_incomplete(directory: Path, run_id: str, cut: int) -> List[Path]:
+    """Remove the incomplete checkpoints a killed run left in ``directory`` (nothing can run at SIGKILL
+    time, so they are removed at the next start-up that uses the directory, before any rank of it
+    writes); returns what was removed. Removed: run ``run_id``'s incomplete clocks before ``cut``, the
+    clock that run goes on from (it is that run's start-up: no process of it is writing), and
+    checkpoints whose manifest is missing or unreadable (no run claims them) older than the newest
+    complete checkpoint of the directory (no live run writes a clock older than its newest complete
+    one). Another run's checkpoints are never touched: it may be alive and writing them."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    newest = max((clock_of(p) for p in complete_clocks(directory)), default=-1)
+    removed = []
+    for path in sorted(directory.glob("clock-*")):
+        owner = run_of(path)
+        if is_complete(path):
+            continue
+        if (owner == run_id and clock_of(path) < cut) or (owner is None and clock_of(path) < newest):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def run_of(path: Path) -> Optional[str]:

@@ -145,6 +145,43 @@ def epoch_range(per_epoch: int, num_vws: int, vw: int, first: int) -> range:
     return range(first + vw, end, num_vws)
 
 
+def dealt(per_epoch: int, num_vws: int, epochs: int, start_epoch: int = 0, start_index: int = 0) -> Tuple[int, int]:
+    """(trained, dropped): of the minibatches of epochs ``start_epoch .. epochs - 1`` (the first from
+    ``start_index``), how many ``num_vws`` VWs train (:func:`epoch_range`: an equal share each) and how
+    many are left over, unused."""
+    trained = dropped = 0
+    for epoch in range(start_epoch, epochs):
+        first = start_index if epoch == start_epoch else 0
+        n = len(epoch_range(per_epoch, num_vws, 0, first)) * num_vws
+        trained, dropped = trained + n, dropped + max(0, per_epoch - first) - n
+    return trained, dropped
+
+
+def too_few(per_epoch: int, num_vws: int, nm: int) -> str:
+    """The one-line refusal of an epoch with fewer minibatches than VWs (a VW would train nothing)."""
+    return (f"hetpipe: the data has {per_epoch} minibatch(es) per epoch, fewer than the {num_vws} virtual workers, "
+            f"each of which trains an equal share of an epoch (a wave is nm={nm} minibatches per VW, "
+            f"{num_vws * nm} in all): give an epoch at least {num_vws} minibatches (a multiple of {num_vws * nm} "
+            "for whole waves)")
+
+
+def dropped_note(per_epoch: int, num_vws: int, nm: int, epochs: int, start_epoch: int = 0, start_index: int = 0
+                 ) -> Optional[str]:
+    """One line saying which minibatches a run leaves unused and what to change (None: it trains them
+    all). Each VW trains the same number of an epoch's minibatches, ``per_epoch // num_vws`` (in waves
+    of ``nm``; the run's last wave may be short), so an epoch's minibatches beyond a multiple of
+    ``num_vws`` are dropped, and so are those of a resumed epoch beyond a multiple of the VWs now."""
+    trained, dropped = dealt(per_epoch, num_vws, epochs, start_epoch, start_index)
+    if not dropped:
+        return None
+    where = f" from minibatch {start_index} of epoch {start_epoch}" if (start_epoch, start_index) != (0, 0) else ""
+    return (f"hetpipe: the data has {per_epoch} minibatches per epoch; of the {trained + dropped} this run has "
+            f"to train{where}, {trained} are trained and {dropped} dropped: each of the {num_vws} virtual "
+            f"workers trains the same number of an epoch's minibatches (in waves of nm={nm} per VW), so those "
+            f"beyond a multiple of {num_vws} go unused; give an epoch a multiple of {num_vws} minibatches "
+            f"(of {num_vws * nm} for whole waves)")
+
+
 def vw_epochs(per_epoch: int, num_vws: int, vw: int, epochs: int, start_epoch: int, start_index: int
               ) -> List[Tuple[int, range]]:
     """Per epoch from ``start_epoch`` on, the global minibatch indices VW ``vw`` trains in it (the first

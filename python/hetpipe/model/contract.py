@@ -15,7 +15,7 @@ from hetpipe.model.tree import Boundary, boundary_of
 
 def as_layers(model: Union[nn.Module, Sequence[nn.Module]]) -> List[nn.Module]:
     """The ordered layers of an ``nn.Sequential`` (or of a list of modules). A ``torch.compile``'d
-    model, layer or submodule is refused (docs/training.md, "torch.compile")."""
+    model, layer or submodule is refused (docs/training.md, "Models")."""
     if _compiled(model):
         raise TypeError("hetpipe: the model is torch.compile'd, which hetpipe does not support yet (docs/training.md): "
                         "pass the module itself (its ._orig_mod)")

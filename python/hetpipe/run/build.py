@@ -6,6 +6,7 @@ functions, so the replay executes the same code as the real run, only over a loo
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -25,7 +26,7 @@ from hetpipe.stage.evaluate import Evaluation
 from hetpipe.stage.executor import StageExecutor
 from hetpipe.stage.loss_scale import LossScale
 from hetpipe.loader.check import Reading, reading
-from hetpipe.loader.source import CHECKED, INPUTS, LABELS
+from hetpipe.loader.source import CHECKED, INPUTS, LABELS, dropped_note
 from hetpipe.stage.feed import MinibatchFeed
 from hetpipe.stage.pacer import Pacer
 from hetpipe.stage.settings import StageContext, StageIO, StageRun, StageTiming
@@ -146,21 +147,23 @@ def tied_stages(spec: RunSpec, vw: int) -> Dict[TiedKey, Tuple[int, ...]]:
 
 
 def vw_messages(plan: Plan, layout: ModelLayout, vw: int, clip_grad_norm: Optional[float], accumulate: int,
-                eval_every: Optional[int]) -> MessageOptions:
+                eval_every: Optional[int], eval_offset: int = 0) -> MessageOptions:
     """What VW ``vw``'s streams exchange besides activations and gradients (schedule.messages): tied
     gradients between the stages holding a tied parameter together, norm shares when clipping by the
-    VW's norm or scaling fp16's loss, VW 0's evaluation points."""
+    VW's norm or scaling fp16's loss, VW 0's evaluation points (a resumed run's waves counted from the
+    checkpoint's clock ``eval_offset``, so that it evaluates where the uninterrupted run does)."""
     pairs = {(a, b) for holders in tied_holders(plan, layout, vw).values() for a in holders for b in holders if a < b}
     norm = clip_grad_norm is not None or plan.precision == "fp16"
-    return MessageOptions(tuple(sorted(pairs)), norm, accumulate, (eval_every or 0) if vw == 0 else 0)
+    return MessageOptions(tuple(sorted(pairs)), norm, accumulate, (eval_every or 0) if vw == 0 else 0, eval_offset)
 
 
 def vw_schedule(name: str, plan: Plan, layout: ModelLayout, vw: int, minibatches: int, split: int,
-                clip_grad_norm: Optional[float], accumulate: int, eval_every: Optional[int]) -> Schedule:
+                clip_grad_norm: Optional[float], accumulate: int, eval_every: Optional[int],
+                eval_offset: int = 0) -> Schedule:
     """The streams VW ``vw``'s stages execute: registered schedule ``name`` over ``minibatches`` (the first
     ``split`` run as halves), recomputing where the plan's stages do, with the run's messages."""
     stages = plan.virtual_workers[vw].stages
-    messages = vw_messages(plan, layout, vw, clip_grad_norm, accumulate, eval_every)
+    messages = vw_messages(plan, layout, vw, clip_grad_norm, accumulate, eval_every, eval_offset)
     return generate(name, ScheduleOptions(len(stages), minibatches, plan.nm, plan.d, any(st.recompute for st in stages),
                                           split, messages))
 
@@ -170,7 +173,8 @@ def check_messages(spec: RunSpec, vw: int, stage: int) -> None:
     (:func:`vw_messages`, where :func:`vw_schedule` puts them): a stream without them would compute other
     numbers (a clip by one stage's share of the norm) or wait forever."""
     layout = spec.schedules[vw]
-    want = vw_messages(spec.plan, spec.layout, vw, spec.clip_grad_norm, spec.accumulate, spec.eval_every)
+    want = vw_messages(spec.plan, spec.layout, vw, spec.clip_grad_norm, spec.accumulate, spec.eval_every,
+                       spec.resume.checkpoint.clock if spec.resume is not None else 0)
     if with_messages(without_messages(layout), want).streams[stage] != layout.streams[stage]:
         raise ValueError(f"hetpipe: the stream of VW {vw} stage {stage} does not carry the messages the run needs "
                          f"({want}); build the schedules with run.build.vw_schedule")
@@ -216,3 +220,14 @@ def data_reading(spec: RunSpec, part: Any, who: str) -> Reading:
     num_vws = len(spec.plan.virtual_workers)
     return reading(who, spec.data.minibatches_per_epoch(num_vws), spec.data.identity(),
                    [f.source for f in feeds], CHECKED)
+
+
+def say_dropped(spec: RunSpec) -> None:
+    """Say on stderr, in one line, which minibatches the run leaves unused and what to change
+    (:func:`hetpipe.loader.source.dropped_note`); nothing when it trains them all. Called once, on rank 0."""
+    num_vws = len(spec.plan.virtual_workers)
+    start = (spec.resume.start.epoch, spec.resume.start.index) if spec.resume is not None else (0, 0)
+    note = dropped_note(spec.data.minibatches_per_epoch(num_vws), num_vws, spec.plan.nm, spec.epochs, *start)
+    if note is not None:
+        sys.stderr.write(note + "\n")
+        sys.stderr.flush()

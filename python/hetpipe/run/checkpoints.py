@@ -125,13 +125,22 @@ class RunCheckpoints:
         halfway, a disk that filled up, a checkpoint that failed verification), and this run writes those
         clocks again: left in place, a rank writing clock c into the old directory kept the old manifest
         (so its part never verified against it), and the old parts made the clock look complete before
-        every rank of this run had written its own. Called on rank 0 before the start-up barrier, which
-        every rank passes before it writes a checkpoint; another run's checkpoints are never touched."""
+        every rank of this run had written its own. Also removes the incomplete checkpoints a killed run
+        left before the cut (:func:`~hetpipe.checkpoint.state.remove_incomplete`), and says in one line
+        what went. Called on rank 0 before the start-up barrier, which every rank passes before it writes
+        a checkpoint; another run's checkpoints are never touched."""
         if self.directory is None or not self.directory.is_dir():
             return
-        for path in self.directory.glob("clock-*"):
-            if int(path.name.split("-")[1]) > clock and ckpt.run_of(path) == self.run_id:
+        removed = []
+        for path in sorted(self.directory.glob("clock-*")):
+            if ckpt.clock_of(path) > clock and ckpt.run_of(path) == self.run_id:
+                if not ckfmt.is_complete(path):
+                    removed.append(path.name)
                 shutil.rmtree(path, ignore_errors=True)
+        removed += [p.name for p in ckpt.remove_incomplete(self.directory, self.run_id, clock)]
+        if removed:
+            sys.stderr.write(f"hetpipe: removed {len(removed)} incomplete checkpoint(s) that a run which ended "
+                             f"mid-write left in {self.directory}: {', '.join(sorted(removed))}\n")
 
     def checkpointer(self, plan: Plan, spec: RunSpec, role: Role, part) -> Optional[ckpt.Checkpointer]:
         """This rank's checkpointer, hooked to its part's wave boundaries (None: no checkpoints)."""

@@ -30,7 +30,8 @@ from hetpipe.ps.core_plane import choose_plane
 from hetpipe.run.checkpoints import RunCheckpoints
 from hetpipe.run.config import RunConfig, as_path
 from hetpipe.run.explain import update_rule
-from hetpipe.run.build import build_shard, build_stage, data_reading, shard_pool, stage_pairs, stage_pool
+from hetpipe.run.build import (build_shard, build_stage, data_reading, say_dropped, shard_pool, stage_pairs,
+                              stage_pool)
 from hetpipe.transport.drive import drive
 from hetpipe.run.record import RunRecord
 from hetpipe.run.result import TrainResult, resumed_losses, stopped_of
@@ -149,6 +150,7 @@ class RankRun:
         if rank == 0:
             self.checkpoints.discard_newer(spec.resume.checkpoint.clock if spec.resume is not None else 0)
             sys.stderr.write(update_rule(plan, spec.sample_batch, self.config.numerics.accumulate) + "\n")
+            say_dropped(spec)
         if rank == 0 and os.environ.get(RUN_DIR_ENV) and spec.resume is not None:
             # Where this attempt really resumed: the checkpoint it loaded after verification and any
             # fallback, which may be older than the latest complete one. Renamed into place, so that a
@@ -204,7 +206,8 @@ class RankRun:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
         if writer is not None:
-            writer.close()
+            # The run's final checkpoint: every rank's part of its last clock (see Checkpointer.close).
+            writer.close(final=True, wait_s=self.config.timeout_s)
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         transport.close()
         mine = {**part_outcome(part, plan, spec.layout), "elapsed": elapsed, "cpu": cpu, "trace": trace or [],

@@ -7,14 +7,24 @@ clipping, samples/s, global clock, staleness), the same as TensorBoard scalars u
 whose answer (stop or not) the evaluation pass carries to VW 0's stages. At the end: per epoch and a
 summary line. Thread role: the rank's main thread (the driver loop calls :meth:`Reporter.update`
 after each step that progressed).
+
+A resumed run continues its run's logs: the metrics file's waves and global clocks and TensorBoard's
+steps (VW 0's minibatches trained, ``(wave + 1) * nm`` in a run that was never cut) go on from the
+checkpoint's, so that the curves of the attempts overlay as one run's. The metrics file is appended
+to, after it is cut back (by a rename, never truncated in place) to its wave and evaluation records
+of the waves before the checkpoint's clock; what a killed attempt wrote after that cut, and a line it
+left half written, is dropped and counted on stderr. TensorBoard hides the killed attempt's events
+from the resumed run's first step on (``purge_step``). The callbacks see the resumed run's own waves.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -23,8 +33,9 @@ from hetpipe.run.callbacks import Callbacks, EvalInfo, WaveInfo, run_steps
 from hetpipe.schedule.trace import write_chrome_trace
 
 
-def tensorboard_writer(directory: Optional[Path]):
-    """A TensorBoard ``SummaryWriter`` on ``directory`` (None: none); a clear error without tensorboard."""
+def tensorboard_writer(directory: Optional[Path], purge_step: Optional[int] = None):
+    """A TensorBoard ``SummaryWriter`` on ``directory`` (None: none); a clear error without tensorboard.
+    ``purge_step``: events of that step and later which an earlier writer left are hidden (a resume)."""
     if directory is None:
         return None
     try:
@@ -32,25 +43,60 @@ def tensorboard_writer(directory: Optional[Path]):
     except ImportError as e:
         raise ImportError(f"hetpipe: Reporting(tensorboard=) needs the tensorboard package ({e}); pip install "
                           "tensorboard") from None
-    return SummaryWriter(log_dir=str(directory))
+    return SummaryWriter(log_dir=str(directory), purge_step=purge_step)
+
+
+def cut_metrics(path: Path, wave: int) -> Tuple[int, int]:
+    """Cut the metrics file ``path`` back to its wave and evaluation records of waves before ``wave``
+    (the clock a run resumes from), as a run never cut would have it there; returns (kept, dropped)
+    records. The cut file replaces the old one by a rename, so a crash leaves one or the other."""
+    if not path.exists():
+        return 0, 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+            before = record.get("event") in ("wave", "eval") and int(record["wave"]) < wave
+        except (ValueError, KeyError, TypeError, AttributeError):
+            before = False
+        if before:
+            kept.append(line + "\n")
+        elif line.strip():
+            dropped += 1
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+    return len(kept), dropped
 
 
 class Reporter:
-    """See the module docstring. ``attach`` the last stage of VW 0 before the first ``update``."""
+    """See the module docstring. ``attach`` the last stage of VW 0 before the first ``update``.
+    ``resume``: the checkpoint the run resumes from (a :class:`~hetpipe.checkpoint.state.Resume`; None:
+    from the start), whose clock and VW 0 minibatch count the logs continue from."""
 
     def __init__(self, plan: Plan, metrics: Optional[Path], tensorboard: Optional[Path], progress: bool,
                  total: int, epochs: int, callbacks: Sequence[object] = (), evaluates: bool = False,
-                 accumulate: int = 1) -> None:
+                 accumulate: int = 1, resume: Any = None) -> None:
         self.plan, self.total, self.epochs = plan, total, epochs
         self.accumulate = accumulate
         self.ex: Any = None
         self.t0 = time.perf_counter()
         self.callbacks = Callbacks(callbacks, evaluates)
+        # Where the logs go on from: the checkpoint's clock (waves) and VW 0's minibatches before it.
+        self.clock0, self.step0 = 0, 0
+        if resume is not None:
+            self.clock0 = resume.checkpoint.clock
+            self.step0 = int(resume.checkpoint.manifest["data"]["minibatches_per_vw"])
         self.file = None
         if metrics is not None:
             metrics.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(metrics, "w")
-        self.tb = tensorboard_writer(tensorboard)
+            if resume is not None:
+                kept, dropped = cut_metrics(metrics, self.clock0)
+                if dropped:
+                    sys.stderr.write(f"hetpipe: {metrics}: resuming at wave {self.clock0}, kept the {kept} record(s) "
+                                     f"of the waves before it and dropped {dropped} written after it\n")
+            self.file = open(metrics, "a" if resume is not None else "w")
+        self.tb = tensorboard_writer(tensorboard, self.step0 + 1 if resume is not None else None)
         self.bar = None
         if progress:
             from tqdm import tqdm
@@ -87,14 +133,14 @@ class Reporter:
             rate = self.samples * len(self.plan.virtual_workers) / now if now > 0 else 0.0
             norms = [ex.grad_norms[p] for p in mbs if p in ex.grad_norms]
             info = WaveInfo(self.wave, loss, ex.lrs.get(mbs[-1]), float(np.mean(norms)) if norms else None, rate,
-                            ex.global_clock, now, self._step(self.wave))
+                            ex.global_clock, now, self._step(self.clock0 + self.wave))
             # Staleness: how many waves VW 0's weights may lack from the global ones (its clock - g).
             staleness = max(0, self.wave + 1 - ex.global_clock)
-            self._write({"event": "wave", "vw": 0, "wave": self.wave, "loss": loss, "lr": info.lr,
+            self._write({"event": "wave", "vw": 0, "wave": self.clock0 + self.wave, "loss": loss, "lr": info.lr,
                          "grad_norm": info.grad_norm, "time_s": now, "samples_per_s_est": rate,
-                         "global_clock": ex.global_clock, "staleness": staleness})
+                         "global_clock": self.clock0 + ex.global_clock, "staleness": staleness})
             if self.tb is not None:
-                step = (self.wave + 1) * nm
+                step = self.step0 + (self.wave + 1) * nm
                 for key, value in (("loss", loss), ("lr", info.lr), ("grad_norm", info.grad_norm),
                                    ("samples_per_s", rate), ("staleness", staleness)):
                     if value is not None:
@@ -113,8 +159,8 @@ class Reporter:
         self.update()
         now = time.perf_counter() - self.t0
         info = EvalInfo(wave, result.get("loss"), result.get("metric"), int(result.get("samples", 0)), now,
-                        self._step(wave))
-        event = {"event": "eval", "wave": wave, "loss": info.loss, "metric": info.metric, "samples": info.samples,
+                        self._step(self.clock0 + wave))
+        event = {"event": "eval", "wave": self.clock0 + wave, "loss": info.loss, "metric": info.metric, "samples": info.samples,
                  "time_s": now}
         stop = self.callbacks.evaluated(info)
         if stop:
@@ -122,7 +168,7 @@ class Reporter:
         self.evals.append(event)
         self._write(event)
         if self.tb is not None:
-            step = (wave + 1) * self.plan.nm
+            step = self.step0 + (wave + 1) * self.plan.nm
             for key in ("loss", "metric"):
                 if event[key] is not None:
                     self.tb.add_scalar(f"eval/{key}", event[key], step)

@@ -23,6 +23,7 @@ from hetpipe.job.world import world
 from hetpipe.model.weights import load_layer_weights
 from hetpipe.plan.types import Plan
 from hetpipe.run import workload as wl
+from hetpipe.run.build import say_dropped
 from hetpipe.run.checkpoints import RunCheckpoints
 from hetpipe.run.config import (SECTIONS, Checkpointing, Numerics, Planning, PSRule, Reporting, RunConfig, Runtime,
                                 fold_legacy, resolve, section)
@@ -105,6 +106,7 @@ class Trainer:
             record = RunRecord.load(record)
         plan = self.resolve_plan()
         spec = self.spec(plan, self.checkpoints.resume(plan))
+        say_dropped(spec)
         reporter = wl.reporter(self.config, plan, spec) if wl.wants_reporter(self.config) else None
         result = replay_run(spec, record, reporter)
         if reporter is not None:

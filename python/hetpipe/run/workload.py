@@ -19,6 +19,7 @@ from torch import nn
 from hetpipe.checkpoint import state as ckpt
 from hetpipe.job.roles import LaunchError
 from hetpipe.loader import as_source
+from hetpipe.loader.source import too_few
 from hetpipe.model.contract import as_layers, infer_boundaries
 from hetpipe.model.layout import ModelLayout
 from hetpipe.model.names import model_names, param_names
@@ -199,7 +200,7 @@ def run_spec(work: Workload, config: RunConfig, plan: Plan, resume: Optional[ckp
     per_epoch = work.data.minibatches_per_epoch(num_vws)
     per_vw = per_epoch // num_vws
     if per_vw < 1:
-        raise ValueError(f"hetpipe: one epoch has fewer minibatches than the {num_vws} VWs")
+        raise ValueError(too_few(per_epoch, num_vws, plan.nm))
     epochs, num = config.epochs, config.numerics
     total, split = per_vw * epochs, config.planning.split_startup
     if resume is not None:
@@ -213,9 +214,10 @@ def run_spec(work: Workload, config: RunConfig, plan: Plan, resume: Optional[ckp
     rep = config.reporting
     clip = float(num.clip_grad_norm) if num.clip_grad_norm is not None else None
     layout = ModelLayout(work.layers)
-    eval_every = eval_waves(rep, plan, num.accumulate)
+    eval_every = eval_interval(rep, plan, num.accumulate)
+    offset = resume.checkpoint.clock if resume is not None else 0
     schedules = [vw_schedule(config.planning.schedule, plan, layout, vw.index, total, split, clip, num.accumulate,
-                             eval_every) for vw in plan.virtual_workers]
+                             eval_every, offset) for vw in plan.virtual_workers]
     return RunSpec(plan, work.layers, work.loss_fn, work.optimizer, work.data, epochs, schedules,
                    infer_boundaries(work.layers, x), batch_of(x), copy_stream=config.runtime.copy_stream,
                    audit=config.ps.audit, seed=num.seed, resume=resume, lr_scheduler=num.lr_scheduler,
@@ -224,7 +226,7 @@ def run_spec(work: Workload, config: RunConfig, plan: Plan, resume: Optional[ckp
                    eval_data=work.eval_data, eval_metric=rep.eval_metric, loss_scale=dict(num.loss_scale or {}), accumulate=num.accumulate)
 
 
-def eval_waves(rep: Reporting, plan: Plan, accumulate: int) -> Optional[int]:
+def eval_interval(rep: Reporting, plan: Plan, accumulate: int) -> Optional[int]:
     """The waves between VW 0's evaluation points: ``eval_every``, or ``eval_every_steps`` of the run's
     optimizer steps (:func:`~hetpipe.run.callbacks.run_steps`) rounded to whole waves, at least one."""
     if rep.eval_every_steps is None:
@@ -238,7 +240,7 @@ def reporter(config: RunConfig, plan: Plan, spec: RunSpec) -> Reporter:
     rep = config.reporting
     return Reporter(plan, as_path(rep.metrics), as_path(rep.tensorboard), rep.progress,
                     spec.schedules[0].num_minibatches, config.epochs, list(rep.callbacks), spec.eval_every is not None,
-                    accumulate=config.numerics.accumulate)
+                    accumulate=config.numerics.accumulate, resume=spec.resume)
 
 
 def wants_reporter(config: RunConfig) -> bool:

@@ -42,18 +42,20 @@ class MessageOptions:
     ``tied``: the pairs of stages ``(a, b)``, ``a < b``, holding a tied parameter together; ``norm``:
     exchange gradient-norm shares at each step (clipping, fp16); ``accumulate``: a step every
     ``accumulate`` minibatches (and after the last); ``eval_every``: VW 0's evaluation points every
-    ``eval_every`` waves (0: none; the other VWs' streams have none).
+    ``eval_every`` waves (0: none; the other VWs' streams have none), the stream's wave ``w`` being the
+    run's wave ``eval_offset + w`` (a resumed run's).
     """
 
     tied: Tuple[Tuple[int, int], ...] = ()
     norm: bool = False
     accumulate: int = 1
     eval_every: int = 0
+    eval_offset: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.norm, bool):
             raise ValueError(f"message options: norm must be a bool, got {self.norm!r}")
-        for name, lo in (("accumulate", 1), ("eval_every", 0)):
+        for name, lo in (("accumulate", 1), ("eval_every", 0), ("eval_offset", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"message options: {name} must be an int >= {lo}, got {v!r}")
@@ -87,9 +89,9 @@ def norm_exchange(stage: int, num_stages: int, mb: int) -> List[Instr]:
     return [SendNorm(mb, t) for t in others] + [RecvNorm(mb, t) for t in others]
 
 
-def eval_waves(schedule: Schedule, every: int) -> List[int]:
-    """The waves after whose Push VW 0 evaluates: ``(w + 1) % every == 0``, the last wave excepted."""
-    return [w for w in range(schedule.num_waves - 1) if (w + 1) % every == 0] if every else []
+def eval_waves(schedule: Schedule, every: int, offset: int = 0) -> List[int]:
+    """The waves after whose Push VW 0 evaluates: ``(offset + w + 1) % every == 0``, the last wave excepted."""
+    return [w for w in range(schedule.num_waves - 1) if (offset + w + 1) % every == 0] if every else []
 
 
 def with_messages(schedule: Schedule, options: MessageOptions) -> Schedule:
@@ -110,7 +112,7 @@ def with_messages(schedule: Schedule, options: MessageOptions) -> Schedule:
             for s in range(k) for t in peers[s]}
     position = {key: {mb: n for n, mb in enumerate(order)} for key, order in sent.items()}
     steps = step_minibatches(schedule, options.accumulate) if options.norm and k > 1 else set()
-    evals = set(eval_waves(schedule, options.eval_every))
+    evals = set(eval_waves(schedule, options.eval_every, options.eval_offset))
     out_streams = []
     for s, stream in enumerate(streams):
         received: Dict[int, int] = {t: 0 for t in peers[s]}

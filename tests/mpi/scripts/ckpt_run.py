@@ -2,7 +2,7 @@
 
 CONFIG keys: ``vws`` (1 or 2 VWs; VW v is stages on emulated devices n<v>.g<k> split at ``cuts``),
 ``nm``, ``d``, ``epochs``, ``minibatches`` (per epoch), ``shuffle``, ``momentum``, ``time`` (emulated
-seconds per forward, twice per backward: slow enough to be killed mid-run), ``metrics``, ``lr_step``
+seconds per forward, twice per backward: slow enough to be killed mid-run), ``metrics``, ``tensorboard``, ``lr_step``
 (a StepLR halving the learning rate every ``lr_step`` minibatches: its state must survive a resume), ``outer``
 (the Trainer's outer optimizer arguments, e.g. {"outer": "nesterov"}: its momentum must survive a resume). Checkpoints
 and resuming come from the launcher (--checkpoint-dir, --resume, --max-restarts). Rank 0 writes
@@ -46,7 +46,7 @@ def main() -> int:
     scheduler = (lambda opt: torch.optim.lr_scheduler.StepLR(opt, step, gamma=0.5)) if step else None
     run = Trainer(mlp(), cross_entropy, sgd(momentum=cfg.get("momentum", 0.9)), data_of(cfg), plan=plan_of(cfg),
                   epochs=cfg["epochs"], numerics=Numerics(lr_scheduler=scheduler),
-                  reporting=Reporting(progress=False, metrics=cfg.get("metrics")), runtime=Runtime(emulate=True),
+                  reporting=Reporting(progress=False, metrics=cfg.get("metrics"), tensorboard=cfg.get("tensorboard")), runtime=Runtime(emulate=True),
                   **cfg.get("outer", {})).fit()
     if run.rank == 0:
         save_run(out, run)

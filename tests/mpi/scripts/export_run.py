@@ -1,9 +1,11 @@
 """Train under real ranks with checkpoints, then export the last checkpoint with `hetpipe export` and
-load it back as a user would. Usage: mpiexec -n 3 python export_run.py OUT MODE
+load it back as a user would. Usage: mpiexec -n 3 python export_run.py OUT MODE [EVERY]
 
 MODE ``sequential``: an nn.Sequential with a tied weight and BatchNorm (its num_batches_tracked is a
 buffer the PS does not sync), loaded with ``load_state_dict(strict=True)``; ``gpt2``: a tiny Hugging
-Face GPT-2 through ``adapt()``, opened with ``GPT2LMHeadModel.from_pretrained``. Rank 0 prints
+Face GPT-2 through ``adapt()``, opened with ``GPT2LMHeadModel.from_pretrained``. EVERY (optional,
+default 1): checkpoint every that many waves (the export then reads the run's final checkpoint, of a
+clock that was not due unless EVERY divides the run's waves). Rank 0 prints
 ``RESULT {json}``: whether every exported tensor equals the trained model's (the Trainer loads the
 final weights into every rank's model), and the keys on either side that differ.
 """
@@ -59,6 +61,7 @@ def gpt2():
 
 def main() -> int:
     out, mode = Path(sys.argv[1]), sys.argv[2]
+    every = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     model, layers, loss, data, n, cut = sequential() if mode == "sequential" else gpt2()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     seen = []
@@ -73,7 +76,7 @@ def main() -> int:
                                  lr=0.01)
 
     Trainer(layers, loss, adamw, data, plan=one_vw_plan([cut], nm=2, d=0, num_layers=n), epochs=2,
-            checkpointing=Checkpointing(dir=out / "ckpt", every=1), reporting=Reporting(progress=False)).fit()
+            checkpointing=Checkpointing(dir=out / "ckpt", every=every), reporting=Reporting(progress=False)).fit()
     names = MPI.COMM_WORLD.gather(seen, root=0)
     if MPI.COMM_WORLD.Get_rank() != 0:
         return 0
@@ -95,7 +98,9 @@ def main() -> int:
         fresh = transformers.GPT2LMHeadModel.from_pretrained(out / "hf")
     got = fresh.state_dict()
     differ = sorted(k for k in want if k in got and not torch.equal(want[k], got[k]))
-    print("RESULT " + json.dumps({"said": proc.stdout.strip(), "missing": sorted(set(want) - set(got)),
+    from hetpipe.checkpoint.format import latest
+
+    print("RESULT " + json.dumps({"said": proc.stdout.strip(), "exported": latest(out / "ckpt").name, "missing": sorted(set(want) - set(got)),
                                   "extra": sorted(set(got) - set(want)), "differ": differ,
                                   "trained": sum(not torch.equal(initial[k], want[k]) for k in want),
                                   "optimizer_names": sorted({n for per in names for n in per})}), flush=True)
