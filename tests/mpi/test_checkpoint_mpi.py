@@ -136,6 +136,8 @@ def test_run_resumed_into_another_plan_continues_its_optimizer_state_and_schedul
     assert sorted(w_got) == sorted(w_want)
     for l in w_want:
         np.testing.assert_allclose(w_got[l], w_want[l], rtol=1e-5, atol=1e-6, err_msg=f"layer {l}")
+    in_order = lambda losses: [v for _, v in sorted((int(p), v) for p, v in losses["0"].items())]  # noqa: E731
+    np.testing.assert_allclose(in_order(got["losses"]), in_order(want["losses"])[2 * clock:], rtol=1e-5)
 
 
 # The PS's outer optimizer with a momentum buffer, which the PS part of each checkpoint holds.

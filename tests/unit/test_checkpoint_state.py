@@ -170,10 +170,10 @@ def _named(layers, lo, hi):
 
 
 def _grouped(named):
-    """Decay on weights but layer 1's; no decay on biases and on layer 1's weight: group order differs
-    from the flat order, and every parameter of a group has the shape of one in the other."""
-    decay = [p for n, p in named if n.endswith("weight") and not n.startswith("1.")]
-    rest = [p for n, p in named if not (n.endswith("weight") and not n.startswith("1."))]
+    """Decay on weights but those named ``*0.weight``; none on biases and those: group order differs from
+    the flat order, and every parameter of a group has the shape of one in the other."""
+    decay = [p for n, p in named if n.endswith("weight") and not n.endswith("0.weight")]
+    rest = [p for n, p in named if not (n.endswith("weight") and not n.endswith("0.weight"))]
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                              lr=0.01, betas=(0.8, 0.95))
 
@@ -234,3 +234,56 @@ def test_grouped_optimizer_state_restores_by_name_into_another_stage_cut(old_cut
             assert all(torch.equal(got[s], want[s]) for s in got), name
             options = {k: v for k, v in _group_of(fresh, p).items() if k != "params"}
             assert options == {k: v for k, v in _group_of(ref, saved_p).items() if k != "params"}, name
+
+
+def test_a_stage_restores_by_the_model_names_and_reads_checkpoints_keyed_by_layer():
+    """StageModels over layers that a model names ``enc.*``/``dec.*`` (not by position), grouped AdamW by
+    name: their parts key the state by those names, and :meth:`Resume.restore_stage` gives stages of
+    another cut each parameter's state; a part in the older format (``layer.name`` keys, numbered as
+    the optimizer's groups list the parameters) still restores into its own plan's stage."""
+    from hetpipe.model.layout import ModelLayout
+    from hetpipe.model.names import model_names, named_params, param_names
+    from hetpipe.stage.params import StageModel
+
+    layers = _layers()
+    source = nn.Module()
+    source.enc, source.dec = nn.Sequential(*layers[:2]), nn.Sequential(*layers[2:])
+    names, layout = param_names(model_names(source, layers)), ModelLayout(layers)
+    factory = named_params(lambda named: _grouped(named))
+
+    def stages(cuts):
+        bounds = [0, *cuts, 4]
+        return [StageModel(layers, a, b, nm=1, shard_layers={}, optimizer_factory=factory,
+                           device=torch.device("cpu"), layout=layout, param_names=names)
+                for a, b in zip(bounds, bounds[1:])]
+
+    old = stages([2])
+    _train([m for st in old for m in st.layers], [st.optimizer for st in old], 3)
+    state_of = {n: st.optimizer.state[p] for st in old for n, p in zip(st.param_names, st.params)}
+    assert sorted(state_of) == sorted(f"{half}.{i}.{kind}" for half in ("enc", "dec") for i in (0, 1)
+                                      for kind in ("weight", "bias"))
+    parts, tensors = {}, {}
+    for s, st in enumerate(old):
+        t, opt = ckpt.optimizer_snapshot(st.optimizer, st.params, st.param_names)
+        parts[s] = {"role": "stage", "vw": 0, "stage": s, "optimizer": json.loads(json.dumps(opt))}
+        tensors[s] = t
+    manifest = {"plan": {"virtual_workers": [{}]}}
+    resume = ckpt.Resume(ckpt.Checkpoint(None, manifest, parts, tensors), same_plan=False)
+    for s, st in enumerate(stages([1, 3])):
+        resume.restore_stage(st, layout, 0, s)
+        for n, p in zip(st.param_names, st.params):
+            assert all(torch.equal(st.optimizer.state[p][k], v) for k, v in state_of[n].items()), n
+
+    # The older format: state index i of the optimizer's state_dict() under the i-th flat ``layer.name``.
+    for s, st in enumerate(old):
+        flat = [f"{l}.{n}" for l in range(st.start, st.stop) for n, _ in layout.owned[l]]
+        sd = st.optimizer.state_dict()
+        tensors[s] = {f"opt/{flat[i]}/{k}": v for i, state in sd["state"].items() for k, v in state.items()}
+        groups = [{"weight_decay": g["weight_decay"], "keys": [flat[i] for i in g["params"]]}
+                  for g in sd["param_groups"]]
+        parts[s] = {**parts[s], "optimizer": {"groups": groups, "scalars": {}}}
+    resume = ckpt.Resume(ckpt.Checkpoint(None, manifest, parts, tensors), same_plan=True)
+    for s, st in enumerate(stages([2])):
+        resume.restore_stage(st, layout, 0, s)
+        for n, p in zip(st.param_names, st.params):
+            assert all(torch.equal(st.optimizer.state[p][k], v) for k, v in state_of[n].items()), n

@@ -433,9 +433,8 @@ class Resume:
         groups = [g for p, _ in sources for g in p["optimizer"]["groups"]]
         scalars = {k: v for p, _ in sources for k, v in p["optimizer"]["scalars"].items()}
         tensors = {k: v for _, t in sources for k, v in t.items()}
-        # A checkpoint written before the model's own names keyed the state by ``layer.name``.
         by_model = all(p["optimizer"].get("keyed") == KEYED_BY_MODEL for p, _ in sources)
-        keys = model.param_names if by_model else legacy_param_keys(model, layout)
+        keys = model.param_names if by_model else legacy_keys(model, layout)
         restore_optimizer(model.optimizer, model.params, keys, groups, scalars, tensors)
         saved = next((p["lr_scheduler"] for p, _ in sources if "lr_scheduler" in p), None)
         if model.scheduler is not None and saved is not None:
@@ -457,8 +456,15 @@ class Resume:
                      if p["role"] == "stage" and p["vw"] == old and "loss_scale" in p), None)
 
 
-def legacy_param_keys(model, layout) -> List[str]:
-    """``layer.name`` of each parameter of a stage, in its flat order (a replica by its owner's key): the
-    keys of the optimizer state in checkpoints written before it was keyed by the model's own names."""
-    owned = [f"{l}.{n}" for l in range(model.start, model.stop) for n, _ in layout.owned[l]]
-    return owned + [f"{o}.{n}" for o, n in model.replica_keys]
+def legacy_keys(model, layout) -> List[str]:
+    """The keys a checkpoint written before the optimizer state was keyed by the model's own names gave
+    the stage's parameters (in flat order): the ``layer.name`` (a replica: its owner's) of the flat
+    parameter whose position equals the parameter's position in the optimizer's groups, as that writer
+    numbered them. Exact for the checkpoint's own plan; another plan gets each parameter its saved state
+    only when the groups list the parameters in flat order (one group)."""
+    flat = [f"{l}.{n}" for l in range(model.start, model.stop) for n, _ in layout.owned[l]] + \
+        [f"{o}.{n}" for o, n in model.replica_keys]
+    if model.optimizer is None:
+        return flat
+    position = {id(p): j for j, p in enumerate(p for g in model.optimizer.param_groups for p in g["params"])}
+    return [flat[position.get(id(p), i)] for i, p in enumerate(model.params)]
