@@ -394,7 +394,8 @@ def restore_optimizer(optimizer: Optional[torch.optim.Optimizer], params: Sequen
     sd = optimizer.state_dict()
     state: Dict[int, Dict[str, Any]] = {}
     for name, value in tensors.items():
-        kind, key, stat = name.split("/", 2) if name.count("/") >= 2 else (name, "", "")
+        kind, _, rest = name.partition("/")
+        key, _, stat = rest.rpartition("/")         # a model's name may hold "/", a state's name does not
         if kind == "opt" and key in index:
             state.setdefault(index[key], {})[stat] = value
     for key, values in scalars.items():
