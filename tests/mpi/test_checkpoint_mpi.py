@@ -65,8 +65,10 @@ def _result(out: Path):
     return res, weights
 
 
-# With an LR schedule whose state a resume must restore (a fresh one would step the rate differently).
-CFG = {"nm": 2, "d": 0, "epochs": 2, "minibatches": 16, "cuts": [3], "time": 0.01, "lr_step": 2}
+# AdamW with two parameter groups (weight decay on the weights only: group order is not the stages' flat
+# order) and a OneCycleLR, whose nested state a resume must restore (a fresh one would step the rate and
+# AdamW's beta1 differently).
+CFG = {"nm": 2, "d": 0, "epochs": 2, "minibatches": 16, "cuts": [3], "time": 0.01, "groups": True, "one_cycle": True}
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +105,9 @@ def _resume_and_compare(tmp_path, ckpt: Path, uninterrupted, cfg=CFG) -> int:
 
 
 def test_run_killed_at_a_random_wave_resumes_bitwise_at_d0(tmp_path, uninterrupted):
-    """D = 0, 1 VW of 2 stages + a PS shard: killed (SIGKILL of a random rank at a random wave) and
-    resumed with `--resume`, the run ends with the uninterrupted run's weights and losses, bitwise."""
+    """D = 0, 1 VW of 2 stages + a PS shard, grouped AdamW and OneCycleLR: killed (SIGKILL of a random
+    rank at a random wave) and resumed with `--resume`, the run ends with the uninterrupted run's weights
+    and losses, bitwise."""
     rng = random.Random(11)
     wave, victim = rng.randint(3, 10), rng.randint(0, 2)
     metrics, ckpt, run = tmp_path / "metrics.jsonl", tmp_path / "ckpt", tmp_path / "run"
@@ -153,6 +156,33 @@ def test_a_resumed_run_continues_the_killed_runs_metrics_and_tensorboard(tmp_pat
     steps = _scalars(tb)
     assert [s for s, _ in steps] == [2 * (w + 1) for w in range(16)]
     assert steps == _scalars(uninterrupted_out / "tb")
+
+
+def test_run_resumed_into_another_plan_continues_its_optimizer_state_and_schedule(tmp_path, uninterrupted):
+    """Killed at a random wave (2 stages cut at layer 3) and resumed with `--resume` into 3 stages cut
+    at layers 2 and 4: each stage finds the grouped AdamW state of its parameters by their names in the
+    old stages' parts, its groups' options, and OneCycleLR's state; the run ends within float tolerance
+    of the uninterrupted one (a fresh optimizer state or schedule after the cut ends far from it)."""
+    rng = random.Random(15)
+    wave, victim = rng.randint(3, 10), rng.randint(0, 2)
+    metrics, ckpt, run = tmp_path / "metrics.jsonl", tmp_path / "ckpt", tmp_path / "run"
+    killed = _launch("-n", "3", "--run-dir", str(run), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+                     "ckpt_run.py", str(tmp_path / "killed"), json.dumps({**CFG, "metrics": str(metrics)}))
+    _kill_at_wave(killed, metrics, ckpt, run, wave, victim)
+    rc, err = _finish(killed)
+    assert rc != 0 and f"rank {victim}" in err, err
+    rc, err = _finish(_launch("-n", "4", "--resume", str(ckpt), "--run-dir", str(tmp_path / "run2"), "ckpt_run.py",
+                              str(tmp_path / "resumed"), json.dumps({**CFG, "cuts": [2, 4]})))
+    assert rc == 0, err
+    (want, w_want), (got, w_got) = uninterrupted, _result(tmp_path / "resumed")
+    clock = got["resumed"]["clock"]
+    assert not got["resumed"]["same_plan"] and 2 <= clock < 16 and clock % 2 == 0
+    assert got["samples"] == 16 * (32 - clock * 2)
+    assert sorted(w_got) == sorted(w_want)
+    for l in w_want:
+        np.testing.assert_allclose(w_got[l], w_want[l], rtol=1e-5, atol=1e-6, err_msg=f"layer {l}")
+    in_order = lambda losses: [v for _, v in sorted((int(p), v) for p, v in losses["0"].items())]  # noqa: E731
+    np.testing.assert_allclose(in_order(got["losses"]), in_order(want["losses"])[2 * clock:], rtol=1e-5)
 
 
 # The PS's outer optimizer with a momentum buffer, which the PS part of each checkpoint holds.

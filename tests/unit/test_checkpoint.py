@@ -165,14 +165,14 @@ def test_optimizer_state_round_trips_through_safetensors_and_json(tmp_path):
         opt.step()
         opt.zero_grad()
     keys = ["0.weight", "0.bias"]
-    tensors, part = ckpt.optimizer_snapshot(opt, keys)
+    tensors, part = ckpt.optimizer_snapshot(opt, params, keys)
     ckpt.write_tensors(tmp_path / "t.safetensors", tensors)
     ckfmt.write_json(tmp_path / "p.json", part)
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
     fresh = torch.optim.Adam(twins, lr=1.0)
     import json
     saved = json.loads((tmp_path / "p.json").read_text())
-    restored = ckpt.restore_optimizer(fresh, keys, saved["groups"], saved["scalars"],
+    restored = ckpt.restore_optimizer(fresh, twins, keys, saved["groups"], saved["scalars"],
                                       ckpt.read_tensors(tmp_path / "t.safetensors"))
     assert restored == 2 and fresh.param_groups[0]["lr"] == 0.01
     for ps, o in ((params, opt), (twins, fresh)):
@@ -186,7 +186,7 @@ def test_optimizer_state_that_is_not_json_is_refused_by_name():
     opt = torch.optim.SGD([p], lr=0.1)
     opt.state[p]["note"] = object()
     with pytest.raises(ckfmt.CheckpointError, match="'note' of 0.w"):
-        ckpt.optimizer_snapshot(opt, ["0.w"])
+        ckpt.optimizer_snapshot(opt, [p], ["0.w"])
 
 
 def test_plan_without_drops_the_vw_of_the_device():

@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ import torch
 from hetpipe.checkpoint.format import (MANIFEST, CheckpointError, DataPosition, clock_dir, commit, complete_clocks,
                                        file_digest, find, is_complete, manifest_digest, part_name, read_manifest,
                                        read_part, temporary_tag, verify_part, write_json)
+from hetpipe.checkpoint.statejson import decode, encode, merge
 from hetpipe.model.layout import local_buffers
 
 Snapshot = Tuple[Dict[str, torch.Tensor], Dict[str, Any]]      # (tensors on the CPU, JSON part)
@@ -386,67 +387,94 @@ def run_of(path: Path) -> Optional[str]:
 
 
 # --- what a rank saves ---------------------------------------------------------------------------
-def optimizer_snapshot(optimizer: Optional[torch.optim.Optimizer], keys: List[str]
-                       ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    """An optimizer's state by parameter key: tensors ``opt/<key>/<name>`` (CPU copies) and, as JSON,
-    its non-tensor state and its param groups (each with the keys of its parameters)."""
+KEYED_BY_MODEL = "model"        # the optimizer JSON's "keyed": its keys are the model's own parameter names
+
+
+def optimizer_order(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], keys: Sequence[str]
+                    ) -> List[str]:
+    """The key of each parameter in the order ``optimizer.state_dict()`` numbers them (group by group,
+    found by identity among ``params``, whose keys are ``keys``)."""
+    key_of = {id(p): k for p, k in zip(params, keys)}
+    if len(set(key_of.values())) != len(key_of):
+        twice = sorted({k for k in key_of.values() if list(key_of.values()).count(k) > 1})
+        raise CheckpointError(f"hetpipe: the parameters named {twice} share a name; a checkpoint keys the optimizer "
+                              "state by name")
+    order = []
+    for i, g in enumerate(optimizer.param_groups):
+        for p in g["params"]:
+            if id(p) not in key_of:
+                raise CheckpointError(f"hetpipe: the optimizer's param group {i} holds a {tuple(p.shape)} tensor that "
+                                      "is none of the stage's parameters; a checkpoint cannot name its state")
+            order.append(key_of[id(p)])
+    return order
+
+
+def optimizer_snapshot(optimizer: Optional[torch.optim.Optimizer], params: Sequence[torch.Tensor],
+                       keys: Sequence[str]) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """An optimizer's state by parameter key (``keys[i]`` names ``params[i]``; the stage passes the
+    model's own names): tensors ``opt/<key>/<name>`` (CPU copies) and, as JSON, its other state and
+    its param groups (each with the keys of its parameters), exactly (:mod:`~hetpipe.checkpoint.statejson`)."""
     if optimizer is None:
-        return {}, {"groups": [], "scalars": {}}
+        return {}, {"keyed": KEYED_BY_MODEL, "groups": [], "scalars": {}}
+    order = optimizer_order(optimizer, params, keys)
     sd = optimizer.state_dict()
     tensors: Dict[str, torch.Tensor] = {}
     scalars: Dict[str, Dict[str, Any]] = {}
     for i, state in sd["state"].items():
         for name, value in state.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"opt/{keys[i]}/{name}"] = value.detach().to("cpu", copy=True)
+                tensors[f"opt/{order[i]}/{name}"] = value.detach().to("cpu", copy=True)
             else:
-                scalars.setdefault(keys[i], {})[name] = _json_value(value, f"optimizer state {name!r} of {keys[i]}")
+                scalars.setdefault(order[i], {})[name] = encode(value, f"optimizer state {name!r} of {order[i]}")
     groups = []
     for g in sd["param_groups"]:
-        groups.append({**{k: _json_value(v, f"optimizer option {k!r}") for k, v in g.items() if k != "params"},
-                       "keys": [keys[i] for i in g["params"]]})
-    return tensors, {"groups": groups, "scalars": scalars}
+        groups.append({**{k: encode(v, f"optimizer option {k!r}") for k, v in g.items() if k != "params"},
+                       "keys": [order[i] for i in g["params"]]})
+    return tensors, {"keyed": KEYED_BY_MODEL, "groups": groups, "scalars": scalars}
 
 
-def scheduler_snapshot(scheduler: Any) -> Dict[str, Any]:
-    """An LR scheduler's ``state_dict`` as JSON (functions, which it cannot hold, stay out: a
-    LambdaLR's lambdas come from the factory again on resume)."""
-    return {k: _json_value(v, f"LR scheduler state {k!r}") for k, v in scheduler.state_dict().items()
-            if not callable(v)}
+def scheduler_snapshot(scheduler: Any) -> Any:
+    """An LR scheduler's ``state_dict()``, exactly, as JSON (:mod:`~hetpipe.checkpoint.statejson`):
+    nested dicts, tuples and tensors included; functions, which are code, stay out (a LambdaLR's
+    lambdas come from the factory again on resume). What it cannot hold is refused in one line naming
+    the scheduler's class, the key path and the type."""
+    return encode(scheduler.state_dict(), f"the LR scheduler {type(scheduler).__name__} cannot be checkpointed: "
+                                          "its state_dict()")
 
 
-def _json_value(value: Any, what: str) -> Any:
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_json_value(v, what) for v in value]
-    raise CheckpointError(f"hetpipe: {what} is a {type(value).__name__}, which a checkpoint cannot hold as JSON")
+def restore_scheduler(scheduler: Any, saved: Any) -> None:
+    """Give ``scheduler``, built again by the factory, the state :func:`scheduler_snapshot` saved (what
+    it left out keeps the rebuilt scheduler's value)."""
+    scheduler.load_state_dict(merge(scheduler.state_dict(), decode(saved)))
 
 
-def restore_optimizer(optimizer: Optional[torch.optim.Optimizer], keys: List[str], groups: List[Dict[str, Any]],
-                      scalars: Dict[str, Dict[str, Any]], tensors: Dict[str, torch.Tensor]) -> int:
-    """Load the state saved by :func:`optimizer_snapshot` (from one or several parts) into ``optimizer``,
-    whose parameters have ``keys``; returns how many parameters got a saved state. ``groups``: the saved
-    param groups; each of ``optimizer``'s groups takes the options of the saved group holding its
-    first parameter (the same group when the plan did not change)."""
+def restore_optimizer(optimizer: Optional[torch.optim.Optimizer], params: Sequence[torch.Tensor],
+                      keys: Sequence[str], groups: List[Dict[str, Any]], scalars: Dict[str, Dict[str, Any]],
+                      tensors: Dict[str, torch.Tensor]) -> int:
+    """Load the state saved by :func:`optimizer_snapshot` (from one or several parts, of any plan) into
+    ``optimizer``, whose parameters ``params`` have ``keys``; returns how many parameters got a saved
+    state. ``groups``: the saved param groups; each of ``optimizer``'s groups takes the options (lr,
+    weight_decay, ...) of the saved group holding its first parameter that has one (the group's own
+    when the factory groups parameters the same way)."""
     if optimizer is None:
         return 0
+    order = optimizer_order(optimizer, params, keys)
+    index = {k: i for i, k in enumerate(order)}
     sd = optimizer.state_dict()
-    index = {k: i for i, k in enumerate(keys)}
     state: Dict[int, Dict[str, Any]] = {}
     for name, value in tensors.items():
-        kind, key, stat = name.split("/", 2) if name.count("/") >= 2 else (name, "", "")
+        kind, _, rest = name.partition("/")
+        key, _, stat = rest.rpartition("/")         # a model's name may hold "/", a state's name does not
         if kind == "opt" and key in index:
             state.setdefault(index[key], {})[stat] = value
     for key, values in scalars.items():
         if key in index:
-            state.setdefault(index[key], {}).update(values)
+            state.setdefault(index[key], {}).update(decode(values))
     by_key = {k: g for g in groups for k in g["keys"]}
     new_groups = []
     for g in sd["param_groups"]:
-        first = keys[g["params"][0]] if g["params"] else None
-        saved = by_key.get(first, {})
-        options = {k: v for k, v in saved.items() if k != "keys"}
+        saved = next((by_key[order[i]] for i in g["params"] if order[i] in by_key), {})
+        options = {k: decode(v) for k, v in saved.items() if k not in ("keys", "params", "param_names")}
         new_groups.append({**g, **options, "params": g["params"]})
     optimizer.load_state_dict({"state": state, "param_groups": new_groups})
     return len(state)
@@ -466,7 +494,6 @@ class Resume:
         """Give a freshly built :class:`~hetpipe.stage.params.StageModel` its saved optimizer state and
         local buffers: its own part's when the plan is the same, else per parameter from the stages of
         VW ``vw % num_old_vws`` of the checkpoint."""
-        keys = param_keys(model, layout)
         ck = self.checkpoint
         if self.same_plan:
             sources = [ck.stage_part(vw, stage)]
@@ -476,10 +503,12 @@ class Resume:
         groups = [g for p, _ in sources for g in p["optimizer"]["groups"]]
         scalars = {k: v for p, _ in sources for k, v in p["optimizer"]["scalars"].items()}
         tensors = {k: v for _, t in sources for k, v in t.items()}
-        restore_optimizer(model.optimizer, keys, groups, scalars, tensors)
+        by_model = all(p["optimizer"].get("keyed") == KEYED_BY_MODEL for p, _ in sources)
+        keys = model.param_names if by_model else legacy_keys(model, layout)
+        restore_optimizer(model.optimizer, model.params, keys, groups, scalars, tensors)
         saved = next((p["lr_scheduler"] for p, _ in sources if "lr_scheduler" in p), None)
         if model.scheduler is not None and saved is not None:
-            model.scheduler.load_state_dict({**model.scheduler.state_dict(), **saved})
+            restore_scheduler(model.scheduler, saved)
         with torch.no_grad():
             for name, buf in local_buffers(model, layout).items():
                 saved = tensors.get(f"buf/{name}")
@@ -497,7 +526,15 @@ class Resume:
                      if p["role"] == "stage" and p["vw"] == old and "loss_scale" in p), None)
 
 
-def param_keys(model, layout) -> List[str]:
-    """``layer.name`` of each parameter of a stage, in its flat order (a replica by its owner's key)."""
-    owned = [f"{l}.{n}" for l in range(model.start, model.stop) for n, _ in layout.owned[l]]
-    return owned + [f"{o}.{n}" for o, n in model.replica_keys]
+def legacy_keys(model, layout) -> List[str]:
+    """The keys a checkpoint written before the optimizer state was keyed by the model's own names gave
+    the stage's parameters (in flat order): the ``layer.name`` (a replica: its owner's) of the flat
+    parameter whose position equals the parameter's position in the optimizer's groups, as that writer
+    numbered them. Exact for the checkpoint's own plan; another plan gets each parameter its saved state
+    only when the groups list the parameters in flat order (one group)."""
+    flat = [f"{l}.{n}" for l in range(model.start, model.stop) for n, _ in layout.owned[l]] + \
+        [f"{o}.{n}" for o, n in model.replica_keys]
+    if model.optimizer is None:
+        return flat
+    position = {id(p): j for j, p in enumerate(p for g in model.optimizer.param_groups for p in g["params"])}
+    return [flat[position.get(id(p), i)] for i, p in enumerate(model.params)]

@@ -146,6 +146,9 @@ class RunCheckpoints:
         """This rank's checkpointer, hooked to its part's wave boundaries (None: no checkpoints)."""
         if self.directory is None:
             return None
+        if role.kind == "stage" and part.model.scheduler is not None:
+            # A scheduler whose state a checkpoint cannot hold is refused at start-up, not at the first checkpoint.
+            ckpt.scheduler_snapshot(part.model.scheduler)
         run_dir = os.environ.get(RUN_DIR_ENV)
         progress = Path(run_dir, f"clock-of-rank-{role.rank}") if run_dir else None
         writer = ckpt.Checkpointer(self.directory, self.every, role.rank,
@@ -164,7 +167,7 @@ class RunCheckpoints:
 
     def stage_snapshot(self, plan: Plan, spec: RunSpec, ex: StageExecutor, role: Role) -> ckpt.Snapshot:
         model = ex.model
-        tensors, opt = ckpt.optimizer_snapshot(model.optimizer, ckpt.param_keys(model, spec.layout))
+        tensors, opt = ckpt.optimizer_snapshot(model.optimizer, model.params, model.param_names)
         for name, b in local_buffers(model, spec.layout).items():
             tensors[f"buf/{name}"] = b.detach().to("cpu", copy=True)
         if not plan.ps_shards and role.vw == 0:

@@ -3,7 +3,10 @@
 CONFIG keys: ``vws`` (1 or 2 VWs; VW v is stages on emulated devices n<v>.g<k> split at ``cuts``),
 ``nm``, ``d``, ``epochs``, ``minibatches`` (per epoch), ``shuffle``, ``momentum``, ``time`` (emulated
 seconds per forward, twice per backward: slow enough to be killed mid-run), ``metrics``, ``tensorboard``, ``lr_step``
-(a StepLR halving the learning rate every ``lr_step`` minibatches: its state must survive a resume), ``outer``
+(a StepLR halving the learning rate every ``lr_step`` minibatches: its state must survive a resume), ``groups``
+(AdamW with two parameter groups built by the model's parameter names, weight decay on the weights only,
+instead of SGD: their state must come back to the right parameters), ``one_cycle`` (a OneCycleLR over the
+whole run, whose state is nested dicts), ``outer``
 (the Trainer's outer optimizer arguments, e.g. {"outer": "nesterov"}: its momentum must survive a resume). Checkpoints
 and resuming come from the launcher (--checkpoint-dir, --resume, --max-restarts). Rank 0 writes
 OUT/result.json (losses, samples, what it resumed from) and OUT/weights.npz (final global weights)."""
@@ -15,6 +18,7 @@ from pathlib import Path
 import torch
 
 from common import cross_entropy, mlp, save_run, sgd
+from hetpipe import named_params
 from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
 from hetpipe.run.data import Batches
 from hetpipe.run.trainer import Trainer
@@ -39,12 +43,34 @@ def data_of(cfg) -> Batches:
     return Batches(x, y, 16, seed=1, shuffle=cfg.get("shuffle", True))
 
 
+def optimizer_of(cfg):
+    if not cfg.get("groups"):
+        return sgd(momentum=cfg.get("momentum", 0.9))
+
+    @named_params
+    def adamw(named):
+        named = list(named)
+        return torch.optim.AdamW([{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
+                                  {"params": [p for n, p in named if not n.endswith("weight")], "weight_decay": 0.0}],
+                                 lr=0.01)
+    return adamw
+
+
+def scheduler_of(cfg):
+    step = cfg.get("lr_step")
+    if step:
+        return lambda opt: torch.optim.lr_scheduler.StepLR(opt, step, gamma=0.5)
+    if cfg.get("one_cycle"):
+        steps = cfg["epochs"] * cfg["minibatches"] // cfg.get("vws", 1)
+        return lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.02, total_steps=steps + 1)
+    return None
+
+
 def main() -> int:
     out, cfg = Path(sys.argv[1]), json.loads(sys.argv[2])
     torch.manual_seed(0)
-    step = cfg.get("lr_step")
-    scheduler = (lambda opt: torch.optim.lr_scheduler.StepLR(opt, step, gamma=0.5)) if step else None
-    run = Trainer(mlp(), cross_entropy, sgd(momentum=cfg.get("momentum", 0.9)), data_of(cfg), plan=plan_of(cfg),
+    scheduler = scheduler_of(cfg)
+    run = Trainer(mlp(), cross_entropy, optimizer_of(cfg), data_of(cfg), plan=plan_of(cfg),
                   epochs=cfg["epochs"], numerics=Numerics(lr_scheduler=scheduler),
                   reporting=Reporting(progress=False, metrics=cfg.get("metrics"), tensorboard=cfg.get("tensorboard")), runtime=Runtime(emulate=True),
                   **cfg.get("outer", {})).fit()
