@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,19 @@ class Callbacks:
             self._warned = True
             sys.stderr.write(f"hetpipe: {self.stop_asked} asked to stop, but the run has no evaluation points "
                              "(reporting.eval_every) where a stop can take effect; training goes on\n")
+
+    def state(self) -> List[Optional[Dict[str, Any]]]:
+        """Each callback's ``state_dict()`` (None for one without), as a checkpoint holds them."""
+        return [cb.state_dict() if hasattr(cb, "state_dict") else None for cb in self.callbacks]
+
+    def load(self, states: List[Optional[Dict[str, Any]]]) -> None:
+        """Give each callback its saved state (a resumed run's, saved by :meth:`state`)."""
+        if len(states) != len(self.callbacks):
+            raise ValueError(f"hetpipe: the checkpoint holds the state of {len(states)} callback(s), the run has "
+                             f"{len(self.callbacks)}")
+        for cb, state in zip(self.callbacks, states):
+            if state is not None and hasattr(cb, "load_state_dict"):
+                cb.load_state_dict(state)
 
     def evaluated(self, info: EvalInfo) -> bool:
         """Whether to stop: asked now by an ``on_eval``, or earlier by an ``on_wave_end``."""

@@ -25,6 +25,7 @@ from hetpipe.model.layout import ModelLayout, local_buffers
 from hetpipe.model.weights import load_layer_weights
 from hetpipe.plan.types import Plan
 from hetpipe.run.spec import RunSpec
+from hetpipe.schedule.messages import eval_waves
 from hetpipe.stage.executor import StageExecutor
 
 
@@ -142,8 +143,10 @@ class RunCheckpoints:
             sys.stderr.write(f"hetpipe: removed {len(removed)} incomplete checkpoint(s) that a run which ended "
                              f"mid-write left in {self.directory}: {', '.join(sorted(removed))}\n")
 
-    def checkpointer(self, plan: Plan, spec: RunSpec, role: Role, part) -> Optional[ckpt.Checkpointer]:
-        """This rank's checkpointer, hooked to its part's wave boundaries (None: no checkpoints)."""
+    def checkpointer(self, plan: Plan, spec: RunSpec, role: Role, part, reporter: Any = None
+                     ) -> Optional[ckpt.Checkpointer]:
+        """This rank's checkpointer, hooked to its part's wave boundaries (None: no checkpoints).
+        ``reporter``: this rank's (VW 0's last stage), whose callbacks' state its parts hold."""
         if self.directory is None:
             return None
         if role.kind == "stage" and part.model.scheduler is not None:
@@ -157,15 +160,28 @@ class RunCheckpoints:
                                    progress=progress, run_id=self.run_id, keep_last=self.keep_last)
         clock0 = spec.resume.checkpoint.clock if spec.resume is not None else 0
         if role.kind == "stage":
-            part.model.ledger.on_pushed = lambda wave: writer.boundary(clock0 + wave,
-                                                                lambda: self.stage_snapshot(plan, spec, part, role))
+            def capture() -> ckpt.Snapshot:
+                return self.stage_snapshot(plan, spec, part, role, reporter)
+
+            evals = set(eval_waves(spec.schedules[0], spec.eval_every or 0, clock0)) if reporter is not None else set()
+
+            def pushed(clock: int) -> None:
+                if clock - 1 in evals:
+                    # VW 0 evaluates right after this Push, with no step between: the boundary is taken
+                    # once the callbacks have decided, so that their state in it holds that evaluation.
+                    reporter.after_eval[clock - 1] = lambda: writer.boundary(clock0 + clock, capture)
+                else:
+                    writer.boundary(clock0 + clock, capture)
+
+            part.model.ledger.on_pushed = pushed
         else:
             state = part.state
             state.on_applied = lambda applied: writer.boundary(clock0 + applied,
                                                                lambda: self.shard_snapshot(state, role, clock0))
         return writer
 
-    def stage_snapshot(self, plan: Plan, spec: RunSpec, ex: StageExecutor, role: Role) -> ckpt.Snapshot:
+    def stage_snapshot(self, plan: Plan, spec: RunSpec, ex: StageExecutor, role: Role, reporter: Any = None
+                       ) -> ckpt.Snapshot:
         model = ex.model
         tensors, opt = ckpt.optimizer_snapshot(model.optimizer, model.params, model.param_names)
         for name, b in local_buffers(model, spec.layout).items():
@@ -178,6 +194,8 @@ class RunCheckpoints:
             part["lr_scheduler"] = ckpt.scheduler_snapshot(model.scheduler)
         if ex.scaler is not None:
             part["loss_scale"] = ex.scaler.state()
+        if reporter is not None:
+            part["callbacks"] = reporter.callbacks.state()
         if ex.is_last:
             resume = spec.resume
             q0 = resume.minibatches if resume is not None else 0

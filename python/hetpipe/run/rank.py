@@ -195,7 +195,7 @@ class RankRun:
             part = build_shard(spec, role.shard, transport, pool, trace=trace, t0=t0,
                                comm=comm if plane == "core" else None)
         self._check_agreement(comm, spec, part, role)
-        writer = self.checkpoints.checkpointer(plan, spec, role, part)
+        writer = self.checkpoints.checkpointer(plan, spec, role, part, reporter)
         previous = self.checkpoints.on_sigterm(writer, lambda: self.describe)
         # A shard idles legitimately while stages compute; it waits twice as long, so that a stuck
         # peer is reported by the stage that waits on it directly.

@@ -24,7 +24,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -84,8 +84,13 @@ class Reporter:
         self.callbacks = Callbacks(callbacks, evaluates)
         # Where the logs go on from: the checkpoint's clock (waves) and VW 0's minibatches before it.
         self.clock0, self.step0 = 0, 0
+        # wave -> the checkpoint boundary of VW 0's last stage deferred until that wave's evaluation.
+        self.after_eval: Dict[int, Callable[[], None]] = {}
         if resume is not None:
             self.clock0 = resume.checkpoint.clock
+            saved = next((p["callbacks"] for p in resume.checkpoint.parts.values() if "callbacks" in p), None)
+            if saved is not None:
+                self.callbacks.load(saved)
             self.step0 = int(resume.checkpoint.manifest["data"]["minibatches_per_vw"])
         self.file = None
         if metrics is not None:
@@ -163,6 +168,9 @@ class Reporter:
         event = {"event": "eval", "wave": self.clock0 + wave, "loss": info.loss, "metric": info.metric, "samples": info.samples,
                  "time_s": now}
         stop = self.callbacks.evaluated(info)
+        boundary = self.after_eval.pop(wave, None)
+        if boundary is not None:
+            boundary()
         if stop:
             event["stop"] = self.callbacks.stop_asked
         self.evals.append(event)
