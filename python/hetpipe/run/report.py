@@ -14,7 +14,8 @@ checkpoint's, so that the curves of the attempts overlay as one run's. The metri
 to, after it is cut back (by a rename, never truncated in place) to its wave and evaluation records
 of the waves before the checkpoint's clock; what a killed attempt wrote after that cut, and a line it
 left half written, is dropped and counted on stderr. TensorBoard hides the killed attempt's events
-from the resumed run's first step on (``purge_step``). The callbacks see the resumed run's own waves.
+from the resumed run's first step on (``purge_step``). The callbacks see the resumed run's own waves
+(their ``step`` is the run's), and their state comes back from the checkpoint (``state_dict``).
 """
 
 from __future__ import annotations
