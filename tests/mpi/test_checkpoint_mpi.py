@@ -58,6 +58,21 @@ def _kill_at_wave(proc: subprocess.Popen, metrics: Path, ckpt_dir: Path, run_dir
     pytest.fail(f"the run did not reach wave {wave} within {START_TIMEOUT_S} s")
 
 
+def _killed_run(tmp_path: Path, cfg: dict, seed: int, first_wave: int) -> tuple:
+    """A 3-rank run checkpointing every 2 waves into ``tmp_path/ckpt``, whose random rank is SIGKILLed at
+    a random wave (from ``first_wave`` to 10, drawn from ``seed``); returns (ckpt, victim, rc, stderr).
+    ``cfg`` gets the metrics file the kill watches unless it names one."""
+    rng = random.Random(seed)
+    wave, victim = rng.randint(first_wave, 10), rng.randint(0, 2)
+    cfg = {"metrics": str(tmp_path / "metrics.jsonl"), **cfg}
+    ckpt, run = tmp_path / "ckpt", tmp_path / "run"
+    killed = _launch("-n", "3", "--run-dir", str(run), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+                     "ckpt_run.py", str(tmp_path / "killed"), json.dumps(cfg))
+    _kill_at_wave(killed, Path(cfg["metrics"]), ckpt, run, wave, victim)
+    rc, err = _finish(killed)
+    return ckpt, victim, rc, err
+
+
 def _result(out: Path):
     res = json.loads((out / "result.json").read_text())
     with np.load(out / "weights.npz", allow_pickle=False) as z:
@@ -108,13 +123,7 @@ def test_run_killed_at_a_random_wave_resumes_bitwise_at_d0(tmp_path, uninterrupt
     """D = 0, 1 VW of 2 stages + a PS shard, grouped AdamW and OneCycleLR: killed (SIGKILL of a random
     rank at a random wave) and resumed with `--resume`, the run ends with the uninterrupted run's weights
     and losses, bitwise."""
-    rng = random.Random(11)
-    wave, victim = rng.randint(3, 10), rng.randint(0, 2)
-    metrics, ckpt, run = tmp_path / "metrics.jsonl", tmp_path / "ckpt", tmp_path / "run"
-    killed = _launch("-n", "3", "--run-dir", str(run), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
-                     "ckpt_run.py", str(tmp_path / "killed"), json.dumps({**CFG, "metrics": str(metrics)}))
-    _kill_at_wave(killed, metrics, ckpt, run, wave, victim)
-    rc, err = _finish(killed)
+    ckpt, victim, rc, err = _killed_run(tmp_path, CFG, 11, 3)
     assert rc != 0 and f"rank {victim}" in err, err
     assert _resume_and_compare(tmp_path, ckpt, uninterrupted) % 2 == 0
 
@@ -141,14 +150,9 @@ def test_a_resumed_run_continues_the_killed_runs_metrics_and_tensorboard(tmp_pat
     """Killed at a random wave and resumed into the same metrics file and TensorBoard folder: the file
     holds the uninterrupted run's wave records (the killed run's beyond the cut dropped, the rest
     appended), and TensorBoard shows the uninterrupted run's steps and losses (D = 0: bitwise)."""
-    rng = random.Random(12)
-    wave, victim = rng.randint(4, 10), rng.randint(0, 2)
-    metrics, tb, ckpt, run = tmp_path / "metrics.jsonl", tmp_path / "tb", tmp_path / "ckpt", tmp_path / "run"
+    metrics, tb = tmp_path / "metrics.jsonl", tmp_path / "tb"
     cfg = {**CFG, "metrics": str(metrics), "tensorboard": str(tb)}
-    killed = _launch("-n", "3", "--run-dir", str(run), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
-                     "ckpt_run.py", str(tmp_path / "killed"), json.dumps(cfg))
-    _kill_at_wave(killed, metrics, ckpt, run, wave, victim)
-    rc, err = _finish(killed)
+    ckpt, victim, rc, err = _killed_run(tmp_path, cfg, 12, 4)
     assert rc != 0, err
     _resume_and_compare(tmp_path, ckpt, uninterrupted, cfg)
     want = _records(uninterrupted_out / "metrics.jsonl")
@@ -163,13 +167,7 @@ def test_run_resumed_into_another_plan_continues_its_optimizer_state_and_schedul
     at layers 2 and 4: each stage finds the grouped AdamW state of its parameters by their names in the
     old stages' parts, its groups' options, and OneCycleLR's state; the run ends within float tolerance
     of the uninterrupted one (a fresh optimizer state or schedule after the cut ends far from it)."""
-    rng = random.Random(15)
-    wave, victim = rng.randint(3, 10), rng.randint(0, 2)
-    metrics, ckpt, run = tmp_path / "metrics.jsonl", tmp_path / "ckpt", tmp_path / "run"
-    killed = _launch("-n", "3", "--run-dir", str(run), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
-                     "ckpt_run.py", str(tmp_path / "killed"), json.dumps({**CFG, "metrics": str(metrics)}))
-    _kill_at_wave(killed, metrics, ckpt, run, wave, victim)
-    rc, err = _finish(killed)
+    ckpt, victim, rc, err = _killed_run(tmp_path, CFG, 15, 3)
     assert rc != 0 and f"rank {victim}" in err, err
     rc, err = _finish(_launch("-n", "4", "--resume", str(ckpt), "--run-dir", str(tmp_path / "run2"), "ckpt_run.py",
                               str(tmp_path / "resumed"), json.dumps({**CFG, "cuts": [2, 4]})))
@@ -199,13 +197,7 @@ def test_outer_momentum_resumes_bitwise(tmp_path):
     assert rc == 0, err
     plain = _result(tmp_path / "plain")[1]
     assert not all(np.array_equal(plain[l], reference[1][l]) for l in plain), "nesterov changed nothing"
-    rng = random.Random(14)
-    wave, victim = rng.randint(3, 10), rng.randint(0, 2)
-    metrics, ckpt, run = tmp_path / "metrics.jsonl", tmp_path / "ckpt", tmp_path / "run"
-    killed = _launch("-n", "3", "--run-dir", str(run), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
-                     "ckpt_run.py", str(tmp_path / "killed"), json.dumps({**NESTEROV, "metrics": str(metrics)}))
-    _kill_at_wave(killed, metrics, ckpt, run, wave, victim)
-    rc, err = _finish(killed)
+    ckpt, victim, rc, err = _killed_run(tmp_path, NESTEROV, 14, 3)
     assert rc != 0 and f"rank {victim}" in err, err
     assert _resume_and_compare(tmp_path, ckpt, reference, NESTEROV) % 2 == 0
 

@@ -41,6 +41,7 @@ from typing import Any, Dict, List, Mapping, Tuple, Union
 
 from hetpipe.plan.peaks import lookup
 from hetpipe.plan.precision import HALF_DTYPE, check_precision
+from hetpipe.util.files import read_text
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "data" / "clusters"
 
@@ -303,13 +304,9 @@ def load_cluster(spec: Union[str, Path, Mapping, ClusterSpec]) -> ClusterSpec:
         raise ValueError(f"cluster: {text!r} is neither a preset ({', '.join(presets())}) nor a file")
     if path.suffix in (".yaml", ".yml"):
         raise ValueError(f"cluster: {path}: YAML is not supported, write the spec as JSON")
+    text = read_text(path, "cluster")
     try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise ValueError(f"cluster: cannot read {path}: {e}") from e
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"cluster: {path} is not valid JSON: {e}") from e
-    except UnicodeDecodeError as e:
-        raise ValueError(f"cluster: {path} is not a text (JSON) file: byte {e.object[e.start]:#04x} at offset "
-                         f"{e.start}") from None
     return cluster_from_dict(data)

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 from hetpipe.plan.precision import ACTIVATION_DTYPES, check_precision
+from hetpipe.util.files import read_text
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "data" / "profiles"
 EFFICIENCY = 0.5
@@ -242,13 +243,7 @@ class ModelProfile:
     @classmethod
     def load(cls, path: Union[str, Path]) -> "ModelProfile":
         p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as e:
-            raise ValueError(f"profile: cannot read {p}: {e}") from e
-        except UnicodeDecodeError as e:
-            raise ValueError(f"profile: {p} is not a text (JSON) file: byte {e.object[e.start]:#04x} at offset "
-                             f"{e.start}") from None
+        text = read_text(p, "profile")
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:

@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 from hetpipe.plan.outer import OUTER_FIELDS, check_outer
 from hetpipe.plan.precision import check_precision
+from hetpipe.util.files import read_text
 
 PLAN_FORMAT = 1
 # the most minibatches in flight per VW a plan may ask for: past a few times the pipeline depth a
@@ -235,13 +236,7 @@ class Plan:
     @classmethod
     def load(cls, path: Union[str, Path]) -> "Plan":
         p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as e:
-            raise ValueError(f"plan: cannot read {p}: {e}") from e
-        except UnicodeDecodeError as e:
-            raise ValueError(f"plan: {p} is not a text (JSON) file: byte {e.object[e.start]:#04x} at offset "
-                             f"{e.start}") from None
+        text = read_text(p, "plan")
         try:
             return cls.from_json(text)
         except ValueError as e:
