@@ -1,4 +1,4 @@
-"""torch.compile'd layers are refused in one line (docs/training.md, "torch.compile")."""
+"""torch.compile'd layers are refused in one line (docs/training.md, "Models")."""
 
 import pytest
 import torch
