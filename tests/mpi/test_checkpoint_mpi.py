@@ -149,14 +149,19 @@ def _scalars(tb: Path) -> list:
 def test_a_resumed_run_continues_the_killed_runs_metrics_and_tensorboard(tmp_path, uninterrupted_out, uninterrupted):
     """Killed at a random wave and resumed into the same metrics file and TensorBoard folder: the file
     holds the uninterrupted run's wave records (the killed run's beyond the cut dropped, the rest
-    appended), and TensorBoard shows the uninterrupted run's steps and losses (D = 0: bitwise)."""
-    metrics, tb = tmp_path / "metrics.jsonl", tmp_path / "tb"
+    appended), and TensorBoard shows the uninterrupted run's steps and losses (D = 0: bitwise). The
+    callbacks of the resumed run are told the same waves, clocks and steps as the metrics file."""
+    metrics, tb, told = tmp_path / "metrics.jsonl", tmp_path / "tb", tmp_path / "waves.jsonl"
     cfg = {**CFG, "metrics": str(metrics), "tensorboard": str(tb)}
     ckpt, victim, rc, err = _killed_run(tmp_path, cfg, 12, 4)
     assert rc != 0, err
-    _resume_and_compare(tmp_path, ckpt, uninterrupted, cfg)
+    clock = _resume_and_compare(tmp_path, ckpt, uninterrupted, {**cfg, "waves_log": str(told)})
     want = _records(uninterrupted_out / "metrics.jsonl")
     assert len(want) == 16 and _records(metrics) == want
+    waves = [json.loads(line) for line in told.read_text().splitlines()]
+    logged = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [(w["wave"], w["global_clock"], w["step"]) for w in waves] == \
+        [(r["wave"], r["global_clock"], 2 * (r["wave"] + 1)) for r in logged if r["event"] == "wave"][clock:]
     steps = _scalars(tb)
     assert [s for s, _ in steps] == [2 * (w + 1) for w in range(16)]
     assert steps == _scalars(uninterrupted_out / "tb")

@@ -207,3 +207,23 @@ def test_the_start_up_line_says_what_the_rule_does_per_sample():
     assert "advances as a one-process loop does" in summed and "up to 1 wave(s)" in summed
     one = update_rule(one_vw_plan([3], nm=1, d=0), 32, accumulate=2)
     assert "1 VW stepping once per 2 minibatches of 32" in one and "in flight" not in one
+
+
+def test_callbacks_without_state_may_come_and_go_on_resume():
+    """The saved states go to the callbacks that have a state_dict, in order; a logger added on resume
+    changes nothing, and a stateful callback missing is refused naming the ones the run has."""
+    from hetpipe.run.callbacks import Callbacks
+
+    class Log:
+        def on_wave_end(self, info):
+            pass
+
+    first = EarlyStopping(patience=2)
+    first.on_eval(EvalInfo(0, 1.0, None, 8, 0.0))
+    first.on_eval(EvalInfo(1, 1.5, None, 8, 0.0))
+    saved = Callbacks([first], evaluates=True).state()
+    again = EarlyStopping(patience=2)
+    Callbacks([Log(), again], evaluates=True).load(saved)
+    assert again.state_dict() == first.state_dict() == {"best": 1.0, "bad": 1}
+    with pytest.raises(ValueError, match="holds the state of 1 callback.*the run has 0 with a state_dict: none"):
+        Callbacks([Log()], evaluates=True).load(saved)

@@ -208,3 +208,11 @@ def test_bad_accumulate_is_named():
     with pytest.raises(ValueError, match=r"accumulate \(minibatches\) must be a whole number >= 1"):
         Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=one_vw_plan([3], 1, 0),
                 numerics=Numerics(accumulate=0))
+
+
+def test_a_scheduler_that_steps_on_a_metric_is_refused_in_one_line():
+    """ReduceLROnPlateau's step needs a metric no stage has: refused when the stage builds it, naming
+    the class, instead of a TypeError at the first step."""
+    from hetpipe.stage.optim import SchedulerError
+    with pytest.raises(SchedulerError, match=r"^lr_scheduler: ReduceLROnPlateau steps on a metric[^\n]*$"):
+        _run(mlp, [2, 4], numerics=Numerics(lr_scheduler=lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o)))

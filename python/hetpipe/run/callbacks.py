@@ -16,7 +16,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 @dataclass(frozen=True)
 class WaveInfo:
-    """VW 0's wave ``wave`` as its last stage saw it complete."""
+    """VW 0's wave ``wave`` as its last stage saw it complete (waves and clocks count on from a resumed
+    checkpoint's clock)."""
 
     wave: int
     loss: float                     # mean loss of the wave's minibatches
@@ -30,7 +31,7 @@ class WaveInfo:
 
 @dataclass(frozen=True)
 class EvalInfo:
-    """An evaluation point of VW 0, after wave ``wave``."""
+    """An evaluation point of VW 0, after wave ``wave`` (counted on from a resumed checkpoint's clock)."""
 
     wave: int
     loss: Optional[float]           # mean over the evaluation samples (None without evaluation data)
@@ -82,12 +83,16 @@ class Callbacks:
         return [cb.state_dict() if hasattr(cb, "state_dict") else None for cb in self.callbacks]
 
     def load(self, states: List[Optional[Dict[str, Any]]]) -> None:
-        """Give each callback its saved state (a resumed run's, saved by :meth:`state`)."""
-        if len(states) != len(self.callbacks):
-            raise ValueError(f"hetpipe: the checkpoint holds the state of {len(states)} callback(s), the run has "
-                             f"{len(self.callbacks)}")
-        for cb, state in zip(self.callbacks, states):
-            if state is not None and hasattr(cb, "load_state_dict"):
+        """Give each callback with a ``state_dict`` its saved state (a resumed run's, saved by :meth:`state`),
+        in order; callbacks without state (a logger, say) may be added or dropped on resume."""
+        saved = [state for state in states if state is not None]
+        stateful = [cb for cb in self.callbacks if hasattr(cb, "state_dict")]
+        if len(saved) != len(stateful):
+            raise ValueError(f"hetpipe: the checkpoint holds the state of {len(saved)} callback(s), the run has "
+                             f"{len(stateful)} with a state_dict: "
+                             f"{', '.join(type(cb).__name__ for cb in stateful) or 'none'}")
+        for cb, state in zip(stateful, saved):
+            if hasattr(cb, "load_state_dict"):
                 cb.load_state_dict(state)
 
     def evaluated(self, info: EvalInfo) -> bool:

@@ -138,13 +138,15 @@ class Reporter:
             now = time.perf_counter() - self.t0
             rate = self.samples * len(self.plan.virtual_workers) / now if now > 0 else 0.0
             norms = [ex.grad_norms[p] for p in mbs if p in ex.grad_norms]
-            info = WaveInfo(self.wave, loss, ex.lrs.get(mbs[-1]), float(np.mean(norms)) if norms else None, rate,
-                            ex.global_clock, now, self._step(self.clock0 + self.wave))
+            # Waves and clocks count on from a resumed checkpoint's clock, as the metrics log does.
+            info = WaveInfo(self.clock0 + self.wave, loss, ex.lrs.get(mbs[-1]),
+                            float(np.mean(norms)) if norms else None, rate,
+                            self.clock0 + ex.global_clock, now, self._step(self.clock0 + self.wave))
             # Staleness: how many waves VW 0's weights may lack from the global ones (its clock - g).
             staleness = max(0, self.wave + 1 - ex.global_clock)
-            self._write({"event": "wave", "vw": 0, "wave": self.clock0 + self.wave, "loss": loss, "lr": info.lr,
+            self._write({"event": "wave", "vw": 0, "wave": info.wave, "loss": loss, "lr": info.lr,
                          "grad_norm": info.grad_norm, "time_s": now, "samples_per_s_est": rate,
-                         "global_clock": self.clock0 + ex.global_clock, "staleness": staleness})
+                         "global_clock": info.global_clock, "staleness": staleness})
             if self.tb is not None:
                 step = self.step0 + (self.wave + 1) * nm
                 for key, value in (("loss", loss), ("lr", info.lr), ("grad_norm", info.grad_norm),
@@ -164,9 +166,9 @@ class Reporter:
         """The decision hook of VW 0's evaluation points: report, then ask the callbacks."""
         self.update()
         now = time.perf_counter() - self.t0
-        info = EvalInfo(wave, result.get("loss"), result.get("metric"), int(result.get("samples", 0)), now,
+        info = EvalInfo(self.clock0 + wave, result.get("loss"), result.get("metric"), int(result.get("samples", 0)), now,
                         self._step(self.clock0 + wave))
-        event = {"event": "eval", "wave": self.clock0 + wave, "loss": info.loss, "metric": info.metric, "samples": info.samples,
+        event = {"event": "eval", "wave": info.wave, "loss": info.loss, "metric": info.metric, "samples": info.samples,
                  "time_s": now}
         stop = self.callbacks.evaluated(info)
         boundary = self.after_eval.pop(wave, None)

@@ -17,8 +17,18 @@ import torch
 from torch import nn
 
 from hetpipe.model.names import NAMED_ATTR
+from hetpipe.util.errors import HetpipeError
 from hetpipe.stage.flat import TiedKey
 from hetpipe.stage.stash import Stash
+
+
+class SchedulerError(HetpipeError, ValueError):
+    """An LR scheduler the run cannot drive."""
+
+
+# Schedulers whose step() needs a metric: a stage steps its scheduler by optimizer steps and has no
+# metric to give (evaluation happens on VW 0's last stage only), so they are refused when built.
+METRIC_SCHEDULERS = (torch.optim.lr_scheduler.ReduceLROnPlateau,)
 
 
 class OptimizerStep:
@@ -37,6 +47,10 @@ class OptimizerStep:
             self.optimizer = optimizer_factory(params) if params else None
         self.scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and self.optimizer is not None \
             else None
+        if isinstance(self.scheduler, METRIC_SCHEDULERS):
+            raise SchedulerError(f"lr_scheduler: {type(self.scheduler).__name__} steps on a metric, which a stage "
+                                 f"does not have (it steps its scheduler once per optimizer step); use a "
+                                 f"step-based schedule, with hetpipe.EarlyStopping for a plateau")
 
     def gather(self, stashes: Sequence[Stash], tied: Dict[TiedKey, torch.Tensor],
                tied_params: Sequence[Tuple[TiedKey, nn.Parameter]], accumulate: bool) -> None:

@@ -6,7 +6,8 @@ seconds per forward, twice per backward: slow enough to be killed mid-run), ``me
 (a StepLR halving the learning rate every ``lr_step`` minibatches: its state must survive a resume), ``groups``
 (AdamW with two parameter groups built by the model's parameter names, weight decay on the weights only,
 instead of SGD: their state must come back to the right parameters), ``one_cycle`` (a OneCycleLR over the
-whole run, whose state is nested dicts), ``outer``
+whole run, whose state is nested dicts), ``waves_log`` (a file a callback appends each WaveInfo's wave, global
+clock and step to, as JSON lines), ``outer``
 (the Trainer's outer optimizer arguments, e.g. {"outer": "nesterov"}: its momentum must survive a resume). Checkpoints
 and resuming come from the launcher (--checkpoint-dir, --resume, --max-restarts). Rank 0 writes
 OUT/result.json (losses, samples, what it resumed from) and OUT/weights.npz (final global weights)."""
@@ -66,13 +67,26 @@ def scheduler_of(cfg):
     return None
 
 
+class WavesLog:
+    """A callback writing what it is told at each wave's end: a resumed run must count on from the cut."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_wave_end(self, info) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"wave": info.wave, "global_clock": info.global_clock, "step": info.step}) + "\n")
+
+
 def main() -> int:
     out, cfg = Path(sys.argv[1]), json.loads(sys.argv[2])
     torch.manual_seed(0)
     scheduler = scheduler_of(cfg)
     run = Trainer(mlp(), cross_entropy, optimizer_of(cfg), data_of(cfg), plan=plan_of(cfg),
                   epochs=cfg["epochs"], numerics=Numerics(lr_scheduler=scheduler),
-                  reporting=Reporting(progress=False, metrics=cfg.get("metrics"), tensorboard=cfg.get("tensorboard")), runtime=Runtime(emulate=True),
+                  reporting=Reporting(progress=False, metrics=cfg.get("metrics"), tensorboard=cfg.get("tensorboard"),
+                                      callbacks=[WavesLog(cfg["waves_log"])] if cfg.get("waves_log") else []),
+                  runtime=Runtime(emulate=True),
                   **cfg.get("outer", {})).fit()
     if run.rank == 0:
         save_run(out, run)
