@@ -55,12 +55,12 @@ def test_stager_round_trip_is_exact_and_ordered_after_its_producer():
     while not sent:
         sent = list(stager.ready_sends())
         if not sent:
-            stager.stream.synchronize()
+            stager.wait()
     _, h, slot = sent[0]
     assert torch.equal(torch.from_numpy(slot.numpy("float32", n)), (a * 2).cpu())
     back = stager.copy_in(Message(0, h, slot.numpy("uint8", 4 * n), slot), torch.float32)
     assert back.is_cuda and torch.equal(back + 0, a * 2)    # compute ordered after the copy in
-    stager.stream.synchronize()
+    stager.wait()
     stager.poll()
     assert stager.pending() == 0 and pool.available() == 2
     stager.close()
