@@ -93,3 +93,26 @@ def test_stager_copy_overlaps_compute_enqueued_after_it():
     assert torch.equal(torch.from_numpy(slot.numpy("float32", n)), t.cpu())
     pool.release(slot)
     stager.close()
+
+
+def test_a_copy_in_completes_beside_a_large_copy_out():
+    # One copy stream per direction: a small payload copied onto the device while a 1 GiB push is
+    # copied off it completes first (on one shared stream it would wait for the push).
+    _needs_torch_cuda()
+    big, small = 1 << 28, 1 << 10
+    pool = hetpipe_core.PinnedBufferPool.of_classes([(1, 4 * small), (1, 4 * big)], 0)
+    assert pool.pinned, pool.pin_error
+    stager = CopyStager(pool, torch.device("cuda", 0))
+    push = torch.randn(big, device="cuda")
+    torch.cuda.synchronize()
+    assert stager.copy_out(push, 1, Header(ACT, 0, 0, 0, -1, "float32", (big,), 4 * big))
+    slot = pool.acquire(4 * small)
+    slot.numpy("float32", small)[:] = 3.0
+    h = Header(ACT, 0, 0, 1, -1, "float32", (small,), 4 * small)
+    back = stager.copy_in(Message(0, h, slot.numpy("uint8", 4 * small), slot), torch.float32)
+    while stager.pending() > 1:
+        stager.poll()
+    still_pushing = not list(stager.ready_sends())
+    assert torch.equal(back, torch.full((small,), 3.0, device="cuda"))
+    assert still_pushing, "the copy in waited for the outgoing copy enqueued before it"
+    stager.close()
