@@ -27,7 +27,7 @@ def test_facts_agree_with_cuda(monkeypatch):
     assert found.cluster.device_types[holder.type].memory_bytes == facts["gpus"][0]["memory_bytes"]
 
 
-def test_cuda_and_nvidia_smi_agree_on_the_gpu_identity(monkeypatch):
+def test_cuda_and_nvidia_smi_agree_on_the_gpu_identity():
     # "Same GPU" between ranks is decided by this identity: CUDA's UUID (through torch) and the one
     # nvidia-smi lists for the same visible device must be one string, or ranks would disagree.
     from hetpipe.job.inventory import gpu_identity, local_gpus

@@ -26,8 +26,9 @@ def _needs_torch_cuda():
         pytest.fail("hetpipe_core sees a CUDA device but torch does not (CPU-only torch build?)")
 
 
-def test_two_stage_replay_on_cuda_matches_cpu():
+def test_two_stage_replay_on_cuda_matches_cpu(monkeypatch):
     _needs_torch_cuda()
+    monkeypatch.setenv("HETPIPE_REQUIRE_PINNED", "1")      # each CUDA stage's pool must be page-locked
     plan = one_vw_plan([3], nm=2, d=0)
     cpu = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=2).replay()
     spec = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=2).spec(plan)
