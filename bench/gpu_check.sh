@@ -11,6 +11,8 @@
 #   bash bench/gpu_check.sh bench-untied   # GPU: the same with an untied head
 #
 # Probe first: its figures say whether the later ones can be trusted (a pageable pool, a slow link).
+# A benchmark phase runs plain PyTorch, then hetpipe at D = 0, then D = 1, as its time allows; one that
+# runs out records the rest as skipped, and BENCH_ARGS="--d 1" gives a D a phase of its own.
 # Every GPU phase runs setup first and is bounded by PHASE_LIMIT seconds (default 480) in all, setup
 # included: the phase's work is stopped at what setup left of it, and the benchmark starts no run it
 # cannot finish within that. Every phase writes as it goes: each probe figure, each test's outcome and
