@@ -23,8 +23,16 @@ layers measured on the device under autocast (``profile_model(..., precision="bf
     python bench/gpu_runtime.py --out out/gpu --head both          # needs a CUDA device and mpiexec
     python bench/gpu_runtime.py --device cpu --tiny --out /tmp/g    # smoke run of the same code on the CPU
 
+The third table is each stage's time breakdown in the hetpipe runs (``hetpipe.schedule.trace.
+time_breakdown`` of the run's trace: compute, blocked on receives and on pulls, sends, pushes, the
+final sync), on the host's clock.
+
 Everything lands in ``--out``: ``gpu_runtime.json`` (every figure, per rank) and ``gpu_runtime.txt``
-(the tables printed here).
+(the tables printed here), both rewritten as each child run finishes, so a run stopped early keeps
+the figures of the runs that finished. ``--budget`` bounds the whole benchmark: a child starts only
+while time is left and gets no more than what is left, and the runs it leaves out are recorded as
+skipped. On a GPU the children run with ``HETPIPE_REQUIRE_PINNED=1``: a stage whose pinned pool is
+pageable fails instead of being timed.
 """
 
 from __future__ import annotations
@@ -39,12 +47,13 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from hetpipe.job.procs import environment_marker, processes_with, send
 from hetpipe.launch.mpiexec import mpiexec_path
+from hetpipe.transport.slots import REQUIRE_PINNED_ENV
 from hetpipe import Reporting
 
 GOAL_RATIO = 0.85
@@ -166,17 +175,20 @@ def plan_for(args, num_layers: int, d: int):
 
 
 def role_hetpipe(args, tied: bool, d: int, metrics: str) -> None:
-    """One rank of the hetpipe run (under mpiexec); rank 0 prints every rank's figures."""
+    """One rank of the hetpipe run (under mpiexec); rank 0 prints every rank's figures, with each stage's
+    time breakdown from the run's trace."""
     from mpi4py import MPI
 
     from hetpipe.adapters import adapt
     from hetpipe.run.trainer import Trainer
+    from hetpipe.schedule.trace import time_breakdown
     import hetpipe_core
 
     layers, loss_fn = adapt(gpt2(args, tied))
     plan = plan_for(args, len(layers), d)
+    trace = str(Path(metrics).with_suffix(".trace.json"))
     run = Trainer(layers, loss_fn, adamw, minibatches(args), plan=plan, epochs=1,
-                  reporting=Reporting(progress=False, metrics=metrics)).fit()
+                  reporting=Reporting(progress=False, metrics=metrics, trace=trace)).fit()
     stage_ranks = {plan.rank_of(0, s): s for s in range(args.stages)}
     mine: Dict[str, Any] = {"rank": run.rank, "role": run.role, "pid": os.getpid(),
                             "stage": stage_ranks.get(run.rank),
@@ -189,7 +201,8 @@ def role_hetpipe(args, tied: bool, d: int, metrics: str) -> None:
     everyone = MPI.COMM_WORLD.gather(mine, root=0)
     if run.rank == 0:
         emit({"ranks": everyone, "transport": run.transport, "elapsed_s": run.elapsed_s, "samples": run.samples,
-              "losses": [run.losses[0][p] for p in sorted(run.losses[0])]})
+              "losses": [run.losses[0][p] for p in sorted(run.losses[0])],
+              "breakdown": [time_breakdown(run.trace, 0, s) for s in range(args.stages)]})
 
 
 # --- the parent: runs the children, compares, writes the tables ------------------------------------
@@ -198,14 +211,14 @@ class ChildFailed(RuntimeError):
     """A child process (plain PyTorch or a hetpipe run) failed or ran out of time."""
 
 
-def child(cmd: Sequence[str], timeout: float, what: str) -> Dict[str, Any]:
-    """The RESULT of ``cmd``. Past ``timeout`` every process of it is killed, found by a marker in its
-    environment (MPICH gives each rank a session of its own: killing mpiexec alone would leave ranks
-    holding the device)."""
+def child(cmd: Sequence[str], timeout: float, what: str, env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """The RESULT of ``cmd`` (with ``env`` added to this environment). Past ``timeout`` every process of
+    it is killed, found by a marker in its environment (MPICH gives each rank a session of its own:
+    killing mpiexec alone would leave ranks holding the device)."""
     job = uuid.uuid4().hex
     try:
         proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, JOB_ENV: job})
+                              env={**os.environ, **(env or {}), JOB_ENV: job})
     except subprocess.TimeoutExpired as e:
         for pid in processes_with(environment_marker(JOB_ENV, job), exclude=[os.getpid()]):
             send(pid, signal.SIGKILL)
@@ -252,36 +265,71 @@ def planned_memory(profile_dict: Dict[str, Any], args, d: int) -> List[int]:
             for k, (a, b) in enumerate(zip(c, c[1:]))]
 
 
-def run_variant(args, tied: bool, tmp: Path) -> Dict[str, Any]:
-    """Plain PyTorch, then hetpipe at each D, for one head variant; a failed run is recorded (its
-    ``error``) and the others still run, so that one failure leaves the rest of the figures."""
+class Budget:
+    """The benchmark's time: a child starts only while some is left, and gets at most what is left."""
+
+    def __init__(self, seconds: Optional[float], per_child: float) -> None:
+        self.end = None if seconds is None else time.monotonic() + seconds
+        self.per_child = per_child
+
+    def timeout(self) -> Optional[float]:
+        """The next child's time limit; None when too little is left to start one (under 30 s)."""
+        if self.end is None:
+            return self.per_child
+        left = self.end - time.monotonic()
+        return min(self.per_child, left) if left >= 30 else None
+
+
+def run_variant(args, tied: bool, tmp: Path, budget: Budget, out: Dict[str, Any],
+                written: Callable[[], None]) -> None:
+    """Plain PyTorch, then hetpipe at each D, for one head variant, into ``out``; ``written()`` after each
+    run. A failed run is recorded (its ``error``) and the others still run, so that one failure leaves
+    the rest of the figures; a run the budget leaves no time for is recorded as skipped."""
     here = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
     name = "tied" if tied else "untied"
-    out: Dict[str, Any] = {"tied_head": tied, "hetpipe": {}}
+    env = {REQUIRE_PINNED_ENV: "1"} if args.device.startswith("cuda") else {}
+    out.update({"tied_head": tied, "hetpipe": {}})
+    timeout = budget.timeout()
+    if timeout is None:
+        out["error"] = out["skipped"] = "plain PyTorch: no time left in the budget"
+        written()
+        return
     try:
-        out["plain"] = child([*here, "--role", "plain", "--variant", name], args.timeout, f"plain PyTorch ({name})")
+        out["plain"] = child([*here, "--role", "plain", "--variant", name], timeout, f"plain PyTorch ({name})", env)
     except ChildFailed as e:
         out["error"] = str(e)
         print(f"gpu_runtime: {e}", file=sys.stderr, flush=True)
-        return out
+        written()
+        return
+    written()
     for d in args.d_values:
         metrics = tmp / f"metrics-{name}-d{d}.jsonl"
         cmd = [mpiexec_path(), "-n", str(args.stages + 1), *here, "--role", "hetpipe", "--variant", name,
                "--worker-d", str(d), "--metrics", str(metrics)]
+        timeout = budget.timeout()
+        if timeout is None:
+            out["hetpipe"][str(d)] = {"error": "no time left in the budget", "skipped": True}
+            written()
+            continue
         try:
-            run = child(cmd, args.timeout, f"hetpipe D={d} ({name})")
+            run = child(cmd, timeout, f"hetpipe D={d} ({name})", env)
         except ChildFailed as e:
             out["hetpipe"][str(d)] = {"error": str(e)}
             print(f"gpu_runtime: {e}", file=sys.stderr, flush=True)
+            written()
             continue
         run["tokens_per_s"], run["whole_tokens_per_s"] = steady_rate(metrics, args)
         run["planned_memory"] = planned_memory(out["plain"]["profile"], args, d)
         out["hetpipe"][str(d)] = run
-    return out
+        written()
 
 
 def mib(n: Optional[float]) -> str:
     return "n/a" if n is None else f"{n / 2**20:.1f}"
+
+
+def _failed(run: Dict[str, Any]) -> str:
+    return "SKIPPED (no time left in --budget)" if run.get("skipped") else "FAILED (gpu_runtime.json: error)"
 
 
 def tables(report: Dict[str, Any], args) -> str:
@@ -295,11 +343,10 @@ def tables(report: Dict[str, Any], args) -> str:
              f"{torch.__version__}", ""]
     head = f"{'system':<34}{'tokens/s':>12}{'vs plain':>10}{'whole run tok/s':>17}{'transport':>12}"
     lines += [head, "-" * len(head)]
-    failed = "FAILED (gpu_runtime.json: error)"
     for v in report["variants"]:
         label = "tied head" if v["tied_head"] else "untied head"
         if "plain" not in v:
-            lines.append(f"{'plain PyTorch, ' + label:<34}  {failed}")
+            lines.append(f"{'plain PyTorch, ' + label:<34}  {_failed(v)}")
             continue
         base = v["plain"]["tokens_per_s"]
         lines.append(f"{'plain PyTorch, ' + label:<34}{base:>12.0f}{1.0:>9.2f}x{v['plain']['whole_tokens_per_s']:>17.0f}"
@@ -307,7 +354,7 @@ def tables(report: Dict[str, Any], args) -> str:
         best = None
         for d, run in v["hetpipe"].items():
             if "error" in run:
-                lines.append(f"{'hetpipe D=' + d + ', ' + label:<34}  {failed}")
+                lines.append(f"{'hetpipe D=' + d + ', ' + label:<34}  {_failed(run)}")
                 continue
             ratio = run["tokens_per_s"] / base
             best = ratio if best is None else max(best, ratio)
@@ -342,6 +389,16 @@ def tables(report: Dict[str, Any], args) -> str:
     if report["real"] and ps:
         clean = all(not r["torch_cuda_initialized"] and not any(r.get("cuda_contexts", [])) for r in ps)
         lines.append(f"PS ranks: torch CUDA state and CUDA contexts: {'none' if clean else 'PRESENT'} ({len(ps)} ranks)")
+    lines += ["", "where each stage's time went in the hetpipe runs (host clock, seconds; trace.time_breakdown)"]
+    cols = ("compute", "blocked_recv", "recv", "blocked_pull", "pull", "push", "send", "sync", "startup", "other")
+    head = f"{'run':<30}{'stage':>6}" + "".join(f"{c:>13}" for c in cols) + f"{'total':>9}"
+    lines += [head, "-" * len(head)]
+    for v in report["variants"]:
+        label = "tied" if v["tied_head"] else "untied"
+        for d, run in v["hetpipe"].items():
+            for k, b in enumerate(run.get("breakdown", [])):
+                lines.append(f"{'hetpipe D=' + d + ', ' + label:<30}{k:>6}" + "".join(f"{b[c]:>13.3f}" for c in cols)
+                             + f"{b['total']:>9.2f}")
     return "\n".join(lines)
 
 
@@ -366,6 +423,8 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     help="GPT-2 ties its LM head to the token embedding; 'untied' gives the head its own weight")
     ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--timeout", type=float, default=900, help="seconds for each child process")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for the whole benchmark: no child starts after it, none runs past it")
     ap.add_argument("--role", choices=("plain", "hetpipe"), help=argparse.SUPPRESS)
     ap.add_argument("--variant", choices=("tied", "untied"), help=argparse.SUPPRESS)
     ap.add_argument("--worker-d", type=int, help=argparse.SUPPRESS)
@@ -399,14 +458,23 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                               "args": {k: v for k, v in vars(args).items() if k not in ("role", "variant", "worker_d", "metrics")},
                               "goals": {"ratio": GOAL_RATIO, "memory_error": GOAL_MEMORY_ERROR}, "variants": []}
     heads = {"tied": [True], "untied": [False], "both": [True, False]}[args.head]
-    with tempfile.TemporaryDirectory(prefix="gpu-runtime-") as tmp:
-        for tied in heads:
-            report["variants"].append(run_variant(args, tied, Path(tmp)))
-    text = tables(report, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_runtime.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "gpu_runtime.txt").write_text(text + "\n")
+
+    def written() -> None:
+        """The report so far, in both files (renamed into place: a reader never sees half of one)."""
+        for name, text in (("gpu_runtime.json", json.dumps(report, indent=1)), ("gpu_runtime.txt", tables(report, args))):
+            tmp_file = out / f".{name}.tmp"
+            tmp_file.write_text(text + "\n")
+            os.replace(tmp_file, out / name)
+
+    budget = Budget(args.budget, args.timeout)
+    with tempfile.TemporaryDirectory(prefix="gpu-runtime-") as tmp:
+        for tied in heads:
+            report["variants"].append({})
+            run_variant(args, tied, Path(tmp), budget, report["variants"][-1], written)
+    written()
+    text = tables(report, args)
     print(text, flush=True)
     print(f"written: {out / 'gpu_runtime.json'}, {out / 'gpu_runtime.txt'}", flush=True)
     if any("error" in v or any("error" in run for run in v["hetpipe"].values()) for v in report["variants"]):

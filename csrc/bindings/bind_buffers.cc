@@ -7,6 +7,8 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "bindings/bind.h"
 #include "bindings/dlpack_abi.h"
@@ -126,10 +128,35 @@ void bind_buffers(py::module_& m) {
       "was); device=-1: ordinary host memory and no CUDA call (a rank without a GPU opens no context).\n"
       "Slot memory stays valid while any Slot or exported view (DLPack, buffer protocol) is alive,\n"
       "even after this handle is dropped. Thread-safe.")
-      .def(py::init(&PinnedBufferPool::create), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("device") = -1)
-      .def_property_readonly("num_slots", &PinnedBufferPool::num_slots)
-      .def_property_readonly("slot_bytes", &PinnedBufferPool::slot_bytes)
+      .def(py::init(py::overload_cast<std::size_t, std::size_t, int>(&PinnedBufferPool::create)),
+           py::arg("num_slots"), py::arg("slot_bytes"), py::arg("device") = -1)
+      .def_static(
+          "of_classes",
+          [](const std::vector<std::pair<std::size_t, std::size_t>>& classes, int device) {
+            std::vector<SlotClass> shape;
+            for (const auto& [count, bytes] : classes) shape.push_back({count, bytes});
+            return PinnedBufferPool::create(shape, device);
+          },
+          py::arg("classes"), py::arg("device") = -1,
+          "A pool of several size classes, classes = [(num_slots, slot_bytes), ...] in any order: acquire(n)\n"
+          "takes a slot of the smallest class holding n bytes, of a larger one while those are in use.")
+      .def_property_readonly("num_slots", &PinnedBufferPool::num_slots, "Slots over all classes.")
+      .def_property_readonly("slot_bytes", &PinnedBufferPool::slot_bytes,
+                             "The largest slot: the most bytes one acquire may ask for.")
+      .def_property_readonly(
+          "classes",
+          [](const PinnedBufferPool& p) {
+            std::vector<std::pair<std::size_t, std::size_t>> out;
+            for (const SlotClass& c : p.classes()) out.emplace_back(c.count, c.bytes);
+            return out;
+          },
+          "The size classes as (num_slots, slot_bytes), smallest slots first.")
+      .def_property_readonly("total_bytes", &PinnedBufferPool::total_bytes,
+                             "The bytes the pool allocated (every slot, each rounded up to 256 bytes).")
       .def_property_readonly("pinned", &PinnedBufferPool::pinned, "Page-locked (cudaHostAlloc) memory.")
+      .def_property_readonly("pin_error", &PinnedBufferPool::pin_error,
+                             "Why the memory is not page-locked ('' when it is): host memory was asked for\n"
+                             "(device -1), the core has no CUDA, no device is usable, or CUDA's error.")
       .def_property_readonly("device", &PinnedBufferPool::device,
                              "The CUDA device whose context pinned the memory; -1 when not pinned.")
       .def_property_readonly("closed", &PinnedBufferPool::closed)
@@ -157,8 +184,15 @@ void bind_buffers(py::module_& m) {
            "Stops further acquires and wakes blocked ones; outstanding slots and views stay valid.")
       .def("__repr__", [](const PinnedBufferPool& p) {
         std::ostringstream s;
-        s << "PinnedBufferPool(num_slots=" << p.num_slots() << ", slot_bytes=" << p.slot_bytes()
-          << ", pinned=" << (p.pinned() ? "True" : "False") << ", device=" << p.device()
+        s << "PinnedBufferPool(num_slots=" << p.num_slots() << ", slot_bytes=" << p.slot_bytes();
+        if (p.classes().size() > 1) {
+          s << ", classes=[";
+          for (std::size_t k = 0; k < p.classes().size(); ++k) {
+            s << (k ? ", " : "") << "(" << p.classes()[k].count << ", " << p.classes()[k].bytes << ")";
+          }
+          s << "]";
+        }
+        s << ", pinned=" << (p.pinned() ? "True" : "False") << ", device=" << p.device()
           << ", available=" << p.available() << ")";
         return s.str();
       });

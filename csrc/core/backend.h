@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 
 namespace hetpipe::backend {
 
@@ -18,11 +19,13 @@ struct HostAllocation {
   void* ptr = nullptr;
   bool pinned = false;  // page-locked (cudaHostAlloc)
   int device = -1;      // the device whose context pinned it; -1 when not pinned
+  std::string why;      // why it is not pinned; empty when it is
 };
 
 // `bytes` of host memory aligned to `alignment` (a power of two <= 4096). device < 0: ordinary
 // host memory, and no CUDA call at all. device >= 0 and usable: page-locked through that device's
-// context (portable to every context); ordinary memory when pinning fails. Throws std::bad_alloc.
+// context (portable to every context); ordinary memory when pinning fails, with the reason in `why`
+// (the caller decides whether that is an error). Throws std::bad_alloc.
 HostAllocation host_alloc(std::size_t bytes, std::size_t alignment, int device);
 void host_free(const HostAllocation& allocation) noexcept;
 

@@ -22,11 +22,11 @@ namespace {
 
 }  // namespace
 
-HostAllocation host_alloc(std::size_t bytes, std::size_t alignment, int /*device*/) {
+HostAllocation host_alloc(std::size_t bytes, std::size_t alignment, int device) {
   const std::size_t rounded = (bytes + alignment - 1) / alignment * alignment;
   void* p = std::aligned_alloc(alignment, rounded == 0 ? alignment : rounded);
   if (p == nullptr) throw std::bad_alloc();
-  return {p, false, -1};
+  return {p, false, -1, device < 0 ? "host memory was asked for (device -1)" : "hetpipe_core was built without CUDA"};
 }
 
 void host_free(const HostAllocation& allocation) noexcept { std::free(allocation.ptr); }

@@ -168,17 +168,23 @@ class DeviceGuard : public ContextGuard {
 
 HostAllocation host_alloc(std::size_t bytes, std::size_t alignment, int device) {
   const std::size_t n = bytes == 0 ? alignment : bytes;
-  if (device >= 0 && cuda_device_count() > 0) {
+  std::string why = "host memory was asked for (device -1)";
+  if (device >= 0 && cuda_device_count() == 0) {
+    why = "no usable CUDA device (cudaGetDeviceCount found none)";
+  } else if (device >= 0) {
     const DeviceGuard guard(device);
     void* p = nullptr;
     // cudaHostAlloc returns page-aligned memory, which satisfies any alignment <= 4096.
-    if (cudaHostAlloc(&p, n, cudaHostAllocPortable) == cudaSuccess) return {p, true, device};
+    const cudaError_t err = cudaHostAlloc(&p, n, cudaHostAllocPortable);
+    if (err == cudaSuccess) return {p, true, device, ""};
     cudaGetLastError();
+    why = "cudaHostAlloc of " + std::to_string(n) + " bytes through device " + std::to_string(device) +
+          " failed: " + cudaGetErrorString(err);
   }
   const std::size_t rounded = (n + alignment - 1) / alignment * alignment;
   void* p = std::aligned_alloc(alignment, rounded);
   if (p == nullptr) throw std::bad_alloc();
-  return {p, false, -1};
+  return {p, false, -1, why};
 }
 
 void host_free(const HostAllocation& allocation) noexcept {

@@ -155,6 +155,42 @@ void pool_errors() {
   CHECK(double_release);
 }
 
+// A pool of two size classes under contention: threads asking for small payloads and threads
+// asking for large ones never share a slot, a large request never gets a small slot, and small
+// requests spill into the large class only while the small one is in use; every slot comes back.
+void pool_classes_under_contention() {
+  auto pool = hetpipe::PinnedBufferPool::create({{4, 64}, {2, 4096}});
+  CHECK(pool->num_slots() == 6 && pool->slot_bytes() == 4096 && pool->classes().size() == 2);
+  std::vector<std::atomic<int>> owner(6);
+  std::atomic<int> violations{0};
+  std::vector<std::thread> threads;
+  for (int t = 1; t <= 6; ++t) {
+    threads.emplace_back([&, t] {
+      const std::size_t want = t % 2 ? 32 : 4000;
+      for (int i = 0; i < 5000; ++i) {
+        hetpipe::Slot s = pool->acquire(want, 10.0);
+        int expected = 0;
+        if (!owner[s.index].compare_exchange_strong(expected, t)) violations.fetch_add(1);
+        if (s.nbytes() < want) violations.fetch_add(1);
+        std::memset(s.data(), t, want);
+        if (static_cast<unsigned char*>(s.data())[want - 1] != t) violations.fetch_add(1);
+        owner[s.index].store(0);
+        pool->release(s);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  CHECK(violations.load() == 0);
+  CHECK(pool->available() == 6);
+  std::vector<hetpipe::Slot> small;
+  for (int i = 0; i < 4; ++i) small.push_back(pool->acquire(8, 0));
+  for (const auto& s : small) CHECK(s.nbytes() == 64);
+  hetpipe::Slot spilled = pool->acquire(8, 0);
+  CHECK(spilled.nbytes() == 4096);
+  for (const auto& s : small) pool->release(s);
+  pool->release(spilled);
+}
+
 void clock_no_lost_update_and_bound() {
   hetpipe::ClockTable table(4);
   std::atomic<int> violations{0};
@@ -546,6 +582,7 @@ int main() {
   run("pool_available_stays_in_range", pool_available_stays_in_range);
   run("pool_blocking_handoff", pool_blocking_handoff);
   run("pool_errors", pool_errors);
+  run("pool_classes_under_contention", pool_classes_under_contention);
   run("clock_no_lost_update_and_bound", clock_no_lost_update_and_bound);
   run("clock_monotonic_under_contention", clock_monotonic_under_contention);
   run("cpu_stream_order", cpu_stream_order);

@@ -43,6 +43,67 @@ def test_device_argument():
             PinnedBufferPool(2, 64, info["cuda_device_count"])
 
 
+def test_pin_error_says_why_a_pool_is_not_pinned():
+    info = hetpipe_core.build_info()
+    assert PinnedBufferPool(1, 64).pin_error == "host memory was asked for (device -1)"
+    asked = PinnedBufferPool(1, 64, 0)
+    if info["cuda_available"]:
+        assert asked.pinned and asked.pin_error == ""
+    elif not info["cuda_built"]:
+        assert asked.pin_error == "hetpipe_core was built without CUDA"
+    else:
+        assert asked.pin_error.startswith("no usable CUDA device")
+
+
+def test_size_classes_take_the_smallest_free_slot_that_fits():
+    pool = PinnedBufferPool.of_classes([(2, 100_000), (3, 1000)])
+    assert pool.classes == [(3, 1000), (2, 100_000)]            # smallest slots first
+    assert pool.num_slots == 5 and pool.slot_bytes == 100_000
+    assert pool.total_bytes == 3 * 1024 + 2 * 100_096           # each slot rounded up to 256 bytes
+    assert "classes=[(3, 1000), (2, 100000)]" in repr(pool)
+    large = pool.acquire(5000)
+    assert large.nbytes == 100_000 and large.ptr % 256 == 0
+    small = [pool.acquire(10) for _ in range(3)]
+    assert [s.nbytes for s in small] == [1000] * 3
+    assert pool.acquire(10).nbytes == 100_000                   # the small class is in use: a large slot
+    assert pool.available() == 0
+    with pytest.raises(TimeoutError, match=r"all 3 slots of 1000 bytes and 2 of 100000 bytes"):
+        pool.acquire(10, timeout=0)
+    with pytest.raises(ValueError, match=r"requested 100001 bytes but a slot holds 100000 bytes"):
+        pool.acquire(100_001)
+    ptrs = sorted((s.ptr, s.nbytes) for s in small + [large])
+    assert all(a + n <= b for (a, n), (b, _) in zip(ptrs, ptrs[1:]))     # no two slots overlap
+    for s in small:
+        s.numpy("uint8")[:] = s.index
+        assert np.frombuffer(s, dtype=np.uint8).shape == (1000,)
+    assert [int(s.numpy("uint8")[-1]) for s in small] == [s.index for s in small]
+    pool.release(small[0])
+    with pytest.raises(TimeoutError):
+        pool.acquire(5000, timeout=0)                           # a freed small slot does not hold 5000
+    assert pool.acquire(10, timeout=0).index == small[0].index
+
+
+def test_size_classes_of_one_size_merge_and_bad_classes_are_refused():
+    assert PinnedBufferPool.of_classes([(1, 64), (2, 64)]).classes == [(3, 64)]
+    with pytest.raises(ValueError, match="at least one size class"):
+        PinnedBufferPool.of_classes([])
+    with pytest.raises(ValueError, match="0 slots of 64 bytes"):
+        PinnedBufferPool.of_classes([(2, 128), (0, 64)])
+
+
+def test_blocked_acquire_of_a_large_slot_wakes_on_its_release():
+    pool = PinnedBufferPool.of_classes([(1, 64), (1, 4096)])
+    large = pool.acquire(4096)
+    got = []
+    th = threading.Thread(target=lambda: got.append(pool.acquire(4096, timeout=3600)))
+    th.start()
+    time.sleep(0.1)
+    assert not got and pool.available() == 1                    # the free small slot does not serve it
+    pool.release(large)
+    th.join(60)
+    assert got and got[0].nbytes == 4096
+
+
 def test_zero_copy_torch_numpy_buffer():
     torch = pytest.importorskip("torch")
     pool = PinnedBufferPool(2, 4096)

@@ -27,6 +27,20 @@ def test_facts_agree_with_cuda(monkeypatch):
     assert found.cluster.device_types[holder.type].memory_bytes == facts["gpus"][0]["memory_bytes"]
 
 
+def test_cuda_and_nvidia_smi_agree_on_the_gpu_identity():
+    # "Same GPU" between ranks is decided by this identity: CUDA's UUID (through torch) and the one
+    # nvidia-smi lists for the same visible device must be one string, or ranks would disagree.
+    from hetpipe.job.inventory import gpu_identity, local_gpus
+    from hetpipe.transport.registry import device_identity
+
+    if not local_gpus():
+        pytest.skip("no nvidia-smi: only CUDA's UUID is known here")
+    for i in range(torch.cuda.device_count()):
+        ours = device_identity(torch.device("cuda", i))
+        assert ours.startswith("GPU-") and len(ours) == 40, ours
+        assert ours == gpu_identity(i), (ours, local_gpus())
+
+
 def test_a_model_is_measured_on_the_device_one_layer_at_a_time():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))

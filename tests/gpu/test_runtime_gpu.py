@@ -26,8 +26,9 @@ def _needs_torch_cuda():
         pytest.fail("hetpipe_core sees a CUDA device but torch does not (CPU-only torch build?)")
 
 
-def test_two_stage_replay_on_cuda_matches_cpu():
+def test_two_stage_replay_on_cuda_matches_cpu(monkeypatch):
     _needs_torch_cuda()
+    monkeypatch.setenv("HETPIPE_REQUIRE_PINNED", "1")      # each CUDA stage's pool must be page-locked
     plan = one_vw_plan([3], nm=2, d=0)
     cpu = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=2).replay()
     spec = Trainer(mlp(), cross_entropy, sgd(), synthetic(), plan=plan, epochs=2).spec(plan)
@@ -55,12 +56,12 @@ def test_stager_round_trip_is_exact_and_ordered_after_its_producer():
     while not sent:
         sent = list(stager.ready_sends())
         if not sent:
-            stager.stream.synchronize()
+            stager.wait()
     _, h, slot = sent[0]
     assert torch.equal(torch.from_numpy(slot.numpy("float32", n)), (a * 2).cpu())
     back = stager.copy_in(Message(0, h, slot.numpy("uint8", 4 * n), slot), torch.float32)
     assert back.is_cuda and torch.equal(back + 0, a * 2)    # compute ordered after the copy in
-    stager.stream.synchronize()
+    stager.wait()
     stager.poll()
     assert stager.pending() == 0 and pool.available() == 2
     stager.close()
@@ -92,4 +93,27 @@ def test_stager_copy_overlaps_compute_enqueued_after_it():
     _, _, slot = sent[0]
     assert torch.equal(torch.from_numpy(slot.numpy("float32", n)), t.cpu())
     pool.release(slot)
+    stager.close()
+
+
+def test_a_copy_in_completes_beside_a_large_copy_out():
+    # One copy stream per direction: a small payload copied onto the device while a 1 GiB push is
+    # copied off it completes first (on one shared stream it would wait for the push).
+    _needs_torch_cuda()
+    big, small = 1 << 28, 1 << 10
+    pool = hetpipe_core.PinnedBufferPool.of_classes([(1, 4 * small), (1, 4 * big)], 0)
+    assert pool.pinned, pool.pin_error
+    stager = CopyStager(pool, torch.device("cuda", 0))
+    push = torch.randn(big, device="cuda")
+    torch.cuda.synchronize()
+    assert stager.copy_out(push, 1, Header(ACT, 0, 0, 0, -1, "float32", (big,), 4 * big))
+    slot = pool.acquire(4 * small)
+    slot.numpy("float32", small)[:] = 3.0
+    h = Header(ACT, 0, 0, 1, -1, "float32", (small,), 4 * small)
+    back = stager.copy_in(Message(0, h, slot.numpy("uint8", 4 * small), slot), torch.float32)
+    while stager.pending() > 1:
+        stager.poll()
+    still_pushing = not list(stager.ready_sends())
+    assert torch.equal(back, torch.full((small,), 3.0, device="cuda"))
+    assert still_pushing, "the copy in waited for the outgoing copy enqueued before it"
     stager.close()

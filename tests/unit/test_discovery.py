@@ -1,10 +1,14 @@
 """Discovery: the cluster built from what ranks report, a given cluster matched onto them, the ranks
 given the parts of a plan, and the per-rank environment (hetpipe.job.inventory, hetpipe.job.discovery)."""
 
+import os
+from pathlib import Path
+
 import pytest
 
 from hetpipe.job.discovery import DiscoveryError, assign_ranks, discover, gpu_type_name, match, peak_fp32
-from hetpipe.job.inventory import EMULATE_ENV, HOST_ENV, emulated_type, host_name, parse_topology, rank_facts
+from hetpipe.job.inventory import (EMULATE_ENV, HOST_ENV, emulated_type, gpu_identity, host_name, normal_uuid,
+                                   parse_gpu_query, parse_topology, rank_facts, visible_gpus)
 from hetpipe.plan import make_plan
 from hetpipe.plan.cluster import cluster_from_dict, load_cluster
 from hetpipe.plan.profile import analytic_profile
@@ -192,3 +196,60 @@ def test_profiles_for_gpu_types_outside_the_presets():
     assert out.layers[0].derived["rtx3090"] and out.fwd("a100_40g") == measured.fwd("a100_40g")
     assert out.layers[0].fwd_time["rtx3090"] == pytest.approx(out.layers[0].fwd_time["a100_40g"] * 19.5 / 35.6)
     assert profile_for_cluster(measured, cluster_from_dict(dict(LAB, nodes=LAB["nodes"][:1])))[1] == ""
+
+
+# nvidia-smi --query-gpu=index,name,memory.total,compute_cap,pci.bus_id,uuid --format=csv,noheader,nounits
+# of a node of four A100s, in nvidia-smi's exact format (PCI bus ids with the 8-digit domain, GPU- UUIDs).
+SMI_QUERY = Path(__file__).parent / "data" / "nvidia-smi-query-gpu.csv"
+UUIDS = ["GPU-1d2e6c4a-83f0-5b7e-9c21-a04f6b3d8e15", "GPU-6b9f0e27-4c1a-d385-27e6-5f8a3c90b4d2",
+         "GPU-c04a7f81-2d9e-6b3c-e815-93d7a2f64c08", "GPU-8e35d1b9-f6a0-47c2-b9d4-1c6e80a57f33"]
+
+
+def test_gpu_query_in_cuda_visible_order():
+    gpus = parse_gpu_query(SMI_QUERY.read_text())
+    assert [g["uuid"] for g in gpus] == UUIDS and gpus[3]["bus_id"] == "00000000:4E:00.0"
+    assert gpus[0]["memory_bytes"] == 40960 << 20 and gpus[0]["compute_capability"] == "8.0"
+    assert visible_gpus(gpus, None) == gpus
+    assert [g["index"] for g in visible_gpus(gpus, "2,0")] == [2, 0]
+    assert [g["index"] for g in visible_gpus(gpus, "GPU-8e35d1b9,1")] == [3, 1]   # a UUID prefix, as CUDA takes
+    assert [g["index"] for g in visible_gpus(gpus, "1,7,2")] == [1]                # CUDA stops at an unusable item
+    assert visible_gpus(gpus, "") == []
+    assert normal_uuid("8E35D1B9F6A047C2B9D41C6E80A57F33") == UUIDS[3]             # CUDA's form, as torch prints it
+
+
+@pytest.fixture
+def recorded_smi(tmp_path, monkeypatch):
+    """An ``nvidia-smi`` first on PATH that answers the inventory's query with the recorded output."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n"
+                   '[ "$1" = "--query-gpu=index,name,memory.total,compute_cap,pci.bus_id,uuid" ] || exit 2\n'
+                   f'exec cat "{SMI_QUERY}"\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    return monkeypatch
+
+
+def test_same_gpu_is_decided_by_uuid_under_per_rank_visible_devices(recorded_smi):
+    """Slurm's --gpu-bind gives each rank one GPU as its cuda:0: ranks 0 and 1 on physical GPUs 2 and 3,
+    rank 2 on GPU 2 again (named by its UUID). Their device strings are all cuda:0 on one host; NCCL
+    may join 0 and 1, not 0 and 2. Each rank's view is its CUDA_VISIBLE_DEVICES, set in turn."""
+    import torch
+
+    from hetpipe.transport.registry import RankChoice, device_identity, unjoinable
+
+    gpus = []
+    for visible in ("2", "3", UUIDS[2]):
+        recorded_smi.setenv("CUDA_VISIBLE_DEVICES", visible)
+        gpus.append(gpu_identity(0))
+        if not torch.cuda.is_available():   # torch sees no device: the runtime's identity is nvidia-smi's too
+            assert device_identity(torch.device("cuda", 0)) == gpus[-1]
+    assert gpus == [UUIDS[2], UUIDS[3], UUIDS[2]]
+    assert device_identity(torch.device("cpu")) == "" and device_identity(None) == ""
+    ranks = [RankChoice(None, "torch-p2p", "nccl", "cuda:0", "n0", g) for g in gpus]
+    assert unjoinable(ranks[0], ranks[1]) == ""
+    assert unjoinable(ranks[0], ranks[2]) == f"NCCL cannot join two ranks on one GPU (cuda:0 of n0, {UUIDS[2]})"
+    # Without identities (no driver tool) the device string decides, as it always did.
+    blind = [RankChoice(None, "torch-p2p", "nccl", "cuda:0", "n0") for _ in range(2)]
+    assert "one GPU" in unjoinable(*blind)
+    recorded_smi.setenv("CUDA_VISIBLE_DEVICES", "5")             # no such GPU: nothing to tell it by
+    assert gpu_identity(0) == ""

@@ -122,3 +122,51 @@ def test_planner_counts_the_replicas_of_tied_weights_a_stage_holds(monkeypatch, 
         # weights, gradients, SGD momentum, then the stashes and deltas: all parameter-sized
         copies = 3 + table.weight_copies(min(nm, len(stages) - k))
         assert planned == copies * flat_bytes[(st.start, st.stop)], (k, st, flat_bytes)
+
+
+def _arrays(obj, seen=None):
+    """The torch tensors and NumPy arrays reachable from ``obj`` through containers and dataclasses."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _arrays(v, seen)
+    elif isinstance(obj, (list, tuple, set)):
+        for v in obj:
+            yield from _arrays(v, seen)
+    elif dataclasses.is_dataclass(obj):
+        yield from _arrays(vars(obj), seen)
+
+
+def test_the_wave_ledger_holds_only_parameter_sized_float32_vectors(monkeypatch):
+    """What a stage's wave ledger holds besides the planner's parameter-sized terms: nothing. Its shards'
+    places in the flat vectors are ranges; per-element int64 index arrays (8 bytes per weight on the
+    stage's device, none of it in the planner's memory model) would show up here. Three PS shards owning
+    every third layer, so that shard 2's part of the second stage (layers 2 and 5, layer 4 between) is split."""
+    from common import one_vw_plan
+
+    ledgers = []
+    init = stage_module.StageModel.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        ledgers.append(self.ledger)
+
+    monkeypatch.setattr(stage_module.StageModel, "__init__", recording_init)
+    plan = one_vw_plan([2], nm=2, d=1, num_layers=6, shards=3)
+    Trainer(mlp(), cross_entropy, sgd(), synthetic(n=64), plan=plan, epochs=1).replay()
+    assert len(ledgers) == 2 and ledgers[1].layout.weights[2] == ((0, 1056), (2112, 2442))
+    for ledger in ledgers:
+        held = list(_arrays(vars(ledger)))
+        assert held and all(str(a.dtype).endswith("float32") for a in held), {str(a.dtype) for a in held}
+        sizes = {ledger.layout.numel, ledger.layout.buffer_numel}
+        assert all((a.numel() if hasattr(a, "numel") else a.size) in sizes for a in held)

@@ -202,7 +202,7 @@ def test_copy_stager_sends_in_order_and_returns_slots():
     from hetpipe.transport.protocol import Message
     pool = hetpipe_core.PinnedBufferPool(4, 1 << 16)
     stager = CopyStager(pool, torch.device("cpu"))
-    stager.stream.enqueue_sleep(0.05)           # the copies queue behind this
+    stager.out_stream.enqueue_sleep(0.05)       # the copies queue behind this
     ts = [torch.full((1000,), float(i)) for i in range(3)]
     for i, t in enumerate(ts):
         stager.copy_out(t, 1, Header(ACT, 0, 0, i, -1, "float32", (1000,), 4000))
@@ -210,16 +210,40 @@ def test_copy_stager_sends_in_order_and_returns_slots():
     while len(got) < 3:
         got.extend(stager.ready_sends())
         if len(got) < 3:
-            stager.stream.synchronize()
+            stager.wait()
     assert [h.mb for _, h, _ in got] == [0, 1, 2] and stager.pending() == 0
     for (_, h, slot), t in zip(got, ts):
         assert torch.equal(torch.from_numpy(slot.numpy("float32", 1000)), t)
         back = stager.copy_in(Message(0, h, slot.numpy("uint8", 4000), slot), torch.float32)
         assert torch.equal(back.reshape(-1), t)
-    stager.stream.synchronize()
+    stager.wait()
     stager.poll()
     assert stager.pending() == 0 and pool.available() == 4
     stager.close()
+
+
+def test_a_received_payload_does_not_wait_behind_outgoing_copies():
+    # One copy stream per direction: a payload copied in completes while the outgoing stream is still
+    # busy (held here by a 3 s sleep, as a large push would hold it). On one shared stream copy_in,
+    # which on the CPU waits for its copy, would return only after the sleep and the outgoing copy
+    # behind it, which would then be ready to send.
+    import hetpipe_core
+    from hetpipe.transport.device_copy import CopyStager
+    from hetpipe.transport.protocol import Message
+    pool = hetpipe_core.PinnedBufferPool(4, 1 << 16)
+    stager = CopyStager(pool, torch.device("cpu"))
+    stager.out_stream.enqueue_sleep(3.0)
+    assert stager.copy_out(torch.ones(1000), 2, Header(ACT, 0, 0, 0, -1, "float32", (1000,), 4000))
+    slot = pool.acquire(4000)
+    slot.numpy("float32", 1000)[:] = 7.0
+    h = Header(ACT, 0, 0, 1, -1, "float32", (1000,), 4000)
+    back = stager.copy_in(Message(0, h, slot.numpy("uint8", 4000), slot), torch.float32)
+    assert torch.equal(back, torch.full((1000,), 7.0))
+    assert list(stager.ready_sends()) == []             # the outgoing copy is still behind the sleep
+    stager.poll()
+    assert stager.pending() == 1 and pool.available() == 3     # the received slot came back
+    stager.close()
+    assert pool.available() == 4
 
 
 def test_overriding_nm_or_d_clears_the_prediction_and_refuses_a_larger_nm_that_may_not_fit():

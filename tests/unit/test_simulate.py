@@ -203,3 +203,20 @@ def test_save_gantt_without_matplotlib_raises_a_clear_error(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "needs matplotlib" in out.stdout
+
+
+def test_time_breakdown_of_a_stage_adds_up_to_its_wall_time():
+    from hetpipe.schedule.trace import BREAKDOWN, TraceEvent, time_breakdown
+
+    ev = [TraceEvent(0, 1, "RA", 0.5, 0.01, 0), TraceEvent(0, 1, "F", 0.51, 0.2, 0),
+          TraceEvent(0, 1, "SA", 0.75, 0.02, 0), TraceEvent(0, 1, "RG", 1.0, 0.01, 0),
+          TraceEvent(0, 1, "B", 1.01, 0.3, 0), TraceEvent(0, 1, "A", 1.31, 0.05, 0),
+          TraceEvent(0, 1, "PUSH", 1.36, 0.04, -1, 0), TraceEvent(0, 1, "PULL", 1.6, 0.1, -1, 0),
+          TraceEvent(0, 1, "DONE", 1.8, 0.05), TraceEvent(0, 0, "F", 0.0, 9.0, 0)]     # another stage's
+    got = time_breakdown(ev, 0, 1)
+    want = {"startup": 0.5, "compute": 0.55, "blocked_recv": 0.23, "recv": 0.02, "blocked_pull": 0.2,
+            "pull": 0.1, "push": 0.04, "send": 0.06, "sync": 0.15, "other": 0.0, "total": 1.85}
+    assert set(got) == set(BREAKDOWN) | {"total"}
+    assert all(abs(got[k] - v) < 1e-12 for k, v in want.items()), got
+    assert abs(sum(got[k] for k in BREAKDOWN) - got["total"]) < 1e-12
+    assert time_breakdown(ev, 1, 0)["total"] == 0.0

@@ -5,7 +5,7 @@ front end computes in: NumPy, torch, CuPy (in place, recycling buffers) or JAX (
 update returns a new array). :func:`ops_for` picks the family from an array's type without importing
 any framework the process has not imported already, so a NumPy or JAX process never loads torch.
 
-Numerics: every operation is element-wise (copy, gather, scatter, ``+``, ``-``) on float32, so the
+Numerics: every operation is element-wise (copy, gather and scatter by slices, ``+``, ``-``) on float32, so the
 same sequence of operations gives the same bits in every family; the order of additions is the
 ledger's, never the family's.
 """
@@ -13,7 +13,7 @@ ledger's, never the family's.
 from __future__ import annotations
 
 import sys
-from typing import Any, Sequence
+from typing import Any, Sequence, Tuple
 
 import numpy as np
 
@@ -23,13 +23,10 @@ import hetpipe_core
 class ArrayOps:
     """In-place operations on 1-D float32 arrays of one family (NumPy's; torch and CuPy override a few).
 
-    ``index`` arrays are the family's integer arrays on the weights' device (:meth:`index`)."""
+    ``runs`` are ``(start, stop)`` ranges of a vector, in order (:data:`hetpipe.ps.ledger.Runs`): the
+    gathers and scatters below are slices, so no family holds an index array."""
 
     functional = False
-
-    def index(self, like: Any, positions: np.ndarray) -> Any:
-        """``positions`` (int64) as an index array on ``like``'s device."""
-        return positions
 
     def zeros(self, like: Any, n: int) -> Any:
         return np.zeros(n, dtype=np.float32)
@@ -40,18 +37,26 @@ class ArrayOps:
     def concat(self, parts: Sequence[Any]) -> Any:
         return np.concatenate(parts)
 
-    def take(self, x: Any, idx: Any) -> Any:
-        """A gathered copy ``x[idx]``."""
-        return x[idx]
+    def take(self, x: Any, runs: Sequence[Tuple[int, int]]) -> Any:
+        """A gathered copy of ``x``'s elements in ``runs``, in order."""
+        return self.concat([x[a:b] for a, b in runs])
 
-    def put(self, x: Any, idx: Any, v: Any) -> Any:
-        """``x[idx] = v``; returns ``x`` (a new array in a functional family)."""
-        x[idx] = v
+    def put(self, x: Any, runs: Sequence[Tuple[int, int]], v: Any) -> Any:
+        """``x``'s elements in ``runs`` set to ``v``'s, in order; returns ``x`` (a new array in a
+        functional family)."""
+        off = 0
+        for a, b in runs:
+            x = self.set_span(x, a, b, v[off:off + b - a])
+            off += b - a
         return x
 
-    def add_at(self, x: Any, idx: Any, v: Any) -> Any:
-        """``x[idx] += v`` (``idx`` holds no position twice); returns ``x``."""
-        x[idx] += v
+    def add_at(self, x: Any, runs: Sequence[Tuple[int, int]], v: Any) -> Any:
+        """``v``'s elements added to ``x``'s in ``runs`` (no element twice: each gets one addition);
+        returns ``x``."""
+        off = 0
+        for a, b in runs:
+            x = self.add_span(x, a, b, v[off:off + b - a])
+            off += b - a
         return x
 
     def set_span(self, x: Any, a: int, b: int, v: Any) -> Any:
@@ -83,9 +88,6 @@ class TorchOps(ArrayOps):
     def __init__(self, torch: Any) -> None:
         self.torch = torch
 
-    def index(self, like: Any, positions: np.ndarray) -> Any:
-        return self.torch.from_numpy(np.asarray(positions, dtype=np.int64)).to(like.device)
-
     def zeros(self, like: Any, n: int) -> Any:
         return like.new_zeros(n)
 
@@ -94,19 +96,6 @@ class TorchOps(ArrayOps):
 
     def concat(self, parts: Sequence[Any]) -> Any:
         return self.torch.cat(list(parts))
-
-    def take(self, x: Any, idx: Any) -> Any:
-        return x.index_select(0, idx)
-
-    def put(self, x: Any, idx: Any, v: Any) -> Any:
-        with self.torch.no_grad():
-            x.index_copy_(0, idx, v)
-        return x
-
-    def add_at(self, x: Any, idx: Any, v: Any) -> Any:
-        with self.torch.no_grad():
-            x.index_add_(0, idx, v)
-        return x
 
     def set_span(self, x: Any, a: int, b: int, v: Any) -> Any:
         with self.torch.no_grad():
@@ -145,9 +134,6 @@ class CupyOps(ArrayOps):
     def __init__(self, cp: Any) -> None:
         self.cp = cp
 
-    def index(self, like: Any, positions: np.ndarray) -> Any:
-        return self.cp.asarray(positions, dtype=self.cp.int64)
-
     def zeros(self, like: Any, n: int) -> Any:
         return self.cp.zeros(n, dtype=self.cp.float32)
 
@@ -171,9 +157,6 @@ class JaxOps(ArrayOps):
     def __init__(self, jnp: Any) -> None:
         self.jnp = jnp
 
-    def index(self, like: Any, positions: np.ndarray) -> Any:
-        return self.jnp.asarray(positions)
-
     def zeros(self, like: Any, n: int) -> Any:
         return self.jnp.zeros(n, dtype=self.jnp.float32)
 
@@ -182,12 +165,6 @@ class JaxOps(ArrayOps):
 
     def concat(self, parts: Sequence[Any]) -> Any:
         return self.jnp.concatenate(list(parts))
-
-    def put(self, x: Any, idx: Any, v: Any) -> Any:
-        return x.at[idx].set(v)
-
-    def add_at(self, x: Any, idx: Any, v: Any) -> Any:
-        return x.at[idx].add(v)
 
     def set_span(self, x: Any, a: int, b: int, v: Any) -> Any:
         return x.at[a:b].set(v)

@@ -25,26 +25,46 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-import numpy as np
 
 from hetpipe.ps.arrays import ArrayOps, ops_for
 
 
+Runs = Tuple[Tuple[int, int], ...]      # (start, stop) ranges of a flat vector, in order, none adjacent
+
+
+def runs_numel(runs: Runs) -> int:
+    """The elements ``runs`` cover."""
+    return sum(b - a for a, b in runs)
+
+
+def _runs(pairs: Sequence[Tuple[int, int]]) -> Runs:
+    """``(start, numel)`` pairs (in order) as ranges, adjacent ones merged."""
+    out: List[Tuple[int, int]] = []
+    for a, n in pairs:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], a + n)
+        else:
+            out.append((a, a + n))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class LedgerLayout:
-    """Where each PS shard's part lies in a stage's flat vectors (plain int64 positions, no device).
+    """Where each PS shard's part lies in a stage's flat vectors, as ranges (a few per shard: one per
+    run of the shard's layers, one per replica), never as per-element positions: a stage's index
+    arrays would cost 8 bytes per weight, on the weights' device, beside the 4 of the weight itself.
 
-    ``weights[k]``: flat positions of shard ``k``'s layers' weights (layer order); ``spans[k]`` the
-    ``(start, stop)`` of those positions when they are one contiguous range; ``replicas[k]``: positions
-    of the replicas of parameters owned by shard ``k``'s layers; ``buffers[k]``: positions of shard
-    ``k``'s synced buffers in the buffer vector."""
+    ``weights[k]``: the ranges of shard ``k``'s layers' weights (layer order); ``spans[k]`` the one
+    ``(start, stop)`` of those when they are contiguous; ``replicas[k]``: the ranges of the replicas of
+    parameters owned by shard ``k``'s layers; ``buffers[k]``: the ranges of shard ``k``'s synced
+    buffers in the buffer vector."""
 
     numel: int
     buffer_numel: int
-    weights: Mapping[int, np.ndarray] = field(default_factory=dict)
+    weights: Mapping[int, Runs] = field(default_factory=dict)
     spans: Mapping[int, Tuple[int, int]] = field(default_factory=dict)
-    replicas: Mapping[int, np.ndarray] = field(default_factory=dict)
-    buffers: Mapping[int, np.ndarray] = field(default_factory=dict)
+    replicas: Mapping[int, Runs] = field(default_factory=dict)
+    buffers: Mapping[int, Runs] = field(default_factory=dict)
 
     @classmethod
     def of_layers(cls, start: int, stop: int, numels: Mapping[int, int], shard_layers: Mapping[int, Sequence[int]],
@@ -65,22 +85,19 @@ class LedgerLayout:
             rep_pos.append((owner, roff, int(n)))
             roff += int(n)
 
-        def positions(pairs: List[Tuple[int, int]]) -> np.ndarray:
-            return np.concatenate([np.arange(a, a + n, dtype=np.int64) for a, n in pairs])
-
         weights, contiguous, reps, bufs = {}, {}, {}, {}
         for k, owned in shard_layers.items():
             mine = sorted(layer for layer in owned if start <= layer < stop and spans[layer][1] > 0)
             if mine:
-                weights[k] = positions([spans[layer] for layer in mine])
-                if all(spans[a][0] + spans[a][1] == spans[b][0] for a, b in zip(mine, mine[1:])):
-                    contiguous[k] = (spans[mine[0]][0], spans[mine[-1]][0] + spans[mine[-1]][1])
-            held = [(a, n) for owner, a, n in rep_pos if owner in owned]
+                weights[k] = _runs([spans[layer] for layer in mine])
+                if len(weights[k]) == 1:
+                    contiguous[k] = weights[k][0]
+            held = [(a, n) for owner, a, n in rep_pos if owner in owned and n > 0]
             if held:
-                reps[k] = positions(held)
+                reps[k] = _runs(held)
             bl = sorted(layer for layer in owned if start <= layer < stop and bspans[layer][1] > 0)
             if bl:
-                bufs[k] = positions([bspans[layer] for layer in bl])
+                bufs[k] = _runs([bspans[layer] for layer in bl])
         return cls(roff, boff, weights, contiguous, reps, bufs)
 
     @property
@@ -94,7 +111,7 @@ class LedgerLayout:
 
     def pull_sizes(self, shard: int) -> Tuple[int, int, int]:
         """Elements of a Pull reply from ``shard``: weights, replicas, buffers (in that order)."""
-        return tuple(len(d[shard]) if shard in d else 0 for d in (self.weights, self.replicas, self.buffers))
+        return tuple(runs_numel(d[shard]) if shard in d else 0 for d in (self.weights, self.replicas, self.buffers))
 
     def push_size(self, shard: int) -> int:
         nw, _, nb = self.pull_sizes(shard)
@@ -113,10 +130,7 @@ class WaveLedger:
                 raise ValueError(f"hetpipe: {who}'s {name} must be a flat float32 vector of {n} elements (the "
                                  f"parameter servers hold float32 weights), got {x.dtype}{list(x.shape)}")
         self.weights, self.buffers = weights, buffers
-        ix = self.ops.index
-        self._weights = {k: ix(weights, v) for k, v in layout.weights.items()}
-        self._replicas = {k: ix(weights, v) for k, v in layout.replicas.items()}
-        self._buffers = {k: ix(weights, v) for k, v in layout.buffers.items()}
+        self._weights, self._replicas, self._buffers = layout.weights, layout.replicas, layout.buffers
         self.deltas: Dict[int, Any] = {}                 # wave -> flat delta
         self._spare: List[Any] = []                      # deltas of merged waves, for reuse (in-place families)
         self.pushed: Set[int] = set()                    # waves whose delta was sent
@@ -176,7 +190,7 @@ class WaveLedger:
         if wave in self.deltas:
             delta = self.shard_slice(self.deltas[wave], shard)
         else:
-            delta = self.ops.zeros(self.weights, len(self.layout.weights.get(shard, ())))
+            delta = self.ops.zeros(self.weights, runs_numel(self.layout.weights.get(shard, ())))
         if shard not in self._buffers:
             return delta
         return self.ops.concat([delta, self.ops.take(self.buffers, self._buffers[shard])])

@@ -17,7 +17,7 @@ from hetpipe.transport.array_link import ArrayLink
 from hetpipe.transport.backoff import Backoff
 from hetpipe.transport.drive import PeerTimeout
 from hetpipe.transport.mpi import MPITransport
-from hetpipe.transport.slots import stage_pool
+from hetpipe.transport.slots import stage_pool, stage_slot_classes
 
 
 class WorkerRank:
@@ -31,7 +31,7 @@ class WorkerRank:
         self.plan, self.vw, self.stage, self.timeout = plan, a, b, timeout
         self.num_stages = len(plan.virtual_workers[a].stages)
         self.all_shard_ranks: Dict[int, int] = {sh.index: plan.ps_rank(sh.index) for sh in plan.ps_shards}
-        self.pool = stage_pool(plan.nm, len(plan.ps_shards), slot_bytes)
+        self.pool = stage_pool(stage_slot_classes(plan.nm, plan.d, slot_bytes, [slot_bytes] * len(plan.ps_shards)))
         self.transport = MPITransport(comm, self.pool)
         self.link = ArrayLink(self.transport, self.pool)
 

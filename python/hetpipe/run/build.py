@@ -45,15 +45,36 @@ def _pin_device(device: Optional[torch.device]) -> int:
 
 
 def stage_pool(spec: RunSpec, vw: int, stage: int):
-    """A stage's slots, page-locked through its own device's context when it runs on CUDA."""
-    st = spec.plan.virtual_workers[vw].stages[stage]
-    lay = spec.layout
-    param_bytes = 4 * (sum(lay.numel(l) + lay.buffer_numel(l) for l in range(st.start, st.stop))
-                       + sum(r.numel for r in lay.stage_replicas(st.start, st.stop)))
+    """A stage's slots (:func:`hetpipe.transport.slots.stage_slot_classes`): values sized by the larger of
+    its boundaries' activations and its tied-gradient messages, PS payloads by each shard's part of its
+    layers; page-locked through its own device's context when it runs on CUDA."""
+    plan, lay = spec.plan, spec.layout
+    st = plan.virtual_workers[vw].stages[stage]
     act = max(boundary_bytes(spec.boundaries[st.start], spec.sample_batch),
               boundary_bytes(spec.boundaries[st.stop], spec.sample_batch))
-    device = _pin_device(spec.devices.get(spec.plan.rank_of(vw, stage)))
-    return slots.stage_pool(spec.plan.nm, len(spec.plan.ps_shards), max(act, param_bytes), device)
+    tied = tied_message_bytes(plan, lay, vw, stage)
+    replicas = lay.stage_replicas(st.start, st.stop)
+    shard_bytes = [4 * (sum(lay.numel(l) + lay.buffer_numel(l) for l in sh.layers if st.start <= l < st.stop)
+                        + sum(r.numel for r in replicas if r.owner in sh.layers)) for sh in plan.ps_shards]
+    neighbours = (stage > 0) + (stage < len(plan.virtual_workers[vw].stages) - 1)
+    classes = slots.stage_slot_classes(plan.nm, plan.d, max([act, *tied.values()]), shard_bytes,
+                                       value_peers=neighbours + len(tied), tied_peers=len(tied))
+    device = _pin_device(spec.devices.get(plan.rank_of(vw, stage)))
+    return slots.stage_pool(classes, device, f"VW {vw} stage {stage} (rank {plan.rank_of(vw, stage)})")
+
+
+def tied_message_bytes(plan: Plan, layout: ModelLayout, vw: int, stage: int) -> Dict[int, int]:
+    """Per stage of VW ``vw`` sharing tied parameters with ``stage``: the bytes of one tied-gradient
+    message between them (the float32 gradients of every parameter both hold)."""
+    out: Dict[int, int] = {}
+    for (owner, name), holders in tied_holders(plan, layout, vw).items():
+        if stage not in holders:
+            continue
+        numel = dict(layout.owned[owner])[name].numel()
+        for peer in holders:
+            if peer != stage:
+                out[peer] = out.get(peer, 0) + 4 * numel
+    return out
 
 
 def shard_pool(spec: RunSpec, shard: int, plane: str = "python"):

@@ -72,3 +72,54 @@ def chrome_trace(events: Iterable[TraceEvent], *, emulated: Optional[bool] = Non
 def write_chrome_trace(events: Iterable[TraceEvent], path: Union[str, Path], *,
                        emulated: Optional[bool] = None) -> None:
     Path(path).write_text(json.dumps(chrome_trace(events, emulated=emulated)))
+
+
+# The categories of a stage's time in a run's trace (time_breakdown), by instruction code.
+_COMPUTE = ("F", "B", "R", "A", "EVAL")
+_RECEIVE = ("RA", "RG", "RT", "RN", "RV")
+_SEND = ("SA", "SG", "ST", "SN", "SV")
+BREAKDOWN = ("startup", "compute", "blocked_recv", "recv", "blocked_pull", "pull", "push", "send", "sync", "other")
+
+
+def time_breakdown(events: Iterable[TraceEvent], vw: int, stage: int) -> dict:
+    """Where VW ``vw``'s stage ``stage`` spent its wall time, in seconds, from a run's trace (host clock).
+
+    The runtime times each instruction from the attempt that could run it to its end; the gap before
+    it (since the previous one ended) is the time the stage spent blocked on it, stepping the
+    transport and backing off. So: ``compute`` (F, B, R, A, EVAL), ``blocked_recv`` (gaps before the
+    receives: waiting for a peer's message) and ``recv`` (the receives themselves: the copy onto the
+    device enqueued, or done inline), ``blocked_pull`` (the gap before each Pull: the reply, or the
+    staleness bound) and ``pull`` (the merge), ``push`` and ``send`` (with their gaps: waiting for a
+    free pinned slot), ``sync`` (DONE and the gap before it: the stage's copies and queued sends
+    draining), ``startup`` (before the first instruction: building the stage), ``other``. They sum to
+    ``total``, the end of the stage's last instruction. On a GPU the host's clock sees the device only
+    where it waits for it (a loss read, a gradient norm, a copy's event): device time the host did
+    not wait for shows up in the next blocking category, not in ``compute``."""
+    mine = sorted((e for e in events if e.vw == vw and e.stage == stage), key=lambda e: e.start_s)
+    out = {k: 0.0 for k in BREAKDOWN}
+    end = None
+    for e in mine:
+        gap = max(0.0, e.start_s - end) if end is not None else max(0.0, e.start_s)
+        if end is None:
+            out["startup"] += gap
+            gap = 0.0
+        if e.kind in _COMPUTE:
+            out["compute"] += e.dur_s
+            out["other"] += gap
+        elif e.kind in _RECEIVE:
+            out["blocked_recv"] += gap
+            out["recv"] += e.dur_s
+        elif e.kind == "PULL":
+            out["blocked_pull"] += gap
+            out["pull"] += e.dur_s
+        elif e.kind == "PUSH":
+            out["push"] += gap + e.dur_s
+        elif e.kind in _SEND:
+            out["send"] += gap + e.dur_s
+        elif e.kind == "DONE":
+            out["sync"] += gap + e.dur_s
+        else:
+            out["other"] += gap + e.dur_s
+        end = max(end or 0.0, e.start_s + e.dur_s)
+    out["total"] = end or 0.0
+    return out

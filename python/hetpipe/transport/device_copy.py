@@ -1,26 +1,33 @@
-"""Overlapped device↔pinned-host copies of a stage's payloads on a copy stream.
+"""Overlapped device↔pinned-host copies of a stage's payloads, on one copy stream per direction.
 
 Every payload a stage sends or receives through pinned slots goes through here when the stage has
-a copy stream (``transport.link``): activations, gradients and tied gradients to and from peers
+copy streams (``transport.link``): activations, gradients and tied gradients to and from peers
 without a device channel, wave pushes to the PS shards and their pull replies.
 
-Outgoing: ``copy_out`` enqueues the copy of a tensor into a pinned pool slot on the stage's
-:class:`hetpipe_core.Stream`, ordered after the compute that produced the tensor, and records a
-:class:`hetpipe_core.Event`; ``ready_sends`` hands out the slots whose copy completed, in enqueue
-order (so per-peer message order is the order of ``copy_out`` calls). Incoming: ``copy_in`` enqueues
-the copy of a received payload onto the device on the same stream and makes torch's compute stream
-wait for it; the payload's slot goes back to the pool once the copy completed (``poll``).
+Outgoing: ``copy_out`` enqueues the copy of a tensor into a pinned pool slot on the outgoing stream,
+ordered after the compute that produced the tensor, and records a :class:`hetpipe_core.Event` for
+that copy; ``ready_sends`` hands out the slots whose copy completed, in enqueue order (so per-peer
+message order is the order of ``copy_out`` calls). Incoming: ``copy_in`` enqueues the copy of a
+received payload onto the device on the incoming stream and makes torch's compute stream wait for
+that copy's own event; the payload's slot goes back to the pool once the copy completed (``poll``).
 Nothing here blocks the host.
 
-Ordering with torch's compute stream: torch wraps the core's stream
-(``torch.cuda.ExternalStream(stream.handle)``) and enqueues the waits on the GPU (the core's own
-``Stream.wait_external`` is the route for frameworks without such a wrapper, docs/design.md): the copy stream waits for the compute stream before a device→host copy, the compute stream
-waits for the copy stream after a host→device copy. A tensor copied in is allocated on the copy
-stream and marked as used by the compute stream, so the caching allocator never reuses its memory early.
+Why two streams: work on one stream runs in enqueue order, so on a single copy stream a received
+activation or pull reply would wait behind every outgoing push enqueued before it (a push is the
+size of the stage's weights). With one stream per direction a receive waits only for earlier
+receives, and the compute stream waits for the one copy it needs, not for the stream.
 
-On CPU tensors the same class runs on the core's CPU stream (a worker thread; ``copy_in`` then waits
-for its copy, as CPU compute cannot wait on the queue); the runtime uses it there only when asked to
-(``RunSpec.copy_stream``): the default CPU path copies inline, with no thread hop.
+Ordering with torch's compute stream: torch wraps the core's streams
+(``torch.cuda.ExternalStream(stream.handle)``) and enqueues the waits on the GPU (the core's own
+``Stream.wait_external`` is the route for frameworks without such a wrapper, docs/design.md): the
+outgoing stream waits for the point of the compute stream where the tensor was produced (an event
+recorded there) before its device→host copy; the compute stream waits for a torch event recorded
+after the host→device copy it reads. A tensor copied in is allocated on the incoming stream and
+marked as used by the compute stream, so the caching allocator never reuses its memory early.
+
+On CPU tensors the same class runs on the core's CPU streams (a worker thread each; ``copy_in`` then
+waits for its copy's event, as CPU compute cannot wait on the queue); the runtime uses it there only
+when asked to (``RunSpec.copy_stream``): the default CPU path copies inline, with no thread hop.
 Thread role: one thread (the stage's) calls every method.
 """
 
@@ -57,49 +64,55 @@ class _HostOrder:
         return torch.empty(tuple(shape), dtype=dtype, device=device)
 
     def after_copy_in(self, t: torch.Tensor, event: "hetpipe_core.Event") -> None:
-        # torch's CPU compute cannot wait on the worker thread's queue: wait here.
+        # torch's CPU compute cannot wait on the worker thread's queue: wait for this copy here.
         event.synchronize()
 
 
 class _CudaOrder:
-    """Ordering between torch's current stream on ``device`` and the core's copy stream."""
+    """Ordering between torch's current stream on ``device`` and the core's two copy streams."""
 
-    def __init__(self, stream: "hetpipe_core.Stream", device: torch.device) -> None:
+    def __init__(self, outward: "hetpipe_core.Stream", inward: "hetpipe_core.Stream", device: torch.device) -> None:
         self.device = device
-        self.copy = torch.cuda.ExternalStream(stream.handle, device=device)
+        self.outward = torch.cuda.ExternalStream(outward.handle, device=device)
+        self.inward = torch.cuda.ExternalStream(inward.handle, device=device)
 
     def before_copy_out(self) -> None:
-        self.copy.wait_stream(torch.cuda.current_stream(self.device))
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(self.device))
+        self.outward.wait_event(produced)
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        with torch.cuda.stream(self.copy):
+        with torch.cuda.stream(self.inward):
             return torch.empty(tuple(shape), dtype=dtype, device=device)
 
     def after_copy_in(self, t: torch.Tensor, event: "hetpipe_core.Event") -> None:
+        copied = torch.cuda.Event()
+        copied.record(self.inward)              # just after this copy: earlier receives only, no push
         compute = torch.cuda.current_stream(self.device)
-        compute.wait_stream(self.copy)
+        compute.wait_event(copied)
         t.record_stream(compute)
 
 
 class CopyStager:
-    """A stage's copy stream and its copies in flight (see the module docstring)."""
+    """A stage's copy streams, one per direction, and its copies in flight (see the module docstring)."""
 
     def __init__(self, pool, device: torch.device) -> None:
         self.pool = pool
         self.device = device
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
-            self.stream = hetpipe_core.Stream(index)
-            self.order = _CudaOrder(self.stream, torch.device("cuda", index))
+            self.out_stream, self.in_stream = hetpipe_core.Stream(index), hetpipe_core.Stream(index)
+            self.order = _CudaOrder(self.out_stream, self.in_stream, torch.device("cuda", index))
         else:
-            self.stream = hetpipe_core.Stream(-1)
+            self.out_stream, self.in_stream = hetpipe_core.Stream(-1), hetpipe_core.Stream(-1)
             self.order = _HostOrder()
         self._out: Deque[_InFlight] = collections.deque()
         self._in: List[_InFlight] = []
 
-    def _record(self) -> "hetpipe_core.Event":
+    @staticmethod
+    def _record(stream: "hetpipe_core.Stream") -> "hetpipe_core.Event":
         event = hetpipe_core.Event()
-        event.record(self.stream)
+        event.record(stream)
         return event
 
     def copy_out(self, t: torch.Tensor, dest: int, header: Header) -> bool:
@@ -111,8 +124,8 @@ class CopyStager:
             return False
         self.order.before_copy_out()
         if header.nbytes:
-            hetpipe_core.copy_async(slot, t.data_ptr(), header.nbytes, self.stream)
-        self._out.append(_InFlight(self._record(), slot, (t,), (dest, header)))
+            hetpipe_core.copy_async(slot, t.data_ptr(), header.nbytes, self.out_stream)
+        self._out.append(_InFlight(self._record(self.out_stream), slot, (t,), (dest, header)))
         return True
 
     def ready_sends(self) -> Iterator[Tuple[int, Header, object]]:
@@ -129,8 +142,8 @@ class CopyStager:
         t = self.order.empty(msg.header.shape, dtype, self.device)
         src = msg.slot if msg.slot is not None else msg.payload
         if msg.header.nbytes:
-            hetpipe_core.copy_async(t.data_ptr(), src, msg.header.nbytes, self.stream)
-        event = self._record()
+            hetpipe_core.copy_async(t.data_ptr(), src, msg.header.nbytes, self.in_stream)
+        event = self._record(self.in_stream)
         self._in.append(_InFlight(event, msg.slot, (msg.payload, t)))
         self.order.after_copy_in(t, event)
         return t
@@ -152,12 +165,21 @@ class CopyStager:
         """Copies not yet handed out (outgoing) or whose slot is not yet released (incoming)."""
         return len(self._out) + len(self._in)
 
+    def wait(self) -> None:
+        """Block (without spinning) until every copy enqueued so far completed: the newest copy's own
+        event in each direction (each stream runs its copies in order), not the streams' later work."""
+        for pending in (self._out, self._in):
+            if pending:
+                pending[-1].event.synchronize()
+
     def close(self) -> None:
-        """Wait for every enqueued copy, give all slots back, and release the stream."""
-        self.stream.synchronize()
+        """Wait for every enqueued copy, give all slots back, and release the streams."""
+        self.out_stream.synchronize()
+        self.in_stream.synchronize()
         for c in [*self._out, *self._in]:
             if c.slot is not None:
                 self.pool.release(c.slot)
         self._out.clear()
         self._in.clear()
-        self.stream.close()
+        self.out_stream.close()
+        self.in_stream.close()

@@ -3,9 +3,9 @@
 ``send(dest, header, t)`` and ``try_recv(src, kind)`` move tensors; how is the backend's business:
 to a peer of a device channel (``Transport.device_peers``, the torch-p2p backend) the tensor goes
 as it is, device to device; to every other rank (the PS shards always) it goes through a pinned pool
-slot of the rank's slot transport — copied device→slot on the copy stream and sent once the copy
-completed when the stage has a :class:`CopyStager`, else copied inline — and a received payload
-comes back slot→device on the copy stream (or inline). Neither call blocks: ``send`` returns False
+slot of the rank's slot transport — copied device→slot on the outgoing copy stream and sent once the
+copy completed when the stage has a :class:`CopyStager`, else copied inline — and a received payload
+comes back slot→device on the incoming copy stream (or inline). Neither call blocks: ``send`` returns False
 while no pool slot is free, ``try_recv`` None until the message is there; ``waiting_for`` then says why.
 
 Thread role: the stage's executor thread calls every method.
@@ -25,7 +25,7 @@ from hetpipe.transport.slots import slot_shortage
 
 
 class StageLink:
-    """``transport`` (slots over ``pool``) and, when given, ``stager`` (the copy stream), as tensors on ``device``."""
+    """``transport`` (slots over ``pool``) and, when given, ``stager`` (the copy streams), as tensors on ``device``."""
 
     def __init__(self, transport: Transport, pool, device: torch.device, stager: Optional[CopyStager] = None) -> None:
         self.transport, self.pool, self.device, self.stager = transport, pool, device, stager
@@ -87,14 +87,14 @@ class StageLink:
         return sent
 
     def copies_pending(self) -> int:
-        """Copies enqueued on the copy stream and not yet handed to the transport or released."""
+        """Copies enqueued on the copy streams and not yet handed to the transport or released."""
         return self.stager.pending() if self.stager is not None else 0
 
     def wait_for_copies(self) -> bool:
         """Block (without spinning) until the enqueued copies completed; False if there were none."""
         if not self.copies_pending():
             return False
-        self.stager.stream.synchronize()
+        self.stager.wait()
         return True
 
     def pending_sends(self) -> int:

@@ -12,7 +12,9 @@ on a stage rank through the core's progress thread where it can run, :mod:`hetpi
 :func:`open_rank` is the collective every rank of a job calls: the ranks' choices are gathered, a
 channel between two stage ranks uses torch-p2p when both chose it with the same torch.distributed
 backend and, for NCCL, are not ranks of one GPU (else that edge stays on mpi-host); PS shard ranks
-always use mpi-host (they have no device). See docs/design.md, "Transports".
+always use mpi-host (they have no device). "One GPU" is decided by the GPU's identity (its UUID,
+:func:`device_identity`), not by the device string: under per-rank ``CUDA_VISIBLE_DEVICES`` two ranks
+on different GPUs both compute on ``cuda:0``. See docs/design.md, "Transports".
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
+from hetpipe.job.inventory import gpu_identity
 from hetpipe.transport.base import Transport
 from hetpipe.transport.core import CoreTransport, choose_stage_plane
 from hetpipe.transport.loopback import LoopbackHub
@@ -127,7 +130,8 @@ def open_rank(comm, pool, device: Optional[torch.device], pairs: Sequence[Tuple[
             flavour = flavour_for(device)[0]
     except TransportChoiceError as e:
         problem = f"{who or f'rank {comm.Get_rank()}'} on {device or 'no device'}: {e}"
-    everyone = [RankChoice(*c) for c in comm.allgather((problem, name, flavour, str(device), socket.gethostname()))]
+    everyone = [RankChoice(*c) for c in comm.allgather((problem, name, flavour, str(device), socket.gethostname(),
+                                                        device_identity(device)))]
     problems = [c.problem for c in everyone if c.problem]
     if forced == TORCH_P2P and not problems:
         problems = [f"ranks {a} ({everyone[a].device}) and {b} ({everyone[b].device}) exchange tensors but "
@@ -173,6 +177,32 @@ class RankChoice:
     flavour: Optional[str]
     device: str
     host: str
+    gpu: str = ""           # device_identity(): the GPU's UUID (or PCI bus id), "" when unknown or no GPU
+
+
+def device_identity(device: Optional[torch.device]) -> str:
+    """The identity of a CUDA ``device`` across processes (:func:`hetpipe.job.inventory.gpu_identity`):
+    its UUID as CUDA reports it (torch's ``get_device_properties(i).uuid``) where torch sees the device,
+    else as nvidia-smi lists it; "" for any other device, or when neither is known."""
+    if device is None or device.type != "cuda":
+        return ""
+    index = device.index if device.index is not None else 0
+    reported = ""
+    if torch.cuda.is_available() and index < torch.cuda.device_count():
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+        raw = getattr(uuid, "bytes", None)
+        reported = bytes(raw).hex() if raw else str(uuid or "")
+    return gpu_identity(index, reported)
+
+
+def same_gpu(a: RankChoice, b: RankChoice) -> bool:
+    """Whether two ranks compute on one GPU: by the GPUs' identities when both are known, else (no driver
+    tool, no UUID) by host and device string, which holds only where every rank sees every GPU."""
+    if a.host != b.host:
+        return False
+    if a.gpu and b.gpu:
+        return a.gpu == b.gpu
+    return a.device == b.device
 
 
 def unjoinable(a: RankChoice, b: RankChoice) -> str:
@@ -181,8 +211,8 @@ def unjoinable(a: RankChoice, b: RankChoice) -> str:
         return f"one uses {a.backend if a.backend != TORCH_P2P else b.backend}"
     if a.flavour != b.flavour:
         return f"torch-p2p joins stages of one kind of device, not {a.flavour} with {b.flavour}"
-    if a.flavour == NCCL and a.host == b.host and a.device == b.device:
-        return f"NCCL cannot join two ranks on one GPU ({a.device} of {a.host})"
+    if a.flavour == NCCL and same_gpu(a, b):
+        return f"NCCL cannot join two ranks on one GPU ({a.device} of {a.host}{', ' + a.gpu if a.gpu else ''})"
     return ""
 
 

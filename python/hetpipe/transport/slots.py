@@ -1,12 +1,24 @@
-"""Pinned pool slots as message buffers: non-blocking acquisition, shortage reports, byte views."""
+"""Pinned pool slots as message buffers: the pools' sizes, non-blocking acquisition, shortage reports,
+byte views, and the check that a CUDA stage's pool really is page-locked."""
 
 from __future__ import annotations
+
+import os
+import sys
+from typing import Iterable, List, Tuple
 
 import numpy as np
 
 import hetpipe_core
+from hetpipe.util.errors import HetpipeError
 
 SLOT_ALIGN = 4096
+# "1": a CUDA stage whose pool could not be page-locked fails instead of warning (see check_pinned).
+REQUIRE_PINNED_ENV = "HETPIPE_REQUIRE_PINNED"
+
+
+class PinningError(HetpipeError, RuntimeError):
+    """A CUDA stage's pool is not page-locked and ``HETPIPE_REQUIRE_PINNED=1`` asks for an error."""
 
 
 def round_slot(nbytes: int) -> int:
@@ -14,10 +26,44 @@ def round_slot(nbytes: int) -> int:
     return max(SLOT_ALIGN, -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN)
 
 
-def stage_pool(nm: int, num_shards: int, nbytes: int, device: int = -1):
-    """A stage rank's slots of ``nbytes`` (its largest payload): its Nm outgoing and incoming values,
-    a push and a pull reply per PS shard, and spares; pinned through CUDA device ``device`` (-1: host)."""
-    return hetpipe_core.PinnedBufferPool(2 * nm + 2 * num_shards + 8, round_slot(nbytes), device)
+def stage_slot_classes(nm: int, d: int, value_bytes: int, shard_bytes: Iterable[int],
+                       value_peers: int = 2, tied_peers: int = 0) -> List[Tuple[int, int]]:
+    """A stage rank's slot classes ``[(count, bytes), ...]``, each kind sized by its own payload and
+    counted by what the schedule and WSP keep in flight.
+
+    Values (activations, gradients, tied gradients; ``value_bytes``, the largest): at most ``nm``
+    activations and ``nm`` gradients sent and not yet delivered (the 1F1B bound on forwards ahead of
+    backwards), ``nm`` tied gradients per tied peer, and per peer exchanging values (neighbours and
+    tied peers, ``value_peers``) one payload being received and one on its copy to the device.
+    PS payloads, per shard (``shard_bytes[k]``: its push, or its pull reply of weights, replicas and
+    buffers, whichever is larger; 0 for a shard owning none of the stage's layers): ``D + 2`` pushes
+    in flight (Push(w + 1) may start while the shard has received waves up to ``w - D - 1`` only)
+    and one pull reply. A value larger than its class takes a PS slot (the pool spills upwards)."""
+    classes = [(2 * nm + nm * tied_peers + 2 * value_peers, round_slot(value_bytes))]
+    classes += [(d + 3, round_slot(n)) for n in shard_bytes if n > 0]
+    return classes
+
+
+def stage_pool(classes: List[Tuple[int, int]], device: int = -1, who: str = "a stage"):
+    """A stage rank's pool of ``classes`` (:func:`stage_slot_classes`), pinned through CUDA device
+    ``device`` (-1: host memory); checked with :func:`check_pinned`."""
+    pool = hetpipe_core.PinnedBufferPool.of_classes(classes, device)
+    check_pinned(pool, device, who)
+    return pool
+
+
+def check_pinned(pool, device: int, who: str) -> None:
+    """A pool asked to be page-locked through CUDA device ``device`` (>= 0) that is not: one line on
+    stderr naming the bytes and why pinning failed (copies from pageable memory are staged by the
+    driver and block the host), or :class:`PinningError` when ``HETPIPE_REQUIRE_PINNED=1``."""
+    if device < 0 or pool.pinned:
+        return
+    what = (f"hetpipe: {who}: its {pool.num_slots} pool slots ({pool.total_bytes} bytes) asked to be page-locked "
+            f"through CUDA device {device} are pageable memory: {pool.pin_error}")
+    if os.environ.get(REQUIRE_PINNED_ENV, "").strip() == "1":
+        raise PinningError(f"{what} ({REQUIRE_PINNED_ENV}=1)")
+    sys.stderr.write(f"{what}; host<->device copies through them run synchronously ({REQUIRE_PINNED_ENV}=1 "
+                     "makes this an error)\n")
 
 
 def shard_pool(num_stage_ranks: int, nbytes: int, plane: str = "python"):
