@@ -38,6 +38,7 @@ from hetpipe.stage.loss import LossHead
 from hetpipe.stage.loss_scale import LossScaleVerdict
 from hetpipe.stage.pacer import Pacer
 from hetpipe.stage.params import StageModel
+from hetpipe.stage.readings import WaveReadings
 from hetpipe.stage.settings import StageContext, StageIO, StageRun, StageTiming
 from hetpipe.stage.tied_exchange import TiedExchange
 from hetpipe.stage.traffic import Blocked, ValueChannel
@@ -71,9 +72,11 @@ class StageExecutor:
         self.blocked = Blocked()
         self.values = ValueChannel(ctx, link, model.device, self._minibatch, self.blocked)
         self.tied = TiedExchange(ctx, model, link, self.blocked)
+        # What the stage reads of the device only at its wave boundaries (Push, Done): losses, finiteness.
+        self.readings = WaveReadings()
         verdicts = LossScaleVerdict(run.loss_scale, model, ctx) if run.loss_scale is not None else None
-        self.head = LossHead(ctx, model, io, verdicts, self._minibatch)     # the last stage's losses
-        self.steps = MinibatchStep(ctx, model, run, self.tied, link, self.head, self.blocked)
+        self.head = LossHead(ctx, model, io, verdicts, self._minibatch, self.readings)     # the last stage's losses
+        self.steps = MinibatchStep(ctx, model, run, self.tied, link, self.head, self.blocked, self.readings)
         # VW 0's evaluation points, and the early stop they (or a STOPPED pull reply) may decide.
         self.evals = EvalPoints(run.evaluation if ctx.vw == 0 else None, ctx, model, io, self.values, link,
                                 self.blocked)
@@ -90,7 +93,7 @@ class StageExecutor:
             SendAct: self._send_act, SendGrad: self._send_grad,
             RecvAct: lambda i: self.values.recv(ACT, i.peer, i.mb, self._recv_act, io.expect_in, "activation"),
             RecvGrad: lambda i: self.values.recv(GRAD, i.peer, i.mb, self._recv_grad, self._grad_boundary, "gradient"),
-            Push: lambda i: self._ps_step(self.ps.push(i.wave)),
+            Push: self._push,
             Pull: lambda i: self._ps_step(self.ps.pull(i.wave)),
             SendTied: lambda i: self.tied.send(i.mb, i.peer),
             RecvTied: lambda i: self.tied.recv(i.mb, i.peer),
@@ -111,7 +114,8 @@ class StageExecutor:
 
     @property
     def losses(self) -> Dict[int, float]:
-        """Last stage: minibatch -> its loss (set once all its halves ran)."""
+        """Last stage: minibatch -> its loss (set at the end of its wave: the losses are read from the
+        device once per wave, ``stage.readings``; under "fp16" at its forward)."""
         return self.head.losses
 
     @property
@@ -214,7 +218,9 @@ class StageExecutor:
         return True
 
     def _done(self, instr: Done) -> bool:
-        """DONE to every shard, once the stage's device copies and queued tied gradients are out."""
+        """DONE to every shard, once the stage's device copies and queued tied gradients are out (and
+        what is left of its readings was read)."""
+        self.readings.read()
         if self.link.copies_pending():
             self.blocked.on = "its device copies"
             return False
@@ -287,6 +293,12 @@ class StageExecutor:
         return True
 
     # --- parameter servers ------------------------------------------------------------------------
+    def _push(self, instr: Push) -> bool:
+        """``Push(w)``, the stage's wave boundary: its readings first (losses, finiteness checks: a
+        non-finite value stops the run before the wave's update leaves the stage), then the push."""
+        self.readings.read()
+        return self._ps_step(self.ps.push(instr.wave))
+
     def _ps_step(self, done: bool) -> bool:
         """A Push or Pull's outcome (see :class:`PSClient`): when it cannot proceed yet, why."""
         if not done:

@@ -36,7 +36,7 @@ Thread role: used by one thread (the rank's main thread, or the replay loop).
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -190,10 +190,12 @@ class StageModel:
         del stashes
         self.stashes.recycle(snapshots)
 
-    def grad_sumsq(self) -> float:
+    def grad_sumsq(self, on_host: bool = True) -> Union[float, torch.Tensor]:
         """The sum of squares of the gathered gradients (float64), a tied parameter counted by the first
-        stage holding it only, so that the stages' sums add up to the VW's. Synchronises with the device."""
-        return self.optim.grad_sumsq()
+        stage holding it only, so that the stages' sums add up to the VW's. ``on_host``: as a float (a
+        host-device synchronisation), else as a 0-d float64 tensor on the stage's device (none; 0.0 when
+        there is no gradient)."""
+        return self.optim.grad_sumsq(on_host)
 
     def scale_grads(self, coef: float) -> None:
         """Multiply every gathered gradient by ``coef`` (gradient clipping)."""
