@@ -10,7 +10,7 @@ import copy
 import functools
 import inspect
 import weakref
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -42,16 +42,35 @@ def positions_and_mask(config: Any, hidden: torch.Tensor, attention_mask: Option
                        position_ids: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Any]:
     """A block's position ids (the default when none are given) and the causal mask the model's own
     forward builds for its attention implementation (None where sdpa's ``is_causal`` suffices);
-    ``hidden`` stands in for the input embeddings (same shape and dtype). Reads the mask's values
-    (whether any token is padding): one host-device synchronisation per call."""
+    ``hidden`` stands in for the input embeddings (same shape and dtype).
+
+    The library reads the mask's values to decide whether any token is padding, up to twice; here
+    the mask is read once (one host-device synchronisation), and the library is told the answer: a
+    mask of ones masks nothing, so it builds what it builds for no mask (without a data-dependent
+    check); a mask with padding is materialised without its checks for a skip that padding excludes.
+    Default positions (0..T-1, no packed sequences) are not given to it, so it does not search them
+    for packed sequences either. The mask is the one the model's forward builds from the same inputs."""
     from transformers.masking_utils import create_causal_mask
 
+    given = position_ids
     if position_ids is None:
         position_ids = default_positions(hidden)
     if attention_mask is not None and attention_mask.ndim < 4:
         attention_mask = attention_mask.view(hidden.shape[0], -1)
+    options: Dict[str, Any] = {}
+    if attention_mask is not None and attention_mask.ndim == 2 and attention_mask.shape[1] == hidden.shape[1]:
+        if bool(attention_mask.all()):
+            attention_mask = given = None
+        elif _takes_skip_option(create_causal_mask):
+            options["allow_is_causal_skip"] = False
     return position_ids, create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask,
-                                            past_key_values=None, position_ids=position_ids)
+                                            past_key_values=None, position_ids=given, **options)
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_skip_option(create_causal_mask: Callable) -> bool:
+    """Whether this transformers' ``create_causal_mask`` takes ``allow_is_causal_skip`` (5.x does)."""
+    return "allow_is_causal_skip" in inspect.signature(create_causal_mask).parameters
 
 
 class CausalMasks:
