@@ -28,14 +28,16 @@ def _no_ps(plan: Plan) -> Plan:
 
 
 class _RoundedOutput(nn.Module):
-    """``layer`` with its output rounded to bfloat16: what a bf16 stage boundary after it does."""
+    """``layer`` with its output rounded to bfloat16 once, then back in its own dtype: what a bf16 stage
+    boundary after it does (the receiver widens what its sender rounded)."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
         self.layer = layer
 
     def forward(self, x):
-        return self.layer(x).to(torch.bfloat16)
+        out = self.layer(x)
+        return out.to(torch.bfloat16).to(out.dtype)
 
 
 def _autocast_reference(model: nn.Sequential, rounded_after=None):
@@ -102,16 +104,70 @@ def _residual_mlp() -> nn.Sequential:
     return nn.Sequential(_Residual(64), nn.Tanh(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
 
 
-def test_a_float32_boundary_value_is_rounded_to_bfloat16_on_the_wire():
+def test_a_float32_boundary_value_is_rounded_to_bfloat16_on_the_wire_once():
     """Cut after a residual add, whose value autocast keeps in float32, before a Tanh, which runs in its
-    input's dtype: the wire rounds the value to bfloat16 earlier than autocast would (at the next
-    Linear), so the run equals autocast with that one cast inserted, bitwise, and not plain autocast."""
+    input's dtype: the wire rounds the value to bfloat16 where autocast would not (it would at the next
+    Linear), and the receiver widens it back, so the Tanh runs in float32 as in autocast: the run
+    equals autocast with that one rounding inserted (to bfloat16 and back), bitwise, and not plain
+    autocast; nor autocast with the value left in bfloat16 after the cut (the Tanh in bfloat16)."""
     plan = _no_ps(one_vw_plan([1], nm=1, d=0, num_layers=5))
     got = _run(_residual_mlp(), plan, "bf16")
     with_cast = _autocast_reference(_residual_mlp(), rounded_after=0)
     assert got[0] == with_cast[0]
     assert all(np.array_equal(got[1][l], w) for l, w in with_cast[1].items())
     assert _max_diff(got, _autocast_reference(_residual_mlp())) > 0
+    left_in_bf16 = _residual_mlp()
+    left_in_bf16[0] = nn.Sequential(left_in_bf16[0], _ToBFloat16())
+    assert _max_diff(got, _autocast_reference(left_in_bf16)) > 0
+
+
+class _ToBFloat16(nn.Module):
+    def forward(self, x):
+        return x.to(torch.bfloat16)
+
+
+class _Three(nn.Module):
+    """A pytree boundary: a residual sum (float32 under autocast), a Linear's output (autocast's own
+    bfloat16) and an integer leaf."""
+
+    def __init__(self, rounded_once: bool = False):
+        super().__init__()
+        self.res, self.lin, self.rounded_once = _Residual(64), nn.Linear(64, 64), rounded_once
+
+    def forward(self, x):
+        s = self.res(x)
+        if self.rounded_once:
+            s = s.to(torch.bfloat16).to(torch.float32)
+        return {"sum": s, "lin": self.lin(x), "n": torch.zeros(x.shape[0], dtype=torch.int64)}
+
+
+class _TanhBoth(nn.Module):
+    """Each leaf through a Tanh, which runs in its input's dtype: the sum's in float32, the Linear's in
+    bfloat16 (as autocast leaves them), then one Linear of both."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(128, 10)
+
+    def forward(self, v):
+        return self.out(torch.cat([torch.tanh(v["sum"]), torch.tanh(v["lin"]).float() + v["n"][:, None]], dim=1))
+
+
+def _three(rounded_once: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(_Three(rounded_once), _TanhBoth())
+
+
+def test_only_the_leaves_the_wire_rounded_are_widened_back():
+    """A boundary of three leaves under bf16: the float32 sum is rounded for the wire and widened back
+    on receipt (its header flags it), the Linear's bfloat16 output crosses as it is and stays bfloat16,
+    the integer leaf is untouched: the run equals autocast with the sum rounded once, bitwise."""
+    plan = _no_ps(one_vw_plan([1], nm=1, d=0, num_layers=2))
+    got = _run(_three(), plan, "bf16")
+    ref = _autocast_reference(_three(rounded_once=True))
+    assert got[0] == ref[0]
+    assert all(np.array_equal(got[1][l], w) for l, w in ref[1].items())
+    assert _max_diff(got, _autocast_reference(_three())) > 0
 
 
 def _wire_headers(monkeypatch, precision):

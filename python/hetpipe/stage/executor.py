@@ -43,7 +43,7 @@ from hetpipe.stage.settings import StageContext, StageIO, StageRun, StageTiming
 from hetpipe.stage.tied_exchange import TiedExchange
 from hetpipe.stage.traffic import Blocked, ValueChannel
 from hetpipe.ps.client import PSClient
-from hetpipe.transport.codec import to_wire
+from hetpipe.transport.codec import rounded_by_wire, to_wire
 from hetpipe.transport.link import StageLink
 from hetpipe.transport.protocol import ACT, GRAD, StageError
 
@@ -61,6 +61,8 @@ class StageExecutor:
         self.pacer = self.timing.pacer if self.timing.pacer is not None else Pacer(None)
         self.layout = run.layout            # the stream's micro-batch arithmetic; None: micro-batch j is minibatch j
         self._grad_boundary = io.expect_out.grad_boundary() if io.expect_out is not None else None
+        self._grad_in = io.expect_in.grad_boundary() if io.expect_in is not None and model.precision != "fp32" \
+            else None
         self.is_first = ctx.stage == 0
         self.is_last = ctx.stage == ctx.num_stages - 1
         if self.is_last and io.loss_fn is None:
@@ -212,6 +214,10 @@ class StageExecutor:
         g = self._in_grads.get(instr.mb)
         if g is None:
             raise StageError(f"hetpipe: {self.ctx.who()} has no input gradient for minibatch {instr.mb}")
+        if self._grad_in is not None:
+            # The gradient of a leaf widened on receipt is float32: it crosses back in the wire's half
+            # type, as autograd rounds the gradient of a cast to it (the sender widens it again).
+            g = to_wire(g, self._grad_in)
         if not self.values.send(GRAD, instr.peer, instr.mb, g):
             return False
         del self._in_grads[instr.mb]
@@ -285,9 +291,10 @@ class StageExecutor:
         if expect is not None and spec != expect.spec:
             raise StageError(f"hetpipe: {self.ctx.who()}: layer {self.model.stop - 1} returned {spec} for "
                              f"minibatch {mb}, but {expect.spec} on the first minibatch")
+        rounded: Sequence[int] = ()
         if self.model.precision != "fp32" and expect is not None:
-            leaves = to_wire(leaves, expect)
-        if not self.values.send(ACT, peer, mb, leaves):
+            rounded, leaves = rounded_by_wire(leaves, expect), to_wire(leaves, expect)
+        if not self.values.send(ACT, peer, mb, leaves, rounded):
             return False
         del self._outputs[mb]
         return True
