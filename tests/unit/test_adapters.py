@@ -116,6 +116,53 @@ def test_gpt2_cross_attention_refused():
         gpt2(_gpt2(add_cross_attention=True))
 
 
+def _ones(ids: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Inputs with a mask that masks nothing (what a batch without padding carries)."""
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def test_gpt2_with_a_mask_of_ones_and_positions_equals_model():
+    ids = _ids(seed=3)
+    model = _gpt2()
+    _check_lm(model, gpt2(model), _ones(ids), ids)
+    model = _gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    positions = torch.arange(2, 2 + ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1)
+    _check_lm(model, gpt2(model, side_inputs=("attention_mask", "position_ids")),
+              {**_ones(ids), "position_ids": positions}, ids)
+
+
+def _syncs_of_one_forward(layers, inputs) -> int:
+    from host_syncs import HostSyncs
+    syncs = HostSyncs()
+    with syncs.recording(), torch.no_grad():
+        run_layers(layers, inputs)
+    return len(syncs.syncs)
+
+
+def test_causal_lm_blocks_read_the_mask_once_per_forward_and_copies_start_afresh():
+    """The model's blocks share one mask per forward: one host-device synchronisation (the mask's
+    check for padding) for all of them, with or without padding; none without a mask. A deep copy
+    (a stage's private layers) shares one builder among its blocks, not the original's."""
+    import pickle
+
+    model = _gpt2()
+    ids = _ids()
+    layers = gpt2(model).layers
+    assert len({id(layer.masks) for layer in layers[1:-1]}) == 1
+    assert [_syncs_of_one_forward(layers, x) for x in (_padded(ids), _ones(ids), _padded(ids))] == [1, 1, 1]
+    assert _syncs_of_one_forward(gpt2(model, side_inputs=()).layers, ids) == 0
+    assert _syncs_of_one_forward(decoder(_llama(True)).layers, _padded(_ids(seed=1))) == 1
+    inputs = _padded(ids)
+    _syncs_of_one_forward(layers, inputs)
+    assert len(layers[1].masks._built) == 1         # the mask lives while the inputs it was built from do
+    copied = copy.deepcopy(list(layers[1:3]))
+    assert copied[0].masks is copied[1].masks is not layers[1].masks and not copied[0].masks._built
+    del inputs
+    assert not layers[1].masks._built
+    restored = pickle.loads(pickle.dumps(layers[1].masks))
+    assert restored.config.n_layer == model.config.n_layer and not restored._built
+
+
 # --- Llama-style decoders ----------------------------------------------------------------------
 
 def _llama(tie: bool) -> nn.Module:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "mpi" / "scripts"))
@@ -28,14 +29,16 @@ def _no_ps(plan: Plan) -> Plan:
 
 
 class _RoundedOutput(nn.Module):
-    """``layer`` with its output rounded to bfloat16: what a bf16 stage boundary after it does."""
+    """``layer`` with its output rounded to bfloat16 once, then back in its own dtype: what a bf16 stage
+    boundary after it does (the receiver widens what its sender rounded)."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
         self.layer = layer
 
     def forward(self, x):
-        return self.layer(x).to(torch.bfloat16)
+        out = self.layer(x)
+        return out.to(torch.bfloat16).to(out.dtype)
 
 
 def _autocast_reference(model: nn.Sequential, rounded_after=None):
@@ -58,7 +61,7 @@ def _run(model, plan, precision):
 def _max_diff(a, b) -> float:
     (la, wa), (lb, wb) = a, b
     d = max(abs(x - y) for x, y in zip(la, lb))
-    return max(d, *(float(np.abs(wa[l] - wb[l]).max()) for l in wb))
+    return max(d, *(float(np.abs(wa[l] - wb[l]).max(initial=0)) for l in wb))
 
 
 def test_bf16_two_stages_equal_plain_autocast_bitwise():
@@ -102,16 +105,187 @@ def _residual_mlp() -> nn.Sequential:
     return nn.Sequential(_Residual(64), nn.Tanh(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
 
 
-def test_a_float32_boundary_value_is_rounded_to_bfloat16_on_the_wire():
+def test_a_float32_boundary_value_is_rounded_to_bfloat16_on_the_wire_once():
     """Cut after a residual add, whose value autocast keeps in float32, before a Tanh, which runs in its
-    input's dtype: the wire rounds the value to bfloat16 earlier than autocast would (at the next
-    Linear), so the run equals autocast with that one cast inserted, bitwise, and not plain autocast."""
+    input's dtype: the wire rounds the value to bfloat16 where autocast would not (it would at the next
+    Linear), and the receiver widens it back, so the Tanh runs in float32 as in autocast: the run
+    equals autocast with that one rounding inserted (to bfloat16 and back), bitwise, and not plain
+    autocast; nor autocast with the value left in bfloat16 after the cut (the Tanh in bfloat16)."""
     plan = _no_ps(one_vw_plan([1], nm=1, d=0, num_layers=5))
     got = _run(_residual_mlp(), plan, "bf16")
     with_cast = _autocast_reference(_residual_mlp(), rounded_after=0)
     assert got[0] == with_cast[0]
     assert all(np.array_equal(got[1][l], w) for l, w in with_cast[1].items())
     assert _max_diff(got, _autocast_reference(_residual_mlp())) > 0
+    left_in_bf16 = _residual_mlp()
+    left_in_bf16[0] = nn.Sequential(left_in_bf16[0], _ToBFloat16())
+    assert _max_diff(got, _autocast_reference(left_in_bf16)) > 0
+
+
+class _ToBFloat16(nn.Module):
+    def forward(self, x):
+        return x.to(torch.bfloat16)
+
+
+class _Three(nn.Module):
+    """A pytree boundary: a residual sum (float32 under autocast), a Linear's output (autocast's own
+    bfloat16) and an integer leaf."""
+
+    def __init__(self, rounded_once: bool = False):
+        super().__init__()
+        self.res, self.lin, self.rounded_once = _Residual(64), nn.Linear(64, 64), rounded_once
+
+    def forward(self, x):
+        s = self.res(x)
+        if self.rounded_once:
+            s = s.to(torch.bfloat16).to(torch.float32)
+        return {"sum": s, "lin": self.lin(x), "n": torch.zeros(x.shape[0], dtype=torch.int64)}
+
+
+class _TanhBoth(nn.Module):
+    """Each leaf through a Tanh, which runs in its input's dtype: the sum's in float32, the Linear's in
+    bfloat16 (as autocast leaves them), then one Linear of both."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(128, 10)
+
+    def forward(self, v):
+        return self.out(torch.cat([torch.tanh(v["sum"]), torch.tanh(v["lin"]).float() + v["n"][:, None]], dim=1))
+
+
+def _three(rounded_once: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(_Three(rounded_once), _TanhBoth())
+
+
+def test_only_the_leaves_the_wire_rounded_are_widened_back():
+    """A boundary of three leaves under bf16: the float32 sum is rounded for the wire and widened back
+    on receipt (its header flags it), the Linear's bfloat16 output crosses as it is and stays bfloat16,
+    the integer leaf is untouched: the run equals autocast with the sum rounded once, bitwise."""
+    plan = _no_ps(one_vw_plan([1], nm=1, d=0, num_layers=2))
+    got = _run(_three(), plan, "bf16")
+    ref = _autocast_reference(_three(rounded_once=True))
+    assert got[0] == ref[0]
+    assert all(np.array_equal(got[1][l], w) for l, w in ref[1].items())
+    assert _max_diff(got, _autocast_reference(_three())) > 0
+
+
+# --- tied weights under bf16: the gradients cross in bfloat16 ---------------------------------------
+
+VOCAB, WIDTH = 50, 32
+
+
+class _TokenEmbedding(nn.Module):
+    """Token ids -> float32 embeddings (autocast casts no embedding). ``rounded_grad``: the gradient
+    this use gives the weight is rounded to bfloat16, as a bf16 exchange of tied gradients rounds it."""
+
+    def __init__(self, weight: nn.Parameter, rounded_grad: bool = False):
+        super().__init__()
+        self.weight, self.rounded_grad = weight, rounded_grad
+
+    def forward(self, ids):
+        w = self.weight
+        if self.rounded_grad:
+            w = w.view_as(w)
+            w.register_hook(lambda g: g.to(torch.bfloat16).to(torch.float32))
+        return F.embedding(ids, w)
+
+
+class _TiedHead(nn.Module):
+    """Logits ``h @ W^T`` with the embedding's matrix (autocast casts it: its gradient is bfloat16's)."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, h):
+        return h @ self.weight.t()
+
+
+def _tied_lm(reference: bool = False) -> nn.Sequential:
+    """Embedding, a residual block (float32 out), the tied head; cut after the block. ``reference``:
+    with the two roundings the bf16 pipeline makes, the boundary (once) and the embedding's tied
+    gradient, in one process."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(VOCAB, WIDTH)
+    nn.init.normal_(emb.weight, std=0.2)            # logits of a trainable size (GPT-2 starts at 0.02)
+    block = _Residual(WIDTH)
+    return nn.Sequential(_TokenEmbedding(emb.weight, reference), _RoundedOutput(block) if reference else block,
+                         _TiedHead(emb.weight))
+
+
+def _tokens():
+    from hetpipe.run.data import Batches
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (128, 8), generator=g)
+    return Batches(ids, torch.roll(ids, -1, dims=1), 16, seed=1)
+
+
+def _lm_loss(out, y):
+    return F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1))
+
+
+def _owned_weights(model: nn.Sequential):
+    """Per layer, its parameters not held by an earlier layer (a tied weight counts for its owner)."""
+    seen, out = set(), {}
+    for l, layer in enumerate(model):
+        own = [p for p in layer.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        out[l] = torch.cat([p.detach().reshape(-1) for p in own]).numpy() if own else np.zeros(0, np.float32)
+    return out
+
+
+def test_bf16_tied_gradients_cross_in_bfloat16_and_equal_a_reference_rounding_them_once():
+    """A tied embedding and head on two stages under bf16: each holder's gradient crosses in bfloat16,
+    half the bytes of float32, and every holder sums the stages' gradients as they crossed, in
+    float32. The head's gradient comes through autocast's cast, so it is bfloat16's already; the
+    embedding's is float32 and rounds. The run equals, bitwise, plain autocast in one process that
+    rounds the same two values (the boundary, once; the embedding's gradient). The trade: it differs
+    from one that rounds the boundary only by less than half of what float32 training differs from it
+    by (4.1e-5 against 1.5e-4 measured, losses and weights)."""
+    plan = _no_ps(one_vw_plan([2], nm=1, d=0, num_layers=3))
+
+    def run(precision):
+        r = Trainer(_tied_lm(), _lm_loss, sgd(), _tokens(), plan=plan, epochs=EPOCHS,
+                    numerics=Numerics(precision=precision)).replay()
+        return [v for _, v in sorted(r.losses[0].items())], r.weights
+
+    def plain(model):
+        losses = rm.plain_training(model, _lm_loss, sgd(), _tokens(), EPOCHS, autocast=True)
+        return losses, _owned_weights(model)
+
+    got = run("bf16")
+    ref = plain(_tied_lm(reference=True))
+    assert got[0] == ref[0] and all(np.array_equal(got[1][l], w) for l, w in ref[1].items())
+    boundary_only = _tied_lm()
+    boundary_only[1] = _RoundedOutput(boundary_only[1])
+    trade = _max_diff(got, plain(boundary_only))
+    assert 0 < trade < 0.5 * _max_diff(run("fp32"), ref)
+
+
+def test_tied_gradients_cross_in_the_runs_precision_after_the_activation_gradient(monkeypatch):
+    """What the tied LM's stages send: the tied gradients as float32 under "fp32" and as bfloat16
+    (half the bytes) under "bf16"; the last stage sends each minibatch's activation gradient before
+    its tied gradient."""
+    from hetpipe.transport.loopback import LoopbackTransport
+    from hetpipe.transport.protocol import GRAD, TIED
+    send = LoopbackTransport.send
+    for precision, dtype, size in (("fp32", "float32", 4), ("bf16", "bfloat16", 2)):
+        seen = []
+
+        def recording_send(self, dest, h, slot=None):
+            seen.append(h)
+            send(self, dest, h, slot)
+
+        monkeypatch.setattr(LoopbackTransport, "send", recording_send)
+        Trainer(_tied_lm(), _lm_loss, sgd(), _tokens(), plan=one_vw_plan([2], nm=2, d=0, num_layers=3), epochs=1,
+                numerics=Numerics(precision=precision)).replay()
+        monkeypatch.undo()
+        tied = [h for h in seen if h.kind == TIED]
+        assert len(tied) == 2 * 8 and {(h.dtype, h.nbytes) for h in tied} == {(dtype, VOCAB * WIDTH * size)}
+        last = [(h.kind, h.mb) for h in seen if h.stage == 1 and h.kind in (GRAD, TIED)]
+        assert last == [(kind, mb) for mb in range(8) for kind in (GRAD, TIED)]
 
 
 def _wire_headers(monkeypatch, precision):

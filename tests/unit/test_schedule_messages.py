@@ -56,15 +56,16 @@ def test_message_instructions_have_documented_text_forms_that_round_trip():
 # --- the shared pass ----------------------------------------------------------------------------
 
 def test_the_pass_puts_each_message_where_the_runtime_does_it():
-    """Tied gradients after each Bwd, received before the Apply; the norm exchange right before the
-    Apply; the evaluation point right after its wave's Push, its verdict from the last stage; DONE last."""
+    """Tied gradients after each Bwd (and after the gradient it sends back, which the previous stage
+    waits for), received before the Apply; the norm exchange right before the Apply; the evaluation
+    point right after its wave's Push, its verdict from the last stage; DONE last."""
     assert _two_stages().to_text() == (
         "# hetpipe stages=2 minibatches=4 nm=2 d=0\n"
         "0: F0 SA0:1 F1 SA1:1 RG0:1 B0 ST0:1 RT0:1 SN0:1 RN0:1 A0 RG1:1 B1 ST1:1 RT1:1 SN1:1 RN1:1 A1 PUSH0 EVAL0 "
         "RV0:1 PULL1 F2 SA2:1 F3 SA3:1 RG2:1 B2 ST2:1 RT2:1 SN2:1 RN2:1 A2 RG3:1 B3 ST3:1 RT3:1 SN3:1 RN3:1 A3 PUSH1 "
         "DONE\n"
-        "1: RA0:0 F0 B0 ST0:0 SG0:0 RT0:0 SN0:0 RN0:0 A0 RA1:0 F1 B1 ST1:0 SG1:0 RT1:0 SN1:0 RN1:0 A1 PUSH0 EVAL0 "
-        "SV0:0 PULL1 RA2:0 F2 B2 ST2:0 SG2:0 RT2:0 SN2:0 RN2:0 A2 RA3:0 F3 B3 ST3:0 SG3:0 RT3:0 SN3:0 RN3:0 A3 PUSH1 "
+        "1: RA0:0 F0 B0 SG0:0 ST0:0 RT0:0 SN0:0 RN0:0 A0 RA1:0 F1 B1 SG1:0 ST1:0 RT1:0 SN1:0 RN1:0 A1 PUSH0 EVAL0 "
+        "SV0:0 PULL1 RA2:0 F2 B2 SG2:0 ST2:0 RT2:0 SN2:0 RN2:0 A2 RA3:0 F3 B3 SG3:0 ST3:0 RT3:0 SN3:0 RN3:0 A3 PUSH1 "
         "DONE\n")
 
 

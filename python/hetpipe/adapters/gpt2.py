@@ -1,8 +1,10 @@
 """Hugging Face GPT-2 (``GPT2LMHeadModel``) as [embeddings, block_0..block_{n-1}, ln_f + lm_head].
 
-Each layer calls the model's own modules as ``GPT2Model.forward`` (transformers 5.x) does; a block
-rebuilds the causal mask from the side inputs with the library's own ``create_causal_mask``. The
-head holds the model's ``lm_head``, whose weight is the embedding's ``wte.weight`` when tied.
+Each layer calls the model's own modules as ``GPT2Model.forward`` does, the blocks by keyword (so that
+blocks of transformers 4.x and 5.x alike get what they name); the blocks build the causal mask from
+the side inputs with the library's own ``create_causal_mask`` once per forward, shared among them
+(:class:`~hetpipe.adapters.causal_lm.CausalMasks`), as the model's forward builds it once before its
+blocks. The head holds the model's ``lm_head``, whose weight is the embedding's ``wte.weight`` when tied.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import torch
 from torch import nn
 
 from hetpipe.adapters.adapted import Adapted
-from hetpipe.adapters.causal_lm import (CausalLMLoss, check_side_inputs, default_positions, optional_input,
-                                        positions_and_mask, token_ids)
+from hetpipe.adapters.causal_lm import (CausalLMLoss, CausalMasks, call_block, check_side_inputs, default_positions,
+                                        optional_input, token_ids)
 from hetpipe.adapters.errors import AdapterError, has_attrs, require
 
 GPT2_ATTRS = ("transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h", "transformer.ln_f",
@@ -48,18 +50,18 @@ class GPT2Embeddings(nn.Module):
 
 
 class GPT2BlockLayer(nn.Module):
-    """One ``GPT2Block``, fed the causal mask its model would build (no cache, no cross-attention)."""
+    """One ``GPT2Block``, fed the causal mask its model would build (no cache, no cross-attention);
+    ``masks``: the mask builder the model's blocks share."""
 
-    def __init__(self, block: nn.Module, config: Any, side_inputs: Sequence[str]) -> None:
+    def __init__(self, block: nn.Module, masks: CausalMasks, side_inputs: Sequence[str]) -> None:
         super().__init__()
-        self.block, self.config = block, config
+        self.block, self.masks = block, masks
         self.hetpipe_side_inputs = tuple(side_inputs)
 
     def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        position_ids, mask = positions_and_mask(self.config, hidden, attention_mask, position_ids)
-        return self.block(hidden, None, mask, None, encoder_attention_mask=None, use_cache=False,
-                          position_ids=position_ids)
+        position_ids, mask = self.masks(hidden, attention_mask, position_ids)
+        return call_block(self.block, hidden, attention_mask=mask, use_cache=False, position_ids=position_ids)
 
 
 class LMHead(nn.Module):
@@ -85,7 +87,8 @@ def gpt2(model: nn.Module, side_inputs: Sequence[str] = ("attention_mask",)) -> 
                            "cross-attention need encoder states, which this layout does not carry")
     t = model.transformer
     layers = [GPT2Embeddings(t.wte, t.wpe, t.drop)]
-    layers += [GPT2BlockLayer(block, model.config, side_inputs) for block in t.h]
+    masks = CausalMasks(model.config)
+    layers += [GPT2BlockLayer(block, masks, side_inputs) for block in t.h]
     layers.append(LMHead(t.ln_f, model.lm_head))
     names = ["embed", *(f"h.{i}" for i in range(len(t.h))), "head"]
     return Adapted(nn.ModuleList(layers), names, CausalLMLoss(model), model)

@@ -1,9 +1,10 @@
 """Llama-style decoders (``LlamaForCausalLM`` and models of the same shape: model.embed_tokens ->
 model.layers -> model.norm -> lm_head, rotary embeddings in model.rotary_emb) as layer lists.
 
-Each block recomputes the rotary (cos, sin) and the causal mask from the side inputs exactly as the
-model's forward computes them once (transformers 5.x): both are cheap next to a block, and a stage
-boundary then carries one hidden-state tensor.
+Each block recomputes the rotary (cos, sin) from the side inputs exactly as the model's forward
+computes it once (cheap next to a block, and a stage boundary then carries one hidden-state tensor);
+the causal mask is built once per forward and shared by the blocks
+(:class:`~hetpipe.adapters.causal_lm.CausalMasks`), as the model's forward builds it once.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from hetpipe.adapters.adapted import Adapted
-from hetpipe.adapters.causal_lm import CausalLMLoss, check_side_inputs, positions_and_mask, token_ids
+from hetpipe.adapters.causal_lm import CausalLMLoss, CausalMasks, call_block, check_side_inputs, token_ids
 from hetpipe.adapters.errors import AdapterError, has_attrs, require
 from hetpipe.adapters.gpt2 import LMHead
 
@@ -38,21 +39,22 @@ class TokenEmbedding(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    """One decoder layer, fed the causal mask and rotary (cos, sin) its model would compute."""
+    """One decoder layer, fed the causal mask and rotary (cos, sin) its model would compute; ``masks``:
+    the mask builder the model's blocks share."""
 
-    def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config: Any, side_inputs: Sequence[str]) -> None:
+    def __init__(self, layer: nn.Module, rotary_emb: nn.Module, masks: CausalMasks, side_inputs: Sequence[str]) -> None:
         super().__init__()
         # A private copy of the rotary module (it holds only non-persistent buffers): each layer is
         # self-contained, so a stage can be moved to its device without touching another stage's.
-        self.layer, self.rotary_emb, self.config = layer, copy.deepcopy(rotary_emb), config
+        self.layer, self.rotary_emb, self.masks = layer, copy.deepcopy(rotary_emb), masks
         self.hetpipe_side_inputs = tuple(side_inputs)
 
     def forward(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        position_ids, mask = positions_and_mask(self.config, hidden, attention_mask, position_ids)
+        position_ids, mask = self.masks(hidden, attention_mask, position_ids)
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
-        return self.layer(hidden, attention_mask=mask, position_embeddings=position_embeddings,
-                          position_ids=position_ids, past_key_values=None, use_cache=False)
+        return call_block(self.layer, hidden, attention_mask=mask, position_embeddings=position_embeddings,
+                          position_ids=position_ids, use_cache=False)
 
 
 def decoder(model: nn.Module, side_inputs: Sequence[str] = ("attention_mask",)) -> Adapted:
@@ -76,7 +78,8 @@ def decoder(model: nn.Module, side_inputs: Sequence[str] = ("attention_mask",)) 
                            "(embed_scale/normalizer), which Llama's forward does not")
     blocks = list(base.layers[: config.num_hidden_layers])
     layers = [TokenEmbedding(base.embed_tokens)]
-    layers += [DecoderBlock(block, base.rotary_emb, config, side_inputs) for block in blocks]
+    masks = CausalMasks(config)
+    layers += [DecoderBlock(block, base.rotary_emb, masks, side_inputs) for block in blocks]
     layers.append(LMHead(base.norm, model.lm_head))
     names = ["embed", *(f"layers.{i}" for i in range(len(blocks))), "head"]
     return Adapted(nn.ModuleList(layers), names, CausalLMLoss(model), model)

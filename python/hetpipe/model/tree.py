@@ -115,7 +115,18 @@ def batch_of(value: Any) -> int:
 
 
 def to_device(value: Any, device: torch.device) -> Any:
-    return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
+    """``value`` with its tensor leaves on ``device``. A host tensor bound for a CUDA device is copied
+    from pinned memory without blocking the host (a pageable copy would wait for the device to
+    drain): from the tensor itself when pinned, else from a pinned copy, which torch's pinned-memory
+    allocator keeps until the transfer completed."""
+    def move(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if device.type == "cuda" and t.device.type == "cpu":
+            return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
+        return t.to(device)
+
+    return pytree.tree_map(move, value)
 
 
 def halves(value: Any) -> Tuple[Any, Any]:

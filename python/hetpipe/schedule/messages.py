@@ -9,8 +9,9 @@ ends with DONE. :class:`MessageOptions` says which (``ScheduleOptions.messages``
 the runtime did them before they were instructions, so numbers and message order stay as they were.
 On stage ``s`` of ``k``:
 
-* ``SendTied(mb, t)`` right after ``Bwd(mb)``, for each tied peer ``t`` in stage order (before the
-  ``SendGrad``).
+* ``SendTied(mb, t)`` right after ``Bwd(mb)``, for each tied peer ``t`` in stage order; after the
+  ``SendGrad(mb)`` that follows the ``Bwd`` (the lowered schedules put it there), so that the
+  gradient the previous stage waits for is queued first and never behind a tied parameter's.
 * Before each ``Apply(mb)`` of minibatch ``p``: ``RecvTied`` of each peer in stage order, receiving the
   peer's messages in the order it sent them, up to the last one of ``p``'s micro-batches. Then, when
   norm shares are exchanged and ``p`` takes a step (every ``accumulate`` minibatches and after the
@@ -29,10 +30,10 @@ another stage's ``Apply``; evaluation flows forward and its verdict from the las
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Sequence, Set, Tuple
 
 from hetpipe.schedule.ir import (MESSAGES, Apply, Bwd, Done, Eval, Instr, Push, RecvNorm, RecvTied, RecvVerdict,
-                                 Schedule, SendNorm, SendTied, SendVerdict)
+                                 Schedule, SendGrad, SendNorm, SendTied, SendVerdict)
 
 
 @dataclass(frozen=True)
@@ -104,9 +105,7 @@ def with_messages(schedule: Schedule, options: MessageOptions) -> Schedule:
         if extra is not None:
             raise ValueError(f"with_messages: schedule {schedule.name!r} stage {s} already has message {extra}")
     peers = [options.tied_peers(s) for s in range(k)]
-    streams = [[x for ins in stream
-                for x in ((ins, *(SendTied(ins.mb, t) for t in peers[s])) if isinstance(ins, Bwd) else (ins,))]
-               for s, stream in enumerate(schedule.streams)]
+    streams = [_tied_sends(stream, peers[s]) for s, stream in enumerate(schedule.streams)]
     # Per (sender, receiver): the micro-batches of its tied messages, in the order it sends them.
     sent = {(s, t): [i.mb for i in streams[s] if isinstance(i, SendTied) and i.peer == t]
             for s in range(k) for t in peers[s]}
@@ -140,6 +139,21 @@ def with_messages(schedule: Schedule, options: MessageOptions) -> Schedule:
         out_streams.append(tuple(out))
     return Schedule(schedule.name, k, schedule.num_minibatches, schedule.nm, schedule.d, tuple(out_streams),
                     schedule.split)
+
+
+def _tied_sends(stream: Sequence[Instr], peers: Sequence[int]) -> List[Instr]:
+    """``stream`` with ``SendTied(mb, t)`` for each of ``peers`` after each ``Bwd(mb)``, or after the
+    ``SendGrad(mb)`` right after it."""
+    out: List[Instr] = []
+    for n, ins in enumerate(stream):
+        out.append(ins)
+        nxt = stream[n + 1] if n + 1 < len(stream) else None
+        if isinstance(ins, Bwd) and isinstance(nxt, SendGrad) and nxt.mb == ins.mb:
+            continue                                # after the SendGrad
+        if isinstance(ins, Bwd) or (isinstance(ins, SendGrad) and n and isinstance(stream[n - 1], Bwd)
+                                    and stream[n - 1].mb == ins.mb):
+            out += [SendTied(ins.mb, t) for t in peers]
+    return out
 
 
 def without_messages(schedule: Schedule) -> Schedule:

@@ -7,6 +7,11 @@ When the VW's gradient norm is needed (clipping, fp16), the stream's ``SendNorm`
 before the Apply exchange the stages' shares (:class:`~hetpipe.stage.grad_norm.NormExchange`); the
 Apply sums them. With accumulation the step comes every ``accumulate`` minibatches (and after the
 last one) with the mean of their gradients; only those minibatches exchange shares.
+
+Every step checks that the gradients are finite. When the run needs the norm on the host anyway
+(clipping, fp16's verdicts), at the step; otherwise the squared norm stays on the device and is read
+at the wave boundary with the stage's other readings (:mod:`hetpipe.stage.readings`): a non-finite
+gradient then stops the run before the wave's update leaves the stage (its Push).
 Thread role: the stage's executor thread.
 """
 
@@ -18,6 +23,7 @@ from typing import Dict, Optional, Sequence, Tuple
 from hetpipe.stage.grad_norm import NormExchange, clip_coef
 from hetpipe.stage.loss import LossHead
 from hetpipe.stage.params import StageModel
+from hetpipe.stage.readings import WaveReadings
 from hetpipe.stage.settings import StageContext, StageRun
 from hetpipe.stage.tied_exchange import TiedExchange
 from hetpipe.stage.traffic import Blocked
@@ -27,11 +33,13 @@ from hetpipe.transport.protocol import StageError
 
 class MinibatchStep:
     """The Apply of each minibatch on this stage. ``head``: the stage's losses (on the last stage, an
-    overflowed fp16 loss skips the step even if the gradients look finite) and its fp16 verdicts."""
+    overflowed fp16 loss skips the step even if the gradients look finite) and its fp16 verdicts;
+    ``readings``: where a finiteness check waits for the wave boundary."""
 
     def __init__(self, ctx: StageContext, model: StageModel, run: StageRun, tied: TiedExchange, link: StageLink,
-                 head: LossHead, blocked: Blocked) -> None:
+                 head: LossHead, blocked: Blocked, readings: WaveReadings) -> None:
         self.ctx, self.model, self.tied, self.losses, self.blocked = ctx, model, tied, head.losses, blocked
+        self.readings = readings
         self.clip = run.clip_grad_norm
         self.verdicts = head.verdicts
         exchange = self.clip is not None or self.verdicts is not None
@@ -103,13 +111,23 @@ class MinibatchStep:
         if self._group > 1:
             self.model.scale_grads(1.0 / self._group)
         self._group = 0
+        if self.clip is None and self.verdicts is None:
+            # Nothing needs the norm on the host before the step (no share is exchanged): only its
+            # finiteness is checked, at the wave boundary.
+            self.readings.add(self.model.grad_sumsq(on_host=False), lambda own: self._check_finite(p, wave, own))
+            self._gathered = (p, 0.0)
+            return True
         own = self.model.grad_sumsq()
-        if self.verdicts is None and not math.isfinite(own):
-            raise StageError(f"hetpipe: {self.ctx.who()}: the gradient of VW {self.ctx.vw}'s minibatch {p} "
-                             f"(wave {wave}) is not finite (its squared norm on this stage is {own}); the "
-                             "weights were not updated with it")
+        if self.verdicts is None:
+            self._check_finite(p, wave, own)
         is_last = self.ctx.stage == self.ctx.num_stages - 1
         if self.verdicts is not None and is_last and not math.isfinite(self.losses.get(p, 0.0)):
             own = math.inf                      # an overflowed loss skips the step even if its gradients look finite
         self._gathered = (p, own)
         return True
+
+    def _check_finite(self, p: int, wave: int, own: float) -> None:
+        if not math.isfinite(own):
+            raise StageError(f"hetpipe: {self.ctx.who()}: the gradient of VW {self.ctx.vw}'s minibatch {p} "
+                             f"(wave {wave}) is not finite (its squared norm on this stage is {own}); stopping "
+                             "at the end of the wave, before its update leaves the stage")

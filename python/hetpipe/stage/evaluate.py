@@ -22,13 +22,13 @@ Thread role: the stage's executor thread.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
 from hetpipe.loader.source import INPUTS, LABELS
 from hetpipe.model.tree import batch_of, flatten, to_device
-from hetpipe.transport.codec import to_wire
+from hetpipe.transport.codec import rounded_by_wire, to_wire
 from hetpipe.transport.protocol import StageError
 from hetpipe.transport.protocol import EVAL, VERDICT, Header
 
@@ -125,7 +125,7 @@ class EvalPass:
         self.next = 0                               # the next evaluation minibatch to run
         self._received: Dict[int, Any] = {}
         self._data: Any = None                      # the inputs read for minibatch ``next``
-        self._unsent: Optional[Any] = None          # leaves of minibatch next - 1 waiting for a slot
+        self._unsent: Optional[Any] = None          # (leaves, rounded) of minibatch next - 1 waiting for a slot
         self.loss_sum = self.metric_sum = 0.0
         self.samples = 0
         self.result: Optional[Dict[str, float]] = None
@@ -137,7 +137,7 @@ class EvalPass:
         pt = self.points
         progressed = False
         if self._unsent is not None:
-            if not pt.values.send(EVAL, pt.ctx.stage + 1, self.next - 1, self._unsent):
+            if not pt.values.send(EVAL, pt.ctx.stage + 1, self.next - 1, *self._unsent):
                 return False
             self._unsent, progressed = None, True
         while self.next < self.count:
@@ -149,11 +149,12 @@ class EvalPass:
                 self._score(out)
             else:
                 leaves, _ = flatten(out, f"layer {pt.model.stop - 1}")
+                rounded: Sequence[int] = ()
                 if pt.model.precision != "fp32" and pt.io.expect_out is not None:
-                    leaves = to_wire(leaves, pt.io.expect_out)
+                    rounded, leaves = rounded_by_wire(leaves, pt.io.expect_out), to_wire(leaves, pt.io.expect_out)
                 self.next += 1
-                if not pt.values.send(EVAL, pt.ctx.stage + 1, self.next - 1, leaves):
-                    self._unsent = leaves
+                if not pt.values.send(EVAL, pt.ctx.stage + 1, self.next - 1, leaves, rounded):
+                    self._unsent = (leaves, rounded)
                     return True
                 progressed = True
                 continue

@@ -38,11 +38,12 @@ from hetpipe.stage.loss import LossHead
 from hetpipe.stage.loss_scale import LossScaleVerdict
 from hetpipe.stage.pacer import Pacer
 from hetpipe.stage.params import StageModel
+from hetpipe.stage.readings import WaveReadings
 from hetpipe.stage.settings import StageContext, StageIO, StageRun, StageTiming
 from hetpipe.stage.tied_exchange import TiedExchange
 from hetpipe.stage.traffic import Blocked, ValueChannel
 from hetpipe.ps.client import PSClient
-from hetpipe.transport.codec import to_wire
+from hetpipe.transport.codec import rounded_by_wire, to_wire
 from hetpipe.transport.link import StageLink
 from hetpipe.transport.protocol import ACT, GRAD, StageError
 
@@ -60,6 +61,8 @@ class StageExecutor:
         self.pacer = self.timing.pacer if self.timing.pacer is not None else Pacer(None)
         self.layout = run.layout            # the stream's micro-batch arithmetic; None: micro-batch j is minibatch j
         self._grad_boundary = io.expect_out.grad_boundary() if io.expect_out is not None else None
+        self._grad_in = io.expect_in.grad_boundary() if io.expect_in is not None and model.precision != "fp32" \
+            else None
         self.is_first = ctx.stage == 0
         self.is_last = ctx.stage == ctx.num_stages - 1
         if self.is_last and io.loss_fn is None:
@@ -71,9 +74,11 @@ class StageExecutor:
         self.blocked = Blocked()
         self.values = ValueChannel(ctx, link, model.device, self._minibatch, self.blocked)
         self.tied = TiedExchange(ctx, model, link, self.blocked)
+        # What the stage reads of the device only at its wave boundaries (Push, Done): losses, finiteness.
+        self.readings = WaveReadings()
         verdicts = LossScaleVerdict(run.loss_scale, model, ctx) if run.loss_scale is not None else None
-        self.head = LossHead(ctx, model, io, verdicts, self._minibatch)     # the last stage's losses
-        self.steps = MinibatchStep(ctx, model, run, self.tied, link, self.head, self.blocked)
+        self.head = LossHead(ctx, model, io, verdicts, self._minibatch, self.readings)     # the last stage's losses
+        self.steps = MinibatchStep(ctx, model, run, self.tied, link, self.head, self.blocked, self.readings)
         # VW 0's evaluation points, and the early stop they (or a STOPPED pull reply) may decide.
         self.evals = EvalPoints(run.evaluation if ctx.vw == 0 else None, ctx, model, io, self.values, link,
                                 self.blocked)
@@ -90,7 +95,7 @@ class StageExecutor:
             SendAct: self._send_act, SendGrad: self._send_grad,
             RecvAct: lambda i: self.values.recv(ACT, i.peer, i.mb, self._recv_act, io.expect_in, "activation"),
             RecvGrad: lambda i: self.values.recv(GRAD, i.peer, i.mb, self._recv_grad, self._grad_boundary, "gradient"),
-            Push: lambda i: self._ps_step(self.ps.push(i.wave)),
+            Push: self._push,
             Pull: lambda i: self._ps_step(self.ps.pull(i.wave)),
             SendTied: lambda i: self.tied.send(i.mb, i.peer),
             RecvTied: lambda i: self.tied.recv(i.mb, i.peer),
@@ -111,7 +116,8 @@ class StageExecutor:
 
     @property
     def losses(self) -> Dict[int, float]:
-        """Last stage: minibatch -> its loss (set once all its halves ran)."""
+        """Last stage: minibatch -> its loss (set at the end of its wave: the losses are read from the
+        device once per wave, ``stage.readings``; under "fp16" at its forward)."""
         return self.head.losses
 
     @property
@@ -208,13 +214,19 @@ class StageExecutor:
         g = self._in_grads.get(instr.mb)
         if g is None:
             raise StageError(f"hetpipe: {self.ctx.who()} has no input gradient for minibatch {instr.mb}")
+        if self._grad_in is not None:
+            # The gradient of a leaf widened on receipt is float32: it crosses back in the wire's half
+            # type, as autograd rounds the gradient of a cast to it (the sender widens it again).
+            g = to_wire(g, self._grad_in)
         if not self.values.send(GRAD, instr.peer, instr.mb, g):
             return False
         del self._in_grads[instr.mb]
         return True
 
     def _done(self, instr: Done) -> bool:
-        """DONE to every shard, once the stage's device copies and queued tied gradients are out."""
+        """DONE to every shard, once the stage's device copies and queued tied gradients are out (and
+        what is left of its readings was read)."""
+        self.readings.read()
         if self.link.copies_pending():
             self.blocked.on = "its device copies"
             return False
@@ -279,14 +291,21 @@ class StageExecutor:
         if expect is not None and spec != expect.spec:
             raise StageError(f"hetpipe: {self.ctx.who()}: layer {self.model.stop - 1} returned {spec} for "
                              f"minibatch {mb}, but {expect.spec} on the first minibatch")
+        rounded: Sequence[int] = ()
         if self.model.precision != "fp32" and expect is not None:
-            leaves = to_wire(leaves, expect)
-        if not self.values.send(ACT, peer, mb, leaves):
+            rounded, leaves = rounded_by_wire(leaves, expect), to_wire(leaves, expect)
+        if not self.values.send(ACT, peer, mb, leaves, rounded):
             return False
         del self._outputs[mb]
         return True
 
     # --- parameter servers ------------------------------------------------------------------------
+    def _push(self, instr: Push) -> bool:
+        """``Push(w)``, the stage's wave boundary: its readings first (losses, finiteness checks: a
+        non-finite value stops the run before the wave's update leaves the stage), then the push."""
+        self.readings.read()
+        return self._ps_step(self.ps.push(instr.wave))
+
     def _ps_step(self, done: bool) -> bool:
         """A Push or Pull's outcome (see :class:`PSClient`): when it cannot proceed yet, why."""
         if not done:

@@ -5,8 +5,13 @@ A half's (mean) loss is weighted by its share of the minibatch's samples, so tha
 gradients sum to the whole minibatch's, and a split minibatch's recorded loss is the sum of its
 halves'. The loss is computed where the forward was (under autocast with "bf16"), as in a
 single-process autocast loop; under "fp16" the backward starts from the loss times the VW's scale.
-A non-finite loss stops the run (before its gradient reaches the weights) unless fp16's loss scaling
-is on, where it skips the step instead. Thread role: the stage's executor thread.
+
+The losses stay on the device and are read at the wave boundary (:mod:`hetpipe.stage.readings`),
+one host-device synchronisation per wave: ``losses`` holds a minibatch's loss from the end of its
+wave on. A non-finite loss then stops the run, before the wave's update leaves the stage (its Push),
+unless fp16's loss scaling is on: its verdict of each step needs the loss on the host at once, so
+under "fp16" each loss is read at its forward, and a non-finite one skips the step instead.
+Thread role: the stage's executor thread.
 """
 
 from __future__ import annotations
@@ -19,17 +24,20 @@ import torch
 from hetpipe.model.tree import to_device
 from hetpipe.stage.loss_scale import LossScaleVerdict
 from hetpipe.stage.params import StageModel
+from hetpipe.stage.readings import WaveReadings
 from hetpipe.stage.settings import StageContext, StageIO
 from hetpipe.transport.protocol import StageError
 
 
 class LossHead:
-    """The losses of the stage's minibatches (``minibatch_of`` maps its micro-batches to them)."""
+    """The losses of the stage's minibatches (``minibatch_of`` maps its micro-batches to them), read
+    through ``readings`` at the stage's wave boundaries."""
 
     def __init__(self, ctx: StageContext, model: StageModel, io: StageIO, verdicts: Optional[LossScaleVerdict],
-                 minibatch_of: Callable[[int], int]) -> None:
+                 minibatch_of: Callable[[int], int], readings: WaveReadings) -> None:
         self.ctx, self.model, self.io, self.verdicts, self.minibatch_of = ctx, model, io, verdicts, minibatch_of
-        self.losses: Dict[int, float] = {}          # minibatch -> loss (set once all its halves ran)
+        self.readings = readings
+        self.losses: Dict[int, float] = {}          # minibatch -> loss (set once all its halves were read)
         self.lrs: Dict[int, float] = {}             # minibatch -> its step's learning rate
         self._partial: Dict[int, float] = {}        # split minibatch -> weighted loss of its first half
         self._shares: Dict[int, float] = {}         # micro-batch -> its share of its minibatch
@@ -70,15 +78,23 @@ class LossHead:
         return loss if share == 1.0 else loss * share
 
     def _record(self, mb: int, p: int, loss: torch.Tensor) -> None:
-        value = float(loss.detach())
-        if not math.isfinite(value) and self.verdicts is None:
-            raise StageError(f"hetpipe: {self.ctx.who()}: the loss of VW {self.ctx.vw}'s minibatch {p} (wave "
-                             f"{p // self.model.nm}) is {value}; stopping before its gradient reaches the weights")
         opt = self.model.optimizer
         if opt is not None and opt.param_groups:
             # The rate minibatch p's step takes (the scheduler stepped after the previous Apply).
             self.lrs[p] = float(opt.param_groups[0]["lr"])
-        if self._shares[mb] == 1.0:
+        whole = self._shares[mb] == 1.0
+        if self.verdicts is not None:
+            self._value(p, whole, float(loss.detach()))
+        else:
+            self.readings.add(loss, lambda value: self._value(p, whole, value))
+
+    def _value(self, p: int, whole: bool, value: float) -> None:
+        """Minibatch ``p``'s loss (``whole``) or a half of it has been read: ``value``."""
+        if not math.isfinite(value) and self.verdicts is None:
+            raise StageError(f"hetpipe: {self.ctx.who()}: the loss of VW {self.ctx.vw}'s minibatch {p} (wave "
+                             f"{p // self.model.nm}) is {value}; stopping at the end of the wave, before its "
+                             "update leaves the stage")
+        if whole:
             self.losses[p] = value
         elif p in self._partial:
             self.losses[p] = self._partial.pop(p) + value

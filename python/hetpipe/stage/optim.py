@@ -11,7 +11,7 @@ Thread role: the stage's one thread.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -70,15 +70,14 @@ class OptimizerStep:
             g = tied[key].view_as(p)
             p.grad = p.grad + g if accumulate and p.grad is not None else g
 
-    def grad_sumsq(self) -> float:
-        """The sum of squares of the gathered gradients of the counted parameters (float64).
-        Synchronises with the device."""
-        if self.optimizer is None:
-            return 0.0
-        grads = [p.grad for p in self._counted if p.grad is not None]
+    def grad_sumsq(self, on_host: bool = True) -> Union[float, torch.Tensor]:
+        """The sum of squares of the gathered gradients of the counted parameters (float64): a float
+        (``on_host``: synchronises with the device), else a 0-d tensor on their device (0.0 without any)."""
+        grads = [p.grad for p in self._counted if p.grad is not None] if self.optimizer is not None else []
         if not grads:
             return 0.0
-        return float(torch.stack(torch._foreach_norm(grads)).double().pow(2).sum())
+        sumsq = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
+        return float(sumsq) if on_host else sumsq
 
     def scale_grads(self, coef: float) -> None:
         """Multiply every gathered gradient by ``coef`` (clipping, accumulation's mean, fp16's unscaling)."""

@@ -36,7 +36,7 @@ Thread role: used by one thread (the rank's main thread, or the replay loop).
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from hetpipe.model.layout import ModelLayout
-from hetpipe.plan.precision import check_precision
+from hetpipe.plan.precision import HALF_DTYPE, check_precision
 from hetpipe.ps.ledger import LedgerLayout, WaveLedger
 from hetpipe.stage.compute import SegmentRunner
 from hetpipe.stage.flat import FlatParams, TiedKey, check_float32
@@ -85,7 +85,8 @@ class StageModel:
         self.flat = FlatParams(self.layers, start, stop, layout, device, param_names)
         self.params, self.numel, self.replica_keys = self.flat.params, self.flat.numel, self.flat.replica_keys
         self.param_names = self.flat.names
-        self.tied = TiedParams(tied_stages, self.flat.by_key, stage, self.layers, device)
+        wire = getattr(torch, HALF_DTYPE[self.precision]) if self.precision in HALF_DTYPE else torch.float32
+        self.tied = TiedParams(tied_stages, self.flat.by_key, stage, self.layers, device, wire)
         # The wave ledger (ps.ledger): deltas per wave, the push layout, the merge of pulls, over the
         # flat weights and buffers (updated in place: the parameters stay views of them).
         ledger_layout = LedgerLayout.of_layers(
@@ -157,7 +158,8 @@ class StageModel:
 
     # --- tied parameters ----------------------------------------------------------------------
     def tied_grad(self, mb: int, keys: Sequence[TiedKey]) -> torch.Tensor:
-        """The flat float32 gradients of tied parameters ``keys`` from minibatch ``mb``'s backward."""
+        """The flat gradients of tied parameters ``keys`` from minibatch ``mb``'s backward, in the run's
+        precision (``stage.tied``)."""
         return self.tied.grad(self.stashes.stash[mb], keys)
 
     def keys_shared_with(self, stage: int) -> List[TiedKey]:
@@ -190,10 +192,12 @@ class StageModel:
         del stashes
         self.stashes.recycle(snapshots)
 
-    def grad_sumsq(self) -> float:
+    def grad_sumsq(self, on_host: bool = True) -> Union[float, torch.Tensor]:
         """The sum of squares of the gathered gradients (float64), a tied parameter counted by the first
-        stage holding it only, so that the stages' sums add up to the VW's. Synchronises with the device."""
-        return self.optim.grad_sumsq()
+        stage holding it only, so that the stages' sums add up to the VW's. ``on_host``: as a float (a
+        host-device synchronisation), else as a 0-d float64 tensor on the stage's device (none; 0.0 when
+        there is no gradient)."""
+        return self.optim.grad_sumsq(on_host)
 
     def scale_grads(self, coef: float) -> None:
         """Multiply every gathered gradient by ``coef`` (gradient clipping)."""

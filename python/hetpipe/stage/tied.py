@@ -4,6 +4,11 @@ Each holder sends the others its gradients of the parameters they share, per mic
 Apply of a minibatch every holder computes the same sum in the same order: per stage, the
 micro-batches summed in order; then the stages' sums in stage order. So every holder takes the same
 step and the copies stay bitwise equal within the VW.
+
+The gradients cross in the run's precision (``wire``): float32 under "fp32", the half type under
+"bf16" and "fp16", half the bytes. Each holder then sums, in float32, every stage's gradient as it
+crossed, its own too (rounded to the half type and widened back): the sums stay bitwise equal on
+every holder, and each stage's share is rounded once (docs/design.md, "Tied weights").
 Thread role: the stage's one thread.
 """
 
@@ -23,8 +28,9 @@ class TiedParams:
     tied parameter of the VW, the stages holding it; ``by_key``: the stage's parameters by key."""
 
     def __init__(self, holders: Optional[Dict[TiedKey, Sequence[int]]], by_key: Dict[TiedKey, nn.Parameter],
-                 stage: int, layers: Sequence[nn.Module], device: torch.device) -> None:
-        self.stage, self.layers, self.device = stage, layers, device
+                 stage: int, layers: Sequence[nn.Module], device: torch.device,
+                 wire: torch.dtype = torch.float32) -> None:
+        self.stage, self.layers, self.device, self.wire = stage, layers, device, wire
         self.stages = {k: tuple(sorted(s)) for k, s in (holders or {}).items() if k in by_key and len(s) > 1}
         self.keys: List[TiedKey] = sorted(self.stages)
         self.params = [by_key[k] for k in self.keys]
@@ -45,25 +51,29 @@ class TiedParams:
         return [p for p in params if first.get(id(p), True)]
 
     def grad(self, stash: Stash, keys: Sequence[TiedKey]) -> torch.Tensor:
-        """The flat float32 gradients of tied parameters ``keys`` in ``stash`` (after its backward)."""
+        """The flat gradients of tied parameters ``keys`` in ``stash`` (after its backward), in the
+        exchange's dtype ``wire`` (rounded from float32 under "bf16" and "fp16")."""
         by_key = dict(zip(self.keys, self.params))
         parts = []
         for key in keys:
             v = self._view_of(stash, by_key[key])
             parts.append((v.grad if v.grad is not None else torch.zeros_like(v)).reshape(-1))
-        return torch.cat(parts) if parts else torch.zeros(0, device=self.device)
+        flat = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
+        return flat.to(self.wire)
 
     def summed(self, stashes: Sequence[Stash], peer_grads: Optional[Dict[int, List[torch.Tensor]]]
                ) -> Dict[TiedKey, torch.Tensor]:
         """Per tied parameter, its gradient over one minibatch: this stage's ``stashes`` (its
         micro-batches) and ``peer_grads[s]`` (stage ``s``'s flat gradients of :meth:`shared_with` ``s``,
-        per micro-batch), each stage's micro-batches summed in order, then the stages in stage order."""
+        per micro-batch), each stage's micro-batches summed in order, then the stages in stage order: in
+        float32, each gradient as it crossed the exchange (this stage's own rounded as it would have)."""
         if not self.keys:
             return {}
         per_stage: Dict[int, Dict[TiedKey, torch.Tensor]] = {}
-        own = [self.grad(stash, self.keys) for stash in stashes]
+        own = [self.grad(stash, self.keys).to(torch.float32) for stash in stashes]
         per_stage[self.stage] = self._split(self.keys, sum(own[1:], own[0]))
         for s, flats in (peer_grads or {}).items():
+            flats = [f.to(torch.float32) for f in flats]
             per_stage[s] = self._split(self.shared_with(s), sum(flats[1:], flats[0]))
         out = {}
         for key in self.keys:

@@ -6,7 +6,7 @@ queues the flat gradients of the parameters the stage shares with ``peer``; queu
 in order as pool slots allow, without ever blocking the stage (DONE waits for the queue to drain).
 ``RecvTied(mb, peer)`` receives the peer's, in the order the peer sent them, before the Apply of
 ``mb``'s minibatch takes them. No wait cycle: a peer sends after its own ``Bwd(mb)``, which never
-waits for any stage's Apply.
+waits for any stage's Apply. The gradients cross in the run's precision (``stage.tied``).
 Thread role: the stage's executor thread.
 """
 
@@ -19,6 +19,7 @@ import torch
 from hetpipe.stage.params import StageModel
 from hetpipe.stage.settings import StageContext
 from hetpipe.stage.traffic import Blocked
+from hetpipe.transport.codec import TORCH_DTYPE_NAME
 from hetpipe.transport.link import StageLink
 from hetpipe.transport.protocol import TIED, Header, StageError
 
@@ -48,7 +49,8 @@ class TiedExchange:
         sent = False
         while self._out:
             peer, mb, flat = self._out[0]
-            header = Header(TIED, self.ctx.vw, self.ctx.stage, mb, -1, "float32", tuple(flat.shape), flat.numel() * 4)
+            header = Header(TIED, self.ctx.vw, self.ctx.stage, mb, -1, TORCH_DTYPE_NAME[flat.dtype], tuple(flat.shape),
+                            flat.numel() * flat.element_size())
             if not self.link.send(self.ctx.rank_of_stage(peer), header, flat):
                 return sent
             self._out.pop(0)

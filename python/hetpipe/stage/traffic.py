@@ -1,6 +1,10 @@
 """Values between neighbouring stages: activations (ACT), input gradients (GRAD) and evaluation
 activations (EVAL), each a pytree of tensors sent as one message (``model.tree``, ``transport.codec``).
 
+Under "bf16"/"fp16" a sender rounds its float32 leaves to the half type (``transport.codec.to_wire``) and
+flags them in the header; the receiver widens exactly those back to float32 (``codec.from_wire``), so the
+value it computes on is the sender's rounded once, in the sender's dtype.
+
 Neither side ever blocks: a send returns False while no pool slot is free, a receive while its
 message has not arrived; either then says why in the stage's :class:`Blocked`, which the drivers
 report when the stage stalls. Thread role: the stage's executor thread.
@@ -15,7 +19,7 @@ from torch.utils import _pytree as pytree
 
 from hetpipe.model.tree import Boundary, check_message, pack, unpack
 from hetpipe.stage.settings import StageContext
-from hetpipe.transport.codec import value_header
+from hetpipe.transport.codec import from_wire, value_batch, value_header, value_rounded
 from hetpipe.transport.link import StageLink
 from hetpipe.transport.protocol import ACT, EVAL, KIND_NAMES, StageError
 
@@ -35,11 +39,11 @@ class ValueChannel:
                  blocked: Blocked) -> None:
         self.ctx, self.link, self.device, self.minibatch_of, self.blocked = ctx, link, device, minibatch_of, blocked
 
-    def send(self, kind: int, peer: int, mb: int, leaves: Sequence[torch.Tensor]) -> bool:
+    def send(self, kind: int, peer: int, mb: int, leaves: Sequence[torch.Tensor], rounded: Sequence[int] = ()) -> bool:
         """Start sending the tensor ``leaves`` of a value to stage ``peer`` as one message; False (nothing
-        sent) while no pool slot is free."""
+        sent) while no pool slot is free. ``rounded``: the leaves rounded from float32 for the wire."""
         t = pack(leaves, self.device)
-        header, nbytes = value_header(kind, self.ctx.vw, self.ctx.stage, mb, leaves, t)
+        header, nbytes = value_header(kind, self.ctx.vw, self.ctx.stage, mb, leaves, t, rounded)
         dest = self.ctx.rank_of_stage(peer)
         limit = self.link.slot_limit(dest)
         if limit is not None and nbytes > limit:
@@ -56,7 +60,8 @@ class ValueChannel:
 
     def recv(self, kind: int, peer: int, mb: int, into: Dict[int, Any], expect: Boundary, what: str) -> bool:
         """Receive minibatch ``mb``'s value from stage ``peer`` into ``into[mb]`` (a pytree for ACT and
-        EVAL, the list of leaves for GRAD); False while it has not arrived."""
+        EVAL, the list of leaves for GRAD, the leaves its sender rounded widened back); False while it
+        has not arrived."""
         got = self.link.try_recv(self.ctx.rank_of_stage(peer), kind)
         if got is None:
             self.blocked.on = f"the {what} of minibatch {mb} from {self.ctx.who(peer)}"
@@ -67,10 +72,11 @@ class ValueChannel:
         if h.vw != self.ctx.vw or h.stage != peer or h.mb != mb:
             raise StageError(f"hetpipe: {self.ctx.who()} expected the {what} of minibatch {mb} from "
                              f"{self.ctx.who(peer)}, got one for minibatch {h.mb} from VW {h.vw} stage {h.stage}")
-        problem = check_message(expect, h.dtype, h.shape, h.aux, h.nbytes)
+        batch = value_batch(h.aux)
+        problem = check_message(expect, h.dtype, h.shape, batch, h.nbytes)
         if problem is not None:
             raise StageError(f"hetpipe: shape mismatch between {self.ctx.who(peer)} and {self.ctx.who()}: the "
                              f"{what} of minibatch {mb} {problem}")
-        leaves = unpack(buf, expect, h.shape[0] if len(expect.leaves) == 1 else h.aux)
+        leaves = from_wire(unpack(buf, expect, h.shape[0] if len(expect.leaves) == 1 else batch), value_rounded(h.aux))
         into[mb] = pytree.tree_unflatten(leaves, expect.spec) if kind in (ACT, EVAL) else leaves
         return True

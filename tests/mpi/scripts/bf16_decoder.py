@@ -3,10 +3,13 @@ plus one PS rank, against plain PyTorch on the same device in one process, one m
 other, the same model, data and optimizer. Rank 0 prints one ``RESULT {json}`` line.
 
 At Nm = 1, D = 0 the run's weight versions are plain training's. It differs from plain autocast by
-one rounding: the residual stream where the stages are cut crosses as bfloat16 (autocast keeps that
-sum in float32). The reference rounds it there too, and the run must equal it up to float32 rounding
-of the PS's ``W + (W' - W)`` and the device's own non-determinism: far below what float32 training
-(the yardstick of bf16 being off) differs by. Plain autocast without the rounding is reported too.
+two roundings: the residual stream where the stages are cut crosses as bfloat16, once (autocast keeps
+that sum in float32, and the receiving stage widens it back to float32), and the embedding's gradient
+of the tied weight crosses to the head's stage as bfloat16 (the head's own comes through autocast's
+cast, bfloat16's already). The reference rounds both the same way, and the run must equal it up to
+float32 rounding of the PS's ``W + (W' - W)`` and the device's own non-determinism: far below what
+float32 training (the yardstick of bf16 being off) differs by. Plain autocast without the roundings
+is reported too.
 
 Usage: mpiexec -n 3 python bf16_decoder.py '{"device": "cuda:0"}'
 """
@@ -51,13 +54,30 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.5, momentum=0.9)
 
 
-def plain(device: torch.device, bf16: bool, rounded_cut: bool = False):
+class RoundedGradEmbedding(torch.nn.Module):
+    """``embedding``, whose weight gets the gradient of this use rounded to bfloat16: what the bf16
+    exchange of tied gradients does to the embedding's share."""
+
+    def __init__(self, embedding: torch.nn.Embedding) -> None:
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.embedding.weight.view_as(self.embedding.weight)
+        w.register_hook(lambda g: g.to(torch.bfloat16).to(torch.float32))
+        return torch.nn.functional.embedding(ids, w)
+
+
+def plain(device: torch.device, bf16: bool, rounded: bool = False):
     """The reference: the adapted layers of the same model on ``device`` in one process, one minibatch
     after the other (the adapters equal the model's own forward: tests/unit/test_adapters.py); with
-    ``rounded_cut`` the value crossing the cut is rounded to bfloat16 (forward, and so its gradient),
-    as the bf16 wire does. (model, losses)."""
+    ``rounded`` the value crossing the cut is rounded to bfloat16 once and widened back (forward, and
+    so its gradient), and the embedding's gradient of the tied weight is rounded to bfloat16, as the
+    bf16 wire does. (model, losses)."""
     model = decoder().to(device)
     layers, loss_fn = adapt(model)
+    if rounded:
+        layers[0].wte = RoundedGradEmbedding(layers[0].wte)
     opt = sgd(model.parameters())
     losses = []
     for inputs, labels in data():
@@ -68,8 +88,8 @@ def plain(device: torch.device, bf16: bool, rounded_cut: bool = False):
             for i, layer in enumerate(layers):
                 side = {k: inputs[k] for k in getattr(layer, "hetpipe_side_inputs", ())}
                 x = layer(x, **side)
-                if rounded_cut and i == CUT - 1:
-                    x = x.to(torch.bfloat16)
+                if rounded and i == CUT - 1:
+                    x = x.to(torch.bfloat16).to(x.dtype)
             loss = loss_fn(x, labels.to(device))
         loss.backward()
         opt.step()
@@ -92,7 +112,7 @@ def main() -> int:
     if run.rank != 0:
         return 0
     device = torch.device(cfg["device"])
-    ref, ref_losses = plain(device, bf16=True, rounded_cut=True)
+    ref, ref_losses = plain(device, bf16=True, rounded=True)
     autocast, autocast_losses = plain(device, bf16=True)
     fp32, fp32_losses = plain(device, bf16=False)
     losses = [run.losses[0][p] for p in sorted(run.losses[0])]
