@@ -192,7 +192,8 @@ def _run_checkpoint(directory, clock=3):
     """The checkpoint at ``clock`` of a run of one VW of two stages and a PS shard, as its three ranks write
     it: the run's own manifest (``RunCheckpoints.manifest``: plan, data position, the run's history), each
     stage's part with a real SGD-with-momentum state and StepLR, the last stage's losses and EarlyStopping's
-    state, and the shard's weights. Returns the run's checkpoint settings (to resume with) and its plan."""
+    state, and the shard's weights. Returns the run's checkpoint settings (to resume with), its plan and
+    its Trainer."""
     import sys
     from pathlib import Path
 
@@ -202,7 +203,7 @@ def _run_checkpoint(directory, clock=3):
     from hetpipe.run.trainer import Trainer
 
     plan = one_vw_plan([3], nm=2, d=0)
-    trainer = Trainer(mlp(), cross_entropy, sgd(momentum=0.9), synthetic(n=16 * 10), plan=plan, epochs=2)
+    trainer = Trainer(mlp(), cross_entropy, sgd(momentum=0.9), synthetic(n=16 * 40), plan=plan, epochs=2)
     run, spec = trainer.checkpoints, trainer.spec(plan)
     run.run_id = "r"
     stopper = EarlyStopping(patience=3)
@@ -235,7 +236,7 @@ def _run_checkpoint(directory, clock=3):
         w.boundary(clock, lambda s=snapshot: s)
         w.close()
     run.resume_from = directory
-    return run, plan
+    return run, plan, trainer
 
 
 def _edit_json(file, change):
@@ -299,7 +300,7 @@ def test_every_edit_of_a_checkpoint_is_refused_naming_the_file(tmp_path, edit):
     refused too, against the waves and plans the manifest records. Before, the parts' JSON were covered
     by no digest (an edited momentum resumed without a word), and a manifest whose digest was recomputed
     skipped 10 minibatches."""
-    run, plan = _run_checkpoint(tmp_path / "ckpt")
+    run, plan, _ = _run_checkpoint(tmp_path / "ckpt")
     path = ckfmt.latest(tmp_path / "ckpt")
     assert path is not None and ckfmt.verify(path)[0]["data"]["position"] == {"epoch": 0, "index": 6}
     assert run.resume(plan).checkpoint.clock == 3                   # sound before the edit
@@ -320,3 +321,28 @@ def test_the_manifest_holds_a_digest_of_every_part_file(tmp_path):
     on_disk = sorted(f.name for f in path.iterdir() if f.name != "manifest.json")
     assert manifest["format"] == 2 and sorted(manifest["files"]) == on_disk
     assert all(ckfmt.file_digest(path / f) == d for f, d in manifest["files"].items())
+
+
+def test_the_data_cursor_check_follows_the_runs_resumes(tmp_path):
+    """The manifests of runs resumed from a checkpoint, into its own plan and into another (two VWs, nm 3),
+    record the stretch before the resume and their own, and pass the check of their data cursor; the
+    history replayed gives each one's position (40 minibatches an epoch: 6 + 4 x 2 = 14 into the same
+    plan; 6 + 2 x 2 x 3 = 18 into two VWs of nm 3, which start counting their minibatches afresh)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "mpi" / "scripts"))
+    from common import two_vw_plan
+
+    run, plan, trainer = _run_checkpoint(tmp_path)
+    for new, clock, want in ((plan, 7, ({"epoch": 0, "index": 14}, 14)),
+                             (two_vw_plan(([3], [3]), (1.0, 1.0), nm=3, d=0), 5, ({"epoch": 0, "index": 18}, 6))):
+        resume = run.resume(new)
+        manifest = run.manifest(new, trainer.spec(new, resume), clock)
+        segments = manifest["data"]["segments"]
+        assert [(s["clock"], s["vws"], s["nm"], s["same_plan"]) for s in segments] == \
+            [(0, 1, 2, False), (3, len(new.virtual_workers), new.nm, new is plan)]
+        assert (manifest["data"]["position"], manifest["data"]["minibatches_per_vw"]) == want
+        ckfmt.check_data(tmp_path, manifest)
+        pos, q = ckfmt.data_cursor(segments, clock)
+        assert ({"epoch": pos.epoch, "index": pos.index}, q) == want

@@ -281,10 +281,10 @@ class Checkpointer:
                 self._cv.notify_all()
 
     def _write(self, clock: int, snapshot: Snapshot) -> None:
-        """Write this rank's part of ``clock`` (and the manifest, unsealed, if no rank has yet), and seal the
-        manifest if the part was the last one missing (:func:`~hetpipe.checkpoint.format.seal`). A clock older than one of this run's complete
-        checkpoints is not written: it is of no use, and a peer's :meth:`_collect` may be removing its
-        directory (the SIGTERM path holds such clocks).
+        """Write this rank's part of ``clock`` (and the manifest, unsealed, if no rank has yet), and seal
+        the manifest if the part was the last one missing (:func:`~hetpipe.checkpoint.format.seal`). A
+        clock older than one of this run's complete checkpoints is not written: it is of no use, and a
+        peer's :meth:`_collect` may be removing its directory (the SIGTERM path holds such clocks).
 
         While it writes, the rank holds a marker file in the clock's directory (``.rank-R.writing``),
         made before it checks the clock is still of use: a collector removes a directory only when it
@@ -336,8 +336,8 @@ class Checkpointer:
             pass
 
     def _obsolete(self, clock: int) -> bool:
-        """Whether ``clock`` is older than one of this run's complete checkpoints (then it never will be
-        complete of use: its removal may be under way)."""
+        """Whether ``clock`` is older than one of this run's complete checkpoints: it is of no use then,
+        and stays so (a complete checkpoint is removed only once a newer one is complete)."""
         return any(clock < c for c in self._complete())
 
     def _complete(self) -> List[int]:

@@ -266,7 +266,7 @@ class Supervisor:
                                                              first[1] < reports[0][2] + ABORT_GRACE_S / 2):
             # The first rank to go was stopped by a SIGTERM from outside the run (the launcher's own come
             # after the verdict) and wrote its checkpoint: the job ended because of it, not of a fault.
-            said = Path(self.run_dir, f"terminated-{first[0]}").read_text().strip().removeprefix("hetpipe: ")
+            said = Path(self.run_dir, f"terminated-{first[0]}").read_text().strip()
             return blame("terminated", first[0], lambda role: f"hetpipe: {role} was ended by a SIGTERM from outside "
                                                               f"the run ({said}){elsewhere}; the job was ended")
         if died is not None and (not reports or died[1] < reports[0][2] + ABORT_GRACE_S / 2):

@@ -246,16 +246,15 @@ class RunCheckpoints:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             try:
                 writer.on_signal(failure.signal_grace_s())
-                line = (f"hetpipe: {describe()}: SIGTERM; checkpoint(s) at clock(s) {writer.written} in "
-                        f"{self.directory}")
+                what = f"checkpoint(s) at clock(s) {writer.written} in {self.directory}"
             except BaseException as e:  # noqa: BLE001 - the rank still ends as terminated, saying why
                 # A write that failed here (a full disk) is said, and the rank ends on SIGTERM all the
                 # same: raising from the handler would turn a stop from outside into this rank's error.
-                line = (f"hetpipe: {describe()}: SIGTERM; the checkpoint it held could not be written "
-                        f"({type(e).__name__}: {e}); checkpoint(s) at clock(s) {writer.written} in {self.directory}")
-            sys.stderr.write(line + "\n")
+                what = (f"writing the checkpoint it held failed ({type(e).__name__}: {e}); checkpoint(s) at "
+                        f"clock(s) {writer.written} in {self.directory}")
+            sys.stderr.write(f"hetpipe: {describe()}: SIGTERM; {what}\n")
             sys.stderr.flush()
-            mark_terminated(line)
+            mark_terminated(what)
             os._exit(128 + sig)
 
         return signal.signal(signal.SIGTERM, handler)
