@@ -221,7 +221,8 @@ def _run_checkpoint(directory, clock=3):
             opt.zero_grad()
             sched.step()
         tensors, state = ckpt.optimizer_snapshot(opt, params, keys)
-        part = {"role": "stage", "vw": 0, "stage": k, "optimizer": state, "lr_scheduler": ckpt.scheduler_snapshot(sched)}
+        part = {"role": "stage", "vw": 0, "stage": k, "optimizer": state,
+                "lr_scheduler": ckpt.scheduler_snapshot(sched)}
         if k == 1:
             part["losses"] = {str(p): 2.0 - 0.1 * p for p in range(clock * plan.nm)}
             part["callbacks"] = [stopper.state_dict()]
@@ -272,7 +273,8 @@ EDITS = {
                                                    lambda v: v["optimizer"]["groups"][0].update(lr=0.5))),
     "momentum": ("rank-00000.json", lambda p: _edit_json(p / "rank-00000.json",
                                                          lambda v: v["optimizer"]["groups"][0].update(momentum=0.95))),
-    "losses": ("rank-00001.json", lambda p: _edit_json(p / "rank-00001.json", lambda v: v["losses"].update({"0": 0.1}))),
+    "losses": ("rank-00001.json", lambda p: _edit_json(p / "rank-00001.json",
+                                                       lambda v: v["losses"].update({"0": 0.1}))),
     "scheduler": ("rank-00001.json", lambda p: _edit_json(p / "rank-00001.json",
                                                           lambda v: v["lr_scheduler"].update(last_epoch=1))),
     "callbacks": ("rank-00001.json", lambda p: _edit_json(p / "rank-00001.json",

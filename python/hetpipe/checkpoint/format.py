@@ -264,8 +264,8 @@ def verify(path: Path) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
             file = path / f"{name}.json"
             got = file_digest(file)
             if got != files[file.name]:
-                raise CheckpointError(f"hetpipe: the checkpoint part {file} was altered or is corrupt: its digest {got} "
-                                      f"is not the {files[file.name]} recorded in {MANIFEST}")
+                raise CheckpointError(f"hetpipe: the checkpoint part {file} was altered or is corrupt: its digest "
+                                      f"{got} is not the {files[file.name]} recorded in {MANIFEST}")
             if part.get("tensors_digest") != files[f"{name}.safetensors"]:
                 raise CheckpointError(f"hetpipe: the checkpoint {path}: {MANIFEST} records a digest of "
                                       f"{name}.safetensors other than the one {name}.json recorded: it was altered")
@@ -396,7 +396,7 @@ def check_data(path: Path, manifest: Dict[str, Any]) -> None:
         raise CheckpointError(f"{where} lacks its data position or its history ({type(e).__name__}: {e}): it was "
                               "altered") from None
     if (want, want_q) != (pos, q):
-        raise CheckpointError(f"{where} puts the data at minibatch {pos.index} of epoch {pos.epoch}, {q} minibatch(es) "
-                              f"trained per VW, but the waves up to clock {clock} of the plan(s) it records leave it at "
-                              f"minibatch {want.index} of epoch {want.epoch}, {want_q} per VW: it was altered (resuming "
-                              "would skip or repeat minibatches)")
+        raise CheckpointError(f"{where} puts the data at minibatch {pos.index} of epoch {pos.epoch}, {q} "
+                              f"minibatch(es) trained per VW, but the waves up to clock {clock} of the plan(s) it "
+                              f"records leave it at minibatch {want.index} of epoch {want.epoch}, {want_q} per VW: it "
+                              "was altered (resuming would skip or repeat minibatches)")

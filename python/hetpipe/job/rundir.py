@@ -5,7 +5,8 @@ killed it kills the others with the same signal and may report any of them. So e
 itself in the launcher's run directory (``HETPIPE_RUN_DIR``): ``rank-R.txt`` holds its pid and role
 (first ``rank R`` when it joins the world, then its role once the plan assigns one), ``exited-PID``
 marks a normal interpreter exit, ``aborted-PID`` (holding the rank's message) a failure the rank
-reported itself before aborting, and ``terminated-PID`` an end on SIGTERM (its handler's last line). The launcher watches every recorded pid through a pidfd and keeps
+reported itself before aborting, and ``terminated-PID`` an end on SIGTERM after its handler wrote its
+checkpoint (holding what it wrote). The launcher watches every recorded pid through a pidfd and keeps
 the order in which they vanished (:mod:`hetpipe.launch.deaths`); the first to vanish without a mark is
 the one that died. This module is the ranks' side and the readers both sides use.
 """
