@@ -229,6 +229,68 @@ def test_sigterm_writes_a_checkpoint_to_resume_from(tmp_path, uninterrupted):
     assert _resume_and_compare(tmp_path, ckpt, uninterrupted) >= wave - 1
 
 
+def test_a_rank_stopped_by_sigterm_is_restarted_with_its_devices(tmp_path, uninterrupted):
+    """One rank (not the launcher) gets SIGTERM at a random wave, as a preempting scheduler sends it: it
+    writes the checkpoint it holds and ends; `--max-restarts 1` restarts the run with the same devices
+    from the latest complete checkpoint, and the run ends with the uninterrupted run's weights and
+    losses, bitwise (D = 0). Before, the rank's end read as a death: its device was left out, and with
+    it the only VW, so nothing was restarted."""
+    rng = random.Random(16)
+    wave, victim = rng.randint(3, 10), rng.randint(0, 2)
+    metrics, ckpt, run, out = tmp_path / "metrics.jsonl", tmp_path / "ckpt", tmp_path / "run", tmp_path / "out"
+    proc = _launch("-n", "3", "--max-restarts", "1", "--run-dir", str(run), "--checkpoint-dir", str(ckpt),
+                   "--checkpoint-every", "2", "ckpt_run.py", str(out), json.dumps({**CFG, "metrics": str(metrics)}))
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not (metrics.exists() and metrics.read_text().count("\n") >= wave):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1] if proc.poll() else ""
+        time.sleep(0.01)
+    os.kill(int((run / "attempt-0" / f"rank-{victim}.txt").read_text().split()[0]), signal.SIGTERM)
+    rc, err = _finish(proc)
+    assert rc == 0, err
+    assert f"restart 1 of 1: rank {victim} " in err and "was ended by a SIGTERM from outside the run" in err, err
+    assert "restarting with the same devices; 1 VW(s) on 3 ranks; resuming from the checkpoint at clock" in err, err
+    assert "Traceback" not in err, err
+    (want, w_want), (got, w_got) = uninterrupted, _result(out)
+    assert got["resumed"]["same_plan"] and got["resumed"]["clock"] >= 2
+    assert all(np.array_equal(w_got[l], w_want[l]) for l in w_want), "weights differ from the uninterrupted run"
+    assert got["losses"] == want["losses"]
+
+
+def test_a_resume_into_more_vws_trains_what_they_can_share_and_names_the_rest(tmp_path):
+    """2 VWs of one stage each, nm = 1, one epoch of 40 minibatches: the launcher is interrupted at a random
+    wave (the ranks write the newest clock they share), and the run is resumed into 3 VWs. The 40 − 2c
+    minibatches left after clock c are dealt to the 3 VWs from the cut: all are trained but the
+    (40 − 2c) mod 3 they cannot share, which the start-up line names. Before, the deal stopped at the
+    multiple of 3 counted from minibatch 0 (resumed at clock 5: 27 of the 30 left were trained)."""
+    cfg = {"vws": 2, "nm": 1, "d": 0, "epochs": 1, "minibatches": 40, "time": 0.01}
+    wave = random.Random(17).randint(3, 12)
+    metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
+    proc = _launch("-n", "3", "--run-dir", str(tmp_path / "run"), "--checkpoint-dir", str(ckpt),
+                   "--checkpoint-every", "1000", "ckpt_run.py", str(tmp_path / "stopped"),
+                   json.dumps({**cfg, "metrics": str(metrics)}))
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not (metrics.exists() and metrics.read_text().count("\n") >= wave):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1] if proc.poll() else ""
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGTERM)
+    rc, err = _finish(proc)
+    assert rc == 128 + signal.SIGTERM, err
+    rc, err = _finish(_launch("-n", "4", "--resume", str(ckpt), "--run-dir", str(tmp_path / "run2"), "ckpt_run.py",
+                              str(tmp_path / "resumed"), json.dumps({**cfg, "vws": 3})))
+    assert rc == 0, err
+    res, _ = _result(tmp_path / "resumed")
+    left = 40 - 2 * res["resumed"]["clock"]
+    trained = sum(len(per) for per in res["losses"].values())
+    assert res["vws"] == 3 and not res["resumed"]["same_plan"] and res["resumed"]["clock"] >= wave - 1
+    assert trained == left - left % 3 and res["samples"] == 16 * trained
+    lines = [line for line in err.splitlines() if "are trained and" in line]
+    if left % 3:
+        tail = "minibatch 39 of epoch 0" if left % 3 == 1 else "minibatches 38..39 of epoch 0"
+        assert len(lines) == 1 and f"{trained} are trained and {left % 3} dropped ({tail})" in lines[0], err
+    else:
+        assert not lines, err
+
+
 def test_max_restarts_goes_on_without_the_killed_device(tmp_path):
     """2 VWs, D = 0: the stage rank of VW 1 is SIGKILLed mid-run; `--max-restarts 1` restarts the job
     without its device (1 VW, 2 ranks) from the last checkpoint. Every minibatch of the epoch is trained

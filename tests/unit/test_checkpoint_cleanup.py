@@ -151,3 +151,51 @@ def test_closing_without_final_writes_nothing_more(tmp_path):
         w.boundary(clock, _capture(clock, 0))
     w.close()
     assert w.written == [2] and ckfmt.latest(tmp_path) == ckfmt.clock_dir(tmp_path, 2)
+
+
+
+class _Interleaved(dict):
+    """A part's tensors that run ``then`` once when the writer starts reading them: the moment the writing
+    rank has made the clock's directory and its manifest, and not yet any file of its part."""
+
+    def __init__(self, tensors, then):
+        super().__init__(tensors)
+        self.then = then
+
+    def items(self):
+        then, self.then = self.then, None
+        if then is not None:
+            then()
+        return super().items()
+
+
+def test_a_rank_writing_an_older_clock_while_a_newer_one_completes_keeps_its_directory(tmp_path):
+    """The SIGTERM race a fault campaign found: rank 1 holds clocks 2..4 (4 due: on disk from its writer
+    thread) and on SIGTERM writes clock 3, the newest it shared with rank 0 so far. Just as rank 1 has
+    made clock 3's directory and manifest, rank 0 reaches clock 4, writes it (4 is complete, 3 obsolete)
+    and collects. Before, rank 0 removed clock 3's manifest and directory (no part in it yet) under rank
+    1, whose write then failed with FileNotFoundError: an error, not a SIGTERM, so no restart followed.
+    Now rank 1's marker keeps the directory; its part of 3 is written, and removed by its own collect."""
+    writers = [ckpt.Checkpointer(tmp_path, 2, r, _manifest(2), keep=3, run_id="a") for r in (0, 1)]
+    seen = []
+
+    def rank0_reaches_4():
+        path = ckfmt.clock_dir(tmp_path, 3)
+        seen.append(sorted(f.name for f in path.iterdir() if not f.name.startswith(".")))
+        writers[0].boundary(4, _capture(4, 0))
+        writers[0].close()                              # on disk, and collected: 4 complete, 3 obsolete
+        assert ckfmt.is_complete(ckfmt.clock_dir(tmp_path, 4))
+
+    for clock in (1, 2, 3, 4):
+        tensors, part = _capture(clock, 1)()
+        snapshot = (_Interleaved(tensors, rank0_reaches_4) if clock == 3 else tensors, part)
+        writers[1].boundary(clock, lambda s=snapshot: s)
+    for clock in (1, 2, 3):
+        writers[0].boundary(clock, _capture(clock, 0))
+    writers[1].close()
+    assert [p.name for p in ckfmt.complete_clocks(tmp_path)] == ["clock-000002"]
+    writers[1].on_signal(5.0)
+    assert seen == [["manifest.json"]] and writers[1].written == [2, 4, 3]
+    found = ckpt.Checkpoint.find(tmp_path)
+    assert found.clock == 4 and [float(found.tensors[r]["w/0"][0]) for r in (0, 1)] == [40.0, 41.0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clock-000004"]

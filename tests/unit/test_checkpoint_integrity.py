@@ -184,3 +184,167 @@ def test_old_checkpoints_vanishing_under_a_rank_that_collects_them_are_no_error(
     assert not pending, "the race was not exercised: nothing listed clock 1's directory"
     assert [p.name for p in ckfmt.complete_clocks(tmp_path)] == ["clock-000002"]     # 3 lacks rank 0's part
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clock-000002", "clock-000003"]
+
+
+# --- every byte a resume reads, against a corpus of edits -------------------------------------------------
+
+def _run_checkpoint(directory, clock=3):
+    """The checkpoint at ``clock`` of a run of one VW of two stages and a PS shard, as its three ranks write
+    it: the run's own manifest (``RunCheckpoints.manifest``: plan, data position, the run's history), each
+    stage's part with a real SGD-with-momentum state and StepLR, the last stage's losses and EarlyStopping's
+    state, and the shard's weights. Returns the run's checkpoint settings (to resume with), its plan and
+    its Trainer."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "mpi" / "scripts"))
+    from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic
+    from hetpipe.run.callbacks import EarlyStopping
+    from hetpipe.run.trainer import Trainer
+
+    plan = one_vw_plan([3], nm=2, d=0)
+    trainer = Trainer(mlp(), cross_entropy, sgd(momentum=0.9), synthetic(n=16 * 40), plan=plan, epochs=2)
+    run, spec = trainer.checkpoints, trainer.spec(plan)
+    run.run_id = "r"
+    stopper = EarlyStopping(patience=3)
+    stopper.best, stopper.bad = 0.75, 1
+    layers = list(trainer.layers)
+
+    def stage(k, start, stop):
+        params = [p for l in layers[start:stop] for p in l.parameters()]
+        keys = [f"{l}.{n}" for l in range(start, stop) for n, _ in layers[l].named_parameters()]
+        opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
+        for _ in range(clock * plan.nm):
+            sum((p ** 2).sum() for p in params).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+        tensors, state = ckpt.optimizer_snapshot(opt, params, keys)
+        part = {"role": "stage", "vw": 0, "stage": k, "optimizer": state,
+                "lr_scheduler": ckpt.scheduler_snapshot(sched)}
+        if k == 1:
+            part["losses"] = {str(p): 2.0 - 0.1 * p for p in range(clock * plan.nm)}
+            part["callbacks"] = [stopper.state_dict()]
+        return tensors, part
+
+    weights = {f"w/{l}": torch.cat([p.detach().reshape(-1) for p in layers[l].parameters()])
+               for l in range(6) if list(layers[l].parameters())}
+    snapshots = [stage(0, 0, 3), stage(1, 3, 6),
+                 (weights, {"role": "ps", "shard": 0, "clocks": [clock], "applied": clock})]
+    for rank, snapshot in enumerate(snapshots):
+        w = ckpt.Checkpointer(directory, clock, rank, lambda c: run.manifest(plan, spec, c), keep=0, run_id="r")
+        w.boundary(clock, lambda s=snapshot: s)
+        w.close()
+    run.resume_from = directory
+    return run, plan, trainer
+
+
+def _edit_json(file, change):
+    value = json.loads(file.read_text())
+    change(value)
+    file.write_text(json.dumps(value, indent=1))
+
+
+def _redigest(path):
+    """Make every digest of the checkpoint in ``path`` agree with its files again, as someone covering an edit
+    would: each part's record of the manifest's content, then the manifest's digests of the part files."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    for name in manifest["parts"]:
+        _edit_json(path / f"{name}.json", lambda p: p.update(manifest_digest=ckfmt.manifest_digest(manifest)))
+    manifest["files"].update({f"{n}.json": ckfmt.file_digest(path / f"{n}.json") for n in manifest["parts"]})
+    (path / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+def _flip(file):
+    data = bytearray(file.read_bytes())
+    data[-7] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+def _skip(m, by):
+    m["data"]["position"]["index"] += by
+    m["data"]["minibatches_per_vw"] += by // m["plan"]["nm"]
+
+
+EDITS = {
+    # what is edited: (the file the refusal must name, the edit)
+    "lr": ("rank-00000.json", lambda p: _edit_json(p / "rank-00000.json",
+                                                   lambda v: v["optimizer"]["groups"][0].update(lr=0.5))),
+    "momentum": ("rank-00000.json", lambda p: _edit_json(p / "rank-00000.json",
+                                                         lambda v: v["optimizer"]["groups"][0].update(momentum=0.95))),
+    "losses": ("rank-00001.json", lambda p: _edit_json(p / "rank-00001.json",
+                                                       lambda v: v["losses"].update({"0": 0.1}))),
+    "scheduler": ("rank-00001.json", lambda p: _edit_json(p / "rank-00001.json",
+                                                          lambda v: v["lr_scheduler"].update(last_epoch=1))),
+    "callbacks": ("rank-00001.json", lambda p: _edit_json(p / "rank-00001.json",
+                                                          lambda v: v["callbacks"][0].update(bad=0))),
+    "tensor byte": ("rank-00002.safetensors", lambda p: _flip(p / "rank-00002.safetensors")),
+    "momentum buffer": ("rank-00000.safetensors", lambda p: _flip(p / "rank-00000.safetensors")),
+    "data cursor": ("manifest.json", lambda p: _edit_json(p / "manifest.json", lambda m: _skip(m, 10))),
+    "manifest": ("manifest.json", lambda p: _edit_json(p / "manifest.json", lambda m: m["rng"].update(seed=7))),
+    "digest of a part": ("manifest.json", lambda p: _edit_json(
+        p / "manifest.json", lambda m: m["files"].update({"rank-00000.safetensors": "0" * 32}))),
+    "data cursor, re-digested": ("manifest.json", lambda p: (
+        _edit_json(p / "manifest.json", lambda m: _skip(m, 10)), _redigest(p))),
+    "minibatch count, re-digested": ("manifest.json", lambda p: (
+        _edit_json(p / "manifest.json", lambda m: m["data"].update(minibatches_per_vw=9)), _redigest(p))),
+    "history, re-digested": ("manifest.json", lambda p: (
+        _edit_json(p / "manifest.json", lambda m: m["data"]["segments"][0].update(clock=1)), _redigest(p))),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_every_edit_of_a_checkpoint_is_refused_naming_the_file(tmp_path, edit):
+    """Each edit of a run's checkpoint (a part's JSON: learning rate, momentum, losses, scheduler and
+    callbacks' state; a tensor byte; the manifest) is refused by the resume and by the launcher's check
+    alike, naming the file; edits of the data cursor whose digests were all made to agree again are
+    refused too, against the waves and plans the manifest records. Before, the parts' JSON were covered
+    by no digest (an edited momentum resumed without a word), and a manifest whose digest was recomputed
+    skipped 10 minibatches."""
+    run, plan, _ = _run_checkpoint(tmp_path / "ckpt")
+    path = ckfmt.latest(tmp_path / "ckpt")
+    assert path is not None and ckfmt.verify(path)[0]["data"]["position"] == {"epoch": 0, "index": 6}
+    assert run.resume(plan).checkpoint.clock == 3                   # sound before the edit
+    culprit, damage = EDITS[edit]
+    damage(path)
+    with pytest.raises(ckfmt.CheckpointError) as e:
+        run.resume(plan)
+    assert str(path / culprit) in str(e.value) or f"{path}: {culprit}" in str(e.value), str(e.value)
+    with pytest.raises(ckfmt.CheckpointError) as again:
+        ckfmt.verify(path)
+    assert str(again.value) == str(e.value)
+
+
+def test_the_manifest_holds_a_digest_of_every_part_file(tmp_path):
+    _run_checkpoint(tmp_path)
+    path = ckfmt.latest(tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    on_disk = sorted(f.name for f in path.iterdir() if f.name != "manifest.json")
+    assert manifest["format"] == 2 and sorted(manifest["files"]) == on_disk
+    assert all(ckfmt.file_digest(path / f) == d for f, d in manifest["files"].items())
+
+
+def test_the_data_cursor_check_follows_the_runs_resumes(tmp_path):
+    """The manifests of runs resumed from a checkpoint, into its own plan and into another (two VWs, nm 3),
+    record the stretch before the resume and their own, and pass the check of their data cursor; the
+    history replayed gives each one's position (40 minibatches an epoch: 6 + 4 x 2 = 14 into the same
+    plan; 6 + 2 x 2 x 3 = 18 into two VWs of nm 3, which start counting their minibatches afresh)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "mpi" / "scripts"))
+    from common import two_vw_plan
+
+    run, plan, trainer = _run_checkpoint(tmp_path)
+    for new, clock, want in ((plan, 7, ({"epoch": 0, "index": 14}, 14)),
+                             (two_vw_plan(([3], [3]), (1.0, 1.0), nm=3, d=0), 5, ({"epoch": 0, "index": 18}, 6))):
+        resume = run.resume(new)
+        manifest = run.manifest(new, trainer.spec(new, resume), clock)
+        segments = manifest["data"]["segments"]
+        assert [(s["clock"], s["vws"], s["nm"], s["same_plan"]) for s in segments] == \
+            [(0, 1, 2, False), (3, len(new.virtual_workers), new.nm, new is plan)]
+        assert (manifest["data"]["position"], manifest["data"]["minibatches_per_vw"]) == want
+        ckfmt.check_data(tmp_path, manifest)
+        pos, q = ckfmt.data_cursor(segments, clock)
+        assert ({"epoch": pos.epoch, "index": pos.index}, q) == want

@@ -72,3 +72,68 @@ def test_a_resume_into_more_vws_says_what_it_drops():
                 got = sum(len(r) for v in range(vws) for _, r in vw_epochs(per_epoch, vws, v, 2, 0, start))
                 trained, dropped = dealt(per_epoch, vws, 2, 0, start)
                 assert (trained, trained + dropped) == (got, 2 * per_epoch - start)
+
+
+class _Tagged:
+    """Minibatches that are their own (epoch, index), reshuffled per epoch like a real loader."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, e: int) -> None:
+        self.epoch = e
+
+    def __len__(self) -> int:
+        return self.n
+
+    def order(self, epoch: int):
+        import random
+
+        order = list(range(self.n))
+        random.Random(epoch).shuffle(order)
+        return order
+
+    def __iter__(self):
+        return iter([((self.epoch, i), None) for i in self.order(self.epoch)])
+
+
+@pytest.mark.parametrize("old, new", [(2, 3), (3, 2), (2, 4), (4, 3), (1, 3), (3, 3)])
+def test_a_resume_into_other_vws_drops_only_what_they_cannot_share_and_names_it(old, new):
+    """A run of ``old`` VWs cut after each possible count of minibatches per VW, resumed into ``new`` VWs
+    through the data cursor (``DataPosition``) and the VWs' own streams: every minibatch is trained once,
+    but the fewer than ``new`` of the epoch resumed that the new VWs cannot share evenly, and each later
+    epoch's usual tail; those are exactly the minibatches the start-up line names. Before, the epoch
+    resumed was dealt only up to the multiple of ``new`` counted from 0: 2 VWs cut at minibatch 10 of 40,
+    resumed into 3, dropped minibatches 37..39, though the 30 left share evenly."""
+    from hetpipe.checkpoint.format import DataPosition
+    from hetpipe.loader import StreamSource
+    from hetpipe.loader.source import unused, which
+
+    for per_epoch in (40, 41, 17):
+        for epochs in (1, 2):
+            data = _Tagged(per_epoch)
+            runs = [list(StreamSource(data).vw_stream(v, old, epochs)) for v in range(old)]
+            for q in range(0, len(runs[0]) + 1):
+                consumed = {b for r in runs for b, _ in r[:q]}
+                pos = DataPosition().advance(q, per_epoch, old)
+                rest = [[b for b, _ in StreamSource(data).vw_stream(v, new, epochs, pos.epoch, pos.index)]
+                        for v in range(new)]
+                assert all(len(r) == pos.per_vw(per_epoch, new, epochs) for r in rest)
+                seen = [b for r in rest for b in r]
+                assert len(seen) == len(set(seen)) and not consumed & set(seen)
+                left = unused(per_epoch, new, epochs, pos.epoch, pos.index)
+                # Global minibatch j of epoch e is the data's item order(e)[j].
+                named = {(e, data.order(e)[j]) for e, r in left for j in r}
+                before = {(e, data.order(e)[j]) for e, r in unused(per_epoch, old, min(pos.epoch, epochs)) for j in r}
+                everything = {(e, i) for e in range(epochs) for i in range(per_epoch)}
+                assert everything - consumed - set(seen) == named | before
+                if pos.epoch < epochs:
+                    assert sum(len(r) for e, r in left if e == pos.epoch) == (per_epoch - pos.index) % new
+                note = dropped_note(per_epoch, new, 2, epochs, pos.epoch, pos.index)
+                assert (note is None) == (not named)
+                if note is not None and (pos.epoch, pos.index) != (0, 0):
+                    assert f"dropped ({which(left)})" in note
+    if (old, new) == (2, 3):
+        cut = DataPosition().advance(5, 40, 2)
+        assert (cut.epoch, cut.index) == (0, 10) and unused(40, 3, 1, 0, 10) == []
+        assert dealt(40, 3, 1, 0, 10) == (30, 0) and dropped_note(40, 3, 2, 1, 0, 10) is None

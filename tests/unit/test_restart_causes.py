@@ -78,3 +78,83 @@ def test_the_restart_names_the_newest_checkpoint_that_passes_verification(tmp_pa
     sound, failing = _verified(tmp_path)
     assert sound == ckpt.Checkpoint.find(tmp_path, fallback=True).path == tmp_path / "clock-000001"
     assert len(failing) == 1 and f"the checkpoint part {part} is corrupt" in failing[0]
+
+
+def test_a_rank_ended_by_sigterm_from_outside_is_restarted():
+    """A rank stopped by a SIGTERM from outside the run (a preemption) wrote its checkpoint and ended:
+    the device is sound, the run restarts with the same devices (before, its exit read as a death and its
+    device was left out, or a race in its checkpoint made it an error, which is not restarted)."""
+    assert restartable(Outcome("failed", 143, "terminated", 1, "rank 1 (vw 0 stage 1)", 42))
+
+
+# A checkpoint write on a real full disk: a 64 KiB tmpfs mounted in a user and mount namespace of its own
+# (no root needed where unprivileged namespaces are allowed), or a real file-size limit (RLIMIT_FSIZE).
+FULL_DISK_WRITER = """
+import os, sys, torch
+from hetpipe.checkpoint import state as ckpt
+from hetpipe.checkpoint.format import CheckpointError
+w = ckpt.Checkpointer(sys.argv[1], 1, 0, lambda c: {"clock": c, "parts": ["rank-00000"]}, keep=0)
+w.boundary(1, lambda: ({"w/0": torch.ones(1 << 16)}, {"role": "ps", "applied": 1}))
+try:
+    w.close()
+except CheckpointError as e:
+    print(e)
+print(sorted(os.listdir(os.path.join(sys.argv[1], "clock-000001"))))
+"""
+
+
+NO_MOUNT = 97         # the wrapper's exit status when the namespace could not mount the tmpfs
+
+
+def _write_on(tmp_path, wrap, preexec=None):
+    import subprocess
+    import sys
+
+    target = tmp_path / "disk"
+    target.mkdir()
+    run = subprocess.run([*wrap(target), sys.executable, "-c", FULL_DISK_WRITER, str(target)], capture_output=True,
+                         text=True, timeout=300, preexec_fn=preexec, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             [p for p in sys.path if p])})
+    return run
+
+
+def test_a_checkpoint_write_on_a_real_full_disk_is_restarted(tmp_path):
+    """safetensors reports ENOSPC as its own SafetensorError, which carries no errno (before, the restart
+    rule looked for an OSError's text and did not restart the run): the writer names the errno behind
+    it, from the filesystem itself, and the launcher restarts the run."""
+    import shutil
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1) to mount a small tmpfs with")
+
+    def mounted(target):
+        return ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=64k tmpfs "{target}" || exit {NO_MOUNT}; '
+                                              'exec "$0" "$@"']
+
+    run = _write_on(tmp_path, mounted)
+    if run.returncode == NO_MOUNT or run.stderr.startswith("unshare:"):
+        pytest.skip(f"no tmpfs can be mounted here: {run.stderr.strip()[-200:]}")
+    assert run.returncode == 0, run.stderr
+    message, listing = run.stdout.splitlines()[-2:]
+    assert "rank-00000.safetensors (262144 bytes of tensors) failed: SafetensorError" in message, run.stdout
+    assert message.endswith("[errno ENOSPC]"), message
+    outcome = _reported(f"hetpipe: rank 1 (vw 0 stage 1) failed: CheckpointError: {message}")
+    assert out_of_space(outcome) and restartable(outcome)
+    assert listing == "['manifest.json']"           # no temporary file nor marker left behind
+
+
+def test_a_checkpoint_write_past_a_file_size_limit_is_named_and_not_restarted(tmp_path):
+    """A real RLIMIT_FSIZE: safetensors fails with its own error again; the errno named is EFBIG, a limit
+    the restarted run would hit again, so it is not restarted."""
+    import resource
+    import signal
+
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)       # the write fails with EFBIG instead of a signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+
+    run = _write_on(tmp_path, lambda target: [], limited)
+    assert run.returncode == 0, run.stderr
+    message = run.stdout.splitlines()[-2]
+    assert "failed: SafetensorError" in message and message.endswith("[errno EFBIG]"), message
+    assert not restartable(_reported(f"hetpipe: rank 1 (vw 0 stage 1) failed: CheckpointError: {message}"))

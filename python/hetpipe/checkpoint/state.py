@@ -36,8 +36,8 @@ import numpy as np
 import torch
 
 from hetpipe.checkpoint.format import (MANIFEST, CheckpointError, DataPosition, clock_dir, commit, complete_clocks,
-                                       file_digest, find, is_complete, manifest_digest, part_name, read_manifest,
-                                       read_part, temporary_tag, verify_part, write_json)
+                                       file_digest, find, is_complete, manifest_digest, part_name, run_of, seal,
+                                       temporary_tag, verify, write_error, write_json)
 from hetpipe.checkpoint.statejson import decode, encode, merge
 from hetpipe.model.layout import local_buffers
 
@@ -54,8 +54,8 @@ def write_tensors(path: Path, tensors: Dict[str, torch.Tensor]) -> None:
         commit(tmp, path)
     except Exception as e:  # noqa: BLE001 - disk full, quota, I/O error: named, and nothing half-written left
         tmp.unlink(missing_ok=True)
-        raise CheckpointError(f"hetpipe: writing {path} ({nbytes} bytes of tensors) failed: "
-                              f"{type(e).__name__}: {e}") from e
+        # safetensors reports an I/O failure as its own SafetensorError, with no errno: write_error finds it.
+        raise write_error(path, e, nbytes, f" ({nbytes} bytes of tensors)") from e
 
 
 def read_tensors(path: Path) -> Dict[str, torch.Tensor]:
@@ -75,18 +75,14 @@ class Checkpoint:
 
     @classmethod
     def read(cls, path: Path) -> "Checkpoint":
-        """The complete checkpoint in ``path``, verified: each part's tensors against the digest its JSON
-        recorded, and every part against the manifest (its digest, clock and, for a PS part, the
-        version it applied); the first mismatch is one :class:`CheckpointError` naming the file."""
+        """The complete checkpoint in ``path``, verified before anything is loaded
+        (:func:`~hetpipe.checkpoint.format.verify`: every part file against the digest the manifest
+        holds, every part against the manifest, the data position against the run's waves); the first
+        mismatch is one :class:`CheckpointError` naming the file."""
         path = Path(path)
-        if not is_complete(path):
-            raise CheckpointError(f"hetpipe: the checkpoint {path} is incomplete (a part or its manifest is missing)")
-        manifest = read_manifest(path)
-        want = manifest_digest(manifest)
+        manifest, by_name = verify(path)
         parts, tensors = {}, {}
-        for name in manifest["parts"]:
-            part = read_part(path, name)
-            verify_part(path, name, part, manifest, want)
+        for name, part in by_name.items():
             parts[part["rank"]] = part
             try:
                 tensors[part["rank"]] = read_tensors(path / f"{name}.safetensors")
@@ -264,7 +260,7 @@ class Checkpointer:
         if isinstance(self.error, CheckpointError):
             raise self.error
         if self.error is not None:
-            raise CheckpointError(f"hetpipe: writing a checkpoint failed: {self.error}") from self.error
+            raise write_error(self.directory, self.error) from self.error
 
     # --- writer thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -285,23 +281,64 @@ class Checkpointer:
                 self._cv.notify_all()
 
     def _write(self, clock: int, snapshot: Snapshot) -> None:
-        """Write this rank's part of ``clock`` (and the manifest if no rank has yet). A clock older than
-        this run's newest complete checkpoint is not written: it is of no use, and :meth:`_collect` may
-        be removing its directory (the SIGTERM path holds such clocks)."""
-        if any(clock < c for c in self._complete()):
+        """Write this rank's part of ``clock`` (and the manifest, unsealed, if no rank has yet), and seal
+        the manifest if the part was the last one missing (:func:`~hetpipe.checkpoint.format.seal`). A
+        clock older than one of this run's complete checkpoints is not written: it is of no use, and a
+        peer's :meth:`_collect` may be removing its directory (the SIGTERM path holds such clocks).
+
+        While it writes, the rank holds a marker file in the clock's directory (``.rank-R.writing``),
+        made before it checks the clock is still of use: a collector removes a directory only when it
+        holds no part and no marker, after it found the clock obsolete. Either the marker is there
+        when the collector looks (the directory stays), or it was made later, and the check after it
+        finds the clock obsolete (a newer complete checkpoint stays complete), so the write is dropped.
+        So no rank's directory is ever removed under it."""
+        if self._obsolete(clock):
             return
         tensors, part = snapshot
         path = clock_dir(self.directory, clock)
-        path.mkdir(parents=True, exist_ok=True)
-        manifest = self.manifest(clock)
-        if not (path / MANIFEST).exists():
-            write_json(path / MANIFEST, manifest)
         name = part_name(self.rank)
-        write_tensors(path / f"{name}.safetensors", tensors)
-        write_json(path / f"{name}.json", {**part, "rank": self.rank, "clock": clock,
-                                           "tensors_digest": file_digest(path / f"{name}.safetensors"),
-                                           "manifest_digest": manifest_digest(manifest)})
-        self.written.append(clock)
+        marker = path / f".{name}.writing"
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        except FileNotFoundError:
+            if self._obsolete(clock):               # a collector removed the directory just made: no use
+                return
+            raise
+        except OSError as e:
+            raise write_error(marker, e) from e
+        try:
+            if self._obsolete(clock):
+                self._drop(path, marker)
+                return
+            manifest = self.manifest(clock)
+            if not (path / MANIFEST).exists():
+                write_json(path / MANIFEST, manifest)   # unsealed: who writes the clock, before any part
+            write_tensors(path / f"{name}.safetensors", tensors)
+            write_json(path / f"{name}.json", {**part, "rank": self.rank, "clock": clock,
+                                               "tensors_digest": file_digest(path / f"{name}.safetensors"),
+                                               "manifest_digest": manifest_digest(manifest)})
+            self.written.append(clock)
+            seal(path)
+        except OSError as e:            # the digest's or the seal's reading: named like a failed write
+            raise write_error(path / MANIFEST, e) from e
+        finally:
+            marker.unlink(missing_ok=True)
+
+    @staticmethod
+    def _drop(path: Path, marker: Path) -> None:
+        """Leave a clock this rank found obsolete after marking it: its marker, and its directory if that
+        is now empty (another rank's marker or part keeps it)."""
+        marker.unlink(missing_ok=True)
+        try:
+            path.rmdir()
+        except OSError:
+            pass
+
+    def _obsolete(self, clock: int) -> bool:
+        """Whether ``clock`` is older than one of this run's complete checkpoints: it is of no use then,
+        and stays so (a complete checkpoint is removed only once a newer one is complete)."""
+        return any(clock < c for c in self._complete())
 
     def _complete(self) -> List[int]:
         """The clocks of this run's complete checkpoints, newest first."""
@@ -312,12 +349,12 @@ class Checkpointer:
         ones (another run's checkpoints are never touched), and the directory of one left without parts.
 
         Safe while other ranks write: a clock that is not older than the newest complete checkpoint is
-        never touched, and no rank writes an older one (:meth:`_write`), nor can a newer one be complete
-        before every rank has written its part of it; so nobody writes into a directory removed here.
-        Each rank removes only its own part (rank 0 also those of ranks this run does not have), the
-        manifest goes once no part is left, and the directory only when empty (``rmdir``, never a tree).
-        Every rank does this at once, so a file or the directory can vanish under this rank, or a
-        removal find it not yet empty: that is no error (another rank did, or does, the rest)."""
+        never touched; each rank removes only its own part (rank 0 also those of ranks this run does not
+        have), and the manifest and directory go only once no part and no writer's marker is left
+        (``rmdir``, never a tree): a rank still writing an older clock holds its marker there, and one
+        that marks it later drops the write (see :meth:`_write`). Every rank does this at once, so a file
+        or the directory can vanish under this rank, or a removal find it not yet empty: that is no
+        error (another rank did, or does, the rest)."""
         mine = [p for p in complete_clocks(self.directory) if run_of(p) == self.run_id]
         if len(mine) < self.keep_last:
             return
@@ -338,8 +375,8 @@ class Checkpointer:
                     files += [f for f in path.glob("rank-*") if int(f.name[5:10]) >= ranks]
                 for f in files:
                     f.unlink(missing_ok=True)
-                if any(path.glob("rank-*")):
-                    continue
+                if any(path.glob("rank-*")) or any(path.glob(".rank-*")):
+                    continue            # a part, or a writer's marker or temporary file: not ours to remove
                 for f in [path / MANIFEST, *path.glob(f".{MANIFEST}.*.tmp")]:
                     f.unlink(missing_ok=True)
                 path.rmdir()
@@ -376,14 +413,6 @@ def remove_incomplete(directory: Path, run_id: str, cut: int) -> List[Path]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
-
-
-def run_of(path: Path) -> Optional[str]:
-    """The run id in a checkpoint's manifest ("" before run ids; None: unreadable)."""
-    try:
-        return str(json.loads((path / MANIFEST).read_text()).get("run_id", ""))
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 # --- what a rank saves ---------------------------------------------------------------------------

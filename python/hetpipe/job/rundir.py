@@ -4,8 +4,9 @@ mpiexec names one pid when a job ends badly, and not reliably the one that faile
 killed it kills the others with the same signal and may report any of them. So each rank records
 itself in the launcher's run directory (``HETPIPE_RUN_DIR``): ``rank-R.txt`` holds its pid and role
 (first ``rank R`` when it joins the world, then its role once the plan assigns one), ``exited-PID``
-marks a normal interpreter exit and ``aborted-PID`` (holding the rank's message) a failure the rank
-reported itself before aborting. The launcher watches every recorded pid through a pidfd and keeps
+marks a normal interpreter exit, ``aborted-PID`` (holding the rank's message) a failure the rank
+reported itself before aborting, and ``terminated-PID`` an end on SIGTERM after its handler wrote its
+checkpoint (holding what it wrote). The launcher watches every recorded pid through a pidfd and keeps
 the order in which they vanished (:mod:`hetpipe.launch.deaths`); the first to vanish without a mark is
 the one that died. This module is the ranks' side and the readers both sides use.
 """
@@ -72,6 +73,14 @@ def mark_aborted(message: str = "") -> None:
         _mark(run_dir, f"aborted-{os.getpid()}", message)
 
 
+def mark_terminated(message: str = "") -> None:
+    """Record that this process ended on SIGTERM after writing what its handler had to (``message``): a
+    rank stopped from outside (a preemption, a scheduler), not a fault of the program or its device."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if run_dir:
+        _mark(run_dir, f"terminated-{os.getpid()}", message)
+
+
 def _mark(run_dir: str, name: str, text: str = "") -> None:
     try:
         Path(run_dir, name).write_text(text)
@@ -106,7 +115,7 @@ def _records(run_dir: str) -> Dict[int, Tuple[int, str, str]]:
 
 
 def marked(run_dir: str, kind: str) -> Set[int]:
-    """pids with an ``exited`` or ``aborted`` mark."""
+    """pids with an ``exited``, ``aborted`` or ``terminated`` mark (``kind``)."""
     return {int(f.name.split("-", 1)[1]) for f in Path(run_dir).glob(f"{kind}-*")}
 
 

@@ -8,7 +8,8 @@ again, drops the virtual worker that held it, and starts the job again on the re
 resuming from the latest complete checkpoint. A device is the plan's device id: a GPU of a host, or,
 for an emulated device, the rank process that emulates it; only a real CUDA device can be probed, so an
 emulated device whose rank failed stays out. A user marks devices failed with ``--exclude-device``.
-A run whose checkpoint write found its disk full is restarted too, with the same devices.
+A run whose checkpoint write found its disk full, or one of whose ranks was ended by a SIGTERM from
+outside the run (a preemption), is restarted too, with the same devices.
 """
 
 from __future__ import annotations
@@ -29,10 +30,13 @@ from hetpipe.job.rundir import WORLD_RANKS_FILE
 from hetpipe.plan.types import Plan
 
 RESTARTABLE = ("died", "stopped")       # faults of a rank or its device; a rank that raised is a bug
+TERMINATED = "terminated"               # a rank stopped by a SIGTERM from outside the run: its device is sound
 PROBE_TIMEOUT_S = 30.0
-# A checkpoint write that failed for lack of space (ENOSPC, EDQUOT; checkpoint.format / checkpoint.state
-# name the file and the OSError): a fault of the disk, not of the program or a device.
-NO_SPACE = re.compile(r"hetpipe: writing .* failed: OSError: \[Errno (28|122)\]")
+# A checkpoint write that failed for lack of space: checkpoint.format.write_error names the file and the
+# error, and marks the errno behind it, whatever layer raised it (Python's I/O: its OSError's; safetensors,
+# whose own error carries none: the filesystem's answer to reserving the bytes), as "[errno ENOSPC]".
+# A fault of the disk, not of the program or a device.
+NO_SPACE = re.compile(r"hetpipe: writing .* failed: .*\[errno (ENOSPC|EDQUOT)\]")
 
 
 def out_of_space(outcome) -> bool:
@@ -41,12 +45,13 @@ def out_of_space(outcome) -> bool:
 
 
 def restartable(outcome) -> bool:
-    """Whether a failed run is worth restarting: a rank died or stopped, a peer gave up waiting on one
-    that never answered (its report is a ``PeerTimeout``), or a checkpoint write ran out of disk space
-    (the restart resumes from the last complete checkpoint, whose files the failed write left whole;
-    space freed meanwhile lets it go on, a disk still full fails the same way and uses up the restarts).
-    Any other error would happen again."""
-    if outcome.cause in RESTARTABLE or out_of_space(outcome):
+    """Whether a failed run is worth restarting: a rank died or stopped, one was ended by a SIGTERM from
+    outside the run (after writing its checkpoint), a peer gave up waiting on one that never answered
+    (its report is a ``PeerTimeout``), or a checkpoint write ran out of disk space (the restart resumes
+    from the last complete checkpoint, whose files the failed write left whole; space freed meanwhile
+    lets it go on, a disk still full fails the same way and uses up the restarts). Any other error
+    would happen again."""
+    if outcome.cause in RESTARTABLE or outcome.cause == TERMINATED or out_of_space(outcome):
         return True
     return outcome.cause == "reported" and any("PeerTimeout" in r for r in (outcome.message, *outcome.reports))
 
@@ -235,6 +240,8 @@ def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max
             left = f"device {device} of {outcome.role} is left out"
         elif outcome.cause in RESTARTABLE:
             left = f"{outcome.role} holds no device of the plan (a PS shard of this host): restarting it"
+        elif outcome.cause == TERMINATED:
+            left = "a SIGTERM from outside the run is no fault of a device: restarting with the same devices"
         elif out_of_space(outcome):
             left = "a checkpoint write found no space left on its disk: restarting with the same devices"
         else:

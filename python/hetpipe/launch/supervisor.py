@@ -65,8 +65,9 @@ class Outcome:
     """How a launched run ended; ``outcome.json`` holds it as JSON.
 
     status: ``ok``, ``failed`` or ``interrupted``. cause (when not ok): ``reported`` (a rank raised
-    and said why), ``died`` (a rank vanished without reporting), ``stopped`` (a rank stopped
-    responding), ``unregistered`` (ranks did not reach MPI start-up in time), ``mpiexec`` (mpiexec
+    and said why), ``died`` (a rank vanished without reporting), ``terminated`` (the first rank to end
+    did so on a SIGTERM from outside the run, after its handler wrote its checkpoint), ``stopped`` (a
+    rank stopped responding), ``unregistered`` (ranks did not reach MPI start-up in time), ``mpiexec`` (mpiexec
     itself was killed), ``signal`` (the launcher was interrupted) or ``exit`` (mpiexec failed and no
     rank is to blame). rank, role, pid: the culprit rank, if any.
     """
@@ -215,7 +216,9 @@ class Supervisor:
         who = {**{pid: (rank, f"rank {rank}") for pid, rank in self.seen.items()}, **recorded_ranks(self.run_dir)}
         messages = [text for _, text, _ in reports if text]
         done = marked(self.run_dir, "exited")
-        died = next(((pid, at) for pid, at in vanished if pid not in done), None)
+        terminated = marked(self.run_dir, "terminated")
+        first = next(((pid, at) for pid, at in vanished if pid not in done), None)
+        died = next(((pid, at) for pid, at in vanished if pid not in done | terminated), None)
 
         def blame(cause: str, pid: int, say: Callable[[str], str]) -> Outcome:
             """The outcome naming rank ``pid``; ``say(role)`` is the message."""
@@ -259,6 +262,13 @@ class Supervisor:
         # Ranks on other hosts cannot be watched by pid: when some ended silently there, the verdict says
         # so beside the first death seen here (MPI ends every rank when one dies, so either may be first).
         elsewhere = self._silent_elsewhere()
+        if first is not None and first[0] in terminated and (not reports or
+                                                             first[1] < reports[0][2] + ABORT_GRACE_S / 2):
+            # The first rank to go was stopped by a SIGTERM from outside the run (the launcher's own come
+            # after the verdict) and wrote its checkpoint: the job ended because of it, not of a fault.
+            said = Path(self.run_dir, f"terminated-{first[0]}").read_text().strip()
+            return blame("terminated", first[0], lambda role: f"hetpipe: {role} was ended by a SIGTERM from outside "
+                                                              f"the run ({said}){elsewhere}; the job was ended")
         if died is not None and (not reports or died[1] < reports[0][2] + ABORT_GRACE_S / 2):
             return blame("died", died[0], lambda role: f"hetpipe: {role} failed: it died without reporting an "
                                                        f"error (killed, or crashed in native code){elsewhere}; "
@@ -272,7 +282,7 @@ class Supervisor:
     def _silent_elsewhere(self) -> str:
         """The ranks on other hosts that ended with neither an exit nor a failure mark, by host: a host
         lost (or its ranks killed there), which the launcher cannot watch by pid."""
-        done = marked(self.run_dir, "exited") | marked(self.run_dir, "aborted")
+        done = marked(self.run_dir, "exited") | marked(self.run_dir, "aborted") | marked(self.run_dir, "terminated")
         hosts = rank_hosts(self.run_dir)
         lost: Dict[str, List[int]] = {}
         for pid, (rank, _) in recorded_ranks(self.run_dir).items():

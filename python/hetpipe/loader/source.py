@@ -87,7 +87,7 @@ class DataSource:
         """VW ``vw``'s minibatches of epochs ``start_epoch .. epochs - 1``: their inputs, labels or both.
 
         A resumed run starts at global minibatch ``start_index`` of epoch ``start_epoch``: the rest
-        of that epoch (up to the usual tail) is dealt round-robin from there, each VW taking as many."""
+        of that epoch is dealt round-robin from there, each VW taking as many (:func:`epoch_range`)."""
         raise NotImplementedError
 
     def identity(self) -> Optional[str]:
@@ -139,22 +139,37 @@ class _Minibatches:
 
 
 def epoch_range(per_epoch: int, num_vws: int, vw: int, first: int) -> range:
-    """The global minibatch indices VW ``vw`` trains in an epoch whose first trained index is ``first``."""
-    per_vw = (per_epoch // num_vws) * num_vws
-    end = first + (per_vw - first) // num_vws * num_vws
+    """The global minibatch indices VW ``vw`` trains in an epoch whose first trained index is ``first``:
+    minibatches ``first ..`` dealt round-robin, each VW taking ``(per_epoch - first) // num_vws``, so
+    that fewer than ``num_vws`` are left over at the epoch's end. From ``first = 0`` that leaves the
+    epoch's ``per_epoch % num_vws`` last ones; a run resumed mid-epoch into other VWs (``first`` not
+    a multiple of ``num_vws``) deals the rest of that epoch from its cut the same way (before, it
+    stopped at the multiple of ``num_vws`` counted from 0, dropping up to ``num_vws`` more)."""
+    end = first + max(0, per_epoch - first) // num_vws * num_vws
     return range(first + vw, end, num_vws)
+
+
+def unused(per_epoch: int, num_vws: int, epochs: int, start_epoch: int = 0, start_index: int = 0
+           ) -> List[Tuple[int, range]]:
+    """Per epoch of ``start_epoch .. epochs - 1`` (the first from ``start_index``), the minibatches that
+    ``num_vws`` VWs leave unused (:func:`epoch_range`: those after the last one dealt); epochs that
+    leave none are not listed."""
+    out = []
+    for epoch in range(start_epoch, epochs):
+        first = start_index if epoch == start_epoch else 0
+        end = first + max(0, per_epoch - first) // num_vws * num_vws
+        if end < per_epoch:
+            out.append((epoch, range(end, per_epoch)))
+    return out
 
 
 def dealt(per_epoch: int, num_vws: int, epochs: int, start_epoch: int = 0, start_index: int = 0) -> Tuple[int, int]:
     """(trained, dropped): of the minibatches of epochs ``start_epoch .. epochs - 1`` (the first from
     ``start_index``), how many ``num_vws`` VWs train (:func:`epoch_range`: an equal share each) and how
-    many are left over, unused."""
-    trained = dropped = 0
-    for epoch in range(start_epoch, epochs):
-        first = start_index if epoch == start_epoch else 0
-        n = len(epoch_range(per_epoch, num_vws, 0, first)) * num_vws
-        trained, dropped = trained + n, dropped + max(0, per_epoch - first) - n
-    return trained, dropped
+    many are left over, unused (:func:`unused`)."""
+    todo = sum(max(0, per_epoch - (start_index if e == start_epoch else 0)) for e in range(start_epoch, epochs))
+    dropped = sum(len(r) for _, r in unused(per_epoch, num_vws, epochs, start_epoch, start_index))
+    return todo - dropped, dropped
 
 
 def too_few(per_epoch: int, num_vws: int, nm: int) -> str:
@@ -165,19 +180,44 @@ def too_few(per_epoch: int, num_vws: int, nm: int) -> str:
             "for whole waves)")
 
 
+def which(left: List[Tuple[int, range]]) -> str:
+    """``left`` (:func:`unused`) in words, epochs with the same minibatches together: ``minibatch 39 of
+    epoch 0; minibatches 38..39 of epochs 1..3``."""
+    groups: List[Tuple[List[int], range]] = []
+    for epoch, r in left:
+        if groups and groups[-1][1] == r and groups[-1][0][-1] == epoch - 1:
+            groups[-1][0].append(epoch)
+        else:
+            groups.append(([epoch], r))
+    words = []
+    for epochs, r in groups:
+        mbs = f"minibatch {r.start}" if len(r) == 1 else f"minibatches {r.start}..{r.stop - 1}"
+        eps = f"epoch {epochs[0]}" if len(epochs) == 1 else f"epochs {epochs[0]}..{epochs[-1]}"
+        words.append(f"{mbs} of {eps}")
+    return "; ".join(words)
+
+
 def dropped_note(per_epoch: int, num_vws: int, nm: int, epochs: int, start_epoch: int = 0, start_index: int = 0
                  ) -> Optional[str]:
     """One line saying which minibatches a run leaves unused and what to change (None: it trains them
     all). Each VW trains the same number of an epoch's minibatches, ``per_epoch // num_vws`` (in waves
     of ``nm``; the run's last wave may be short), so an epoch's minibatches beyond a multiple of
-    ``num_vws`` are dropped, and so are those of a resumed epoch beyond a multiple of the VWs now."""
+    ``num_vws`` are dropped; a resumed run deals the rest of the epoch it resumed in from its cut, and
+    drops fewer than ``num_vws`` of it. A resumed run's line names each minibatch it drops."""
     trained, dropped = dealt(per_epoch, num_vws, epochs, start_epoch, start_index)
     if not dropped:
         return None
-    where = f" from minibatch {start_index} of epoch {start_epoch}" if (start_epoch, start_index) != (0, 0) else ""
-    return (f"hetpipe: the data has {per_epoch} minibatches per epoch; of the {trained + dropped} this run has "
-            f"to train{where}, {trained} are trained and {dropped} dropped: each of the {num_vws} virtual "
-            f"workers trains the same number of an epoch's minibatches (in waves of nm={nm} per VW), so those "
+    if (start_epoch, start_index) == (0, 0):
+        return (f"hetpipe: the data has {per_epoch} minibatches per epoch; of the {trained + dropped} this run has "
+                f"to train, {trained} are trained and {dropped} dropped: each of the {num_vws} virtual "
+                f"workers trains the same number of an epoch's minibatches (in waves of nm={nm} per VW), so those "
+                f"beyond a multiple of {num_vws} go unused; give an epoch a multiple of {num_vws} minibatches "
+                f"(of {num_vws * nm} for whole waves)")
+    left = which(unused(per_epoch, num_vws, epochs, start_epoch, start_index))
+    return (f"hetpipe: the data has {per_epoch} minibatches per epoch; of the {trained + dropped} this run has to "
+            f"train from minibatch {start_index} of epoch {start_epoch}, {trained} are trained and {dropped} dropped "
+            f"({left}): each of the {num_vws} virtual workers trains the same number of an epoch's minibatches (in "
+            f"waves of nm={nm} per VW; in the epoch resumed, of those from minibatch {start_index}), so those "
             f"beyond a multiple of {num_vws} go unused; give an epoch a multiple of {num_vws} minibatches "
             f"(of {num_vws * nm} for whole waves)")
 

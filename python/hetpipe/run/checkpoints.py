@@ -20,7 +20,7 @@ from hetpipe.checkpoint import format as ckfmt
 from hetpipe.checkpoint import state as ckpt
 from hetpipe.job import failure
 from hetpipe.job.roles import LaunchError, Role
-from hetpipe.job.rundir import RUN_DIR_ENV
+from hetpipe.job.rundir import RUN_DIR_ENV, mark_terminated
 from hetpipe.model.layout import ModelLayout, local_buffers
 from hetpipe.model.weights import load_layer_weights
 from hetpipe.plan.types import Plan
@@ -94,18 +94,35 @@ class RunCheckpoints:
         start = resume.start if resume is not None else ckfmt.DataPosition()
         total = spec.schedules[0].num_minibatches
         k = min(total, (clock - clock0) * plan.nm)
-        per_epoch = self.data.minibatches_per_epoch(len(plan.virtual_workers))
-        pos = start.advance(k, per_epoch, len(plan.virtual_workers))
+        num_vws = len(plan.virtual_workers)
+        per_epoch = self.data.minibatches_per_epoch(num_vws)
+        pos = start.advance(k, per_epoch, num_vws)
         return {"format": ckfmt.FORMAT, "run_id": self.run_id, "clock": clock, "plan": plan.to_dict(),
                 "parts": [ckfmt.part_name(r) for r in range(plan.num_ranks)],
                 "data": {"position": {"epoch": pos.epoch, "index": pos.index},
                          "minibatches_per_vw": (resume.minibatches if resume is not None else 0) + k,
-                         "minibatches_per_epoch": per_epoch, "epochs": self.epochs},
+                         "minibatches_per_epoch": per_epoch, "epochs": self.epochs,
+                         "segments": self.segments(plan, resume, clock0, per_epoch)},
                 "rng": {"seed": self.seed, "rule": "micro-batch j of stage s of VW v draws from a generator "
                                                   "seeded by (seed, v, s, j); no other random state"},
                 "split_startup": self.split_startup, "checkpoint_every": self.every,
                 "names": self.names,
                 "resumed_from": {"path": str(resume.checkpoint.path), "clock": clock0} if resume else None}
+
+    def segments(self, plan: Plan, resume: Optional[ckpt.Resume], clock0: int, per_epoch: int) -> List[Dict[str, Any]]:
+        """The run's stretches up to this one (:func:`~hetpipe.checkpoint.format.segment`), from which a
+        resume checks the data position a manifest records (:func:`~hetpipe.checkpoint.format.check_data`):
+        the resumed checkpoint's, then this run's, which began at ``clock0``."""
+        same = resume.same_plan if resume is not None else False
+        if resume is None:
+            before: List[Dict[str, Any]] = []
+        elif "segments" in resume.checkpoint.manifest["data"]:
+            before = list(resume.checkpoint.manifest["data"]["segments"])
+        else:
+            # A checkpoint written before stretches were recorded: this run's history starts at its cut.
+            start = {"epoch": resume.start.epoch, "index": resume.start.index, "minibatches_per_vw": resume.minibatches}
+            return [ckfmt.segment(clock0, len(plan.virtual_workers), plan.nm, per_epoch, self.epochs, same, start)]
+        return before + [ckfmt.segment(clock0, len(plan.virtual_workers), plan.nm, per_epoch, self.epochs, same)]
 
     def claim(self) -> None:
         """Refuse a checkpoint directory that holds another run's checkpoints (call after :meth:`resume`):
@@ -216,8 +233,10 @@ class RunCheckpoints:
 
     def on_sigterm(self, writer: Optional[ckpt.Checkpointer], describe: Callable[[], str]):
         """On SIGTERM, write the kept wave-boundary snapshots not yet on disk, wait until a clock this
-        rank holds is complete (every rank's part; at most ``HETPIPE_TERM_GRACE``), then exit 128 + 15;
-        returns the previous handler (None: nothing installed)."""
+        rank holds is complete (every rank's part; at most ``HETPIPE_TERM_GRACE``), mark the run
+        directory (``terminated-PID``: the launcher restarts a run one of whose ranks was stopped so,
+        with the same devices) and exit 128 + 15; returns the previous handler (None: nothing
+        installed)."""
         if writer is None or threading.current_thread() is not threading.main_thread():
             return None
 
@@ -225,10 +244,17 @@ class RunCheckpoints:
             # A second SIGTERM (the launcher's and mpiexec's both arrive) while the first is being handled
             # must not start a second write over the first's half-written files: it is ignored.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            writer.on_signal(failure.signal_grace_s())
-            sys.stderr.write(f"hetpipe: {describe()}: SIGTERM; checkpoint(s) at clock(s) {writer.written} in "
-                             f"{self.directory}\n")
+            try:
+                writer.on_signal(failure.signal_grace_s())
+                what = f"checkpoint(s) at clock(s) {writer.written} in {self.directory}"
+            except BaseException as e:  # noqa: BLE001 - the rank still ends as terminated, saying why
+                # A write that failed here (a full disk) is said, and the rank ends on SIGTERM all the
+                # same: raising from the handler would turn a stop from outside into this rank's error.
+                what = (f"writing the checkpoint it held failed ({type(e).__name__}: {e}); checkpoint(s) at "
+                        f"clock(s) {writer.written} in {self.directory}")
+            sys.stderr.write(f"hetpipe: {describe()}: SIGTERM; {what}\n")
             sys.stderr.flush()
+            mark_terminated(what)
             os._exit(128 + sig)
 
         return signal.signal(signal.SIGTERM, handler)
