@@ -33,6 +33,7 @@ BUILTIN_BASE = {
     "hetpipe.transport.protocol.TransportError": RuntimeError,
     "hetpipe.transport.protocol.StageError": RuntimeError,
     "hetpipe.transport.registry.TransportChoiceError": ValueError,
+    "hetpipe.util.errors.ArgumentError": ValueError,
 }
 
 
