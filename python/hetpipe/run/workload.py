@@ -86,6 +86,8 @@ def _layers_and_loss(model: Any, loss_fn: Optional[Callable]) -> Tuple[Any, Call
     if loss_fn is None:
         raise TypeError(f"hetpipe: loss_fn is None, and the model ({type(model).__name__}) has no loss of its own "
                         "that hetpipe knows: give loss_fn(output, labels)")
+    if not callable(loss_fn):
+        raise TypeError(f"hetpipe: loss_fn must be a function (output, labels) -> scalar tensor, got {loss_fn!r}")
     return sequence, loss_fn
 
 
