@@ -110,8 +110,6 @@ def marked(run_dir: str, kind: str) -> Set[int]:
     return {int(f.name.split("-", 1)[1]) for f in Path(run_dir).glob(f"{kind}-*")}
 
 
-
-
 INTERRUPTING_FILE = "interrupting"      # the launcher, interrupted, is ending the run (it holds the signal's name)
 
 

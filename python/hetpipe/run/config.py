@@ -177,7 +177,8 @@ class Numerics:
             raise TypeError("hetpipe: numerics.lr_scheduler must be a factory optimizer -> LR scheduler, "
                             f"got {self.lr_scheduler!r}")
         if self.lr_scheduler_steps not in ("run", "vw"):
-            raise ArgumentError(f"hetpipe: numerics.lr_scheduler_steps must be 'run' or 'vw', got {self.lr_scheduler_steps!r}")
+            raise ArgumentError(f"hetpipe: numerics.lr_scheduler_steps must be 'run' or 'vw', got "
+                                f"{self.lr_scheduler_steps!r}")
         LossScale(**dict(self.loss_scale or {}))             # checks the options now
 
 
@@ -255,8 +256,8 @@ class Reporting:
             if self.eval_every is not None:
                 raise ArgumentError("hetpipe: give reporting.eval_every (waves) or eval_every_steps (steps), not both")
         if self.eval_data is not None and not self.evaluates:
-            raise ArgumentError("hetpipe: reporting.eval_data needs reporting.eval_every_steps or eval_every (how often "
-                             "to evaluate)")
+            raise ArgumentError("hetpipe: reporting.eval_data needs reporting.eval_every_steps or eval_every (how "
+                                "often to evaluate)")
         if self.eval_metric is not None and not callable(self.eval_metric):
             raise TypeError("hetpipe: reporting.eval_metric must be a function (output, labels) -> float, "
                             f"got {self.eval_metric!r}")
@@ -296,7 +297,7 @@ class Runtime:
 
             if self.transport not in transports.names():
                 raise ArgumentError(f"hetpipe: runtime.transport must be one of {', '.join(transports.names())}, "
-                                 f"got {self.transport!r}")
+                                    f"got {self.transport!r}")
 
 
 SECTIONS: Dict[str, type] = {"planning": Planning, "ps": PSRule, "numerics": Numerics,
