@@ -7,8 +7,15 @@ import sys
 from hetpipe.util.numbers import arg_seconds, arg_whole, number
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, refusing a bad command line in one line (``hetpipe <command>: <message>``), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="hetpipe", description=__doc__)
+    parser = _Parser(prog="hetpipe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="what the compiled core contains")
     _add_plan_command(sub)
@@ -281,6 +288,7 @@ def _run_launch(args) -> int:
     from hetpipe.checkpoint.format import CheckpointError
     from hetpipe.job.launch_file import LaunchSettings
     from hetpipe.job.world import MPIUnavailable
+    from hetpipe.launch.checks import check_arguments
     from hetpipe.launch.mpiexec import launch
 
     if args.transport is not None:
@@ -300,6 +308,7 @@ def _run_launch(args) -> int:
 
     try:
         placement = _placement(args)
+        check_arguments(args, args.n, placement)        # before anything is made or started
         # The ranks' run file (hetpipe.job.launch_file): what this launch asks of the script's Trainer.
         settings = LaunchSettings(cluster=args.cluster, plan_cache=absolute(args.plan_cache), plan=absolute(args.plan),
                                   plan_reason="hetpipe launch --plan" if args.plan else None,
@@ -316,8 +325,11 @@ def _run_launch(args) -> int:
                                         exclude=args.exclude_device, placement=placement, mpi_args=args.mpi_arg)
         return launch(args.n, [args.script, *args.args], run_dir=args.run_dir, placement=placement,
                       mpi_args=args.mpi_arg, settings=settings)
-    except (MPIUnavailable, ValueError, CheckpointError) as e:
-        print(e, file=sys.stderr)
+    except (MPIUnavailable, ValueError, CheckpointError, OSError) as e:
+        # One line, in the command line's own words: "hetpipe launch: <what>" (a message that names
+        # hetpipe already keeps its own prefix off, so that it is not said twice).
+        text = str(e).removeprefix("hetpipe launch: ").removeprefix("hetpipe: ")
+        print(f"hetpipe launch: {text}", file=sys.stderr)
         return 2
 
 
@@ -335,7 +347,10 @@ def _placement(args):
         if args.max_restarts:
             raise ValueError("hetpipe launch: --plan places the ranks of one plan; --max-restarts re-plans, so "
                              "they do not go together (use a plan cache instead)")
-        plan = Plan.load(args.plan)
+        try:
+            plan = Plan.load(args.plan)
+        except ValueError as e:
+            raise ValueError(f"hetpipe launch: --plan {args.plan}: {e}") from None
         args.n = args.n or plan.num_ranks
         if args.n != plan.num_ranks:
             raise ValueError(f"hetpipe launch: the plan {args.plan} needs {plan.num_ranks} ranks, -n is {args.n}")

@@ -34,6 +34,7 @@ BUILTIN_BASE = {
     "hetpipe.transport.protocol.StageError": RuntimeError,
     "hetpipe.transport.registry.TransportChoiceError": ValueError,
     "hetpipe.transport.slots.PinningError": RuntimeError,
+    "hetpipe.util.errors.ArgumentError": ValueError,
 }
 
 

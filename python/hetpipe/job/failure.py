@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import time
 import traceback
@@ -26,6 +27,10 @@ ABORT_GRACE_S = 0.5
 SIGNAL_GRACE_ENV = "HETPIPE_TERM_GRACE"
 SIGNAL_GRACE_S = 60.0   # default time ranks get to write a SIGTERM checkpoint when the launcher is interrupted
 _reported = ""      # the last one-line failure message of this process, kept in its aborted mark
+INTERRUPTED_EXIT = 128 + signal.SIGINT      # a Ctrl-C'd process's exit status, as a shell reports it
+# mpiexec hands a terminal's SIGINT to every rank: rank 0 says it for the job and exits, whereupon mpiexec
+# ends the others. A rank still running this long after its own KeyboardInterrupt got the signal alone.
+INTERRUPT_WAIT_S = 2.0
 
 
 def timeout_s(explicit: Optional[float] = None) -> float:
@@ -82,13 +87,37 @@ def verdict(comm, describe: str, exc: BaseException, code: int = 1) -> None:
     os._exit(code)
 
 
+def interrupted(comm, line: str, describe: str) -> None:
+    """End the job after a Ctrl-C (SIGINT, raised as KeyboardInterrupt) reached this rank: one line for
+    the job, no traceback, exit status :data:`INTERRUPTED_EXIT`. Never returns.
+
+    Rank 0 of ``comm`` (a lone process too) writes ``line`` and exits; mpiexec then ends the other ranks.
+    Another rank stays quiet for :data:`INTERRUPT_WAIT_S`, and says that it (``describe``) was interrupted
+    only if it is still running then: the signal reached it alone. A second Ctrl-C meanwhile is ignored,
+    and so is SIGTERM's checkpoint handler: mpiexec's teardown is not a request to checkpoint."""
+    global _reported
+    for sig, how in ((signal.SIGINT, signal.SIG_IGN), (signal.SIGTERM, signal.SIG_DFL)):
+        with contextlib.suppress(ValueError):       # not the main thread: nothing to change
+            signal.signal(sig, how)
+    if comm is not None and comm.Get_rank() != 0:
+        mark_aborted()
+        time.sleep(INTERRUPT_WAIT_S)
+        line = f"hetpipe: {describe} was interrupted (SIGINT), alone; the job ends"
+    _reported = line
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()
+    # MPI_Abort makes 130 mpiexec's own exit status (ranks mpiexec kills would otherwise set it); a lone
+    # process has no peer to end.
+    abort(comm if comm is not None and comm.Get_size() > 1 else None, INTERRUPTED_EXIT)
+
+
 def install_excepthook(comm, describe: Callable[[], str]) -> None:
-    """Make any uncaught exception on this rank report and abort the job (``describe()`` names the rank)."""
-    previous = sys.excepthook
+    """Make any uncaught exception on this rank report and abort the job (``describe()`` names the rank);
+    a Ctrl-C ends it in one line (:func:`interrupted`)."""
 
     def hook(exc_type, exc, tb):
         if issubclass(exc_type, KeyboardInterrupt):
-            previous(exc_type, exc, tb)
+            interrupted(comm, "hetpipe: interrupted (SIGINT)", describe())
         report(describe(), exc)
         abort(comm)
 

@@ -119,3 +119,29 @@ def marked(run_dir: str, kind: str) -> Set[int]:
     return {int(f.name.split("-", 1)[1]) for f in Path(run_dir).glob(f"{kind}-*")}
 
 
+INTERRUPTING_FILE = "interrupting"      # the launcher, interrupted, is ending the run (it holds the signal's name)
+
+
+def mark_interrupting(run_dir: str, signal_name: str) -> None:
+    """Launcher side: record, before the ranks get SIGTERM, that the launcher was interrupted and says so
+    for the whole run, in one line (:func:`launcher_interrupting`)."""
+    _mark(run_dir, INTERRUPTING_FILE, f"{signal_name}\n")
+
+
+def launcher_interrupting() -> bool:
+    """Rank side: whether this rank's launcher was interrupted and is ending the run; the rank then
+    leaves what it would say about its SIGTERM to the launcher's one line for the run."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    return bool(run_dir) and Path(run_dir, INTERRUPTING_FILE).exists()
+
+
+def reached_clock(run_dir: str) -> int:
+    """The highest wave-boundary clock any rank of the run recorded (``clock-of-rank-R``, written by a
+    rank's checkpointer at each boundary); -1: none recorded (no checkpoints, or none reached yet)."""
+    clocks = []
+    for f in Path(run_dir).glob("clock-of-rank-*"):
+        try:
+            clocks.append(int(f.read_text().split()[0]))
+        except (OSError, ValueError, IndexError):
+            pass
+    return max(clocks, default=-1)

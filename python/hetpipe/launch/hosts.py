@@ -196,11 +196,11 @@ def mpi_flavour(mpiexec: str) -> str:
 def choose(hostfile: Optional[str], hosts: Optional[str], env: Mapping[str, str] = os.environ) -> Optional[HostSlots]:
     """The host list of a launch: ``--hostfile``, else ``-H``, else the Slurm allocation, else None
     (every rank on this host)."""
-    if hostfile and hosts:
+    if hostfile is not None and hosts is not None:
         raise HostsError("hetpipe launch: give --hostfile or -H, not both")
-    if hostfile:
+    if hostfile is not None:
         return parse_hostfile(hostfile)
-    if hosts:
+    if hosts is not None:
         return parse_hosts(hosts)
     return from_slurm(env)
 

@@ -51,20 +51,35 @@ def launch(n: int, argv: List[str], run_dir: Optional[str] = None, placement: Op
     keep = run_dir is not None
     if run_dir is None:
         run_dir = tempfile.mkdtemp(prefix="hetpipe-run-")
+        made = True
     else:
         run_dir = os.path.abspath(run_dir)
-        os.makedirs(run_dir, exist_ok=True)
+        made = not os.path.exists(run_dir)
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"hetpipe launch: --run-dir {run_dir}: cannot make it: {e.strerror or e}") from None
         if any(Path(run_dir).iterdir()):
             raise ValueError(f"hetpipe launch: the run directory {run_dir} is not empty (it holds an earlier run?)")
-    settings = settings if settings is not None else LaunchSettings()
-    settings.write(run_dir)
-    options = list(mpi_args)
-    if placement is not None:
-        options += placement.apply(n, run_dir, mpiexec_path(), os.environ)
-    command = mpiexec_command(n, argv, options)
-    disable_mpi_gpu()
-    outcome = Supervisor(command, n, run_dir, timeout_s(settings.timeout)).run()
-    if outcome.status != "ok":
+    try:
+        settings = settings if settings is not None else LaunchSettings()
+        settings.write(run_dir)
+        options = list(mpi_args)
+        if placement is not None:
+            options += placement.apply(n, run_dir, mpiexec_path(), os.environ)
+        command = mpiexec_command(n, argv, options)
+        disable_mpi_gpu()
+        supervisor = Supervisor(command, n, run_dir, timeout_s(settings.timeout))
+    except BaseException:
+        # Refused before any process started: no half-written run directory is left behind.
+        if made:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    outcome = supervisor.run()
+    if outcome.status == "interrupted":
+        # One line for the run: the signal, how far it got and its last checkpoint (the ranks said nothing).
+        sys.stderr.write(f"{outcome.message}; details in {Path(run_dir, OUTCOME_FILE)}\n")
+    elif outcome.status != "ok":
         if outcome.cause not in ("reported", ""):
             sys.stderr.write(outcome.message + "\n")
         sys.stderr.write(f"hetpipe: the run ended ({outcome.status}); details in {Path(run_dir, OUTCOME_FILE)}\n")

@@ -26,7 +26,7 @@ from typing import Dict, Iterable, List, Optional, Set
 
 from hetpipe.checkpoint import format as ckpt
 from hetpipe.job.launch_file import LaunchSettings
-from hetpipe.job.rundir import WORLD_RANKS_FILE
+from hetpipe.job.rundir import WORLD_RANKS_FILE, reached_clock
 from hetpipe.plan.types import Plan
 
 RESTARTABLE = ("died", "stopped")       # faults of a rank or its device; a rank that raised is a bug
@@ -156,17 +156,6 @@ def answers(device: str) -> bool:
         return False
 
 
-def _reached(run_dir: Path) -> int:
-    """The highest wave-boundary clock any rank of the run reached (-1: none recorded)."""
-    clocks = []
-    for f in run_dir.glob("clock-of-rank-*"):
-        try:
-            clocks.append(int(f.read_text().split()[0]))
-        except (OSError, ValueError, IndexError):
-            pass
-    return max(clocks, default=-1)
-
-
 def _say(text: str) -> None:
     sys.stderr.write(f"hetpipe: {text}\n")
     sys.stderr.flush()
@@ -185,16 +174,23 @@ def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max
     from hetpipe.launch.mpiexec import launch
     from hetpipe.launch.supervisor import Outcome
 
-    base = Path(run_dir).resolve() if run_dir else Path(tempfile.mkdtemp(prefix="hetpipe-run-"))
-    base.mkdir(parents=True, exist_ok=True)
     resume = settings.resume
     failed: Set[str] = set(exclude)
+    if failed and not resume:
+        raise ValueError(f"hetpipe launch: --exclude-device {', '.join(sorted(failed))} needs --resume DIR (the "
+                         "plan left out of is the checkpoint's)")
+    made = not run_dir or not Path(run_dir).exists()
+    base = Path(run_dir).resolve() if run_dir else Path(tempfile.mkdtemp(prefix="hetpipe-run-"))
+    base.mkdir(parents=True, exist_ok=True)
     if failed:
-        if not resume:
-            raise ValueError("hetpipe launch: --exclude-device needs --resume DIR (the plan left out of is the "
-                             "checkpoint's)")
-        plan = plan_without(Plan.from_dict(ckpt.read_manifest(ckpt.find(Path(resume)))["plan"]), failed)
-        settings = _use_plan(plan, base / "plan-0.json", settings, f"without device(s) {sorted(failed)}")
+        try:
+            plan = plan_without(Plan.from_dict(ckpt.read_manifest(ckpt.find(Path(resume)))["plan"]), failed)
+            settings = _use_plan(plan, base / "plan-0.json", settings, f"without device(s) {sorted(failed)}")
+        except BaseException:
+            # Refused before any attempt started: no run directory is left behind.
+            if made:
+                shutil.rmtree(base, ignore_errors=True)
+            raise
         n = plan.num_ranks
         _say(f"device(s) {sorted(failed)} marked failed: {len(plan.virtual_workers)} VW(s), {n} ranks")
     attempt = 0
@@ -207,7 +203,7 @@ def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max
                 shutil.rmtree(base, ignore_errors=True)
             return rc
         if not restartable(outcome):
-            if max_restarts > 0:
+            if max_restarts > 0 and outcome.status != "interrupted":     # an interrupt is said in its own line
                 _say(f"not restarting: the run ended with cause '{outcome.cause}' (restarts follow a rank that "
                      "died or stopped answering; one that raised for another reason would raise again)")
             return rc
@@ -252,7 +248,7 @@ def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max
             _say(f"not restarting: {e}")
             return rc
         how = f" ({chosen})" if failed & {st.device for vw in plan.virtual_workers for st in vw.stages} else ""
-        reached = _reached(here)
+        reached = reached_clock(str(here))
         found = ckpt.latest(Path(directory)) if directory else None
         sound, failing = _verified(Path(directory)) if found is not None else (None, [])
         if found is not None:

@@ -16,6 +16,8 @@ that a terminal's Ctrl-C reaches the launcher alone, and ends the run itself:
 * the launcher gets SIGINT, SIGTERM or SIGHUP: it ends the run and exits with 128 + the signal; the
   ranks then get up to :func:`signal_grace_s` (``hetpipe launch --term-grace``) to write their
   SIGTERM checkpoint and exit, since a real model's state takes longer to write than a fault's teardown;
+  the launcher marks the run directory first (``interrupting``), so that the ranks stay quiet and the
+  run is one line: the signal, the wave reached and the last complete checkpoint;
 * mpiexec exits (killed, or after a failure): the launcher ends whatever is left.
 
 Ending the run: every process whose environment carries this run's ``HETPIPE_RUN_DIR`` (mpiexec, its
@@ -42,7 +44,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 from hetpipe.job.failure import ABORT_GRACE_S, signal_grace_s
 from hetpipe.job.guard import LAUNCHER_HOST_ENV, LAUNCHER_PID_ENV
 from hetpipe.job.procs import environment_marker, processes_with, rank_processes, send, signal_name, stopped
-from hetpipe.job.rundir import RUN_DIR_ENV, marked, rank_hosts, ranks_by_pid, recorded_ranks, starting_ranks
+from hetpipe.job.rundir import (RUN_DIR_ENV, mark_interrupting, marked, rank_hosts, ranks_by_pid, reached_clock,
+                                recorded_ranks, starting_ranks)
 from hetpipe.util.numbers import seconds
 from hetpipe.launch.deaths import DeathWatcher
 
@@ -144,7 +147,10 @@ class Supervisor:
         vanished = [(pid, watcher.vanished_at[pid]) for pid in list(watcher.vanished)]
         aborted = _reports(self.run_dir)
         stuck = [pid for pid in set(ranks_by_pid(self.run_dir, self.host)) | set(self.seen) if stopped(pid)]
-        ended = self._end_all(self.signal_grace_s if verdict is not None and verdict[0] == "signal" else TERM_GRACE_S)
+        interrupted = verdict is not None and verdict[0] == "signal"
+        if interrupted:
+            mark_interrupting(self.run_dir, signal_name(verdict[1]))     # the ranks leave the saying to this launcher
+        ended = self._end_all(self.signal_grace_s if interrupted else TERM_GRACE_S)
         final_rc = proc.wait()
         watcher.stop()
         for t in relays:
@@ -227,8 +233,8 @@ class Supervisor:
 
         if verdict is not None and verdict[0] == "signal":
             name = signal_name(verdict[1])
-            return Outcome("interrupted", 128 + verdict[1], "signal", message=f"hetpipe: interrupted by {name}",
-                           reports=messages)
+            return Outcome("interrupted", 128 + verdict[1], "signal",
+                           message=f"hetpipe: interrupted by {name}{self._progress()}", reports=messages)
         if verdict is not None and verdict[0] == "unregistered":
             registered = {rank for rank, _ in recorded_ranks(self.run_dir).values()}
             missing = [r for r in range(self.ranks) if r not in registered]
@@ -278,6 +284,22 @@ class Supervisor:
             return blame("reported", pid, lambda role: text or f"hetpipe: {role} failed (it reported an error)")
         return Outcome("failed", rc if rc > 0 else 1, "exit", message=f"hetpipe: mpiexec exited with status {rc}"
                        + elsewhere, reports=messages)
+
+    def _progress(self) -> str:
+        """How far an interrupted run got, read once its ranks ended (their SIGTERM checkpoints written):
+        `` at wave N`` (the highest wave boundary a rank's checkpointer recorded) and its last complete
+        checkpoint; empty where the run recorded neither (no checkpoints, or ended before training)."""
+        from hetpipe.checkpoint.format import latest
+
+        clock = reached_clock(self.run_dir)
+        text = f" at wave {clock}" if clock >= 0 else ""
+        listed = Path(self.run_dir, "checkpoints.txt")
+        if listed.exists():
+            directory = Path(listed.read_text().strip())
+            found = latest(directory)
+            text += f"; last complete checkpoint: {found}" if found is not None else \
+                f"; no complete checkpoint in {directory}"
+        return text
 
     def _silent_elsewhere(self) -> str:
         """The ranks on other hosts that ended with neither an exit nor a failure mark, by host: a host

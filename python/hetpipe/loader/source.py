@@ -48,6 +48,10 @@ from torch.utils import _pytree as pytree
 from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler,
                               SequentialSampler, TensorDataset)
 
+from hetpipe.util.arguments import flag
+from hetpipe.util.errors import ArgumentError
+from hetpipe.util.numbers import whole
+
 INPUTS, LABELS, BOTH = "inputs", "labels", "both"
 CHECKED = 2         # minibatches per reading rank whose digests the start-up check compares
 
@@ -310,7 +314,10 @@ class DatasetSource(DataSource):
         if isinstance(dataset, IterableDataset):
             raise TypeError("hetpipe: DatasetSource takes a map-style dataset; an IterableDataset goes to StreamSource")
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"hetpipe: batch_size must be a positive int, got {batch_size!r}")
+            raise ArgumentError(f"hetpipe: batch_size must be a positive int, got {batch_size!r}")
+        whole("DatasetSource(seed)", seed, 0)
+        flag("DatasetSource(shuffle)", shuffle)
+        flag("DatasetSource(drop_last)", drop_last)
         self.loader_settings = _loader_settings(dataset, num_workers, dict(
             pin_memory=pin_memory, pin_memory_device=pin_memory_device, timeout=timeout,
             worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
@@ -412,6 +419,9 @@ class StreamSource(DataSource):
                  persistent_workers: bool = False) -> None:
         if isinstance(data, IterableDataset) and batch_size is None:
             raise ValueError("hetpipe: an IterableDataset needs batch_size= (samples per minibatch)")
+        if batch_size is not None:
+            whole("StreamSource(batch_size)", batch_size)
+        whole("StreamSource(seed)", seed, 0)
         settings = dict(pin_memory=pin_memory, pin_memory_device=pin_memory_device, timeout=timeout,
                         worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
                         prefetch_factor=prefetch_factor, persistent_workers=persistent_workers)

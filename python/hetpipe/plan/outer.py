@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from typing import Any, Dict
 
+from hetpipe.util.errors import ArgumentError
+
 OUTERS = ("sgd", "nesterov")
 STALENESS_RULES = ("none", "inverse")
 OUTER_FIELDS = ("outer", "outer_lr", "outer_momentum", "outer_staleness")
@@ -35,13 +37,13 @@ def check_outer(where: str, outer: Any = "sgd", outer_lr: Any = 1.0, outer_momen
     """The outer optimizer's options as a dict (numbers as floats); a ValueError naming ``where`` and the
     field for an unknown name, ``outer_lr`` not a finite number > 0, or ``outer_momentum`` outside [0, 1)."""
     if outer not in OUTERS:
-        raise ValueError(f"{where}: outer must be one of {list(OUTERS)}, got {outer!r}")
+        raise ArgumentError(f"{where}: outer must be one of {list(OUTERS)}, got {outer!r}")
     if not _is_number(outer_lr) or not math.isfinite(outer_lr) or outer_lr <= 0:
-        raise ValueError(f"{where}: outer_lr must be a finite number > 0, got {outer_lr!r}")
+        raise ArgumentError(f"{where}: outer_lr must be a finite number > 0, got {outer_lr!r}")
     if not _is_number(outer_momentum) or not 0 <= outer_momentum < 1:
-        raise ValueError(f"{where}: outer_momentum must be a number in [0, 1), got {outer_momentum!r}")
+        raise ArgumentError(f"{where}: outer_momentum must be a number in [0, 1), got {outer_momentum!r}")
     if outer_staleness not in STALENESS_RULES:
-        raise ValueError(f"{where}: outer_staleness must be one of {list(STALENESS_RULES)}, got {outer_staleness!r}")
+        raise ArgumentError(f"{where}: outer_staleness must be one of {list(STALENESS_RULES)}, got {outer_staleness!r}")
     return {"outer": outer, "outer_lr": float(outer_lr), "outer_momentum": float(outer_momentum),
             "outer_staleness": outer_staleness}
 

@@ -7,6 +7,8 @@ agree on them; what the runtime does with each is in docs/design.md ("Mixed prec
 
 from __future__ import annotations
 
+from hetpipe.util.errors import ArgumentError
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 # The half dtype (torch's name) a mixed precision computes and sends in.
 HALF_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
@@ -19,7 +21,7 @@ ACTIVATION_DTYPES = tuple(_ELEMENT_BYTES)
 def check_precision(precision: str, where: str) -> str:
     """``precision`` if it is one of :data:`PRECISIONS`; else a ValueError naming ``where``."""
     if precision not in PRECISIONS:
-        raise ValueError(f"{where}: precision must be one of {list(PRECISIONS)}, got {precision!r}")
+        raise ArgumentError(f"{where}: precision must be one of {list(PRECISIONS)}, got {precision!r}")
     return precision
 
 

@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 import hetpipe_core
+from hetpipe.job.environment import PLANES, PS_PLANE_ENV
 from hetpipe.ps.server import ShardServerBase
 from hetpipe.plan.outer import check_outer
 from hetpipe.ps.shard import ShardLog, WSPViolation, check_aggregate, held_layers, initial_momentum
@@ -34,8 +35,7 @@ from hetpipe.transport.base import Transport
 from hetpipe.transport.core import core_mpi_missing
 from hetpipe.transport.protocol import TransportError
 
-PLANE_ENV = "HETPIPE_PS_PLANE"
-PLANES = ("auto", "core", "python")
+PLANE_ENV = PS_PLANE_ENV
 
 
 def choose_plane(comm) -> Tuple[str, str]:

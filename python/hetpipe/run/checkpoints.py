@@ -20,13 +20,14 @@ from hetpipe.checkpoint import format as ckfmt
 from hetpipe.checkpoint import state as ckpt
 from hetpipe.job import failure
 from hetpipe.job.roles import LaunchError, Role
-from hetpipe.job.rundir import RUN_DIR_ENV, mark_terminated
+from hetpipe.job.rundir import RUN_DIR_ENV, launcher_interrupting, mark_terminated
 from hetpipe.model.layout import ModelLayout, local_buffers
 from hetpipe.model.weights import load_layer_weights
 from hetpipe.plan.types import Plan
 from hetpipe.run.spec import RunSpec
 from hetpipe.schedule.messages import eval_waves
 from hetpipe.stage.executor import StageExecutor
+from hetpipe.util.errors import ArgumentError
 
 
 @dataclass
@@ -59,6 +60,9 @@ class RunCheckpoints:
         """The checkpoints of a run of ``work`` (a :class:`~hetpipe.run.workload.Workload`) under
         ``config`` (a resolved :class:`~hetpipe.run.config.RunConfig`)."""
         c = config.checkpointing
+        if c.resume and not Path(c.resume).exists():
+            raise ArgumentError(f"hetpipe: checkpointing.resume {str(c.resume)!r} does not exist (give a checkpoint "
+                                "directory, or one checkpoint of it)")
         return cls(work.layers, work.data, config.epochs, config.numerics.seed, config.planning.split_startup,
                    work.names, Path(c.dir) if c.dir else None, config.checkpoint_every,
                    Path(c.resume) if c.resume else None, c.on_sigterm, c.keep, bool(c.fallback))
@@ -233,10 +237,10 @@ class RunCheckpoints:
 
     def on_sigterm(self, writer: Optional[ckpt.Checkpointer], describe: Callable[[], str]):
         """On SIGTERM, write the kept wave-boundary snapshots not yet on disk, wait until a clock this
-        rank holds is complete (every rank's part; at most ``HETPIPE_TERM_GRACE``), mark the run
-        directory (``terminated-PID``: the launcher restarts a run one of whose ranks was stopped so,
-        with the same devices) and exit 128 + 15; returns the previous handler (None: nothing
-        installed)."""
+        rank holds is complete (every rank's part; at most ``HETPIPE_TERM_GRACE``), say which clocks it
+        wrote and mark the run directory (``terminated-PID``: the launcher restarts a run one of whose ranks
+        was stopped so, with the same devices) unless its launcher was interrupted and says it for the run,
+        then exit 128 + 15; returns the previous handler (None: nothing installed)."""
         if writer is None or threading.current_thread() is not threading.main_thread():
             return None
 
@@ -252,9 +256,10 @@ class RunCheckpoints:
                 # same: raising from the handler would turn a stop from outside into this rank's error.
                 what = (f"writing the checkpoint it held failed ({type(e).__name__}: {e}); checkpoint(s) at "
                         f"clock(s) {writer.written} in {self.directory}")
-            sys.stderr.write(f"hetpipe: {describe()}: SIGTERM; {what}\n")
-            sys.stderr.flush()
-            mark_terminated(what)
+            if not launcher_interrupting():     # else the launcher says it once for the run, naming the checkpoint
+                sys.stderr.write(f"hetpipe: {describe()}: SIGTERM; {what}\n")
+                sys.stderr.flush()
+                mark_terminated(what)
             os._exit(128 + sig)
 
         return signal.signal(signal.SIGTERM, handler)

@@ -27,11 +27,19 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Type
 from hetpipe.job import failure
 from hetpipe.job.launch_file import LaunchSettings
 from hetpipe.job.roles import LaunchError
+from hetpipe.util.arguments import directory_path, file_path, flag, path_of
+from hetpipe.util.errors import ArgumentError
 from hetpipe.util.numbers import seconds, whole
 from hetpipe.plan.outer import OUTER_DEFAULTS, check_outer
 from hetpipe.plan.precision import check_precision
 
 PathLike = Union[str, Path]
+
+# The most minibatch-stages (minibatches per VW x the plan's stages, over every VW) a run's schedules
+# hold: every rank builds every VW's schedule before training, about 1 KB and 20 us per
+# minibatch-stage, so this bound is ~16 GB and minutes on every rank. Past it a run would look hung
+# while its memory grew; a longer training is several runs, each resuming from the last one's checkpoint.
+MAX_MINIBATCH_STAGES = 1 << 24
 
 
 def as_path(value: Optional[PathLike]) -> Optional[Path]:
@@ -66,14 +74,30 @@ class Planning:
     on_plan: Optional[Callable[[Any], None]] = None
 
     def __post_init__(self) -> None:
+        from hetpipe.plan.formation import POLICIES
+        from hetpipe.plan.types import MAX_NM
         from hetpipe.schedule.registry import get_schedule
 
+        if self.cluster is not None and not (isinstance(self.cluster, str) and self.cluster == "auto"):
+            from hetpipe.plan.cluster import load_cluster
+
+            try:
+                load_cluster(self.cluster)
+            except (ValueError, TypeError) as e:
+                raise ArgumentError(f"hetpipe: planning.cluster: {e}") from None
+        if not isinstance(self.policy, str) or self.policy.upper() not in (*POLICIES, "AUTO"):
+            raise ArgumentError(f"hetpipe: planning.policy must be one of auto, {', '.join(POLICIES)} (any case), "
+                                f"got {self.policy!r}")
         if self.nm is not None:
-            whole("planning.nm", self.nm)
+            whole("planning.nm", self.nm, 1, MAX_NM, " (minibatches in flight per VW)")
         if self.d is not None:
             whole("planning.d", self.d, 0)
         whole("planning.split_startup", self.split_startup, 0)
-        get_schedule(self.schedule)
+        try:
+            get_schedule(self.schedule)
+        except (ValueError, TypeError) as e:
+            raise ArgumentError(f"hetpipe: planning.schedule: {e}") from None
+        directory_path("planning.plan_cache", self.plan_cache)
         if self.on_plan is not None and not callable(self.on_plan):
             raise TypeError(f"hetpipe: planning.on_plan must be a function plan -> None, got {self.on_plan!r}")
 
@@ -99,7 +123,8 @@ class PSRule:
 
     def __post_init__(self) -> None:
         if self.aggregate is not None and self.aggregate not in ("mean", "sum"):
-            raise ValueError(f"hetpipe: ps.aggregate must be 'mean' or 'sum', got {self.aggregate!r}")
+            raise ArgumentError(f"hetpipe: ps.aggregate must be 'mean' or 'sum', got {self.aggregate!r}")
+        flag("ps.audit", self.audit)
         check_outer("ps", **{**OUTER_DEFAULTS, **self.outer_overrides})
 
     @property
@@ -141,18 +166,19 @@ class Numerics:
         from hetpipe.stage.loss_scale import LossScale
 
         if self.precision is not None:
-            check_precision(self.precision, "numerics")
+            check_precision(self.precision, "hetpipe: numerics")
         whole("numerics.seed", self.seed, 0)
         whole("numerics.accumulate (minibatches)", self.accumulate)
         clip = self.clip_grad_norm
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0
                                  or clip == float("inf")):
-            raise ValueError(f"hetpipe: numerics.clip_grad_norm must be a finite number > 0, got {clip!r}")
+            raise ArgumentError(f"hetpipe: numerics.clip_grad_norm must be a finite number > 0, got {clip!r}")
         if self.lr_scheduler is not None and not callable(self.lr_scheduler):
             raise TypeError("hetpipe: numerics.lr_scheduler must be a factory optimizer -> LR scheduler, "
                             f"got {self.lr_scheduler!r}")
         if self.lr_scheduler_steps not in ("run", "vw"):
-            raise ValueError(f"hetpipe: numerics.lr_scheduler_steps must be 'run' or 'vw', got {self.lr_scheduler_steps!r}")
+            raise ArgumentError(f"hetpipe: numerics.lr_scheduler_steps must be 'run' or 'vw', got "
+                                f"{self.lr_scheduler_steps!r}")
         LossScale(**dict(self.loss_scale or {}))             # checks the options now
 
 
@@ -181,6 +207,10 @@ class Checkpointing:
         if self.every is not None:
             whole("checkpointing.every (waves)", self.every)
         whole("checkpointing.keep", self.keep)
+        directory_path("checkpointing.dir", self.dir)
+        path_of("checkpointing.resume", self.resume)
+        flag("checkpointing.fallback", self.fallback)
+        flag("checkpointing.on_sigterm", self.on_sigterm)
 
 
 @dataclass(frozen=True)
@@ -215,15 +245,19 @@ class Reporting:
     def __post_init__(self) -> None:
         from hetpipe.run.callbacks import Callbacks
 
+        flag("reporting.progress", self.progress)
+        for name in ("metrics", "trace", "record"):
+            file_path(f"reporting.{name}", getattr(self, name))
+        directory_path("reporting.tensorboard", self.tensorboard)
         if self.eval_every is not None:
             whole("reporting.eval_every (waves)", self.eval_every)
         if self.eval_every_steps is not None:
             whole("reporting.eval_every_steps (optimizer steps)", self.eval_every_steps)
             if self.eval_every is not None:
-                raise ValueError("hetpipe: give reporting.eval_every (waves) or eval_every_steps (steps), not both")
+                raise ArgumentError("hetpipe: give reporting.eval_every (waves) or eval_every_steps (steps), not both")
         if self.eval_data is not None and not self.evaluates:
-            raise ValueError("hetpipe: reporting.eval_data needs reporting.eval_every_steps or eval_every (how often "
-                             "to evaluate)")
+            raise ArgumentError("hetpipe: reporting.eval_data needs reporting.eval_every_steps or eval_every (how "
+                                "often to evaluate)")
         if self.eval_metric is not None and not callable(self.eval_metric):
             raise TypeError("hetpipe: reporting.eval_metric must be a function (output, labels) -> float, "
                             f"got {self.eval_metric!r}")
@@ -256,12 +290,14 @@ class Runtime:
         if self.timeout is not None:
             seconds("runtime.timeout", self.timeout)
         seconds("runtime.emulation_scale", self.emulation_scale)
+        flag("runtime.emulate", self.emulate, optional=True)
+        flag("runtime.copy_stream", self.copy_stream, optional=True)
         if self.transport is not None:
             from hetpipe.transport import registry as transports
 
             if self.transport not in transports.names():
-                raise ValueError(f"hetpipe: runtime.transport must be one of {', '.join(transports.names())}, "
-                                 f"got {self.transport!r}")
+                raise ArgumentError(f"hetpipe: runtime.transport must be one of {', '.join(transports.names())}, "
+                                    f"got {self.transport!r}")
 
 
 SECTIONS: Dict[str, type] = {"planning": Planning, "ps": PSRule, "numerics": Numerics,
@@ -393,6 +429,9 @@ def resolve(epochs: int, plan: Any, sections: Dict[str, Any], launch: Optional[L
     launch, :meth:`LaunchSettings.current`). A plan from a restarting launcher (which re-planned without a
     failed device) replaces the script's, and rank 0 says so; a ``--plan`` that differs from the script's
     plan is refused."""
+    whole("epochs", epochs, 1, MAX_MINIBATCH_STAGES, ", the most minibatch-stages a run's schedules hold (each epoch "
+          "adds one at least); train longer as several runs, each resuming from the last one's checkpoint")
+    _check_plan(plan)
     launch = LaunchSettings.current() if launch is None else launch
     planning, ps = sections["planning"], sections["ps"]
     numerics, checkpointing = sections["numerics"], sections["checkpointing"]
@@ -413,8 +452,22 @@ def resolve(epochs: int, plan: Any, sections: Dict[str, Any], launch: Optional[L
     plan_source = "script" if plan is not None else "planned"
     if launch.plan is not None:
         plan, plan_source = _launch_plan(plan, launch)
-    return RunConfig(whole("epochs", epochs), plan, plan_source, planning, ps, numerics, checkpointing, reporting,
+    return RunConfig(epochs, plan, plan_source, planning, ps, numerics, checkpointing, reporting,
                      runtime, failure.timeout_s(runtime.timeout), launch.run_id)
+
+
+def _check_plan(plan: Any) -> None:
+    """The Trainer's ``plan=``: None, a Plan, or a plan JSON file that loads."""
+    from hetpipe.plan.types import Plan
+
+    if plan is None or isinstance(plan, Plan):
+        return
+    if isinstance(plan, bool) or not isinstance(plan, (str, Path)):
+        raise ArgumentError(f"hetpipe: plan must be a hetpipe.Plan, a plan JSON path or None, got {plan!r}")
+    try:
+        Plan.load(plan)
+    except ValueError as e:
+        raise ArgumentError(f"hetpipe: plan={str(plan)!r}: {e}") from None
 
 
 def _resume(script: Optional[PathLike], launch: LaunchSettings) -> Optional[PathLike]:

@@ -6,14 +6,28 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
+from hetpipe.util.arguments import flag
+from hetpipe.util.errors import ArgumentError
+from hetpipe.util.numbers import whole
+
 
 class Batches:
-    """Minibatches of in-memory tensors, reshuffled each epoch with a seed (identical on every rank)."""
+    """Minibatches of in-memory tensors, reshuffled each epoch with a seed (identical on every rank).
+
+    x, y: tensors of one row per sample, as many of each; batch_size: a whole number >= 1 (an epoch
+    is the full minibatches); seed: a whole number >= 0. A bad argument is refused here, naming it."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, *, shuffle: bool = True,
                  seed: int = 0) -> None:
+        for name, t in (("x", x), ("y", y)):
+            if not isinstance(t, torch.Tensor) or t.dim() < 1:
+                got = "a 0-d tensor" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+                raise ArgumentError(f"hetpipe: Batches({name}) must be a tensor with one row per sample, got {got}")
         if len(x) != len(y):
-            raise ValueError(f"Batches: {len(x)} inputs but {len(y)} labels")
+            raise ArgumentError(f"hetpipe: Batches got {len(x)} inputs (x) but {len(y)} labels (y)")
+        whole("Batches(batch_size)", batch_size)
+        flag("Batches(shuffle)", shuffle)
+        whole("Batches(seed)", seed, 0)
         self.x, self.y, self.batch_size = x, y, batch_size
         self.shuffle, self.seed = shuffle, seed
         self.epoch = 0

@@ -54,6 +54,8 @@ class RankRun:
         self.order: List[int] = []          # the world rank of each plan rank (empty: the same)
         self.emulated_world = False         # the world's devices were discovered as emulated types
         self.hosts: List[str] = []          # the host of each plan rank
+        self.part: Any = None               # this rank's stage executor or shard server, once built
+        self.clock0 = 0                     # the clock the run resumed from
 
     def run(self, comm, rank: int, size: int) -> TrainResult:
         """Plan on rank 0, take this rank's role, train, gather the result (see :meth:`Trainer.fit`).
@@ -194,6 +196,7 @@ class RankRun:
         else:
             part = build_shard(spec, role.shard, transport, pool, trace=trace, t0=t0,
                                comm=comm if plane == "core" else None)
+        self.part, self.clock0 = part, spec.resume.checkpoint.clock if spec.resume is not None else 0
         self._check_agreement(comm, spec, part, role)
         writer = self.checkpoints.checkpointer(plan, spec, role, part, reporter)
         previous = self.checkpoints.on_sigterm(writer, lambda: self.describe)
@@ -237,6 +240,21 @@ class RankRun:
             reporter.finish(result, trace_path, reason)
         return result
 
+
+    def interruption(self) -> str:
+        """The line a Ctrl-C of the run prints: how far this rank got (the waves it pushed, or its shard
+        applied) and the last complete checkpoint on disk."""
+        part, where = self.part, " before training started"
+        if part is not None:
+            ledger = getattr(getattr(part, "model", None), "ledger", None)
+            done = len(ledger.pushed) if ledger is not None else getattr(getattr(part, "state", None), "applied", 0)
+            where = f" at wave {self.clock0 + done}"
+        directory = self.checkpoints.directory
+        if directory is None:
+            return f"hetpipe: interrupted (SIGINT){where}; the run writes no checkpoints"
+        found = ckfmt.latest(directory)
+        return f"hetpipe: interrupted (SIGINT){where}; " + (f"last complete checkpoint: {found}" if found is not None
+                                                            else f"no complete checkpoint in {directory} yet")
 
     def _check_agreement(self, comm, spec: RunSpec, part, role: Role) -> None:
         """Every rank holds the same initial weights of the layers it holds (model.fingerprint) and reads

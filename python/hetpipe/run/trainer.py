@@ -18,6 +18,7 @@ from torch import nn
 
 from hetpipe.checkpoint import state as ckpt
 from hetpipe.job import failure
+from hetpipe.job.environment import check_rank
 from hetpipe.job.roles import LaunchError
 from hetpipe.job.world import world
 from hetpipe.model.weights import load_layer_weights
@@ -69,6 +70,7 @@ class Trainer:
                  numerics: Union[Numerics, Section] = None, checkpointing: Union[Checkpointing, Section] = None,
                  reporting: Union[Reporting, Section] = None, runtime: Union[Runtime, Section] = None,
                  **deprecated: Any):
+        check_rank()            # the HETPIPE_* variables this rank reads, before anything is built
         given = {"planning": planning, "ps": ps, "numerics": numerics, "checkpointing": checkpointing,
                  "reporting": reporting, "runtime": runtime}
         if deprecated:
@@ -128,6 +130,9 @@ class Trainer:
         except LaunchError as e:
             # Every rank reaches the same verdict: rank 0 says it once (no traceback), the job ends.
             failure.verdict(comm, "job" if rank == 0 else run.describe, e)
+        except KeyboardInterrupt:
+            # Ctrl-C: mpiexec gave every rank the SIGINT; one line for the job, exit status 130.
+            failure.interrupted(comm, run.interruption(), run.describe)
         except BaseException as e:  # noqa: BLE001 - any failure must bring the job down, naming this rank
             failure.report(run.describe, e)
             failure.abort(comm)

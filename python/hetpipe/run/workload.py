@@ -28,7 +28,7 @@ from hetpipe.plan.types import Plan
 from hetpipe.plan.precision import check_precision
 from hetpipe.run.build import vw_schedule
 from hetpipe.run.callbacks import run_steps
-from hetpipe.run.config import Reporting, RunConfig, as_path
+from hetpipe.run.config import MAX_MINIBATCH_STAGES, Reporting, RunConfig, as_path
 from hetpipe.run.optimizer import as_factory
 from hetpipe.run.plan_cache import PlanCache, plan_key, planning_inputs
 from hetpipe.run.report import Reporter
@@ -86,6 +86,8 @@ def _layers_and_loss(model: Any, loss_fn: Optional[Callable]) -> Tuple[Any, Call
     if loss_fn is None:
         raise TypeError(f"hetpipe: loss_fn is None, and the model ({type(model).__name__}) has no loss of its own "
                         "that hetpipe knows: give loss_fn(output, labels)")
+    if not callable(loss_fn):
+        raise TypeError(f"hetpipe: loss_fn must be a function (output, labels) -> scalar tensor, got {loss_fn!r}")
     return sequence, loss_fn
 
 
@@ -210,6 +212,13 @@ def run_spec(work: Workload, config: RunConfig, plan: Plan, resume: Optional[ckp
             raise ValueError(f"hetpipe: the checkpoint {resume.checkpoint.path} is at epoch "
                              f"{resume.start.epoch} minibatch {resume.start.index}: nothing is left of the "
                              f"{epochs} epoch(s) to train")
+    held = total * plan.num_stage_ranks
+    if held > MAX_MINIBATCH_STAGES:
+        raise ValueError(f"hetpipe: epochs={epochs} gives each VW {total} minibatches ({per_vw} per epoch), so the "
+                         f"schedules of the plan's {plan.num_stage_ranks} stage(s) hold {held} minibatch-stages, more "
+                         f"than the {MAX_MINIBATCH_STAGES} a run builds up front; train at most "
+                         f"{max(1, MAX_MINIBATCH_STAGES // (per_vw * plan.num_stage_ranks))} epoch(s) per run and "
+                         "resume the next run from its checkpoint")
     x, _ = work.data.sample()
     rep = config.reporting
     clip = float(num.clip_grad_norm) if num.clip_grad_norm is not None else None

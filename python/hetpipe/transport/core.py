@@ -20,12 +20,10 @@ from typing import Optional, Tuple
 import numpy as np
 
 import hetpipe_core
+from hetpipe.job.environment import PLANES, STAGE_PLANE_ENV
 from hetpipe.transport.base import Transport
 from hetpipe.transport.protocol import ANY, KIND_NAMES, Header, Message, TransportError
 from hetpipe.transport.slots import slot_bytes
-
-STAGE_PLANE_ENV = "HETPIPE_STAGE_PLANE"
-PLANES = ("auto", "core", "python")
 
 
 def core_mpi_missing(comm) -> Optional[str]:

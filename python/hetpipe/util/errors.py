@@ -8,3 +8,8 @@ class HetpipeError(Exception):
     for bad input, ``RuntimeError`` for a failed run, ``TimeoutError`` for a peer that stopped
     answering), so that an ``except`` written for the built-in one keeps catching it.
     """
+
+
+class ArgumentError(HetpipeError, ValueError):
+    """A bad argument, option or environment variable, refused before anything runs: one line naming
+    it, the value given and what is allowed."""
