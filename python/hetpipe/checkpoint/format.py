@@ -3,7 +3,7 @@
 Layout (docs/design.md, "Checkpoints and restart")::
 
     DIR/clock-000008/manifest.json            plan, clock, data position, seed (the same from every rank)
-    DIR/clock-000008/rank-00003.safetensors   that rank's tensors (PS shard: W, B, outer M; stage: optimizer state)
+    DIR/clock-000008/rank-00003.safetensors   that rank's tensors (PS shard: W, B, outer state; stage: optimizer state)
     DIR/clock-000008/rank-00003.json          that rank's part: role, clocks, optimizer groups, LR scheduler, losses
 
 A checkpoint is complete once its manifest and every part's JSON and tensors exist; each file is
