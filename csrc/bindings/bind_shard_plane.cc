@@ -73,8 +73,8 @@ void bind_shard_plane(py::module_& m) {
                          "ShardPlane(layer_numels, stage_layers, d, num_threads=0, *, buffer_numels=[], replicas=[],\n"
                          "aggregate='sum', log_sums=False, outer='sgd', outer_lr=1.0, outer_momentum=0.9,\n"
                          "outer_staleness='none', outer_gain='none', outer_delay=0): stage_layers[vw][stage] lists\n"
-                         "the indices of the shard's\n"
-                         "layers the stage holds; buffer_numels the synced buffers per layer; replicas[vw][stage] the\n"
+                         "the indices of the shard's layers the stage holds; buffer_numels the synced buffers per\n"
+                         "layer; replicas[vw][stage] the\n"
                          "(layer, offset, numel) slices of tied parameters the stage pulls without pushing them;\n"
                          "outer* the PS's outer optimizer (hetpipe.plan.outer).")
       .def(py::init([](std::vector<std::size_t> layer_numels, std::vector<std::vector<std::vector<int>>> stage_layers,
