@@ -319,6 +319,19 @@ def test_a_resumed_count_past_a_smaller_delay_steps_at_the_next_push():
         ShardState(0, init, CUTS, 0, outer="delayed-nesterov", delayed=({}, {0: -1}))
 
 
+def test_the_start_up_line_names_the_sqrt_gain():
+    import dataclasses
+
+    from hetpipe.plan.types import ShardPlan, StagePlan, VirtualWorkerPlan
+    from hetpipe.run.explain import update_rule
+
+    vws = tuple(VirtualWorkerPlan(v, (StagePlan(f"n{v}.g0", "cpu", 0, 2, 0.0, 0.0),)) for v in range(4))
+    plan = Plan(2, 1, 0, "NP", vws, (ShardPlan(0, "n0", (0, 1)),))
+    assert "sqrt" not in update_rule(plan, 32)
+    assert "outer_gain 'sqrt' divides each VW's update by sqrt(4) instead" in \
+        update_rule(dataclasses.replace(plan, outer_gain="sqrt"), 32)
+
+
 def test_outer_options_in_records_and_summaries():
     from hetpipe.plan.outer import check_outer, describe_outer, recorded_outer
 
