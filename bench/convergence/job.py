@@ -33,7 +33,10 @@ class Job:
     aggregate: str = "sum"       # hetpipe: how the PS combines the VWs' wave deltas
     outer: str = "sgd"           # hetpipe: the PS's outer optimizer (sgd with lr 1: the plain rule)
     outer_lr: float = 1.0        # hetpipe: its learning rate
-    outer_momentum: float = 0.9  # hetpipe: nesterov's momentum
+    outer_momentum: float = 0.9  # hetpipe: nesterov's and delayed-nesterov's momentum
+    outer_staleness: str = "none"  # hetpipe: how a push's lag decays it ("none", "inverse", "sqrt")
+    outer_gain: str = "none"     # hetpipe: "sqrt" divides each push by sqrt(VW count) instead of the aggregate's
+    outer_delay: int = 0         # hetpipe: delayed-nesterov's pushes per momentum step (0: the VW count)
     minibatches: int = 0         # hetpipe: minibatches in the run (all VWs)
     snapshot_waves: int = 1      # hetpipe: record the global weights every this many waves
     timeout_s: float = 120.0     # hetpipe: seconds a rank may wait for a peer

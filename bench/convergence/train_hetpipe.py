@@ -76,7 +76,16 @@ def train(job: Job, comm, rank: int) -> Optional[dict]:
     if job.outer != "sgd" or job.outer_lr != 1.0:
         ps.update(outer=job.outer, outer_lr=job.outer_lr, outer_momentum=job.outer_momentum)
         rule += f" + {job.outer} lr {job.outer_lr:g}" + (f" momentum {job.outer_momentum:g}"
-                                                         if job.outer == "nesterov" else "")
+                                                         if job.outer != "sgd" else "")
+    if job.outer == "delayed-nesterov":
+        ps.update(outer_delay=job.outer_delay)
+        rule += f" delay {job.outer_delay or 'N'}"
+    if job.outer_gain != "none":
+        ps.update(outer_gain=job.outer_gain)
+        rule += f" + {job.outer_gain} gain"
+    if job.outer_staleness != "none":
+        ps.update(outer_staleness=job.outer_staleness)
+        rule += f" + {job.outer_staleness} staleness"
     result = Trainer(build_layers(job.task, job.seed), loss_fn, lambda p: optimizer(p, job.lr), data, plan=plan,
                      ps=PSRule(**ps), reporting=Reporting(progress=False),
                      runtime=Runtime(emulate=True, timeout=job.timeout_s)).fit()

@@ -26,19 +26,42 @@ namespace {
 
 // The outer optimizer's options from the keyword arguments; std::invalid_argument naming a bad name
 // (the numbers are checked by ShardPlane itself).
-OuterOptions outer_options(const std::string& outer, float lr, float momentum, const std::string& staleness) {
-  if (outer != "sgd" && outer != "nesterov") {
-    throw std::invalid_argument("ShardPlane: outer must be 'sgd' or 'nesterov', got '" + outer + "'");
-  }
-  if (staleness != "none" && staleness != "inverse") {
-    throw std::invalid_argument("ShardPlane: outer_staleness must be 'none' or 'inverse', got '" + staleness + "'");
-  }
+OuterOptions outer_options(const std::string& outer, float lr, float momentum, const std::string& staleness,
+                           const std::string& gain, int delay) {
   OuterOptions options;
-  options.nesterov = outer == "nesterov";
+  if (outer == "sgd") {
+    options.rule = OuterRule::kSgd;
+  } else if (outer == "nesterov") {
+    options.rule = OuterRule::kNesterov;
+  } else if (outer == "delayed-nesterov") {
+    options.rule = OuterRule::kDelayedNesterov;
+  } else {
+    throw std::invalid_argument("ShardPlane: outer must be 'sgd', 'nesterov' or 'delayed-nesterov', got '" + outer +
+                                "'");
+  }
+  if (staleness == "none") {
+    options.staleness = StalenessDecay::kNone;
+  } else if (staleness == "inverse") {
+    options.staleness = StalenessDecay::kInverse;
+  } else if (staleness == "sqrt") {
+    options.staleness = StalenessDecay::kSqrt;
+  } else {
+    throw std::invalid_argument("ShardPlane: outer_staleness must be 'none', 'inverse' or 'sqrt', got '" + staleness +
+                                "'");
+  }
+  if (gain != "none" && gain != "sqrt") {
+    throw std::invalid_argument("ShardPlane: outer_gain must be 'none' or 'sqrt', got '" + gain + "'");
+  }
+  options.sqrt_gain = gain == "sqrt";
   options.lr = lr;
   options.momentum = momentum;
-  options.inverse_staleness = staleness == "inverse";
+  options.delay = delay;
   return options;
+}
+
+// A writable zero-copy float32 view of n floats at data, keeping the plane alive.
+py::array_t<float> view(const py::object& owner, float* data, std::size_t n) {
+  return py::array_t<float>({static_cast<py::ssize_t>(n)}, {static_cast<py::ssize_t>(sizeof(float))}, data, owner);
 }
 
 }  // namespace
@@ -49,20 +72,22 @@ void bind_shard_plane(py::module_& m) {
                          "pulls, callable from many threads at once without the GIL (see shard_plane.h).\n"
                          "ShardPlane(layer_numels, stage_layers, d, num_threads=0, *, buffer_numels=[], replicas=[],\n"
                          "aggregate='sum', log_sums=False, outer='sgd', outer_lr=1.0, outer_momentum=0.9,\n"
-                         "outer_staleness='none'): stage_layers[vw][stage] lists the indices of the shard's\n"
-                         "layers the stage holds; buffer_numels the synced buffers per layer; replicas[vw][stage] the\n"
+                         "outer_staleness='none', outer_gain='none', outer_delay=0): stage_layers[vw][stage] lists\n"
+                         "the indices of the shard's layers the stage holds; buffer_numels the synced buffers per\n"
+                         "layer; replicas[vw][stage] the\n"
                          "(layer, offset, numel) slices of tied parameters the stage pulls without pushing them;\n"
-                         "outer* the PS's outer optimizer (hetpipe.outer).")
+                         "outer* the PS's outer optimizer (hetpipe.plan.outer).")
       .def(py::init([](std::vector<std::size_t> layer_numels, std::vector<std::vector<std::vector<int>>> stage_layers,
                        int d, int num_threads, std::vector<std::size_t> buffer_numels,
                        std::vector<std::vector<std::vector<std::tuple<int, std::size_t, std::size_t>>>> replicas,
                        const std::string& aggregate, bool log_sums, const std::string& outer, float outer_lr,
-                       float outer_momentum, const std::string& outer_staleness) {
+                       float outer_momentum, const std::string& outer_staleness, const std::string& outer_gain,
+                       int outer_delay) {
              if (aggregate != "sum" && aggregate != "mean") {
                throw std::invalid_argument("ShardPlane: aggregate must be 'sum' or 'mean', got '" + aggregate + "'");
              }
              ShardPlaneOptions options;
-             options.outer = outer_options(outer, outer_lr, outer_momentum, outer_staleness);
+             options.outer = outer_options(outer, outer_lr, outer_momentum, outer_staleness, outer_gain, outer_delay);
              options.buffer_numels = std::move(buffer_numels);
              for (const auto& vw : replicas) {
                auto& per_vw = options.replicas.emplace_back();
@@ -80,7 +105,8 @@ void bind_shard_plane(py::module_& m) {
            py::kw_only(), py::arg("buffer_numels") = std::vector<std::size_t>{},
            py::arg("replicas") = std::vector<std::vector<std::vector<std::tuple<int, std::size_t, std::size_t>>>>{},
            py::arg("aggregate") = "sum", py::arg("log_sums") = false, py::arg("outer") = "sgd",
-           py::arg("outer_lr") = 1.0f, py::arg("outer_momentum") = 0.9f, py::arg("outer_staleness") = "none")
+           py::arg("outer_lr") = 1.0f, py::arg("outer_momentum") = 0.9f, py::arg("outer_staleness") = "none",
+           py::arg("outer_gain") = "none", py::arg("outer_delay") = 0)
       .def_property_readonly("num_layers", &ShardPlane::num_layers)
       .def_property_readonly("num_vws", &ShardPlane::num_vws)
       .def("stage_numel", &ShardPlane::stage_numel, py::arg("vw"), py::arg("stage"),
@@ -106,8 +132,23 @@ void bind_shard_plane(py::module_& m) {
             return py::array_t<float>({n}, {static_cast<py::ssize_t>(sizeof(float))}, p.momentum(layer), self);
           },
           py::arg("layer"),
-          "A writable zero-copy view of layer `layer`'s outer momentum buffer (empty unless outer='nesterov'),\n"
-          "with the rules of weights(): set it before the first push, read it after the last or while held.")
+          "A writable zero-copy view of layer `layer`'s outer momentum buffer (empty unless outer is 'nesterov'\n"
+          "or 'delayed-nesterov'), with the rules of weights(): set it before the first push, read it after the\n"
+          "last or while held.")
+      .def(
+          "aggregated",
+          [](py::object self, int layer) {
+            ShardPlane& p = self.cast<ShardPlane&>();
+            return view(self, p.aggregated(layer), p.aggregated_numel(layer));
+          },
+          py::arg("layer"),
+          "A writable zero-copy view of layer `layer`'s aggregated pushes A (empty unless outer is 'nesterov',\n"
+          "where it is zero at every wave boundary, or 'delayed-nesterov': the pushes since the layer's last\n"
+          "momentum step), with the rules of momentum().")
+      .def("outer_count", &ShardPlane::outer_count, py::arg("layer"),
+           "delayed-nesterov: the pushes in layer `layer`'s A since its last momentum step.")
+      .def("set_outer_count", &ShardPlane::set_outer_count, py::arg("layer"), py::arg("count"),
+           "Sets outer_count (a checkpoint's), before the first push; ValueError for a negative count.")
       .def(
           "weights",
           [](py::object self, int layer) {

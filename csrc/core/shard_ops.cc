@@ -39,6 +39,16 @@ void nesterov(float* __restrict shard, float* __restrict momentum, float* __rest
   }
 }
 
+void delayed_momentum(float* __restrict shard, float* __restrict momentum, float* __restrict accumulated,
+                      std::size_t n, float lr, float mu) {
+  for (std::size_t i = 0; i < n; ++i) {
+    const float m = mu * momentum[i] - accumulated[i];
+    momentum[i] = m;
+    shard[i] = shard[i] - lr * (mu * m);
+    accumulated[i] = 0.0f;
+  }
+}
+
 void change(float* __restrict delta, const float* after, const float* before, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) delta[i] = delta[i] + (after[i] - before[i]);
 }
@@ -127,6 +137,19 @@ void outer_nesterov(float* shard, float* momentum, float* aggregated, std::size_
   }
   split(n, shard_threads(num_threads, n), [=](std::size_t begin, std::size_t end) {
     nesterov(shard + begin, momentum + begin, aggregated + begin, end - begin, lr, mu);
+  });
+}
+
+void outer_delayed_momentum(float* shard, float* momentum, float* accumulated, std::size_t n, float lr, float mu,
+                            int num_threads) {
+  if (n == 0) return;
+  const std::size_t nbytes = n * sizeof(float);
+  if (overlap(shard, momentum, nbytes) || overlap(shard, accumulated, nbytes) ||
+      overlap(momentum, accumulated, nbytes)) {
+    throw std::invalid_argument("outer_delayed_momentum: shard, momentum and accumulated overlap");
+  }
+  split(n, shard_threads(num_threads, n), [=](std::size_t begin, std::size_t end) {
+    delayed_momentum(shard + begin, momentum + begin, accumulated + begin, end - begin, lr, mu);
   });
 }
 

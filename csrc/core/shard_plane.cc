@@ -15,7 +15,8 @@ namespace {
 
 std::string who(int vw, int stage) { return "VW " + std::to_string(vw) + " stage " + std::to_string(stage); }
 
-// std::invalid_argument naming the field unless lr is finite and > 0 and momentum lies in [0, 1).
+// std::invalid_argument naming the field unless lr is finite and > 0, momentum lies in [0, 1) and the
+// delay is >= 0.
 void check_outer(const OuterOptions& outer) {
   if (!std::isfinite(outer.lr) || !(outer.lr > 0.0f)) {
     throw std::invalid_argument("ShardPlane: outer_lr must be a finite number > 0, got " + std::to_string(outer.lr));
@@ -23,6 +24,10 @@ void check_outer(const OuterOptions& outer) {
   if (!(outer.momentum >= 0.0f && outer.momentum < 1.0f)) {
     throw std::invalid_argument("ShardPlane: outer_momentum must be a number in [0, 1), got " +
                                 std::to_string(outer.momentum));
+  }
+  if (outer.delay < 0) {
+    throw std::invalid_argument("ShardPlane: outer_delay must be an integer >= 0 (0: the VW count), got " +
+                                std::to_string(outer.delay));
   }
 }
 
@@ -34,6 +39,7 @@ ShardPlane::ShardPlane(std::vector<std::size_t> layer_numels, std::vector<std::v
       num_threads_(num_threads),
       mean_(options.mean),
       outer_(options.outer),
+      delay_(options.outer.delay > 0 ? options.outer.delay : static_cast<std::int64_t>(stage_layers.size())),
       clocks_(stage_layers.empty() ? 1 : static_cast<int>(stage_layers.size())),
       applied_(1),
       log_sums_(options.log_sums) {
@@ -103,9 +109,10 @@ ShardPlane::ShardPlane(std::vector<std::size_t> layer_numels, std::vector<std::v
     weights_.push_back({weight_store_.data() + off, layer_numels[l]});
     off += layer_numels[l];
     buffers_.emplace_back(bufs[l], 0.0f);
-    momentum_.emplace_back(outer_.nesterov ? layer_numels[l] : 0, 0.0f);
-    aggregated_.emplace_back(outer_.nesterov ? layer_numels[l] : 0, 0.0f);
+    momentum_.emplace_back(outer_.has_momentum() ? layer_numels[l] : 0, 0.0f);
+    aggregated_.emplace_back(outer_.has_momentum() ? layer_numels[l] : 0, 0.0f);
   }
+  outer_counts_.assign(layer_numels.size(), 0);
   spare_.resize(slots_.size());
   if (log_sums_) {
     for (std::size_t n : layer_numels) log_.pushed_sum.emplace_back(n, 0.0);
@@ -151,6 +158,30 @@ float* ShardPlane::momentum(int layer) {
 std::size_t ShardPlane::momentum_numel(int layer) const {
   layer_numel(layer);
   return momentum_[static_cast<std::size_t>(layer)].size();
+}
+
+float* ShardPlane::aggregated(int layer) {
+  layer_numel(layer);
+  return aggregated_[static_cast<std::size_t>(layer)].data();
+}
+
+std::size_t ShardPlane::aggregated_numel(int layer) const {
+  layer_numel(layer);
+  return aggregated_[static_cast<std::size_t>(layer)].size();
+}
+
+std::int64_t ShardPlane::outer_count(int layer) const {
+  layer_numel(layer);
+  return outer_counts_[static_cast<std::size_t>(layer)];
+}
+
+void ShardPlane::set_outer_count(int layer, std::int64_t count) {
+  layer_numel(layer);
+  if (count < 0) {
+    throw std::invalid_argument("ShardPlane: the outer buffer of layer " + std::to_string(layer) + " counts " +
+                                std::to_string(count) + " pushes");
+  }
+  outer_counts_[static_cast<std::size_t>(layer)] = count;
 }
 
 bool ShardPlane::pushes_from(int vw, int stage) const noexcept {
@@ -324,7 +355,7 @@ std::int64_t ShardPlane::apply_ready() {
 
 std::vector<std::int64_t> ShardPlane::take_versions(std::int64_t wave) {
   std::vector<std::int64_t> versions(slots_.size(), wave);
-  if (!outer_.inverse_staleness) return versions;
+  if (outer_.staleness == StalenessDecay::kNone) return versions;
   std::lock_guard<std::mutex> lock(versions_mutex_);
   for (std::size_t id = 0; id < slots_.size(); ++id) {
     const auto it = versions_.find({static_cast<int>(id), wave});
@@ -336,19 +367,23 @@ std::vector<std::int64_t> ShardPlane::take_versions(std::int64_t wave) {
 }
 
 void ShardPlane::record_version(int vw, int stage, std::int64_t wave, std::int64_t version) {
-  if (!outer_.inverse_staleness || !pushes_from(vw, stage)) return;
+  if (outer_.staleness == StalenessDecay::kNone || !pushes_from(vw, stage)) return;
   std::lock_guard<std::mutex> lock(versions_mutex_);
   versions_[{slot_id(vw, stage), wave}] = version;
 }
 
 float ShardPlane::push_divisor(int vw, int stage, std::int64_t wave, std::int64_t version) const {
-  const std::int64_t base = mean_ ? num_vws() : 1;
-  if (!outer_.inverse_staleness) return static_cast<float>(base);
+  const float n = static_cast<float>(num_vws());
+  // std::sqrt of a float is IEEE's correctly rounded float square root, as numpy's float32 np.sqrt.
+  const float gain = outer_.sqrt_gain ? std::sqrt(n) : (mean_ ? n : 1.0f);
+  if (outer_.staleness == StalenessDecay::kNone) return gain;
   if (version > wave) {
     throw std::logic_error("ShardPlane: " + who(vw, stage) + " pulled wave " + std::to_string(wave) + " at version " +
                            std::to_string(version) + ", after that wave was applied");
   }
-  return static_cast<float>(base * (1 + wave - version));
+  float decay = static_cast<float>(1 + wave - version);
+  if (outer_.staleness == StalenessDecay::kSqrt) decay = std::sqrt(decay);
+  return gain * decay;
 }
 
 void ShardPlane::apply_push(int layer, float* delta, float divisor) {
@@ -362,10 +397,18 @@ void ShardPlane::apply_push(int layer, float* delta, float divisor) {
     return;
   }
   if (divisor > 1.0f) divide_in_place(delta, w.size(), divisor, num_threads_);
-  if (outer_.nesterov) {
-    apply_delta(aggregated_[static_cast<std::size_t>(layer)].data(), delta, w.size(), 1.0f, num_threads_);
-  } else {
-    apply_delta(w.data(), delta, w.size(), outer_.lr, num_threads_);
+  const auto l = static_cast<std::size_t>(layer);
+  if (outer_.rule == OuterRule::kNesterov) {
+    apply_delta(aggregated_[l].data(), delta, w.size(), 1.0f, num_threads_);
+    return;
+  }
+  apply_delta(w.data(), delta, w.size(), outer_.lr, num_threads_);
+  if (outer_.rule != OuterRule::kDelayedNesterov) return;
+  apply_delta(aggregated_[l].data(), delta, w.size(), 1.0f, num_threads_);
+  if (++outer_counts_[l] >= delay_) {
+    outer_counts_[l] = 0;
+    outer_delayed_momentum(w.data(), momentum_[l].data(), aggregated_[l].data(), w.size(), outer_.lr,
+                           outer_.momentum, num_threads_);
   }
 }
 
@@ -390,7 +433,7 @@ void ShardPlane::apply_wave(std::int64_t wave, std::vector<Buffer>& buffers, con
       applied.push_back({vw, stage, wave});
     }
   }
-  if (outer_.nesterov) {
+  if (outer_.rule == OuterRule::kNesterov) {
     for (std::size_t l = 0; l < weights_.size(); ++l) {
       outer_nesterov(weights_[l].data(), momentum_[l].data(), aggregated_[l].data(), weights_[l].size(), outer_.lr,
                      outer_.momentum, num_threads_);

@@ -395,8 +395,8 @@ void apply_delta_thread_invariant() {
   CHECK(std::memcmp(one.data(), many.data(), n * sizeof(float)) == 0);
 }
 
-// The outer Nesterov step and the in-place division split across threads as apply_delta does: the
-// result is bitwise that of one thread, and the aggregated delta is left zeroed.
+// The outer Nesterov step, delayed Nesterov's momentum step and the in-place division split across threads
+// as apply_delta does: the result is bitwise that of one thread, and the aggregated delta is left zeroed.
 void outer_nesterov_thread_invariant() {
   const std::size_t n = (1 << 20) + 13;
   std::vector<float> w(n), m(n), a(n);
@@ -415,6 +415,13 @@ void outer_nesterov_thread_invariant() {
   CHECK(std::memcmp(m1.data(), m4.data(), n * sizeof(float)) == 0);
   CHECK(std::all_of(a4.begin(), a4.end(), [](float x) { return x == 0.0f; }));
   CHECK(std::memcmp(w1.data(), w.data(), n * sizeof(float)) != 0);
+  std::vector<float> wd1 = w, md1 = m, ad1 = a, wd4 = w, md4 = m, ad4 = a;
+  hetpipe::outer_delayed_momentum(wd1.data(), md1.data(), ad1.data(), n, 0.7f, 0.9f, 1);
+  hetpipe::outer_delayed_momentum(wd4.data(), md4.data(), ad4.data(), n, 0.7f, 0.9f, 4);
+  CHECK(std::memcmp(wd1.data(), wd4.data(), n * sizeof(float)) == 0);
+  CHECK(std::memcmp(md1.data(), md4.data(), n * sizeof(float)) == 0);
+  CHECK(std::all_of(ad4.begin(), ad4.end(), [](float x) { return x == 0.0f; }));
+  CHECK(std::memcmp(wd1.data(), w.data(), n * sizeof(float)) != 0);
 }
 
 // One thread per stage (2 VWs x 2 stages, D = 1) pulls wave w, then pushes its wave-w delta: the
@@ -460,9 +467,12 @@ void shard_plane_concurrent_equals_sequential_with(const hetpipe::ShardPlaneOpti
   CHECK(concurrent.applied() == kWaves && sequential.applied() == kWaves);
   for (int l = 0; l < 3; ++l) {
     CHECK(std::memcmp(concurrent.weights(l), sequential.weights(l), numels[l] * sizeof(float)) == 0);
-    CHECK(concurrent.momentum_numel(l) == (options.outer.nesterov ? numels[l] : 0));
+    CHECK(concurrent.momentum_numel(l) == (options.outer.has_momentum() ? numels[l] : 0));
     CHECK(std::memcmp(concurrent.momentum(l), sequential.momentum(l), concurrent.momentum_numel(l) * sizeof(float)) ==
           0);
+    CHECK(std::memcmp(concurrent.aggregated(l), sequential.aggregated(l),
+                      concurrent.aggregated_numel(l) * sizeof(float)) == 0);
+    CHECK(concurrent.outer_count(l) == sequential.outer_count(l));
   }
   bool duplicate = false;
   try {
@@ -479,9 +489,21 @@ void shard_plane_concurrent_equals_sequential() { shard_plane_concurrent_equals_
 void shard_plane_nesterov_concurrent_equals_sequential() {
   hetpipe::ShardPlaneOptions options;
   options.mean = true;
-  options.outer.nesterov = true;
+  options.outer.rule = hetpipe::OuterRule::kNesterov;
   options.outer.lr = 0.7f;
   options.outer.momentum = 0.9f;
+  shard_plane_concurrent_equals_sequential_with(options);
+}
+
+// Delayed Nesterov with a momentum step every 3 pushes of a layer (2 VWs: the windows straddle waves)
+// and the sqrt gain. (No staleness decay: the sequential plane's pushes never lag, the concurrent one's do.)
+void shard_plane_delayed_nesterov_concurrent_equals_sequential() {
+  hetpipe::ShardPlaneOptions options;
+  options.outer.rule = hetpipe::OuterRule::kDelayedNesterov;
+  options.outer.lr = 0.6f;
+  options.outer.momentum = 0.8f;
+  options.outer.delay = 3;
+  options.outer.sqrt_gain = true;
   shard_plane_concurrent_equals_sequential_with(options);
 }
 
@@ -594,6 +616,8 @@ int main() {
   run("shard_plane_concurrent_equals_sequential", shard_plane_concurrent_equals_sequential);
   run("outer_nesterov_thread_invariant", outer_nesterov_thread_invariant);
   run("shard_plane_nesterov_concurrent_equals_sequential", shard_plane_nesterov_concurrent_equals_sequential);
+  run("shard_plane_delayed_nesterov_concurrent_equals_sequential",
+      shard_plane_delayed_nesterov_concurrent_equals_sequential);
   if (g_failures != 0) {
     std::fprintf(stderr, "%d check(s) failed\n", g_failures);
     return EXIT_FAILURE;

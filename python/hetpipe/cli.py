@@ -56,14 +56,20 @@ def _add_plan_command(sub) -> None:
                         "transfer bytes; fp16 with dynamic loss scaling)")
     p.add_argument("--aggregate", choices=("mean", "sum"), default="mean",
                    help="how the PS combines the VWs' wave deltas: their mean (default) or their sum (HetPipe's)")
-    p.add_argument("--outer", choices=("sgd", "nesterov"), default="sgd",
+    p.add_argument("--outer", choices=("sgd", "nesterov", "delayed-nesterov"), default="sgd",
                    help="the PS's outer optimizer on each wave's aggregated delta: sgd (default; with lr 1 the plain "
-                        "rule) or nesterov (DiLoCo's outer step, a momentum buffer per shard)")
+                        "rule), nesterov (DiLoCo's outer step, a momentum buffer per shard) or delayed-nesterov "
+                        "(each push applied at once, a momentum step every --outer-delay pushes)")
     p.add_argument("--outer-lr", type=float, default=1.0, help="the outer optimizer's learning rate (default 1)")
     p.add_argument("--outer-momentum", type=float, default=0.9,
-                   help="nesterov's momentum, in [0, 1) (default 0.9)")
-    p.add_argument("--outer-staleness", choices=("none", "inverse"), default="none",
-                   help="inverse: divide a push computed on weights s waves old by 1 + s (default none)")
+                   help="nesterov's and delayed-nesterov's momentum, in [0, 1) (default 0.9)")
+    p.add_argument("--outer-staleness", choices=("none", "inverse", "sqrt"), default="none",
+                   help="divide a push computed on weights s waves old by 1 + s (inverse) or sqrt(1 + s) (sqrt) "
+                        "(default none)")
+    p.add_argument("--outer-gain", choices=("none", "sqrt"), default="none",
+                   help="sqrt: divide each push by sqrt(VW count) instead of --aggregate's count or 1 (default none)")
+    p.add_argument("--outer-delay", type=int, default=0,
+                   help="delayed-nesterov: pushes of a layer per momentum step (default 0: the VW count)")
     p.add_argument("-o", "--output", help="write the plan as JSON to this file")
 
 
@@ -102,7 +108,8 @@ def _run_plan(args) -> int:
                          num_ps_shards=args.ps_shards if ps_nodes is None else None, recompute=args.recompute,
                          precision=args.precision, ps_nodes=ps_nodes)
         plan = dataclasses.replace(plan, aggregate=args.aggregate, outer=args.outer, outer_lr=args.outer_lr,
-                                   outer_momentum=args.outer_momentum, outer_staleness=args.outer_staleness)
+                                   outer_momentum=args.outer_momentum, outer_staleness=args.outer_staleness,
+                                   outer_gain=args.outer_gain, outer_delay=args.outer_delay)
         if args.save_cluster:
             write_file("--save-cluster", args.save_cluster, lambda p: Path(p).write_text(cluster.to_json() + "\n"))
             print(f"cluster: {args.save_cluster}")

@@ -1,7 +1,8 @@
 """ShardPlane (the PS shard's data plane in the core) against the Python shard, ShardState of
 hetpipe.ps.shard: the same pushes and pulls give bit-identical weights, clocks and pull replies,
 sequentially and with one thread per stage pushing and pulling at once (GIL released), under the
-plain rule and under every outer optimizer (hetpipe.plan.outer: nesterov, an outer lr, the staleness scale)."""
+plain rule and under every outer optimizer (hetpipe.plan.outer: nesterov, delayed nesterov, an outer lr, the
+staleness decays, the sqrt gain)."""
 
 import random
 import threading
@@ -44,9 +45,13 @@ def _delta(vw: int, stage: int, wave: int, n: int) -> np.ndarray:
 
 
 def _assert_same_weights(ref: ShardState, plane: ShardPlane):
+    delayed = ref.outer_options["outer"] == "delayed-nesterov"
     for i, l in enumerate(sorted(LAYERS)):
         assert np.array_equal(plane.weights(i), ref.W[l]), f"layer {l}"
         assert np.array_equal(plane.momentum(i), ref.M[l]), f"layer {l}"
+        if delayed:
+            assert np.array_equal(plane.aggregated(i), ref.A[l]), f"layer {l}"
+        assert plane.outer_count(i) == ref.outer_counts()[l], f"layer {l}"
 
 
 # The outer optimizers the plane must compute as the Python shard does (hetpipe.plan.outer).
@@ -56,6 +61,11 @@ OUTERS = {
                                  outer_staleness="inverse"),
     "sgd-lr-inverse": dict(aggregate="mean", outer="sgd", outer_lr=0.6, outer_staleness="inverse"),
     "plain-inverse": dict(aggregate="mean", outer_staleness="inverse"),
+    "sgd-sqrt-gain-sqrt-staleness": dict(aggregate="mean", outer_gain="sqrt", outer_staleness="sqrt"),
+    "delayed-nesterov-mean": dict(aggregate="mean", outer="delayed-nesterov", outer_lr=0.7, outer_momentum=0.9),
+    # 2 VWs, a momentum step every 3 pushes: the windows straddle waves (A is non-zero at wave boundaries).
+    "delayed-nesterov-delay3-sqrt": dict(aggregate="sum", outer="delayed-nesterov", outer_lr=0.8, outer_momentum=0.6,
+                                         outer_delay=3, outer_gain="sqrt", outer_staleness="sqrt"),
 }
 
 
@@ -165,8 +175,10 @@ def _follow(ref: ShardState, plane: ShardPlane, waves: int) -> None:
             state[(vw, stage)] = (w, "push")
 
 
-@pytest.mark.parametrize("options", [OUTERS["nesterov-sum-inverse"], OUTERS["sgd-lr-inverse"]],
-                         ids=["nesterov-sum-inverse", "sgd-lr-inverse"])
+THREADED = ["nesterov-sum-inverse", "sgd-lr-inverse", "delayed-nesterov-delay3-sqrt"]
+
+
+@pytest.mark.parametrize("options", [OUTERS[k] for k in THREADED], ids=THREADED)
 def test_threads_per_stage_with_an_outer_optimizer_match_python_shard(options):
     d, waves = 2, 20
     ref, plane = _pair(d, threads=2, **options)
@@ -179,15 +191,22 @@ def test_threads_per_stage_with_an_outer_optimizer_match_python_shard(options):
 
 def test_bad_outer_options_name_the_field():
     numels, stage_layers = _plane_layout()
-    for kwargs, message in [(dict(outer="adam"), "outer must be 'sgd' or 'nesterov', got 'adam'"),
+    for kwargs, message in [(dict(outer="adam"), "outer must be 'sgd', 'nesterov' or 'delayed-nesterov', got 'adam'"),
                             (dict(outer_lr=0.0), "outer_lr must be a finite number > 0"),
                             (dict(outer_lr=float("inf")), "outer_lr must be a finite number > 0"),
                             (dict(outer_momentum=1.0), "outer_momentum must be a number in \\[0, 1\\)"),
-                            (dict(outer_staleness="linear"), "outer_staleness must be 'none' or 'inverse'")]:
+                            (dict(outer_staleness="linear"), "outer_staleness must be 'none', 'inverse' or 'sqrt'"),
+                            (dict(outer_gain="mean"), "outer_gain must be 'none' or 'sqrt', got 'mean'"),
+                            (dict(outer_delay=-1), "outer_delay must be an integer >= 0 \\(0: the VW count\\)")]:
         with pytest.raises(ValueError, match=message):
             ShardPlane(numels, stage_layers, 0, **kwargs)
-    assert ShardPlane(numels, stage_layers, 0).momentum(0).size == 0
+    plain = ShardPlane(numels, stage_layers, 0)
+    assert plain.momentum(0).size == plain.aggregated(0).size == 0
     assert ShardPlane(numels, stage_layers, 0, outer="nesterov").momentum(0).size == numels[0]
+    delayed = ShardPlane(numels, stage_layers, 0, outer="delayed-nesterov")
+    assert delayed.momentum(0).size == delayed.aggregated(0).size == numels[0] and delayed.outer_count(0) == 0
+    with pytest.raises(ValueError, match="the outer buffer of layer 0 counts -2 pushes"):
+        delayed.set_outer_count(0, -2)
 
 
 def test_threads_per_stage_match_python_shard():

@@ -188,23 +188,39 @@ def test_run_resumed_into_another_plan_continues_its_optimizer_state_and_schedul
     np.testing.assert_allclose(in_order(got["losses"]), in_order(want["losses"])[2 * clock:], rtol=1e-5)
 
 
-# The PS's outer optimizer with a momentum buffer, which the PS part of each checkpoint holds.
-NESTEROV = {**CFG, "outer": {"outer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9}}
+# The PS's outer optimizers with state, which the PS part of each checkpoint holds: nesterov's momentum
+# buffer; delayed nesterov's momentum, buffer and count, with a momentum step every 7 pushes (1 VW: every 7
+# waves, twice in the run's 16), so that every cut a kill can leave (an even clock from 2 to 10) falls inside a
+# window, its buffer non-zero.
+OUTERS = {
+    "nesterov": {**CFG, "outer": {"outer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9}},
+    "delayed-nesterov": {**CFG, "outer": {"outer": "delayed-nesterov", "outer_lr": 0.7, "outer_momentum": 0.9,
+                                          "outer_delay": 7}},
+}
 
 
-def test_outer_momentum_resumes_bitwise(tmp_path):
-    """D = 0 with outer="nesterov": a run killed at a random wave and resumed from its checkpoint ends
-    with the uninterrupted run's weights and losses, bitwise (the PS's momentum buffer came back too)."""
-    rc, err = _finish(_launch("-n", "3", "ckpt_run.py", str(tmp_path / "ref"), json.dumps(NESTEROV)))
+@pytest.mark.parametrize("outer, seed", [("nesterov", 14), ("delayed-nesterov", 16)])
+def test_outer_momentum_resumes_bitwise(tmp_path, outer, seed):
+    """D = 0 with an outer optimizer keeping state: a run killed at a random wave and resumed from its
+    checkpoint ends with the uninterrupted run's weights and losses, bitwise (the PS's momentum buffer,
+    and delayed nesterov's buffer and count, came back too)."""
+    cfg = OUTERS[outer]
+    rc, err = _finish(_launch("-n", "3", "ckpt_run.py", str(tmp_path / "ref"), json.dumps(cfg)))
     assert rc == 0, err
     reference = _result(tmp_path / "ref")
     rc, err = _finish(_launch("-n", "3", "ckpt_run.py", str(tmp_path / "plain"), json.dumps(CFG)))
     assert rc == 0, err
     plain = _result(tmp_path / "plain")[1]
-    assert not all(np.array_equal(plain[l], reference[1][l]) for l in plain), "nesterov changed nothing"
-    ckpt, victim, rc, err = _killed_run(tmp_path, NESTEROV, 14, 3)
+    assert not all(np.array_equal(plain[l], reference[1][l]) for l in plain), f"{outer} changed nothing"
+    ckpt, victim, rc, err = _killed_run(tmp_path, cfg, seed, 3)
     assert rc != 0 and f"rank {victim}" in err, err
-    assert _resume_and_compare(tmp_path, ckpt, reference, NESTEROV) % 2 == 0
+    if outer == "delayed-nesterov":
+        from hetpipe.checkpoint.state import Checkpoint
+
+        found = Checkpoint.find(ckpt)
+        buffers, counts = found.global_delayed()
+        assert set(counts.values()) == {found.clock % 7} and all(b.any() for b in buffers.values()), counts
+    assert _resume_and_compare(tmp_path, ckpt, reference, cfg) % 2 == 0
 
 
 def test_sigterm_writes_a_checkpoint_to_resume_from(tmp_path, uninterrupted):

@@ -128,6 +128,31 @@ def test_outer_comparison_runs_every_rule_at_every_d_and_its_jobs_round_trip(tmp
     assert load_jobs(tmp_path / "jobs.json") == jobs
 
 
+def test_outer_comparison_takes_the_rules_staleness_gain_and_delay_to_tune(tmp_path, capsys):
+    import outer
+    from job import load_jobs, save_jobs
+
+    from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
+
+    stages = (StagePlan("n0.g0", "emu_fast", 0, 1, 0.01, 0.02), StagePlan("n0.g1", "emu_fast", 1, 2, 0.01, 0.02))
+    plan = Plan(2, 2, 0, "NP", (VirtualWorkerPlan(0, stages), VirtualWorkerPlan(1, stages)),
+                (ShardPlan(0, "n0", (0, 1)),), minibatch_size=4)
+    args = outer.parse_args(["--d", "2", "--rules", "mean:sgd,sqrt:sgd,sum:delayed-nesterov", "--outer-lr", "0.6",
+                             "--outer-staleness", "sqrt", "--outer-delay", "4"])
+    jobs = outer.jobs_of(args, SMALL, plan, tmp_path, 4)
+    assert [(j.aggregate, j.outer_gain, j.outer, j.outer_staleness, j.outer_delay, j.outer_lr) for j in jobs] == [
+        ("mean", "none", "sgd", "none", 0, 1.0), ("mean", "sqrt", "sgd", "sqrt", 0, 1.0),
+        ("sum", "none", "delayed-nesterov", "sqrt", 4, 0.6)]
+    assert [outer.is_plain(j) for j in jobs] == [True, False, False]
+    assert [outer.rule_of(j) for j in jobs] == [
+        "mean", "sqrt gain (sqrt staleness)", "sum + delayed-nesterov (lr 0.6, momentum 0.9, delay 4, sqrt staleness)"]
+    save_jobs(tmp_path / "jobs.json", jobs)
+    assert load_jobs(tmp_path / "jobs.json") == jobs
+    with pytest.raises(SystemExit):
+        outer.parse_args(["--rules", "mean:adam"])
+    assert "a rule is AGG:OUTER with AGG in mean, sum, sqrt" in capsys.readouterr().err
+
+
 def test_fast_subset_is_the_best_subset_of_the_fitting_devices_by_brute_force():
     from itertools import combinations
 

@@ -1,5 +1,5 @@
 // Parameter-shard arithmetic of the parameter server: apply a pushed delta, the outer optimizer's
-// step, snapshot for a pull.
+// steps, snapshot for a pull.
 //
 // Both operations split [0, n) statically into equal contiguous chunks (multiples of 16 elements),
 // one per thread; the caller's thread takes the first chunk. The operations are elementwise, so the
@@ -38,6 +38,14 @@ void divide_in_place(float* x, std::size_t n, float divisor, int num_threads);
 // (std::invalid_argument); same threading as apply_delta.
 void outer_nesterov(float* shard, float* momentum, float* aggregated, std::size_t n, float lr, float mu,
                     int num_threads);
+
+// The momentum step of the PS's delayed Nesterov (Async Local-SGD's; python/hetpipe/plan/outer.py) on the
+// pushes `accumulated` since the previous one, which it then zeroes: momentum <- mu * momentum - accumulated;
+// shard <- shard - lr * (mu * momentum). Every product and difference is rounded to float32 once, in this
+// order (no fused multiply-add), so it equals the numpy steps of hetpipe.ps.outer_step bit for bit. The
+// three buffers must not overlap (std::invalid_argument); same threading as apply_delta.
+void outer_delayed_momentum(float* shard, float* momentum, float* accumulated, std::size_t n, float lr, float mu,
+                            int num_threads);
 
 // A stage's wave delta after a local step: delta[i] = delta[i] + (after[i] - before[i]), two float32
 // roundings, so it equals torch's `torch.sub(after, before, out=tmp); delta += tmp` bit for bit while

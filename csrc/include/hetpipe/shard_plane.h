@@ -10,12 +10,15 @@
 //   deltas in VW then stage order, layers in order (apply_delta; with `mean` each delta is first
 //   divided by the VW count, as numpy's float32 division); then each synced buffer B becomes
 //   B + (sum over VWs of (P - B)) / VWs (one VW: P itself). The weights are always W_a, a = applied().
-// - The outer optimizer (options.outer; python/hetpipe/outer.py, docs/design.md "Outer optimizer"): each
-//   push's delta is divided by its k (the VW count with `mean`, else 1; times 1 + s with inverse
-//   staleness, s = wave - the version the stage's pull of that wave got; wave 0: s = 0). "sgd" adds it
-//   times lr (lr 1, no staleness scale: exactly the plain rule above, the same kernels); "nesterov"
-//   sums the wave's divided deltas into A, then takes outer_nesterov (shard_ops.h) with the layer's
-//   momentum buffer M, which is part of the shard's state (momentum(layer)).
+// - The outer optimizer (options.outer; python/hetpipe/plan/outer.py, docs/design.md "Outer optimizer"): each
+//   push's delta is divided by its k = float32(gain * decay): gain the VW count N with `mean`, else 1, or
+//   sqrt(N) with the sqrt gain; decay 1, 1 + s (inverse) or sqrt(1 + s) (sqrt staleness), s = wave - the
+//   version the stage's pull of that wave got (wave 0: s = 0). "sgd" adds it times lr (lr 1, no decay,
+//   no gain: exactly the plain rule above, the same kernels); "nesterov" sums the wave's divided deltas
+//   into A, then takes outer_nesterov (shard_ops.h) with the layer's momentum buffer M; "delayed-nesterov"
+//   adds each times lr, sums it into A, and at every delay-th push of the layer takes
+//   outer_delayed_momentum (shard_ops.h). M, and delayed-nesterov's A and count of pushes in it, are part
+//   of the shard's state (momentum(layer), aggregated(layer), outer_count(layer)).
 // - pull(vw, stage, wave, out): waits until applied() >= wave - D, then copies W_a of the stage's
 //   layers, its replica slices (tied parameters it holds but this shard's layer owns), then B_a of its
 //   layers into out and returns a.
@@ -35,8 +38,8 @@
 // whole waves only, at least up to the one it waited for, and the count it reads under that lock is
 // exactly the number of waves in what it copied. end_push publishes a buffer under state_mutex_,
 // which the applier takes before it reads the buffer: the bytes written before end_push are visible.
-// The momentum buffers and the aggregated deltas are written by the applier only, under the exclusive
-// side of weights_mutex_, as the weights. The versions pulls got (inverse staleness) are kept under
+// The momentum buffers, the aggregated deltas and their counts are written by the applier only, under the
+// exclusive side of weights_mutex_, as the weights. The versions pulls got (inverse staleness) are kept under
 // versions_mutex_, a leaf lock: serve records one before its reply leaves (so before the stage can push
 // that wave), the applier takes a wave's versions before applying it.
 // Hold: with set_hold(true) the applier stops after each wave until release(a) (a caller copying
@@ -78,15 +81,23 @@ struct ShardPlaneLog {
   std::vector<std::vector<double>> pushed_sum;       // per layer (log_sums only): sum of pushed deltas
 };
 
-// The PS's outer optimizer (python/hetpipe/outer.py): "sgd" or "nesterov", its lr and momentum, and
-// whether a push is divided by 1 + its staleness ("inverse").
+// The PS's outer optimizer (python/hetpipe/plan/outer.py): its rule, lr and momentum, how a push's lag
+// decays it, whether the gain is sqrt(N), and delayed-nesterov's delay.
+enum class OuterRule { kSgd, kNesterov, kDelayedNesterov };
+enum class StalenessDecay { kNone, kInverse, kSqrt };  // 1, 1 / (1 + s), 1 / sqrt(1 + s)
+
 struct OuterOptions {
-  bool nesterov = false;
+  OuterRule rule = OuterRule::kSgd;
   float lr = 1.0f;
   float momentum = 0.9f;
-  bool inverse_staleness = false;
-  // sgd, lr 1, no staleness scale: the plain WSP rule, applied with its own kernels.
-  bool plain() const noexcept { return !nesterov && lr == 1.0f && !inverse_staleness; }
+  StalenessDecay staleness = StalenessDecay::kNone;
+  bool sqrt_gain = false;  // divide each push by sqrt(N) instead of the aggregate's N or 1
+  int delay = 0;           // delayed-nesterov: pushes of a layer per momentum step; 0: the VW count
+  // sgd, lr 1, no staleness decay, no gain: the plain WSP rule, applied with its own kernels.
+  bool plain() const noexcept {
+    return rule == OuterRule::kSgd && lr == 1.0f && staleness == StalenessDecay::kNone && !sqrt_gain;
+  }
+  bool has_momentum() const noexcept { return rule != OuterRule::kSgd; }
 };
 
 struct ShardPlaneOptions {
@@ -130,10 +141,19 @@ class ShardPlane {
   // reading them after the last (or while held); not to be touched while pushes are applied.
   float* weights(int layer);
   float* buffers(int layer);
-  // The layer's outer momentum buffer (layer_numel floats with "nesterov", else none), with the
-  // weights' rules: set it before the first push (a checkpoint's), read it after the last or while held.
+  // The layer's outer momentum buffer (layer_numel floats with "nesterov" or "delayed-nesterov", else
+  // none), with the weights' rules: set it before the first push (a checkpoint's), read it after the
+  // last or while held.
   float* momentum(int layer);
   std::size_t momentum_numel(int layer) const;
+  // The layer's aggregated pushes A (layer_numel floats with "nesterov", zero at every wave boundary,
+  // or "delayed-nesterov": the pushes since its last momentum step; else none) and, delayed-nesterov,
+  // how many pushes A holds; the momentum's rules.
+  float* aggregated(int layer);
+  std::size_t aggregated_numel(int layer) const;
+  std::int64_t outer_count(int layer) const;
+  // Throws std::invalid_argument for a negative count.
+  void set_outer_count(int layer, std::int64_t count);
 
   // Copies `n` floats of delta (must equal stage_numel) and applies the waves it completes. Throws
   // std::invalid_argument for a stage holding none of the layers, a wrong size, a duplicate push or a
@@ -190,10 +210,12 @@ class ShardPlane {
   int slot_id(int vw, int stage) const noexcept { return slot_base_[static_cast<std::size_t>(vw)] + stage; }
   void apply_wave(std::int64_t wave, std::vector<std::unique_ptr<float[]>>& buffers,
                   const std::vector<std::int64_t>& versions);
-  // Applies (sgd) or sums into aggregated_ (nesterov) one pushed delta of a layer divided by divisor;
-  // the delta's buffer may be divided in place. Applier only.
+  // Applies (sgd), sums into aggregated_ (nesterov) or both, then the momentum step when due
+  // (delayed-nesterov), one pushed delta of a layer divided by divisor; the delta's buffer may be
+  // divided in place. Applier only.
   void apply_push(int layer, float* delta, float divisor);
-  // k of the push of `wave` whose pull got `version` (see the header comment).
+  // k of the push of `wave` whose pull got `version` (see the header comment; the float32 steps of
+  // hetpipe.ps.outer_step.push_divisor).
   float push_divisor(int vw, int stage, std::int64_t wave, std::int64_t version) const;
   // Per slot_id, the version the stage's pull of `wave` got (`wave` where none was recorded), removed.
   std::vector<std::int64_t> take_versions(std::int64_t wave);
@@ -211,8 +233,9 @@ class ShardPlane {
   std::vector<float> weight_store_;
   std::vector<LayerView> weights_;
   std::vector<std::vector<float>> buffers_;  // synced buffers, per layer
-  std::vector<std::vector<float>> momentum_;    // outer momentum M, per layer (nesterov; else empty)
-  std::vector<std::vector<float>> aggregated_;  // the wave's aggregated delta A, per layer (nesterov)
+  std::vector<std::vector<float>> momentum_;    // outer momentum M, per layer (a rule with momentum; else empty)
+  std::vector<std::vector<float>> aggregated_;  // A, per layer: the wave's (nesterov), the window's (delayed)
+  std::vector<std::int64_t> outer_counts_;      // delayed-nesterov: per layer, the pushes in A
   std::vector<StageSlot> slots_;             // by slot_id
   std::vector<int> slot_base_;               // per VW: slot_id of its stage 0
   std::vector<int> num_stages_;              // per VW
@@ -221,6 +244,7 @@ class ShardPlane {
   int num_threads_;
   bool mean_;
   OuterOptions outer_;
+  std::int64_t delay_;  // delayed-nesterov: pushes of a layer per momentum step (0 resolved to the VW count)
 
   ClockTable clocks_;   // per VW: waves whose pushes all arrived
   ClockTable applied_;  // one entry: waves applied to weights_

@@ -4,7 +4,7 @@ Layout (docs/design.md, "Checkpoints and restart")::
 
     DIR/clock-000008/manifest.json            plan, clock, data position and its history, seed (the same from every
                                               rank), and once every part is on disk the digest of each part file
-    DIR/clock-000008/rank-00003.safetensors   that rank's tensors (PS shard: W, B, outer M; stage: optimizer state)
+    DIR/clock-000008/rank-00003.safetensors   that rank's tensors (PS shard: W, B, outer state; stage: optimizer state)
     DIR/clock-000008/rank-00003.json          that rank's part: role, clocks, optimizer groups, LR scheduler, losses
 
 The first rank to write a clock writes its manifest without digests; a rank that finds every part's

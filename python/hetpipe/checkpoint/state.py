@@ -130,8 +130,9 @@ class Checkpoint:
         return weights, buffers
 
     def global_momentum(self) -> Dict[int, np.ndarray]:
-        """Per layer, the PS's outer momentum buffer at the cut (``m/<layer>``, flat float32; a checkpoint
-        of a run without one, or written before it existed, has none: the run continues from zeros)."""
+        """Per layer, the PS's outer momentum buffer at the cut (``m/<layer>``, flat float32: nesterov's or
+        delayed-nesterov's; a checkpoint of a run without one, or written before it existed, has none: the
+        run continues from zeros)."""
         out = {}
         for t in self.tensors.values():
             for key, value in t.items():
@@ -139,6 +140,20 @@ class Checkpoint:
                 if kind == "m":
                     out[int(layer)] = value.numpy()
         return out
+
+    def global_delayed(self) -> Tuple[Dict[int, np.ndarray], Dict[int, int]]:
+        """Per layer, the PS's delayed-nesterov buffer at the cut (``a/<layer>``: the pushes since the layer's
+        last momentum step, flat float32) and how many pushes it holds (``n/<layer>``); both empty for a
+        checkpoint of a run under another rule (a run continues from zeros)."""
+        buffers, counts = {}, {}
+        for t in self.tensors.values():
+            for key, value in t.items():
+                kind, _, layer = key.partition("/")
+                if kind == "a":
+                    buffers[int(layer)] = value.numpy()
+                elif kind == "n":
+                    counts[int(layer)] = int(value.reshape(-1)[0])
+        return buffers, counts
 
     def stage_part(self, vw: int, stage: int) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
         for rank, part in self.parts.items():

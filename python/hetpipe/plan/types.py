@@ -102,12 +102,17 @@ class Plan:
     precision: str = "fp32"
     # The PS's outer optimizer (hetpipe.plan.outer, docs/design.md "Outer optimizer"): "sgd" adds each
     # aggregated push times outer_lr (lr 1: the plain rule); "nesterov" takes DiLoCo's outer step with
-    # momentum outer_momentum on the wave's aggregated delta. outer_staleness "inverse" divides a push
-    # whose pull lagged by s versions by 1 + s. Plans written before these fields read as the plain rule.
+    # momentum outer_momentum on the wave's aggregated delta; "delayed-nesterov" adds each push at once and
+    # takes a momentum step every outer_delay pushes (0: the VW count). outer_staleness "inverse" ("sqrt")
+    # divides a push whose pull lagged by s versions by 1 + s (sqrt(1 + s)); outer_gain "sqrt" divides each
+    # push by sqrt(N) instead of the aggregate's N or 1. Plans written before these fields read as the
+    # plain rule.
     outer: str = "sgd"
     outer_lr: float = 1.0
     outer_momentum: float = 0.9
     outer_staleness: str = "none"
+    outer_gain: str = "none"
+    outer_delay: int = 0
 
     def __post_init__(self) -> None:
         self.check()
@@ -162,8 +167,8 @@ class Plan:
 
     @property
     def outer_options(self) -> Dict[str, Any]:
-        """The outer optimizer's fields (``outer``, ``outer_lr``, ``outer_momentum``, ``outer_staleness``),
-        as the PS shards take them."""
+        """The outer optimizer's fields (``outer``, ``outer_lr``, ``outer_momentum``, ``outer_staleness``,
+        ``outer_gain``, ``outer_delay``), as the PS shards take them."""
         return {name: getattr(self, name) for name in OUTER_FIELDS}
 
     @property

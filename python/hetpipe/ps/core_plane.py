@@ -28,8 +28,8 @@ import numpy as np
 import hetpipe_core
 from hetpipe.job.environment import PLANES, PS_PLANE_ENV
 from hetpipe.ps.server import ShardServerBase
-from hetpipe.plan.outer import check_outer
-from hetpipe.ps.shard import ShardLog, WSPViolation, check_aggregate, held_layers, initial_momentum
+from hetpipe.plan.outer import check_outer, has_momentum
+from hetpipe.ps.shard import ShardLog, WSPViolation, check_aggregate, held_layers, initial_delayed, initial_momentum
 from hetpipe.schedule.trace import PS_VW, TraceEvent
 from hetpipe.transport.base import Transport
 from hetpipe.transport.core import core_mpi_missing
@@ -58,17 +58,21 @@ def choose_plane(comm) -> Tuple[str, str]:
 
 class CoreShardState:
     """A shard's state in a ``hetpipe_core.ShardPlane``, read through :class:`ShardView`:
-    ``W``/``B``/``M`` are zero-copy views of the plane's memory (read them while the service is stopped or the
-    plane holds at a wave boundary), ``log`` is filled when the service stops."""
+    ``W``/``B``/``M``/``A`` are zero-copy views of the plane's memory (read them, and :meth:`outer_counts`,
+    while the service is stopped or the plane holds at a wave boundary), ``log`` is filled when the
+    service stops."""
 
     def __init__(self, index: int, weights: Dict[int, np.ndarray], stage_layers: Sequence[Sequence[Tuple[int, int]]],
                  d: int, *, log_sums: bool = False, buffers: Optional[Dict[int, np.ndarray]] = None,
                  replicas: Optional[Dict[Tuple[int, int], Sequence[Tuple[int, int, int]]]] = None,
                  aggregate: str = "sum", outer: str = "sgd", outer_lr: float = 1.0, outer_momentum: float = 0.9,
-                 outer_staleness: str = "none", momentum: Optional[Dict[int, np.ndarray]] = None) -> None:
+                 outer_staleness: str = "none", outer_gain: str = "none", outer_delay: int = 0,
+                 momentum: Optional[Dict[int, np.ndarray]] = None,
+                 delayed: Optional[Tuple[Dict[int, np.ndarray], Dict[int, int]]] = None) -> None:
         check_aggregate(index, aggregate)
         self.index, self.d, self.aggregate = index, d, aggregate
-        self.outer_options = check_outer(f"PS shard {index}", outer, outer_lr, outer_momentum, outer_staleness)
+        self.outer_options = check_outer(f"PS shard {index}", outer, outer_lr, outer_momentum, outer_staleness,
+                                         outer_gain, outer_delay)
         self.layers = sorted(weights)
         buffers = buffers or {}
         w0 = {l: np.ascontiguousarray(weights[l], dtype=np.float32).reshape(-1) for l in self.layers}
@@ -88,11 +92,18 @@ class CoreShardState:
         self.W = {l: self.plane.weights(i) for i, l in enumerate(self.layers)}
         self.B = {l: self.plane.buffers(i) for i, l in enumerate(self.layers)}
         self.M = {l: self.plane.momentum(i) for i, l in enumerate(self.layers)}
-        m0 = initial_momentum(index, w0, momentum, outer == "nesterov")
-        for l in self.layers:
+        is_delayed = outer == "delayed-nesterov"
+        # nesterov's A is the plane's too, but zero at every wave boundary: not part of the state.
+        self.A = {l: self.plane.aggregated(i) if is_delayed else np.zeros(0, np.float32)
+                  for i, l in enumerate(self.layers)}
+        m0 = initial_momentum(index, w0, momentum, has_momentum(self.outer_options))
+        a0, n0 = initial_delayed(index, w0, delayed, is_delayed)
+        for i, l in enumerate(self.layers):
             self.W[l][:] = w0[l]
             self.B[l][:] = b0[l]
             self.M[l][:] = m0[l]
+            self.A[l][:] = a0[l]
+            self.plane.set_outer_count(i, n0[l])
         self.clock = self.plane            # clock(vw), as ShardState.clock
         self.on_applied = None             # called with ``applied`` at each wave boundary (checkpoints)
         self.log = ShardLog()
@@ -105,6 +116,9 @@ class CoreShardState:
     @property
     def global_clock(self) -> int:
         return int(self.plane.global_clock)
+
+    def outer_counts(self) -> Dict[int, int]:
+        return {l: int(self.plane.outer_count(i)) for i, l in enumerate(self.layers)}
 
     def collect_log(self) -> None:
         """Copy the plane's log into ``log`` (a :class:`ShardLog`)."""

@@ -55,15 +55,17 @@ def layer_vectors(plan: Plan, arrays: Sequence, what: str) -> List[np.ndarray]:
 def shard_server(plan: Plan, shard: int, weights: Mapping[int, np.ndarray], buffers: Mapping[int, np.ndarray],
                  transport: Transport, pool, *, comm: Any = None,
                  replicas: Optional[Mapping[Tuple[int, int], Sequence[Tuple[int, int, int]]]] = None,
-                 momentum: Optional[Mapping[int, np.ndarray]] = None, audit: bool = False,
+                 momentum: Optional[Mapping[int, np.ndarray]] = None,
+                 delayed: Optional[Tuple[Mapping[int, np.ndarray], Mapping[int, int]]] = None, audit: bool = False,
                  trace: Optional[List[TraceEvent]] = None, t0: float = 0.0) -> ShardServerBase:
     """Shard ``shard`` of ``plan`` holding ``weights`` and ``buffers`` of its layers: the compiled core's
     data plane served over ``comm`` (an mpi4py communicator) when given, else the Python shard over
-    ``transport``. ``replicas[(vw, stage)]``: the tied slices that stage pulls; ``momentum``: the outer
-    momentum a resumed run continues from."""
+    ``transport``. ``replicas[(vw, stage)]``: the tied slices that stage pulls; ``momentum`` and
+    ``delayed`` (delayed-nesterov's buffers and their push counts): the outer optimizer's state a resumed
+    run continues from."""
     stage_layers = [[(s.start, s.stop) for s in vw.stages] for vw in plan.virtual_workers]
     options = dict(log_sums=audit, buffers=dict(buffers), replicas=replicas, aggregate=plan.aggregate,
-                   momentum=momentum, **plan.outer_options)
+                   momentum=momentum, delayed=delayed, **plan.outer_options)
     if comm is not None:
         core = CoreShardState(shard, dict(weights), stage_layers, plan.d, **options)
         return CoreShardServer(core, transport, pool, plan.num_stage_ranks, comm, trace=trace, t0=t0)

@@ -10,13 +10,16 @@ A shard owns some layers' weights ``W`` (float32, one flat array per layer). Pro
   ``W_g``, ``g`` = global clock (the version: every wave ``< g`` applied). The order is logged.
   ``aggregate="sum"`` adds every VW's delta (HetPipe's rule); ``"mean"`` adds each divided by the
   number of VWs (the step of one VW, as data-parallel SGD averages gradients).
-* The outer optimizer (:mod:`hetpipe.plan.outer`) turns a wave's pushes into a step: ``outer="sgd"`` adds each
-  push's ``delta / k`` times ``outer_lr`` as above (lr 1, no staleness scale: exactly the plain rule);
-  ``"nesterov"`` sums the wave's ``delta / k`` into ``A`` (in apply order) and takes DiLoCo's outer step
-  on the pseudo-gradient ``g = -A`` with the momentum buffer ``M`` (float32, one per layer, part of the
-  shard's state). ``k`` is ``N`` with ``"mean"`` (else 1), times ``1 + s`` with
-  ``outer_staleness="inverse"``, ``s = c - v`` where ``v`` is the version the pushing stage's pull of
-  wave ``c`` got (wave 0 has no pull: ``s = 0``).
+* The outer optimizer (:mod:`hetpipe.plan.outer`, :mod:`hetpipe.ps.outer_step`) turns a wave's pushes into a
+  step: ``outer="sgd"`` adds each push's ``delta / k`` times ``outer_lr`` as above (lr 1, no staleness decay,
+  no gain: exactly the plain rule); ``"nesterov"`` sums the wave's ``delta / k`` into ``A`` (in apply
+  order) and takes DiLoCo's outer step on the pseudo-gradient ``g = -A`` with the momentum buffer ``M``;
+  ``"delayed-nesterov"`` adds each ``delta / k`` at once and takes a momentum step on the sum ``A`` of
+  every ``outer_delay`` pushes. ``M`` and delayed-nesterov's ``A`` and count (per layer) are part of the
+  shard's state. ``k`` is the gain (``N`` with ``"mean"``, else 1; ``sqrt(N)`` with ``outer_gain="sqrt"``)
+  times the staleness decay (1, ``1 + s`` with ``outer_staleness="inverse"``, ``sqrt(1 + s)`` with
+  ``"sqrt"``), ``s = c - v`` where ``v`` is the version the pushing stage's pull of wave ``c`` got (wave 0
+  has no pull: ``s = 0``).
 * Synced buffers (BatchNorm running statistics) ride at the end of each push as the stage's current
   values ``P``; when wave ``c`` is applied, ``B`` becomes the VWs' average of their wave-``c`` values
   (computed as ``B + mean(P - B)``, so a buffer no VW changed stays bitwise the same).
@@ -49,10 +52,10 @@ import hetpipe_core
 from hetpipe.plan.outer import check_outer
 from hetpipe.ps.gate import Gate, WSPGate
 from hetpipe.util.errors import HetpipeError
-from hetpipe.ps.outer_step import OuterStep, initial_momentum
+from hetpipe.ps.outer_step import OuterStep, initial_delayed, initial_momentum
 
 __all__ = ["ShardLog", "ShardState", "ShardView", "WSPViolation", "check_aggregate", "held_layers",
-           "initial_momentum"]
+           "initial_delayed", "initial_momentum"]
 
 
 class WSPViolation(HetpipeError, RuntimeError):
@@ -100,8 +103,9 @@ class ShardView(Protocol):
     layers: List[int]
     W: Dict[int, np.ndarray]                         # layer -> global weights W_g (flat float32)
     B: Dict[int, np.ndarray]                         # layer -> synced buffers B_g
-    M: Dict[int, np.ndarray]                         # layer -> outer momentum (nesterov; else empty)
-    outer_options: Dict[str, object]                 # outer, outer_lr, outer_momentum, outer_staleness
+    M: Dict[int, np.ndarray]                         # layer -> outer momentum (nesterov, delayed-nesterov; else empty)
+    A: Dict[int, np.ndarray]                         # layer -> delayed-nesterov's pushes since its momentum step
+    outer_options: Dict[str, object]                 # hetpipe.plan.outer.OUTER_FIELDS
     log: ShardLog
     on_applied: Optional[Callable[[int], None]]      # called with ``applied`` at each wave boundary
 
@@ -111,6 +115,9 @@ class ShardView(Protocol):
     @property
     def global_clock(self) -> int: ...
 
+    def outer_counts(self) -> Dict[int, int]:
+        """Per layer, the pushes in ``A`` (delayed-nesterov; else 0)."""
+
 
 class ShardState:
     """One shard's weights, clocks and pending wave deltas (no I/O)."""
@@ -119,19 +126,22 @@ class ShardState:
                  d: int, *, log_sums: bool = False, buffers: Optional[Dict[int, np.ndarray]] = None,
                  replicas: Optional[Dict[Tuple[int, int], Sequence[Tuple[int, int, int]]]] = None,
                  aggregate: str = "sum", outer: str = "sgd", outer_lr: float = 1.0, outer_momentum: float = 0.9,
-                 outer_staleness: str = "none", momentum: Optional[Dict[int, np.ndarray]] = None) -> None:
+                 outer_staleness: str = "none", outer_gain: str = "none", outer_delay: int = 0,
+                 momentum: Optional[Dict[int, np.ndarray]] = None,
+                 delayed: Optional[Tuple[Dict[int, np.ndarray], Dict[int, int]]] = None) -> None:
         check_aggregate(index, aggregate)
         self.index = index
         self.d = d
         self.aggregate = aggregate
-        self.outer_options = check_outer(f"PS shard {index}", outer, outer_lr, outer_momentum, outer_staleness)
+        self.outer_options = check_outer(f"PS shard {index}", outer, outer_lr, outer_momentum, outer_staleness,
+                                         outer_gain, outer_delay)
         self.layers = sorted(weights)
         self.W = {l: np.ascontiguousarray(weights[l], dtype=np.float32).copy() for l in self.layers}
         buffers = buffers or {}
         self.B = {l: np.ascontiguousarray(buffers.get(l, np.zeros(0)), dtype=np.float32).copy() for l in self.layers}
         self.num_vws = len(stage_layers)
-        self.outer = OuterStep(index, self.W, self.num_vws, aggregate, self.outer_options, momentum)
-        self.M = self.outer.M
+        self.outer = OuterStep(index, self.W, self.num_vws, aggregate, self.outer_options, momentum, delayed)
+        self.M, self.A = self.outer.M, self.outer.A
         self.stage_layers = held_layers(self.W, self.B, stage_layers)
         # (vw, stage) -> (layer, offset, numel) slices of W it pulls as replicas of tied parameters.
         self.replicas = {k: list(v) for k, v in (replicas or {}).items() if v}
@@ -159,6 +169,9 @@ class ShardState:
     @property
     def global_clock(self) -> int:
         return int(self.clock.global_clock())
+
+    def outer_counts(self) -> Dict[int, int]:
+        return dict(self.outer.count)
 
     def stage_numel(self, vw: int, stage: int) -> int:
         """Elements of a push from the stage: its layers' weights, then their synced buffers."""

@@ -224,11 +224,16 @@ def build_shard(spec: RunSpec, shard: int, transport: Transport, pool, *,
     replicas = {(vw.index, k): [(r.owner, r.offset, r.numel) for r in lay.stage_replicas(st.start, st.stop)
                                 if r.owner in owned]
                 for vw in plan.virtual_workers for k, st in enumerate(vw.stages)}
-    # The outer momentum a resumed run continues from (a checkpoint without it: zeros).
-    momentum = spec.resume.checkpoint.global_momentum() if spec.resume is not None else {}
+    # The outer momentum and delayed-nesterov's buffer a resumed run continues from (a checkpoint without
+    # them: zeros).
+    momentum, delayed, counts = {}, {}, {}
+    if spec.resume is not None:
+        momentum = spec.resume.checkpoint.global_momentum()
+        delayed, counts = spec.resume.checkpoint.global_delayed()
     momentum = {l: m for l, m in momentum.items() if l in owned}
+    delayed = ({l: a for l, a in delayed.items() if l in owned}, {l: n for l, n in counts.items() if l in owned})
     return shard_server(plan, shard, weights, buffers, transport, pool, comm=comm, replicas=replicas,
-                        momentum=momentum, audit=spec.audit, trace=trace, t0=t0)
+                        momentum=momentum, delayed=delayed, audit=spec.audit, trace=trace, t0=t0)
 
 
 

@@ -228,10 +228,13 @@ class RunCheckpoints:
     @staticmethod
     def shard_snapshot(state, role: Role, clock0: int) -> ckpt.Snapshot:
         tensors = {}
+        counts = state.outer_counts()
         for l in state.layers:
-            for kind, values in (("w", state.W), ("b", state.B), ("m", state.M)):
+            for kind, values in (("w", state.W), ("b", state.B), ("m", state.M), ("a", state.A)):
                 if values[l].size:
                     tensors[f"{kind}/{l}"] = torch.from_numpy(values[l].copy())
+            if state.A[l].size:                 # delayed-nesterov: the pushes a/<layer> holds
+                tensors[f"n/{l}"] = torch.tensor([counts[l]], dtype=torch.int64)
         clocks = [clock0 + int(state.clock.clock(v)) for v in range(state.num_vws)]
         return tensors, {"role": "ps", "shard": role.shard, "clocks": clocks, "applied": clock0 + state.applied}
 

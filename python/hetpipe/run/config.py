@@ -108,8 +108,10 @@ class PSRule:
 
     aggregate: "mean" (a wave moves the weights by the VWs' average change, so learning rates tuned on
         one GPU carry over) or "sum" (HetPipe's rule: N VWs take N times the step). None: the plan's.
-    outer, outer_lr, outer_momentum, outer_staleness: the outer optimizer ("sgd" or "nesterov", its
-        learning rate and momentum; staleness "none" or "inverse"). Each None: the plan's.
+    outer, outer_lr, outer_momentum, outer_staleness, outer_gain, outer_delay: the outer optimizer ("sgd",
+        "nesterov" or "delayed-nesterov", its learning rate and momentum; staleness decay "none", "inverse"
+        or "sqrt"; gain "none" or "sqrt"; delayed-nesterov's pushes per momentum step, 0: the VW count;
+        hetpipe.plan.outer). Each None: the plan's.
     audit: each shard also keeps the float64 sum of every delta pushed to it, as applied
         (``TrainResult.shard_logs[k].pushed_sum``); a float64 pass over every push.
     """
@@ -119,6 +121,8 @@ class PSRule:
     outer_lr: Optional[float] = None
     outer_momentum: Optional[float] = None
     outer_staleness: Optional[str] = None
+    outer_gain: Optional[str] = None
+    outer_delay: Optional[int] = None
     audit: bool = False
 
     def __post_init__(self) -> None:
@@ -131,7 +135,8 @@ class PSRule:
     def outer_overrides(self) -> Dict[str, Any]:
         """The outer-optimizer fields this rule sets (those replace the plan's)."""
         given = {"outer": self.outer, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
-                 "outer_staleness": self.outer_staleness}
+                 "outer_staleness": self.outer_staleness, "outer_gain": self.outer_gain,
+                 "outer_delay": self.outer_delay}
         return {k: v for k, v in given.items() if v is not None}
 
 

@@ -34,6 +34,8 @@ def update_rule(plan: Plan, batch: int, accumulate: int = 1) -> str:
         rule = (f"hetpipe: update rule: {n} VWs each stepping once per {per_step}; the PS adds their updates "
                 f"(aggregate 'sum'), so per sample the run advances as a one-process loop does, on global weights "
                 f"lacking up to {plan.d} wave(s) of the other VWs' updates{inflight}")
+    if n > 1 and plan.outer_gain == "sqrt":
+        rule += f"; outer_gain 'sqrt' divides each VW's update by sqrt({n}) instead, between 'mean' and 'sum'"
     if plan.outer != "sgd" or plan.outer_lr != 1.0:
         rule += f"; the PS's outer step ({plan.outer}, lr {plan.outer_lr:g}) scales each wave's update"
     return rule + " (docs/training.md, \"Why the loss differs\")"

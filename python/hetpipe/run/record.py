@@ -17,8 +17,9 @@ and cannot deadlock: docs/design.md, "Run records and the replay".
 File format (JSON, written once by rank 0 from the shard logs every rank gathers at the end)::
 
     {"format": "hetpipe-wsp-record", "version": 1,
-     "run": {"nm", "d", "aggregate", ["outer": {outer, outer_lr, outer_momentum, outer_staleness}, when not
-             the plain rule], "seed", "vws": [[[start, stop] per stage] per VW],
+     "run": {"nm", "d", "aggregate", ["outer": {outer, outer_lr, outer_momentum, outer_staleness, [outer_gain,
+             outer_delay, each when not its default]}, when not the plain rule], "seed",
+             "vws": [[[start, stop] per stage] per VW],
              "shards": [[layers] per shard], "minibatches": [per VW], "split": [per VW],
              "weights_crc32": crc of the initial global weights},
      "shards": [{"shard": k, "applied": [[[vw, stage], ...] per wave],
@@ -38,7 +39,7 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 
 import numpy as np
 
-from hetpipe.plan.outer import is_plain
+from hetpipe.plan.outer import is_plain, recorded_outer
 from hetpipe.ps.shard import ShardLog, ShardState
 from hetpipe.run.spec import Outcome, RunSpec
 from hetpipe.util.errors import HetpipeError
@@ -56,8 +57,9 @@ class RecordMismatch(HetpipeError, ValueError):
 def run_identity(spec: RunSpec) -> Dict[str, Any]:
     """What a record must agree on with the run replaying it (plan, schedules, seed, initial weights)."""
     plan = spec.plan
-    # The outer optimizer only where it is not the plain rule: records of plain runs stay as they were.
-    outer = {} if is_plain(plan.outer_options) else {"outer": plan.outer_options}
+    # The outer optimizer only where it is not the plain rule, and its later fields only where they are not
+    # their defaults: records written before them stay as they were.
+    outer = {} if is_plain(plan.outer_options) else {"outer": recorded_outer(plan.outer_options)}
     return {
         "nm": plan.nm, "d": plan.d, "aggregate": plan.aggregate, **outer, "seed": spec.seed,
         "vws": [[[st.start, st.stop] for st in vw.stages] for vw in plan.virtual_workers],

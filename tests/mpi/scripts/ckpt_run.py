@@ -8,7 +8,7 @@ seconds per forward, twice per backward: slow enough to be killed mid-run), ``me
 instead of SGD: their state must come back to the right parameters), ``one_cycle`` (a OneCycleLR over the
 whole run, whose state is nested dicts), ``waves_log`` (a file a callback appends each WaveInfo's wave, global
 clock and step to, as JSON lines), ``outer``
-(the Trainer's outer optimizer arguments, e.g. {"outer": "nesterov"}: its momentum must survive a resume). Checkpoints
+(the PSRule's outer optimizer fields, e.g. {"outer": "nesterov"}: its state must survive a resume). Checkpoints
 and resuming come from the launcher (--checkpoint-dir, --resume, --max-restarts). Rank 0 writes
 OUT/result.json (losses, samples, what it resumed from) and OUT/weights.npz (final global weights)."""
 
@@ -23,7 +23,7 @@ from hetpipe import named_params
 from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan
 from hetpipe.run.data import Batches
 from hetpipe.run.trainer import Trainer
-from hetpipe.run.config import Numerics, Reporting, Runtime
+from hetpipe.run.config import Numerics, PSRule, Reporting, Runtime
 
 
 def plan_of(cfg) -> Plan:
@@ -86,8 +86,7 @@ def main() -> int:
                   epochs=cfg["epochs"], numerics=Numerics(lr_scheduler=scheduler),
                   reporting=Reporting(progress=False, metrics=cfg.get("metrics"), tensorboard=cfg.get("tensorboard"),
                                       callbacks=[WavesLog(cfg["waves_log"])] if cfg.get("waves_log") else []),
-                  runtime=Runtime(emulate=True),
-                  **cfg.get("outer", {})).fit()
+                  runtime=Runtime(emulate=True), ps=PSRule(**cfg.get("outer", {}))).fit()
     if run.rank == 0:
         save_run(out, run)
     return 0
