@@ -22,9 +22,9 @@
 // long as something moved within the last kSpinWindow: a rendezvous transfer moves only inside MPI
 // calls, and with shared-memory copies through cells both sides must keep calling. A payload in
 // flight that has not moved for that long (its receiver has not posted the receive yet) is polled
-// every kInFlightNap instead, so a stalled send does not hold a core the computing threads need.
-// With nothing in flight the thread sleeps with a back-off (20 us doubling to 1 ms), and send()
-// wakes it at once when it sleeps.
+// after naps of 20 us doubling to 250 us instead, so a stalled send does not hold a core the
+// computing threads need. With nothing in flight the thread sleeps with a back-off (20 us doubling to
+// 1 ms). send() wakes a sleeping thread at once.
 // Memory ordering: a ring's producer writes the entry, then stores the tail with release; the
 // consumer loads the tail with acquire before reading the entry, then stores the head with release,
 // which the producer loads with acquire before reusing the entry. The wake-up is a Dekker pair:

@@ -237,7 +237,7 @@ class StageExecutor:
         if asked is not None and Pull(asked) not in self.stream[self.pc:]:
             raise StageError(f"hetpipe: {self.ctx.who()} requested the pull of wave {asked}, which the stop "
                              f"after wave {last} removed")
-        if self._ahead:
+        if self.run.pull_ahead:
             self._ahead = pull_points(self.stream, self.run.d)
 
     def _pull_ahead(self, ran: int) -> bool:
@@ -247,11 +247,6 @@ class StageExecutor:
         if wave is not None:
             self.ps.request(wave)
         return self.ps.poll()
-
-    @property
-    def pull_waits(self) -> Dict[int, float]:
-        """Wave -> seconds its Pull waited for replies that had not arrived."""
-        return self.ps.waits
 
     # --- instructions ---------------------------------------------------------------------------
     def _apply(self, instr: Apply) -> bool:
