@@ -29,6 +29,12 @@ Two bounds say what limits a row:
   ranks did per minibatch (cores x plain CPU per minibatch / the ranks' sum): below the goal, the
   runtime's own work is too much for the host, however it is scheduled.
 
+Blocked on pull: the milliseconds per wave each stage's Pull instruction waited for replies that had not
+arrived (the runtime's ``WAIT`` trace events; the hetpipe runs keep their trace in memory for them),
+stage 0 / stage 1, with pulls requested at the Pull instruction (``before``: ``HETPIPE_PULL_AHEAD=0``, how
+every pull went before early pulls) and as soon as WSP allows (``after``, the default), both measured in
+the same repetitions.
+
 Two baselines run beside hetpipe, interleaved with it:
 - ``host``: two plain loops at once, each in its own process, against one: what the host's cores give
   two independent single-thread processes (shared caches, memory bandwidth, clock), i.e. the best any
@@ -36,7 +42,8 @@ Two baselines run beside hetpipe, interleaved with it:
 - ``torch pp``: PyTorch's own pipeline runtime, ``torch.distributed.pipelining`` (Schedule1F1B over
   gloo, 2 ranks), on the same model, cut and minibatches: Nm micro-batches per step, then a flush and
   one SGD step. It has no parameter server and no weight stashes (it steps once per flush), so it
-  does less work per minibatch than a WSP stage; its bound is ``sched`` at D = 0.
+  does less work per minibatch than a WSP stage; its bound is ``sched`` at D = 0. ``vs torch pp``:
+  hetpipe's samples/s over the baseline's (goal at D >= 1: >= 1.0x).
 
     python bench/host_overhead.py [--quick] [--json out.json]
 """
@@ -58,6 +65,7 @@ MODELS = {"tiny": {"width": 32, "depth": 6, "batch": 16},
           "compute": {"width": 448, "depth": 7, "batch": 64}}
 GOAL_OVERHEAD_MS = 0.3
 GOAL_SPEEDUP = 1.6
+GOAL_VS_PIPELINING = 1.0
 
 
 def _model(name: str):
@@ -100,8 +108,10 @@ def worker(args) -> None:
     stages = (StagePlan("cpu", "cpu", 0, cut, 0.0, 0.0), StagePlan("cpu", "cpu", cut, len(layers), 0.0, 0.0))
     plan = Plan(len(layers), args.nm, args.d, "manual", (VirtualWorkerPlan(0, stages),),
                 (ShardPlan(0, "n0", tuple(range(len(layers)))),))
+    # The trace stays in memory (its WAIT events give the blocked-on-pull time); its file is discarded.
     trainer = Trainer(layers, nn.functional.cross_entropy, lambda p: torch.optim.SGD(p, lr=0.01),
-                      _data(args.model, args.n), plan=plan, epochs=1, reporting=Reporting(progress=False),
+                      _data(args.model, args.n), plan=plan, epochs=1,
+                      reporting=Reporting(progress=False, trace=None if args.replay else os.devnull),
                       runtime=Runtime(emulate=False))
     if args.replay:
         cpu0 = time.process_time()
@@ -110,7 +120,11 @@ def worker(args) -> None:
         return
     r = trainer.fit()
     if r.rank == 0:
-        print("RESULT " + json.dumps({"elapsed_s": r.elapsed_s, "samples": r.samples, "cpu_s": r.cpu_s}), flush=True)
+        pulls = args.n // args.nm - 1
+        waits = [sum(e.dur_s for e in r.trace if e.kind == "WAIT" and e.vw == 0 and e.stage == s) / pulls * 1e3
+                 for s in range(len(stages))]
+        print("RESULT " + json.dumps({"elapsed_s": r.elapsed_s, "samples": r.samples, "cpu_s": r.cpu_s,
+                                      "pull_wait_ms": waits}), flush=True)
 
 
 def pipelining(args) -> None:
@@ -203,12 +217,13 @@ def _plain_procs(name: str, n: int, count: int = 1) -> Tuple[float, float]:
     return max(walls), sum(cpus)
 
 
-def _run(model: str, nm: int, d: int, n: int, plane: str) -> Dict[str, object]:
+def _run(model: str, nm: int, d: int, n: int, plane: str, ahead: bool = True) -> Dict[str, object]:
     """One hetpipe run under mpiexec on ``plane``, or (``plane`` "replay") replayed in one process, or
-    (``plane`` "pipelining") the baseline pipeline's run on 2 ranks."""
+    (``plane`` "pipelining") the baseline pipeline's run on 2 ranks; ``ahead``: pulls requested early."""
     from hetpipe.launch.mpiexec import mpiexec_path
 
-    env = {**os.environ, "HETPIPE_STAGE_PLANE": plane, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "HETPIPE_STAGE_PLANE": plane, "OMP_NUM_THREADS": "1",
+           "HETPIPE_PULL_AHEAD": "1" if ahead else "0"}
     args = [sys.executable, str(HERE), "--worker", "--model", model, "--nm", str(nm), "--d", str(d), "--n", str(n)]
     if plane == "replay":
         cmd = args + ["--replay"]
@@ -235,19 +250,25 @@ def measure(model: str, nm: int, d: int, short: int, long: int, reps: int) -> Di
     steps = long - short
     out: Dict[str, object] = {"model": model, "nm": nm, "d": d}
     best: Dict[str, Tuple[float, List[float]]] = {}
+    waits: Dict[str, List[float]] = {}
 
-    def keep(key: str, wall: Tuple[float, float], cpu: Tuple[List[float], List[float]]) -> None:
-        """Keep ``key``'s repetition if its ms per minibatch (``wall``: long, short seconds) is the best."""
+    def keep(key: str, wall: Tuple[float, float], cpu: Tuple[List[float], List[float]],
+             wait: List[float] = ()) -> None:
+        """Keep ``key``'s repetition if its ms per minibatch (``wall``: long, short seconds) is the best;
+        ``wait``: the long run's blocked-on-pull ms per wave per stage."""
         ms = (wall[0] - wall[1]) / steps * 1e3
         if key not in best or ms < best[key][0]:
             best[key] = (ms, [(x - y) / steps * 1e3 for x, y in zip(*cpu)])
+            if wait:
+                waits[key] = list(wait)
 
     for _ in range(reps):
         (w1, c1), (w0, c0) = _plain_procs(model, long), _plain_procs(model, short)
         keep("plain", (w1, w0), ([c1], [c0]))
         for plane in PLANES:
-            a, b = _run(model, nm, d, long, plane), _run(model, nm, d, short, plane)
-            keep(plane, (a["elapsed_s"], b["elapsed_s"]), (a["cpu_s"], b["cpu_s"]))
+            for ahead, key in ((False, f"{plane}_before"), (True, plane)):
+                a, b = _run(model, nm, d, long, plane, ahead), _run(model, nm, d, short, plane, ahead)
+                keep(key, (a["elapsed_s"], b["elapsed_s"]), (a["cpu_s"], b["cpu_s"]), a["pull_wait_ms"])
         a, b = _run(model, nm, d, long, "replay"), _run(model, nm, d, short, "replay")
         keep("replay", (a["cpu_s"][0], b["cpu_s"][0]), (a["cpu_s"], b["cpu_s"]))
         a, b = _run(model, nm, d, long, "pipelining"), _run(model, nm, d, short, "pipelining")
@@ -256,6 +277,8 @@ def measure(model: str, nm: int, d: int, short: int, long: int, reps: int) -> Di
         keep("pair", (w1, w0), ([c1], [c0]))
     for key, (ms, cpu) in best.items():
         out[f"{key}_ms"], out[f"{key}_cpu_ms"] = ms, cpu
+    for key, wait in waits.items():
+        out[f"{key}_pull_wait_ms"] = wait
     return out
 
 
@@ -270,7 +293,8 @@ def table(rows: List[Dict[str, object]]) -> str:
              f"{cores} cores, 1 torch thread per process; steady state (two lengths), best of reps",
              f"{'model':8} {'Nm':>3} {'D':>2} {'plain ms/mb':>11} {'CPU':>5} {'plane':>7} {'hetpipe ms/mb':>13} "
              f"{'overhead/stage':>14} {'speed-up':>9} {'CPU ms/mb s0/s1/ps':>19} {'1-proc':>6} {'sched':>6} "
-             f"{'cpu':>6} {'host':>6} {'torch pp':>8} {'goal':>16} {'met':>4}"]
+             f"{'cpu':>6} {'host':>6} {'torch pp':>8} {'goal':>16} {'met':>4} {'vs torch pp':>11} "
+             f"{'blocked on pull ms/wave s0/s1, before -> after':>46}"]
     for r in rows:
         plain_ms, plain_cpu = r["plain_ms"], r["plain_cpu_ms"][0]
         for plane in PLANES:
@@ -282,11 +306,14 @@ def table(rows: List[Dict[str, object]]) -> str:
             else:
                 goal, met = f">= {GOAL_SPEEDUP}x plain", speed >= GOAL_SPEEDUP
             cpus = "/".join(f"{c:.2f}" for c in cpu)
+            before, after = ("/".join(f"{w:.2f}" for w in r[f"{k}_pull_wait_ms"]) for k in (f"{plane}_before", plane))
+            vs_pp = r["pipelining_ms"] / ms
+            mark = f" ({'met' if vs_pp >= GOAL_VS_PIPELINING else 'not met'})" if r["d"] >= 1 else ""
             lines.append(f"{r['model']:8} {r['nm']:>3} {r['d']:>2} {plain_ms:>11.3f} {plain_cpu:>5.2f} {plane:>7} "
                          f"{ms:>13.3f} {over:>11.3f} ms {speed:>8.2f}x {cpus:>19} {r['replay_ms']:>6.2f} "
                          f"{sched_bound(r['nm'], r['d']):>5.2f}x {cores * plain_cpu / sum(cpu):>5.2f}x "
                          f"{2 * plain_ms / r['pair_ms']:>5.2f}x {plain_ms / r['pipelining_ms']:>7.2f}x {goal:>16} "
-                         f"{'yes' if met else 'no':>4}")
+                         f"{'yes' if met else 'no':>4} {vs_pp:>10.2f}x{mark} {before:>20} -> {after:<11}")
     lines += ["overhead/stage = hetpipe ms/mb - plain ms/mb / 2; speed-up = plain ms/mb / hetpipe ms/mb",
               "CPU: the plain loop's CPU ms per minibatch; CPU ms/mb: each hetpipe rank's (stage 0, stage 1, PS); "
               "1-proc: the same plan replayed in one process (the runtime's own work: no MPI, no waiting)",
@@ -294,6 +321,10 @@ def table(rows: List[Dict[str, object]]) -> str:
               f"cpu: {cores} cores x plain CPU / the ranks' CPU (the bound the runtime's CPU work sets)",
               "host: two plain loops at once, each in its own process, over one (what the host's cores allow); "
               "torch pp: the baseline pipeline's speed-up (below)",
+              f"vs torch pp: hetpipe's samples/s over the baseline's (goal at D >= 1: >= {GOAL_VS_PIPELINING:.1f}x); "
+              "blocked on pull: ms per wave each stage's Pull waited for missing replies, pulls requested at the "
+              "Pull instruction (before, HETPIPE_PULL_AHEAD=0, its own runs of the same repetitions) -> as soon as "
+              "WSP allows (after); hetpipe ms/mb and the other columns are the after runs'",
               "",
               "baseline pipeline: torch.distributed.pipelining Schedule1F1B (ScheduleGPipe at Nm = 1) over gloo, "
               "2 ranks, the same model, cut and minibatches; a step is Nm micro-batches (one minibatch each), a "

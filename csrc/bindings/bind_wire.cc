@@ -29,11 +29,14 @@ void bind_wire(py::module_& m) {
     d["stopped"] = wire::kStopped;
     d["fields"] = py::make_tuple(wire::kKindWord, wire::kVwWord, wire::kStageWord, wire::kMbWord, wire::kAuxWord,
                                  wire::kDtypeWord, wire::kNdimWord, wire::kNbytesWord, wire::kShapeWord);
+    d["chunk_word"] = wire::kChunkWord;
+    d["default_chunk_bytes"] = wire::kDefaultChunkBytes;
     return d;
   }, "The wire protocol as the core's MPI services use it (hetpipe/wire.h): header_words, max_ndim, kinds\n"
      "by name, dtypes in code order (code = index + 1), tags per kind (header, payload), and the header\n"
      "word index of kind, vw, stage, mb, aux, dtype, ndim, nbytes and the first shape entry; stopped: the\n"
-     "aux of a WEIGHTS reply to a pull after an early stop.");
+     "aux of a WEIGHTS reply to a pull after an early stop; chunk_word: the word holding the chunk size a\n"
+     "payload was cut at; default_chunk_bytes: the core's chunk size unless told otherwise.");
 }
 
 }  // namespace hetpipe::bindings

@@ -17,6 +17,7 @@
 
 #include "bindings/translate.h"
 #include "hetpipe/shard_plane.h"
+#include "hetpipe/wire.h"
 #include "mpi/shard_service.h"
 #include "mpi/stage_endpoint.h"
 
@@ -49,13 +50,15 @@ PYBIND11_MODULE(_mpi, m) {
   py::class_<hetpipe::ShardService>(m, "ShardService",
                                     "A PS shard rank's receive/serve path: the core's threads receive PUSH and PULL\n"
                                     "messages over MPI, apply waves and answer pulls (see csrc/mpi/shard_service.h).\n"
-                                    "ShardService(plane, comm, shard, trace=False): comm is an mpi4py communicator's\n"
-                                    "handle (MPI._handleof(comm)); MPI must run at MPI_THREAD_MULTIPLE.")
-      .def(py::init([](py::object plane, std::uint64_t comm, int shard, bool trace) {
+                                    "ShardService(plane, comm, shard, trace=False, chunk_bytes): comm is an mpi4py\n"
+                                    "communicator's handle (MPI._handleof(comm)); chunk_bytes the size its replies are\n"
+                                    "cut at (0: one message each); MPI must run at MPI_THREAD_MULTIPLE.")
+      .def(py::init([](py::object plane, std::uint64_t comm, int shard, bool trace, std::int64_t chunk_bytes) {
              auto& p = plane.cast<hetpipe::ShardPlane&>();
-             return std::make_unique<hetpipe::ShardService>(p, comm_of<MPI_Comm>(comm), shard, trace);
+             return std::make_unique<hetpipe::ShardService>(p, comm_of<MPI_Comm>(comm), shard, trace, chunk_bytes);
            }),
            py::arg("plane"), py::arg("comm"), py::arg("shard"), py::arg("trace") = false,
+           py::arg("chunk_bytes") = hetpipe::wire::kDefaultChunkBytes,
            py::keep_alive<1, 2>())  // the plane outlives the service
       .def("start", &hetpipe::ShardService::start)
       .def("stop", &hetpipe::ShardService::stop, py::call_guard<py::gil_scoped_release>(),
@@ -83,13 +86,14 @@ PYBIND11_MODULE(_mpi, m) {
 
   py::class_<hetpipe::StageEndpoint>(m, "StageEndpoint",
                                      "A stage rank's message traffic over MPI, progressed by a core thread of its own\n"
-                                     "(see csrc/mpi/stage_endpoint.h). StageEndpoint(pool, comm): pool is the stage's\n"
-                                     "PinnedBufferPool, comm an mpi4py communicator's handle (MPI._handleof(comm)); MPI\n"
-                                     "must run at MPI_THREAD_MULTIPLE. One Python thread calls every method.")
-      .def(py::init([](std::shared_ptr<hetpipe::PinnedBufferPool> pool, std::uint64_t comm) {
-             return std::make_unique<hetpipe::StageEndpoint>(std::move(pool), comm_of<MPI_Comm>(comm));
+                                     "(see csrc/mpi/stage_endpoint.h). StageEndpoint(pool, comm, chunk_bytes): pool is the\n"
+                                     "stage's PinnedBufferPool, comm an mpi4py communicator's handle (MPI._handleof(comm)),\n"
+                                     "chunk_bytes the size payloads are cut at (0: one message each); MPI must run at\n"
+                                     "MPI_THREAD_MULTIPLE. One Python thread calls every method.")
+      .def(py::init([](std::shared_ptr<hetpipe::PinnedBufferPool> pool, std::uint64_t comm, std::int64_t chunk_bytes) {
+             return std::make_unique<hetpipe::StageEndpoint>(std::move(pool), comm_of<MPI_Comm>(comm), chunk_bytes);
            }),
-           py::arg("pool"), py::arg("comm"))
+           py::arg("pool"), py::arg("comm"), py::arg("chunk_bytes") = hetpipe::wire::kDefaultChunkBytes)
       .def(
           "send",
           [](hetpipe::StageEndpoint& e, int dest, py::array_t<std::int64_t, py::array::c_style> words,

@@ -66,6 +66,15 @@ class Backoff {
   std::chrono::microseconds delay_ = kFirstBackoff;
 };
 
+// Completes what finished of `requests` (MPI_Testsome); returns how many did.
+int test_some(std::vector<MPI_Request>& requests, const char* what) {
+  std::vector<int> done(requests.size());
+  int count = 0;
+  check(MPI_Testsome(static_cast<int>(requests.size()), requests.data(), &count, done.data(), MPI_STATUSES_IGNORE),
+        what);
+  return count == MPI_UNDEFINED ? 0 : count;
+}
+
 // Plane errors are the peers breaking the protocol; MPI's are the transport's; the rest are ours.
 template <class Body>
 void guarded(Body body, const std::function<void(const std::string&, const std::string&)>& fail) {
@@ -88,8 +97,12 @@ void guarded(Body body, const std::function<void(const std::string&, const std::
 
 }  // namespace
 
-ShardService::ShardService(ShardPlane& plane, MPI_Comm comm, int shard, bool trace)
-    : plane_(plane), comm_(comm), shard_(shard), tracing_(trace) {
+ShardService::ShardService(ShardPlane& plane, MPI_Comm comm, int shard, bool trace, std::int64_t chunk_bytes)
+    : plane_(plane), comm_(comm), shard_(shard), tracing_(trace), chunk_bytes_(chunk_bytes) {
+  if (chunk_bytes < 0) {
+    throw std::invalid_argument(where() + ": chunk_bytes must be >= 0 (0: one message per reply), got " +
+                                std::to_string(chunk_bytes));
+  }
   int initialised = 0, finalised = 0, level = 0;
   MPI_Initialized(&initialised);
   MPI_Finalized(&finalised);
@@ -267,14 +280,24 @@ void ShardService::on_push_header(const std::array<std::int64_t, 16>& w, int src
     }
     stop_after_.store(w[3], std::memory_order_release);
   }
+  const std::int64_t cut = w[wire::kChunkWord];
+  if (cut < 0) {
+    throw std::invalid_argument(where() + ": " + who.str() + " announces chunks of " + std::to_string(cut) + " bytes");
+  }
   const double start = now_s();
   const std::int64_t before = plane_.global_clock();
   float* into = plane_.begin_push(vw, stage, wave, want);
-  PendingPush p{MPI_REQUEST_NULL, vw, stage, wave, start, before};
-  check(MPI_Irecv_c(into, static_cast<MPI_Count>(4 * want), MPI_BYTE, src, wire::payload_tag(kPush), comm_,
-                    &p.request),
-        "MPI_Irecv (push payload)");
-  pushes_.push_back(p);
+  const auto total = static_cast<std::int64_t>(4 * want);
+  const std::int64_t pieces = wire::chunk_count(total, cut);
+  PendingPush p{std::vector<MPI_Request>(static_cast<std::size_t>(pieces), MPI_REQUEST_NULL),
+                static_cast<int>(pieces), vw, stage, wave, start, before};
+  for (std::int64_t i = 0; i < pieces; ++i) {
+    const auto [off, len] = wire::chunk_at(total, cut, i);
+    check(MPI_Irecv_c(reinterpret_cast<char*>(into) + off, static_cast<MPI_Count>(len), MPI_BYTE, src,
+                      wire::payload_tag(kPush), comm_, &p.requests[static_cast<std::size_t>(i)]),
+          "MPI_Irecv (push payload)");
+  }
+  pushes_.push_back(std::move(p));
   events_.fetch_add(1, std::memory_order_acq_rel);
 }
 
@@ -282,13 +305,14 @@ bool ShardService::test_pushes() {
   bool progressed = false;
   // In arrival order: a stage's pushes end in wave order.
   for (auto it = pushes_.begin(); it != pushes_.end();) {
-    int done = 0;
-    check(MPI_Test(&it->request, &done, MPI_STATUS_IGNORE), "MPI_Test (push payload)");
-    if (!done) {
+    const int done = test_some(it->requests, "MPI_Testsome (push payload)");
+    it->left -= done;
+    if (it->left > 0) {
+      progressed = progressed || done > 0;
       ++it;
       continue;
     }
-    const PendingPush p = *it;
+    const PendingPush p = std::move(*it);
     it = pushes_.erase(it);
     const bool due = plane_.end_push(p.vw, p.stage, p.wave);
     received_[static_cast<std::size_t>(slot_base_[static_cast<std::size_t>(p.vw)] + p.stage)].fetch_add(1);
@@ -334,9 +358,11 @@ void ShardService::cancel_receives() {
   cancel(pull_header_, "a pull header");
   for (PendingPush& p : pushes_) {
     // Its header was consumed: the push is lost whether or not its payload had started arriving.
-    MPI_Status status;
-    check(MPI_Cancel(&p.request), "MPI_Cancel");
-    check(MPI_Wait(&p.request, &status), "MPI_Wait (cancelled receive)");
+    for (MPI_Request& r : p.requests) {
+      if (r == MPI_REQUEST_NULL) continue;
+      check(MPI_Cancel(&r), "MPI_Cancel");
+      check(MPI_Wait(&r, MPI_STATUS_IGNORE), "MPI_Wait (cancelled receive)");
+    }
     lost.push_back("the push of wave " + std::to_string(p.wave) + " from VW " + std::to_string(p.vw) + " stage " +
                    std::to_string(p.stage) + " (its payload never completed)");
   }
@@ -396,7 +422,11 @@ bool ShardService::serve_ready() {
     // A pull after the stop gets a header only: its stage ends its stream there.
     const std::int64_t g = stopped ? wire::kStopped : plane_.serve(q.vw, q.stage, q.wave, nullptr, 0);
     const std::size_t n = stopped ? 0 : plane_.reply_numel(q.vw, q.stage);
-    Reply r{{MPI_REQUEST_NULL, MPI_REQUEST_NULL}, std::make_unique<std::array<std::int64_t, 16>>(), q.vw, q.stage};
+    const auto total = static_cast<std::int64_t>(4 * n);
+    const std::int64_t cut = wire::chunk_word(total, chunk_bytes_);
+    const std::int64_t messages = n > 0 ? wire::chunk_count(total, cut) : 0;
+    Reply r{std::vector<MPI_Request>(static_cast<std::size_t>(1 + messages), MPI_REQUEST_NULL),
+            static_cast<int>(1 + messages), std::make_unique<std::array<std::int64_t, 16>>(), q.vw, q.stage};
     auto& words = *r.words;
     words.fill(0);
     words[0] = kWeights;
@@ -406,8 +436,9 @@ bool ShardService::serve_ready() {
     words[4] = g;
     words[5] = kFloat32;
     words[6] = 1;
-    words[7] = static_cast<std::int64_t>(4 * n);
+    words[7] = total;
     words[8] = static_cast<std::int64_t>(n);
+    words[wire::kChunkWord] = cut;
     check(MPI_Isend(words.data(), kHeaderWords, MPI_INT64_T, q.src, wire::header_tag(kWeights), comm_,
                     &r.requests[0]),
           "MPI_Isend (weights header)");
@@ -427,9 +458,12 @@ bool ShardService::serve_ready() {
         }
         from = packed.data();
       }
-      check(MPI_Isend_c(from, static_cast<MPI_Count>(4 * n), MPI_BYTE, q.src, wire::payload_tag(kWeights), comm_,
-                        &r.requests[1]),
-            "MPI_Isend (weights payload)");
+      for (std::int64_t i = 0; i < messages; ++i) {
+        const auto [off, len] = wire::chunk_at(total, cut, i);
+        check(MPI_Isend_c(reinterpret_cast<const char*>(from) + off, static_cast<MPI_Count>(len), MPI_BYTE, q.src,
+                          wire::payload_tag(kWeights), comm_, &r.requests[static_cast<std::size_t>(1 + i)]),
+              "MPI_Isend (weights payload)");
+      }
     }
     events_.fetch_add(1, std::memory_order_acq_rel);
     if (!stopped) record({false, q.vw, q.stage, q.wave, q.start_s, now_s(), g, g});
@@ -441,9 +475,10 @@ bool ShardService::serve_ready() {
 bool ShardService::test_replies() {
   bool progressed = false;
   for (auto it = replies_.begin(); it != replies_.end();) {
-    int done = 0;
-    check(MPI_Testall(2, it->requests.data(), &done, MPI_STATUSES_IGNORE), "MPI_Testall (weights reply)");
-    if (!done) {
+    const int done = test_some(it->requests, "MPI_Testsome (weights reply)");
+    it->left -= done;
+    if (it->left > 0) {
+      progressed = progressed || done > 0;
       ++it;
       continue;
     }

@@ -2,7 +2,9 @@
 //
 // Wire format (hetpipe/wire.h, mirroring python/hetpipe/transport/protocol.py): 16 int64 header words on tag
 // 2 * kind, then, when the header's nbytes > 0, the payload on tag 2 * kind + 1, from the same sender.
-// MPI's non-overtaking rule (one sender, one tag) pairs each payload with its header.
+// MPI's non-overtaking rule (one sender, one tag) pairs each payload with its header. A push arrives in
+// the chunks its header announces (one receive per chunk, straight into the pending buffer); a reply
+// above the service's chunk size leaves in chunks of that size.
 //
 // Threads (both started by start(), both joined by stop()):
 // - the receiver owns every receive: it keeps a header receive posted for PUSH and one for PULL (any
@@ -41,6 +43,7 @@
 #include <vector>
 
 #include "hetpipe/shard_plane.h"
+#include "hetpipe/wire.h"
 
 namespace hetpipe {
 
@@ -56,9 +59,11 @@ struct ShardServiceEvent {
 class ShardService {
  public:
   // comm: the MPI communicator the stages send on (mpi4py's handle). shard: the shard's index (messages).
-  // trace: keep a ShardServiceEvent per push and pull. Throws std::runtime_error when MPI is not
-  // initialised with MPI_THREAD_MULTIPLE.
-  ShardService(ShardPlane& plane, MPI_Comm comm, int shard, bool trace);
+  // trace: keep a ShardServiceEvent per push and pull. chunk_bytes: the size replies are cut at (0: one
+  // message each; std::invalid_argument below 0). Throws std::runtime_error when MPI is not initialised
+  // with MPI_THREAD_MULTIPLE.
+  ShardService(ShardPlane& plane, MPI_Comm comm, int shard, bool trace,
+               std::int64_t chunk_bytes = wire::kDefaultChunkBytes);
   ShardService(const ShardService&) = delete;
   ShardService& operator=(const ShardService&) = delete;
   ~ShardService();  // stop()
@@ -85,7 +90,8 @@ class ShardService {
 
  private:
   struct PendingPush {
-    MPI_Request request;
+    std::vector<MPI_Request> requests;  // one per chunk of the payload
+    int left;                           // those not yet complete
     int vw, stage;
     std::int64_t wave;
     double start_s;
@@ -97,7 +103,8 @@ class ShardService {
     double start_s;
   };
   struct Reply {
-    std::array<MPI_Request, 2> requests;
+    std::vector<MPI_Request> requests;  // the header's, then one per chunk of the payload
+    int left;                           // those not yet complete
     std::unique_ptr<std::array<std::int64_t, 16>> words;  // the header must outlive its send
     int vw, stage;
   };
@@ -119,6 +126,7 @@ class ShardService {
   MPI_Comm comm_;
   int shard_;
   bool tracing_;
+  std::int64_t chunk_bytes_;
 
   std::thread receiver_, worker_;
   std::atomic<bool> running_{false};

@@ -8,14 +8,23 @@
 // pool slot for each payload and receives it straight into the slot, while Python computes.
 //
 // Wire format: hetpipe/wire.h (16 int64 header words on header_tag(kind), then nbytes payload bytes on
-// payload_tag(kind), from the same sender; MPI's non-overtaking rule pairs them).
+// payload_tag(kind), from the same sender; MPI's non-overtaking rule pairs them). A payload above the
+// endpoint's chunk size is sent as consecutive chunks (the header's chunk word says the size); a
+// received payload is cut as its sender's header says, one receive per chunk into one slot.
 //
 // Threads and queues. One Python thread (the stage's executor) calls send(), try_recv(),
 // pending_sends(), slot_wait(), error() and close(); the progress thread does all MPI calls of the
 // endpoint. They meet in two single-producer single-consumer rings (Ring below): commands (send,
 // start receiving a (source, kind)) from Python to the thread, and received messages from the thread
-// to Python. Neither side takes a lock on the hot path; the thread sleeps with a back-off (20 us
-// doubling to 1 ms) while nothing moves, and send() wakes it at once when it sleeps.
+// to Python. Neither side takes a lock on the hot path.
+// Polling: while a payload is in flight (a send, or a payload receive posted) the thread polls
+// without sleeping, yielding its core between polls (MPI_Testsome over each message's chunks), as
+// long as something moved within the last kSpinWindow: a rendezvous transfer moves only inside MPI
+// calls, and with shared-memory copies through cells both sides must keep calling. A payload in
+// flight that has not moved for that long (its receiver has not posted the receive yet) is polled
+// after naps of 20 us doubling to 250 us instead, so a stalled send does not hold a core the
+// computing threads need. With nothing in flight the thread sleeps with a back-off (20 us doubling to
+// 1 ms). send() wakes a sleeping thread at once.
 // Memory ordering: a ring's producer writes the entry, then stores the tail with release; the
 // consumer loads the tail with acquire before reading the entry, then stores the head with release,
 // which the producer loads with acquire before reusing the entry. The wake-up is a Dekker pair:
@@ -56,6 +65,7 @@
 #include <vector>
 
 #include "hetpipe/buffer_pool.h"
+#include "hetpipe/wire.h"
 
 namespace hetpipe {
 
@@ -98,15 +108,17 @@ class StageEndpoint {
  public:
   static constexpr std::size_t kRingSize = 1024;
 
-  // comm: the MPI communicator of the job (mpi4py's handle); pool: the stage's slots. Throws
-  // std::runtime_error when MPI is not initialised with MPI_THREAD_MULTIPLE. Starts the thread.
-  StageEndpoint(std::shared_ptr<PinnedBufferPool> pool, MPI_Comm comm);
+  // comm: the MPI communicator of the job (mpi4py's handle); pool: the stage's slots; chunk_bytes: the
+  // size this endpoint cuts its payloads at (0: one message each; std::invalid_argument below 0).
+  // Throws std::runtime_error when MPI is not initialised with MPI_THREAD_MULTIPLE. Starts the thread.
+  StageEndpoint(std::shared_ptr<PinnedBufferPool> pool, MPI_Comm comm,
+                std::int64_t chunk_bytes = wire::kDefaultChunkBytes);
   StageEndpoint(const StageEndpoint&) = delete;
   StageEndpoint& operator=(const StageEndpoint&) = delete;
   ~StageEndpoint();  // close(), lost messages dropped
 
-  // Python thread. Starts sending `words` (and the first words[7] bytes of `slot`) to `dest`; takes
-  // ownership of the slot. Never blocks (std::runtime_error if 1024 commands are already queued, or
+  // Python thread. Starts sending `words` (and the first words[7] bytes of `slot`) to `dest`, its chunk
+  // word set to this endpoint's cut; takes ownership of the slot. Never blocks (std::runtime_error if 1024 commands are already queued, or
   // after a failure: error() says which).
   void send(int dest, const HeaderWords& words, std::optional<Slot> slot);
   // Python thread. The next message of `kind` from `src` that fully arrived, or nothing; the first
@@ -133,7 +145,8 @@ class StageEndpoint {
     Incoming* incoming = nullptr;
   };
   struct Outgoing {
-    std::array<MPI_Request, 2> requests{MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+    std::vector<MPI_Request> requests;   // the header's, then one per chunk of the payload
+    int left = 0;                        // requests not yet complete
     std::unique_ptr<HeaderWords> words;  // a header must outlive its send
     std::optional<Slot> slot;
   };
@@ -142,8 +155,10 @@ class StageEndpoint {
     int src = -1;
     std::int64_t kind = 0;
     Stage stage = Stage::kHeader;
-    MPI_Request request = MPI_REQUEST_NULL;
-    std::unique_ptr<HeaderWords> words;  // the posted header receive writes here
+    MPI_Request request = MPI_REQUEST_NULL;  // the header receive
+    std::vector<MPI_Request> chunks;         // kPayload: one receive per chunk of the payload
+    int left = 0;                            // chunk receives not yet complete
+    std::unique_ptr<HeaderWords> words;      // the posted header receive writes here
     std::optional<Slot> slot;
     // False from a delivery until Python takes it; the thread reposts the header receive (kHeld ->
     // kHeader) only then. Stored false (release) before the delivery is pushed, true after Python popped it.
@@ -152,6 +167,7 @@ class StageEndpoint {
 
   void run();
   bool step();
+  bool in_flight() const;
   void start(Command&& c);
   bool test_sends();
   bool test_receives();
@@ -161,6 +177,7 @@ class StageEndpoint {
 
   std::shared_ptr<PinnedBufferPool> pool_;
   MPI_Comm comm_;
+  std::int64_t chunk_bytes_;
 
   Ring<Command, kRingSize> commands_;
   Ring<Received, kRingSize> arrived_;
@@ -168,6 +185,7 @@ class StageEndpoint {
   // Progress thread only.
   std::deque<Outgoing> outgoing_;
   std::vector<std::unique_ptr<Incoming>> incoming_;
+  std::vector<int> done_;  // MPI_Testsome's indices
 
   // Python thread only: what try_recv has popped but not yet handed out, and the keys it started.
   std::map<std::pair<int, std::int64_t>, std::deque<Received>> ready_;

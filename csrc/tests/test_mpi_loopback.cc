@@ -64,10 +64,11 @@ Slot take(PinnedBufferPool& pool, std::size_t floats) {
 }
 
 // Activations to itself: 3000 messages of varying sizes, at most 3 in flight, each payload a known
-// function of its minibatch number, delivered in order and intact.
+// function of its minibatch number, delivered in order and intact. Payloads above 1000 bytes travel in
+// chunks of 1000 (the last one shorter), so most messages are reassembled from several.
 void endpoint_sends_to_itself() {
   auto pool = PinnedBufferPool::create(8, 4 * 4096);
-  hetpipe::StageEndpoint ep(pool, MPI_COMM_WORLD);
+  hetpipe::StageEndpoint ep(pool, MPI_COMM_WORLD, 1000);
   const int n = 3000;
   int sent = 0, got = 0;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
@@ -109,7 +110,7 @@ void endpoint_sends_to_itself() {
 // Two VWs of two stages push waves to a shard of three layers (mean, D = 1) and pull after each
 // push, all through one endpoint; VW v's every delta element is v + 1. The weights of version g are
 // therefore 1.5 g everywhere: each reply must be uniformly 1.5 x the version it announces, and the
-// final weights 1.5 x the waves.
+// final weights 1.5 x the waves. Pushes travel in chunks of 1236 bytes, replies in chunks of 3000.
 void service_serves_an_endpoint() {
   const std::vector<std::size_t> numels{1000, 3000, 500};
   const std::vector<std::vector<std::vector<int>>> stage_layers{{{0, 1}, {2}}, {{0, 1}, {2}}};
@@ -117,10 +118,10 @@ void service_serves_an_endpoint() {
   options.mean = true;
   hetpipe::ShardPlane plane(numels, stage_layers, 1, 2, options);
   for (int l = 0; l < plane.num_layers(); ++l) std::memset(plane.weights(l), 0, 4 * plane.layer_numel(l));
-  hetpipe::ShardService service(plane, MPI_COMM_WORLD, 0, true);
+  hetpipe::ShardService service(plane, MPI_COMM_WORLD, 0, true, 3000);
   service.start();
   auto pool = PinnedBufferPool::create(16, 4 * 4000);
-  hetpipe::StageEndpoint ep(pool, MPI_COMM_WORLD);
+  hetpipe::StageEndpoint ep(pool, MPI_COMM_WORLD, 1236);
   const int waves = 200;
   int replies = 0, pulls = 0;
   auto take_replies = [&](int until_outstanding) {

@@ -1,7 +1,7 @@
 """bench/host_overhead.py end to end (its --quick run), so the benchmark cannot rot: every row is
-measured on both stage planes, with each rank's CPU time, beside its baselines (torch.distributed.pipelining
-on the same model, two plain loops at once), and the table states the goals and bounds. No timing is
-asserted here."""
+measured on both stage planes, with each rank's CPU time and each stage's blocked-on-pull time with pulls
+requested at the instruction and early, beside its baselines (torch.distributed.pipelining on the same
+model, two plain loops at once), and the table states the goals and bounds. No timing is asserted here."""
 
 import json
 import subprocess
@@ -30,9 +30,14 @@ def test_quick_run_prints_the_table(tmp_path):
         assert len(r["plain_cpu_ms"]) == 1 and r["plain_cpu_ms"][0] > 0, r
         for plane in ("python", "core"):
             assert len(r[f"{plane}_cpu_ms"]) == 3, r
+            assert r[f"{plane}_before_ms"] > 0, r
+            # Per stage, ms per wave its Pull waited: requests at the instruction, and early.
+            for key in (f"{plane}_before_pull_wait_ms", f"{plane}_pull_wait_ms"):
+                assert len(r[key]) == 2 and all(w >= 0 for w in r[key]), r
         # The baselines: torch.distributed.pipelining's two ranks, and two plain loops at once.
         assert len(r["pipelining_cpu_ms"]) == 2 and all(c > 0 for c in r["pipelining_cpu_ms"]), r
         assert len(r["pair_cpu_ms"]) == 1 and r["pair_cpu_ms"][0] > 0, r
     assert "devices: host CPU (real)" in proc.stdout
     assert proc.stdout.count(" core ") == 5 and proc.stdout.count(" python ") == 5, proc.stdout
     assert "baseline pipeline: torch.distributed.pipelining" in proc.stdout
+    assert "blocked on pull ms/wave s0/s1, before -> after" in proc.stdout and "vs torch pp" in proc.stdout

@@ -21,3 +21,20 @@ def test_round_trips_and_progress_while_python_sleeps(tmp_path):
     assert got[0]["arrived_while_asleep"], got
     for r in got.values():
         assert r["lost"] == [] and r["free"] == 8, r
+
+
+def test_chunked_payloads_arrive_whole_between_both_endpoints():
+    """A 24 MiB payload of odd size cut at 1 MiB + 7 (mpi4py) and 3 MiB + 1 (core), in each direction
+    between the two endpoints, reassembled bitwise; on the wire, the chunk word and message lengths."""
+    big, py_chunk, core_chunk = (24 << 20) + 13, (1 << 20) + 7, (3 << 20) + 1
+    proc = run_mpi(2, "chunked_payloads.py", str(big), str(py_chunk), str(core_chunk), timeout=180)
+    got = {r["rank"]: r for r in results(proc)}
+    assert set(got) == {0, 1}, f"{proc.stdout}\n{proc.stderr}"
+    assert got[1]["equal"] == {"python->python": True, "core->core": True, "python->core": True,
+                               "core->python": True}, got[1]
+    for key, chunk, n in (("python_wire", py_chunk, 5 * py_chunk + 3), ("core_wire", core_chunk, 4 * core_chunk + 1)):
+        wire = got[1][key]
+        assert wire["equal"] and wire["cut"] == chunk, wire
+        assert wire["lengths"] == [chunk] * (n // chunk) + [n % chunk], wire
+    for r in got.values():
+        assert r["lost"] == [] and r["free"] == 8, r

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import wsp_case
+from hetpipe.ps.client import PULL_AHEAD_ENV
 from hetpipe.run.record import RunRecord
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -40,10 +41,23 @@ def replay(name: str, record=None):
 
 
 @pytest.mark.parametrize("name", sorted(wsp_case.CONFIGS))
-def test_replay_equals_the_spec_given_the_versions_its_pulls_got(name):
+def test_replay_equals_the_spec_given_the_versions_its_pulls_got(name, monkeypatch):
+    """With each pull requested at its Pull instruction, the replay's loop lets one VW run ahead to
+    the staleness bound."""
+    monkeypatch.setenv(PULL_AHEAD_ENV, "0")
     result = replay(name)
     got = wsp_case.versions((k, p) for k, log in result.shard_logs.items() for p in log.pulls)
     wsp_case.check_against_spec(name, result.losses, result.weights, got, staleness=wsp_case.CONFIGS[name]["d"])
+
+
+@pytest.mark.parametrize("name", sorted(wsp_case.CONFIGS))
+def test_replay_with_early_pulls_equals_the_spec_given_the_versions_its_pulls_got(name, monkeypatch):
+    """With pulls requested early (the default), no VW of the replay's loop waits for a reply in
+    flight, so none runs ahead of the others: the versions are one wave old, yet the spec's given them."""
+    monkeypatch.setenv(PULL_AHEAD_ENV, "1")
+    result = replay(name)
+    got = wsp_case.versions((k, p) for k, log in result.shard_logs.items() for p in log.pulls)
+    wsp_case.check_against_spec(name, result.losses, result.weights, got, staleness=1)
 
 
 @pytest.mark.parametrize("name", sorted(wsp_case.CONFIGS))

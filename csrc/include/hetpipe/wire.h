@@ -6,20 +6,43 @@
 //
 // A message is kHeaderWords int64 words on tag header_tag(kind), then, when the header's nbytes word
 // is above zero, nbytes payload bytes on tag payload_tag(kind) from the same sender. Header words:
-// kind, vw, stage, mb, aux, dtype code, ndim, nbytes, then up to kMaxNdim shape entries.
+// kind, vw, stage, mb, aux, dtype code, ndim, nbytes, then up to kMaxNdim shape entries, and last the
+// chunk size the payload was cut at (0: one message). A cut payload is consecutive messages of
+// chunk bytes (the last one shorter) on the payload tag, in order (chunk_count, chunk_at); the
+// receiver posts one receive per chunk. Each sender chooses its chunk size; the receiver reads it.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
+#include <utility>
 
 namespace hetpipe::wire {
 
 constexpr int kHeaderWords = 16;
-constexpr int kMaxNdim = kHeaderWords - 8;
+constexpr int kMaxNdim = kHeaderWords - 9;
 
 // Header word indices.
 constexpr int kKindWord = 0, kVwWord = 1, kStageWord = 2, kMbWord = 3, kAuxWord = 4, kDtypeWord = 5,
-              kNdimWord = 6, kNbytesWord = 7, kShapeWord = 8;
+              kNdimWord = 6, kNbytesWord = 7, kShapeWord = 8, kChunkWord = kHeaderWords - 1;
+
+// The chunk size a sender cuts payloads at unless told otherwise (Python: HETPIPE_CHUNK_BYTES).
+constexpr std::int64_t kDefaultChunkBytes = std::int64_t{16} << 20;
+
+// The chunk word for a payload of `nbytes` sent at `chunk` bytes: `chunk` when the payload is larger, else 0.
+constexpr std::int64_t chunk_word(std::int64_t nbytes, std::int64_t chunk) {
+  return chunk > 0 && chunk < nbytes ? chunk : 0;
+}
+// Messages a payload of `nbytes` cut at `chunk` (a header's chunk word) travels in.
+constexpr std::int64_t chunk_count(std::int64_t nbytes, std::int64_t chunk) {
+  return chunk <= 0 || nbytes <= chunk ? 1 : (nbytes + chunk - 1) / chunk;
+}
+// (offset, length) of message `i` of that payload.
+constexpr std::pair<std::int64_t, std::int64_t> chunk_at(std::int64_t nbytes, std::int64_t chunk, std::int64_t i) {
+  if (chunk <= 0 || nbytes <= chunk) return {0, nbytes};
+  const std::int64_t off = i * chunk;
+  return {off, std::min(chunk, nbytes - off)};
+}
 
 // Message kinds.
 constexpr std::int64_t kAct = 1;      // stage s -> s + 1: output activation of minibatch mb

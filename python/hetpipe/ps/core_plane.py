@@ -33,7 +33,7 @@ from hetpipe.ps.shard import ShardLog, WSPViolation, check_aggregate, held_layer
 from hetpipe.schedule.trace import PS_VW, TraceEvent
 from hetpipe.transport.base import Transport
 from hetpipe.transport.core import core_mpi_missing
-from hetpipe.transport.protocol import TransportError
+from hetpipe.transport.protocol import TransportError, chunk_bytes
 
 PLANE_ENV = PS_PLANE_ENV
 
@@ -153,7 +153,8 @@ class CoreShardServer(ShardServerBase):
 
         from hetpipe_core import _mpi
 
-        self.service = _mpi.ShardService(state.plane, MPI._handleof(comm), state.index, trace is not None)
+        self.service = _mpi.ShardService(state.plane, MPI._handleof(comm), state.index, trace is not None,
+                                         chunk_bytes())
         self._started = False
         self._events = 0
         _live.add(self)

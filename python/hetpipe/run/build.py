@@ -15,6 +15,7 @@ from hetpipe.model.contract import LayerFailure, boundary_bytes
 from hetpipe.model.layout import ModelLayout
 from hetpipe.model.tree import on_wire
 from hetpipe.plan.types import Plan
+from hetpipe.ps.client import pull_ahead
 from hetpipe.ps.serve import shard_server
 from hetpipe.ps.server import ShardServerBase
 from hetpipe.run.spec import RunSpec
@@ -145,7 +146,7 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
     io = StageIO(spec.loss_fn, inputs, labels,
                  expect_in=on_wire(spec.boundaries[st.start], plan.precision) if stage > 0 else None,
                  expect_out=on_wire(spec.boundaries[st.stop], plan.precision) if stage < num_stages - 1 else None)
-    run = StageRun(plan.d, layout, spec.clip_grad_norm, evaluation, scaler, spec.accumulate)
+    run = StageRun(plan.d, layout, spec.clip_grad_norm, evaluation, scaler, spec.accumulate, pull_ahead())
     timing = StageTiming(pacer, st.fwd_time, st.bwd_time, trace, t0)
     return StageExecutor(ctx, layout.streams[stage], model, link, io, run, timing)
 

@@ -1,7 +1,9 @@
 """The stage executor: runs one stage's instruction stream, in order, over a transport.
 
 ``step()`` executes instructions until one cannot proceed yet (a receive whose message has not
-arrived, a Pull whose reply has not come) and returns whether it made progress. The multi-process
+arrived, a Pull whose reply has not come) and returns whether it made progress. Between instructions
+it also sends the next Pull's requests as soon as WSP lets the shards answer them (:func:`pull_points`)
+and takes the replies that arrived, so that the Pull instruction itself only merges them. The multi-process
 driver polls ``step()`` with a back-off and a deadline; the single-process replay round-robins the
 ``step()`` of every stage and shard. Both run exactly this code, so both compute the same numbers.
 
@@ -47,7 +49,30 @@ from hetpipe.transport.codec import rounded_by_wire, to_wire
 from hetpipe.transport.link import StageLink
 from hetpipe.transport.protocol import ACT, GRAD, StageError
 
-__all__ = ["StageContext", "StageError", "StageExecutor", "StageIO", "StageRun", "StageTiming"]
+__all__ = ["StageContext", "StageError", "StageExecutor", "StageIO", "StageRun", "StageTiming", "pull_points"]
+
+
+def pull_points(stream: Sequence[Instr], d: int) -> Dict[int, int]:
+    """Where each Pull's requests may leave ahead of it: instruction index -> the wave whose pull is
+    requested once that instruction ran (-1: before the first one).
+
+    ``Pull(w)`` is answered once every VW pushed the waves ``< w - D`` (docs/design.md, "WSP semantics"),
+    so its request leaves right after this stage's own ``Push(w - D - 1)``, and not before the previous
+    Pull merged (one pull in flight). A Pull with nothing between that point and itself is requested by
+    its own instruction. VW 0's evaluation points come right after a Push: a stop decided at the point
+    after wave ``x`` cuts the waves above ``x + D + 1``, whose requests would follow ``Push(x + 1)``, so
+    no request leaves for a Pull the stop removes."""
+    pushed = {ins.wave: i for i, ins in enumerate(stream) if isinstance(ins, Push)}
+    out: Dict[int, int] = {}
+    previous = -1
+    for j, ins in enumerate(stream):
+        if not isinstance(ins, Pull):
+            continue
+        at = max(previous, pushed.get(ins.wave - d - 1, -1))
+        if at < j - 1:
+            out[at] = ins.wave
+        previous = j
+    return out
 
 
 class StageExecutor:
@@ -89,6 +114,8 @@ class StageExecutor:
         self._outputs: Dict[int, torch.Tensor] = {}
         self._in_grads: Dict[int, Optional[torch.Tensor]] = {}
         self._bwd_started: Dict[int, float] = {}
+        # Instruction index -> the wave whose pull to request once it ran (empty: at the Pull instructions).
+        self._ahead: Dict[int, int] = pull_points(self.stream, run.d) if run.pull_ahead else {}
         # Each instruction kind's handler: True once it ran, False while it cannot proceed yet.
         self._handlers: Dict[type, Callable[[Any], bool]] = {
             Fwd: self._fwd, Bwd: self._bwd, Recompute: self._recompute, Apply: self._apply,
@@ -158,6 +185,7 @@ class StageExecutor:
         """Run instructions until blocked or finished; True if anything happened."""
         progressed = self.link.progress()
         progressed = self.tied.flush() or progressed
+        progressed = self._pull_ahead(self.pc - 1) or progressed
         while self.pc < len(self.stream):
             instr = self.stream[self.pc]
             started = time.perf_counter()
@@ -176,6 +204,7 @@ class StageExecutor:
                 self._stop_after(stop)
             elif isinstance(instr, Pull) and self.ps.stopped:
                 self._stop_after(instr.wave - 1)
+            self._pull_ahead(self.pc - 1)
             self.link.progress()
         self.link.progress()
         if self.link.pending_sends():
@@ -195,7 +224,13 @@ class StageExecutor:
         wave = getattr(instr, "wave", -1)
         if mb >= 0:
             wave = self._minibatch(mb) // self.model.nm
-        self.timing.trace.append(TraceEvent(self.ctx.vw, self.ctx.stage, instr.code, started - self.timing.t0,
+        t0 = self.timing.t0
+        if isinstance(instr, Pull) and self.ps.waits.get(wave, 0.0) > 0:
+            # The time the Pull instruction waited for replies, before its last attempt found them all.
+            wait = self.ps.waits[wave]
+            self.timing.trace.append(TraceEvent(self.ctx.vw, self.ctx.stage, "WAIT", started - wait - t0, wait, -1,
+                                                wave, f"wait for pull w{wave}"))
+        self.timing.trace.append(TraceEvent(self.ctx.vw, self.ctx.stage, instr.code, started - t0,
                                             time.perf_counter() - started, mb, wave))
 
     def _stop_after(self, last: int) -> None:
@@ -204,6 +239,20 @@ class StageExecutor:
         p = self.steps.last_minibatch
         self.stream = self.early_stop.truncate(self.stream, self.pc, last,
                                                None if p is None else self._micros_of(p)[-1])
+        asked = self.ps.requested
+        if asked is not None and Pull(asked) not in self.stream[self.pc:]:
+            raise StageError(f"hetpipe: {self.ctx.who()} requested the pull of wave {asked}, which the stop "
+                             f"after wave {last} removed")
+        if self.run.pull_ahead:
+            self._ahead = pull_points(self.stream, self.run.d)
+
+    def _pull_ahead(self, ran: int) -> bool:
+        """Once instruction ``ran`` ran: send the pull requests due after it, take the replies that
+        arrived (module docstring). True if a reply was taken."""
+        wave = self._ahead.get(ran)
+        if wave is not None:
+            self.ps.request(wave)
+        return self.ps.poll()
 
     # --- instructions ---------------------------------------------------------------------------
     def _apply(self, instr: Apply) -> bool:

@@ -54,7 +54,8 @@ class StageRun:
     """The run's settings the stage follows: the staleness bound ``d``; ``layout``, the schedule whose
     micro-batch arithmetic its stream follows (None: micro-batch j is minibatch j); clipping by the
     VW's gradient norm; VW 0's evaluation points; fp16's loss scale; a step every ``accumulate``
-    minibatches."""
+    minibatches; ``pull_ahead``: request each pull as soon as WSP lets the shards answer it, not at its
+    Pull instruction (``ps.client``)."""
 
     d: int = 0
     layout: Optional[Schedule] = None
@@ -62,6 +63,7 @@ class StageRun:
     evaluation: Optional[Evaluation] = None
     loss_scale: Optional[LossScale] = None
     accumulate: int = 1
+    pull_ahead: bool = True
 
 
 @dataclass

@@ -48,14 +48,18 @@ class ArrayLink:
         """Send a message without payload (a pull request, DONE)."""
         self.transport.send(dest, header)
 
-    def try_recv(self, src: int, kind: int) -> Optional[Tuple[Header, np.ndarray]]:
-        """The next ``kind`` message from ``src``: its header and payload as an array, or None."""
+    def try_recv(self, src: int, kind: int, deferred: bool = False) -> Optional[Tuple[Header, np.ndarray]]:
+        """The next ``kind`` message from ``src``: its header and payload as an array, or None. The array is
+        complete when returned, ``deferred`` or not."""
         msg = self.transport.try_recv(src, kind)
         self.waiting_for = self.transport.slot_wait
         if msg is None:
             return None
         h = msg.header
         return h, msg.payload.view(np.dtype(h.dtype)).reshape(h.shape)
+
+    def use(self, payload: np.ndarray) -> None:
+        """Nothing to wait for: a received array is complete when ``try_recv`` returns it."""
 
     def progress(self) -> None:
         self.transport.progress()

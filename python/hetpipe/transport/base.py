@@ -28,7 +28,8 @@ class Link(Protocol):
     and by ``ArrayLink`` (NumPy arrays). Calling contract: one thread; neither call blocks. ``send``
     returns False (nothing sent) while no pool slot is free, ``try_recv`` None until the message is
     there; ``waiting_for`` then says why (else ""). A payload is a flat array of the front end's
-    family; it must not change until its message arrived."""
+    family; it must not change until its message arrived. A payload taken with ``deferred=True`` may
+    still be filling (a copy onto the device in flight): ``use(payload)`` before reading it."""
 
     waiting_for: str
 
@@ -36,7 +37,9 @@ class Link(Protocol):
 
     def send_header(self, dest: int, header: Header) -> None: ...
 
-    def try_recv(self, src: int, kind: int) -> Optional[Tuple[Header, Any]]: ...
+    def try_recv(self, src: int, kind: int, deferred: bool = False) -> Optional[Tuple[Header, Any]]: ...
+
+    def use(self, payload: Any) -> None: ...
 
 
 class Transport:

@@ -22,7 +22,7 @@ import numpy as np
 import hetpipe_core
 from hetpipe.job.environment import PLANES, STAGE_PLANE_ENV
 from hetpipe.transport.base import Transport
-from hetpipe.transport.protocol import ANY, KIND_NAMES, Header, Message, TransportError
+from hetpipe.transport.protocol import ANY, KIND_NAMES, Header, Message, TransportError, chunk_bytes
 from hetpipe.transport.slots import slot_bytes
 
 
@@ -84,7 +84,7 @@ class CoreTransport(Transport):
         self.rank = comm.Get_rank()
         self.pool = pool
         self.slot_wait = ""
-        self.endpoint = _mpi.StageEndpoint(pool, MPI._handleof(comm))
+        self.endpoint = _mpi.StageEndpoint(pool, MPI._handleof(comm), chunk_bytes())
 
     def _check(self) -> None:
         if self.endpoint.failed:

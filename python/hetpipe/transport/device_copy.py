@@ -9,7 +9,9 @@ ordered after the compute that produced the tensor, and records a :class:`hetpip
 that copy; ``ready_sends`` hands out the slots whose copy completed, in enqueue order (so per-peer
 message order is the order of ``copy_out`` calls). Incoming: ``copy_in`` enqueues the copy of a
 received payload onto the device on the incoming stream and makes torch's compute stream wait for
-that copy's own event; the payload's slot goes back to the pool once the copy completed (``poll``).
+that copy's own event, or, for a payload taken ahead of its use, leaves that wait to ``order_after``
+(compute enqueued meanwhile then does not wait for the copy); the payload's slot goes back to the
+pool once the copy completed (``poll``).
 Nothing here blocks the host.
 
 Why two streams: work on one stream runs in enqueue order, so on a single copy stream a received
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Deque, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -67,6 +69,10 @@ class _HostOrder:
         # torch's CPU compute cannot wait on the worker thread's queue: wait for this copy here.
         event.synchronize()
 
+    def later(self, t: torch.Tensor, event: "hetpipe_core.Event") -> Callable[[], None]:
+        """``after_copy_in`` for the copy just enqueued, to call when ``t`` is first used."""
+        return event.synchronize
+
 
 class _CudaOrder:
     """Ordering between torch's current stream on ``device`` and the core's two copy streams."""
@@ -92,6 +98,18 @@ class _CudaOrder:
         compute.wait_event(copied)
         t.record_stream(compute)
 
+    def later(self, t: torch.Tensor, event: "hetpipe_core.Event") -> Callable[[], None]:
+        """``after_copy_in`` for the copy just enqueued, to call when ``t`` is first used: the compute
+        stream then waits for that copy only, not for what the copy stream took on since."""
+        mark = torch.cuda.Event()
+        mark.record(self.inward)                # just after this copy: earlier receives only, no push
+
+        def order() -> None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(mark)
+            t.record_stream(compute)
+        return order
+
 
 class CopyStager:
     """A stage's copy streams, one per direction, and its copies in flight (see the module docstring)."""
@@ -108,6 +126,8 @@ class CopyStager:
             self.order = _HostOrder()
         self._out: Deque[_InFlight] = collections.deque()
         self._in: List[_InFlight] = []
+        # Tensors copied in whose use is not yet ordered after their copy: id -> (tensor, its ordering).
+        self._unordered: Dict[int, Tuple[torch.Tensor, Callable[[], None]]] = {}
 
     @staticmethod
     def _record(stream: "hetpipe_core.Stream") -> "hetpipe_core.Event":
@@ -136,17 +156,28 @@ class CopyStager:
             dest, header = done.send_to
             yield dest, header, done.slot
 
-    def copy_in(self, msg: Message, dtype: torch.dtype) -> torch.Tensor:
+    def copy_in(self, msg: Message, dtype: torch.dtype, order: bool = True) -> torch.Tensor:
         """A device tensor of ``msg``'s shape that holds its payload once the enqueued copy completed;
-        torch's compute stream is ordered after that copy. Takes ownership of ``msg.slot``."""
+        torch's compute stream is ordered after that copy now, or (``order=False``) by
+        :meth:`order_after` before the tensor is read. Takes ownership of ``msg.slot``."""
         t = self.order.empty(msg.header.shape, dtype, self.device)
         src = msg.slot if msg.slot is not None else msg.payload
         if msg.header.nbytes:
             hetpipe_core.copy_async(t.data_ptr(), src, msg.header.nbytes, self.in_stream)
         event = self._record(self.in_stream)
         self._in.append(_InFlight(event, msg.slot, (msg.payload, t)))
-        self.order.after_copy_in(t, event)
+        if order:
+            self.order.after_copy_in(t, event)
+        else:
+            self._unordered[id(t)] = (t, self.order.later(t, event))
         return t
+
+    def order_after(self, t: torch.Tensor) -> None:
+        """Order torch's compute stream after the copy filling ``t`` (copied in with ``order=False``);
+        nothing to do for a tensor already ordered."""
+        held = self._unordered.pop(id(t), None)
+        if held is not None:
+            held[1]()
 
     def poll(self) -> None:
         """Give the slots of completed incoming copies back to the pool."""
@@ -181,5 +212,6 @@ class CopyStager:
                 self.pool.release(c.slot)
         self._out.clear()
         self._in.clear()
+        self._unordered.clear()
         self.out_stream.close()
         self.in_stream.close()

@@ -54,9 +54,13 @@ class StageLink:
         """Send a message without payload (a pull request, DONE)."""
         self.transport.send(dest, header)
 
-    def try_recv(self, src: int, kind: int) -> Optional[Tuple[Header, torch.Tensor]]:
+    def try_recv(self, src: int, kind: int, deferred: bool = False) -> Optional[Tuple[Header, torch.Tensor]]:
         """The next ``kind`` message from ``src``: its header and its payload as a ``header.dtype`` tensor
-        of ``header.shape`` on this stage's device (torch's current stream ordered after its copy), or None."""
+        of ``header.shape`` on this stage's device (torch's current stream ordered after its copy), or None.
+
+        ``deferred``: the payload is taken ahead of its use (an early pull reply): its copy onto the
+        device is enqueued now, but torch's stream is ordered after it only by :meth:`use`, so compute
+        enqueued meanwhile does not wait for it."""
         if src in self.device_peers:
             self.waiting_for = ""
             return self.transport.try_recv_tensor(src, kind)
@@ -66,8 +70,14 @@ class StageLink:
             return None
         h = msg.header
         if self.stager is not None:
-            return h, self.stager.copy_in(msg, getattr(torch, h.dtype))
+            return h, self.stager.copy_in(msg, getattr(torch, h.dtype), order=not deferred)
         return h, payload_tensor(msg.payload, h.dtype, h.shape, self.device)
+
+    def use(self, t: torch.Tensor) -> None:
+        """Order torch's current stream after the copy that fills ``t``, a payload taken with
+        ``deferred=True``; nothing to do for any other tensor."""
+        if self.stager is not None:
+            self.stager.order_after(t)
 
     def slot_limit(self, dest: int) -> Optional[int]:
         """The most bytes one message to ``dest`` may carry (a pool slot), None when unbounded."""

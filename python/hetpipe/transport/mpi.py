@@ -1,4 +1,5 @@
-"""Point-to-point transport over an mpi4py communicator: non-blocking Isend/Irecv of headers and pinned-slot payloads."""
+"""Point-to-point transport over an mpi4py communicator: non-blocking Isend/Irecv of headers and pinned-slot
+payloads, a payload above the chunk size as consecutive chunks (:func:`hetpipe.transport.protocol.chunks`)."""
 
 from __future__ import annotations
 
@@ -8,30 +9,35 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from hetpipe.transport.base import Transport
-from hetpipe.transport.protocol import ANY, HEADER_WORDS, KIND_NAMES, Header, Message, TransportError
+from hetpipe.transport.protocol import (ANY, CHUNK_WORD, HEADER_WORDS, KIND_NAMES, Header, Message, TransportError,
+                                       chunk_bytes, chunks, cut)
 from hetpipe.transport.slots import slot_bytes, slot_shortage, try_acquire
 
 
 class MPITransport(Transport):
-    """Point-to-point transport over an mpi4py communicator with non-blocking buffer-based calls."""
+    """Point-to-point transport over an mpi4py communicator with non-blocking buffer-based calls; payloads
+    above ``chunk`` bytes (None: :func:`~hetpipe.transport.protocol.chunk_bytes`) go in chunks."""
 
-    def __init__(self, comm, pool) -> None:
+    def __init__(self, comm, pool, chunk: Optional[int] = None) -> None:
         from mpi4py import MPI
 
         self._MPI = MPI
         self.comm = comm
         self.rank = comm.Get_rank()
         self.pool = pool
+        self.chunk = chunk_bytes() if chunk is None else chunk
         self._sends: List[Tuple[list, object]] = []     # ([requests], slot or None)
         self._recvs: Dict[Tuple[int, int], "_PendingRecv"] = {}     # (src, kind) -> receive in progress
         self.slot_wait = ""
 
     def send(self, dest: int, header: Header, slot=None) -> None:
         words = header.encode()
+        at = cut(words, self.chunk)
         reqs = [self.comm.Isend([words, self._MPI.INT64_T], dest=dest, tag=2 * header.kind)]
         if header.nbytes:
-            reqs.append(self.comm.Isend([slot_bytes(slot, header.nbytes), self._MPI.BYTE], dest=dest,
-                                        tag=2 * header.kind + 1))
+            data = slot_bytes(slot, header.nbytes)
+            reqs += [self.comm.Isend([data[off:off + n], self._MPI.BYTE], dest=dest, tag=2 * header.kind + 1)
+                     for off, n in chunks(header.nbytes, at)]
         # The header array must outlive its Isend: keep it with the requests.
         self._sends.append((reqs + [words], slot))
 
@@ -73,9 +79,10 @@ class MPITransport(Transport):
                                   f"message from rank {rv.src}")
                 return None
             self.slot_wait = ""
-            rv.payload_req = self.comm.Irecv([slot_bytes(rv.slot, rv.header.nbytes), MPI.BYTE],
-                                             source=rv.src, tag=2 * kind + 1)
-        if rv.payload_req is not None and not rv.payload_req.Test():
+            data = slot_bytes(rv.slot, rv.header.nbytes)
+            rv.payload_req = [self.comm.Irecv([data[off:off + n], MPI.BYTE], source=rv.src, tag=2 * kind + 1)
+                              for off, n in chunks(rv.header.nbytes, int(rv.words[CHUNK_WORD]))]
+        if rv.payload_req is not None and not MPI.Request.Testall(rv.payload_req):
             return None
         del self._recvs[key]
         if rv.slot is not None and keep_slot:
@@ -94,7 +101,7 @@ class MPITransport(Transport):
         lost = []
         for (src, kind), rv in self._recvs.items():
             consumed = rv.header is not None
-            for req in (rv.header_req, rv.payload_req):
+            for req in [rv.header_req, *(rv.payload_req or ())]:
                 if req is not None:
                     req.Cancel()
                     status = self._MPI.Status()
@@ -121,4 +128,4 @@ class _PendingRecv:
     header: Optional[Header] = None
     src: int = -1
     slot: object = None
-    payload_req: object = None
+    payload_req: Optional[List[object]] = None     # one receive per chunk
