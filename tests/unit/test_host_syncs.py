@@ -53,7 +53,10 @@ def _stepped(layers, loss_fn, data, plan, precision):
                 if not part.finished:
                     syncs.owner = part
                     progressed = part.step() or progressed
-            assert progressed, [p.blocked_on for p in stages if not p.finished]
+            syncs.owner = None
+            # As the replay: a stage whose copies are in flight (a GPU's copy stream) waits for them.
+            assert progressed or any(p.wait_for_copies() for p in stages), \
+                [p.blocked_on for p in stages if not p.finished]
     charged = []
     for s, stage in enumerate(stages):
         events = [e for e in trace if e.stage == s]
