@@ -14,7 +14,8 @@ Recorded: at the dispatcher (every route to them, Python or C++), the scalar rea
 copies to host memory (``Tensor.numpy``, ``Tensor.cpu``, ``Tensor.to`` a CPU device) of a tensor in
 device memory. A host tensor's copy to the host waits for nothing: on a CPU-only machine, where the
 stage's own tensors are host tensors too, these copies are therefore not counted, and every value
-read is; run on a GPU, the same counting sees both.
+read is (``host_reads``); run on a GPU, the copies are counted, and only the reads of device
+tensors (a host tensor's value, an optimizer's step counter, is read without waiting).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, List
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -53,15 +55,21 @@ def _is_host_device(x: Any) -> bool:
     return (isinstance(x, str) and x.split(":")[0] == "cpu") or (isinstance(x, torch.device) and x.type == "cpu")
 
 
+def _reads_device(args: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in pytree.tree_leaves(args))
+
+
 class _Dispatch(TorchDispatchMode):
-    def __init__(self, record) -> None:
+    def __init__(self, record, host_reads: bool) -> None:
         super().__init__()
-        self.record = record
+        self.record, self.host_reads = record, host_reads
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         packet = func.overloadpacket
-        if packet in SYNCING_OPS:
+        if not (self.host_reads or _reads_device(args)):
+            pass
+        elif packet in SYNCING_OPS:
             self.record(str(func))
         elif packet is aten.repeat_interleave and isinstance(args[0], torch.Tensor) \
                 and kwargs.get("output_size") is None and (len(args) < 2 or isinstance(args[1], torch.Tensor)):
@@ -73,14 +81,15 @@ class _Dispatch(TorchDispatchMode):
 
 
 class _Function(TorchFunctionMode):
-    def __init__(self, record) -> None:
+    def __init__(self, record, host_reads: bool) -> None:
         super().__init__()
-        self.record = record
+        self.record, self.host_reads = record, host_reads
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.tolist:
-            self.record("Tensor.tolist")
+            if self.host_reads or _reads_device(args[:1]):
+                self.record("Tensor.tolist")
         elif isinstance(args[0] if args else None, torch.Tensor) and args[0].device.type != "cpu":
             if func in TO_HOST:
                 self.record(f"Tensor.{func.__name__}")
@@ -90,16 +99,19 @@ class _Function(TorchFunctionMode):
 
 
 class HostSyncs:
-    """Records the synchronising operations run while :meth:`recording`; ``owner`` is charged with each."""
+    """Records the synchronising operations run while :meth:`recording`; ``owner`` is charged with each.
+    ``host_reads``: whether reads of host tensors count (on a CPU-only machine, where they stand for
+    the device's; not beside a device)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host_reads: bool = True) -> None:
         self.owner: Any = None
         self.syncs: List[Sync] = []
+        self.host_reads = host_reads
 
     def _record(self, what: str) -> None:
         self.syncs.append(Sync(self.owner, time.perf_counter(), what))
 
     @contextlib.contextmanager
     def recording(self) -> Iterator["HostSyncs"]:
-        with _Function(self._record), _Dispatch(self._record):
+        with _Function(self._record, self.host_reads), _Dispatch(self._record, self.host_reads):
             yield self

@@ -131,6 +131,33 @@ def test_gpt2_with_a_mask_of_ones_and_positions_equals_model():
               {**_ones(ids), "position_ids": positions}, ids)
 
 
+def test_gpt2_blocks_are_called_by_keyword_as_transformers_4_blocks_need():
+    """Blocks with the signature and return of transformers 4.x's ``GPT2Block`` (the cache, then
+    ``cache_position`` before ``attention_mask``; no ``**kwargs``, so no ``position_ids``; a tuple
+    back), running the real block: the adapted layers still equal the model's own forward (with its
+    5.x blocks). Positional arguments would hand the mask to ``cache_position``."""
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    class Gpt2Block4(GPT2Block):
+        def forward(self, hidden_states, past_key_value=None, cache_position=None, attention_mask=None,
+                    head_mask=None, encoder_hidden_states=None, encoder_attention_mask=None, use_cache=False,
+                    output_attentions=False):
+            if past_key_value is not None or cache_position is not None or head_mask is not None:
+                raise TypeError("a 4.x block was given a cache, cache positions or a head mask")
+            return (super().forward(hidden_states, attention_mask=attention_mask, use_cache=use_cache),)
+
+    model = _gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model.eval()
+    ids = _ids(seed=4)
+    for inputs in (_padded(ids), _ones(ids)):
+        want = model(**inputs).logits
+        old = copy.deepcopy(model)
+        for block in old.transformer.h:
+            block.__class__ = Gpt2Block4
+        got = run_layers(gpt2(old).layers, inputs)
+        torch.testing.assert_close(got, want, rtol=0, atol=TOL)
+
+
 def _syncs_of_one_forward(layers, inputs) -> int:
     from host_syncs import HostSyncs
     syncs = HostSyncs()

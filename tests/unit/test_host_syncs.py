@@ -30,12 +30,14 @@ NM = 2
 MINIBATCHES = 6                     # 3 waves
 
 
-def _stepped(layers, loss_fn, data, plan, precision):
-    """Run ``plan`` (one VW) to its end with every part stepped in turn, as the replay does, recording
-    the syncs. Returns, per stage, (syncs per minibatch outside the boundaries, syncs per wave at
-    its boundaries, syncs outside any instruction), and the last stage's losses."""
+def _stepped(layers, loss_fn, data, plan, precision, device="cpu"):
+    """Run ``plan`` (one VW) to its end on ``device`` with every part stepped in turn, as the replay
+    does, recording the syncs. Returns, per stage, (syncs per minibatch outside the boundaries, syncs
+    per wave at its boundaries, syncs outside any instruction), and the last stage's losses."""
     spec = Trainer(layers, loss_fn, sgd(), data, plan=plan, numerics=Numerics(precision=precision),
                    reporting=Reporting(progress=False)).spec(plan)
+    for s in range(len(plan.virtual_workers[0].stages)):
+        spec.devices[plan.rank_of(0, s)] = torch.device(device)
     hub, trace, t0 = LoopbackHub(), [], time.perf_counter()
     stages = []
     for s in range(len(plan.virtual_workers[0].stages)):
@@ -45,7 +47,7 @@ def _stepped(layers, loss_fn, data, plan, precision):
     for sh in plan.ps_shards:
         pool = shard_pool(spec, sh.index)
         shards.append(build_shard(spec, sh.index, hub.endpoint(plan.ps_rank(sh.index), pool), pool))
-    syncs = HostSyncs()
+    syncs = HostSyncs(host_reads=device == "cpu")
     with syncs.recording():
         while not all(p.finished for p in stages + shards):
             progressed = False
@@ -53,7 +55,10 @@ def _stepped(layers, loss_fn, data, plan, precision):
                 if not part.finished:
                     syncs.owner = part
                     progressed = part.step() or progressed
-            assert progressed, [p.blocked_on for p in stages if not p.finished]
+            syncs.owner = None
+            # As the replay: a stage whose copies are in flight (a GPU's copy stream) waits for them.
+            assert progressed or any(p.wait_for_copies() for p in stages), \
+                [p.blocked_on for p in stages if not p.finished]
     charged = []
     for s, stage in enumerate(stages):
         events = [e for e in trace if e.stage == s]
@@ -108,8 +113,8 @@ def test_gpt2_stages_sync_at_most_once_per_minibatch_outside_wave_boundaries(pre
     pytest.importorskip("transformers")
     from hetpipe.adapters import gpt2
     layers, loss_fn = gpt2(_gpt2())
-    plan = one_vw_plan([3], nm=NM, d=0, num_layers=len(layers), device=device)
-    charged, losses = _stepped(layers, loss_fn, _tokens(), plan, precision)
+    plan = one_vw_plan([3], nm=NM, d=0, num_layers=len(layers))
+    charged, losses = _stepped(layers, loss_fn, _tokens(), plan, precision, device)
     _within_budget(charged, 1)
     assert sorted(losses) == list(range(MINIBATCHES))
     assert all(per_wave for _, per_wave, _ in charged), "the losses and checks are read at the boundaries"
@@ -147,6 +152,11 @@ def test_the_recorder_sees_each_kind_of_sync_and_nothing_else():
 @pytest.mark.gpu
 def test_the_recorder_sees_copies_to_the_host_of_device_tensors():
     t = torch.arange(6.0, device="cuda")
-    for f in (lambda: t.cpu(), lambda: t.to("cpu"), lambda: t.to(device=torch.device("cpu")), lambda: t.tolist()):
+    for f in (lambda: t.cpu(), lambda: t.to("cpu"), lambda: t.to(device=torch.device("cpu")), lambda: t.tolist(),
+              lambda: float(t.sum())):
         assert len(_recorded(f)) == 1, _recorded(f)
     assert _recorded(lambda: t.to("cuda")) == [] and _recorded(lambda: torch.ones(3).to("cuda")) == []
+    beside = HostSyncs(host_reads=False)
+    with beside.recording():
+        float(torch.ones(3).sum()), torch.ones(3).tolist(), float(t.sum())
+    assert [s.what for s in beside.syncs] == ["aten._local_scalar_dense.default"]
