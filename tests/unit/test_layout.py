@@ -28,6 +28,7 @@ LEVELS = [
     ("launch", "numpy", "jax"),
     ("run",),
     ("cli",),
+    ("__main__",),
 ]
 LEVEL = {name: i for i, names in enumerate(LEVELS) for name in names}
 TORCH_FREE = ["hetpipe.launch.supervisor", "hetpipe.launch.restart", "hetpipe.launch.mpiexec", "hetpipe.cli",
@@ -41,7 +42,7 @@ TORCH_FREE = ["hetpipe.launch.supervisor", "hetpipe.launch.restart", "hetpipe.la
               "hetpipe.numpy", "hetpipe.jax", "hetpipe.plan.manual", "hetpipe.util.errors",
               "hetpipe.util.numbers", "hetpipe.util.outputs"]
 # The only modules at the top of the package: every other one lives in the package of its job.
-TOP = {"__init__.py", "cli.py"}
+TOP = {"__init__.py", "cli.py", "__main__.py"}     # __main__: `python -m hetpipe` runs the cli
 
 
 def _unit(path: Path) -> str:

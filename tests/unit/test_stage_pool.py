@@ -55,8 +55,8 @@ def _traffic(monkeypatch, spec):
             note(self, dest, header)
         return sent
 
-    def try_recv(self, src, kind):
-        got = real_recv(self, src, kind)
+    def try_recv(self, src, kind, **options):
+        got = real_recv(self, src, kind, **options)
         if got is not None:
             note(self, src, got[0])
         return got

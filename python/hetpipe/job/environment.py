@@ -15,10 +15,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from hetpipe.util.errors import ArgumentError
-
-# HETPIPE_PS_PLANE / HETPIPE_STAGE_PLANE (hetpipe.ps.core_plane, hetpipe.transport.core): the same choices.
-PS_PLANE_ENV, STAGE_PLANE_ENV = "HETPIPE_PS_PLANE", "HETPIPE_STAGE_PLANE"
-PLANES = ("auto", "core", "python")
+from hetpipe.util.planes import PLANES, PS_PLANE_ENV, STAGE_PLANE_ENV
 
 
 def _value(variable: str) -> Optional[str]:
@@ -91,26 +88,3 @@ def check_rank() -> None:
         if not ok:
             raise _refuse(f"{PLACEMENT_ENV} must name the launcher's placement.json (a JSON object with a 'hosts' "
                           f"list), got {placement!r}; unset it to run without the launcher")
-
-
-def check_launch(ranks: int, placement=None) -> None:
-    """The variables ``hetpipe launch`` of ``ranks`` ranks reads, and those its ranks will: the peer,
-    start-up and SIGTERM times, the data planes, the emulated devices and hosts (a list: one value per
-    rank; an emulating ``placement``, :class:`hetpipe.launch.hosts.Placement`, sets ``HETPIPE_HOST``
-    itself), and, for a launch that places no hosts, no placement left over from another launch (it
-    would tell the ranks to sit on other hosts)."""
-    from hetpipe.job.failure import signal_grace_s, timeout_s
-    from hetpipe.job.placement import PLACEMENT_ENV
-    from hetpipe.launch.supervisor import START_TIMEOUT_ENV
-    from hetpipe.util.numbers import seconds
-
-    _checked(timeout_s)
-    start = os.environ.get(START_TIMEOUT_ENV)
-    if start:
-        _checked(lambda: seconds(START_TIMEOUT_ENV, start))
-    _checked(signal_grace_s)
-    _planes()
-    _per_rank(ranks, hosts=not (placement is not None and placement.emulate))
-    if placement is None and os.environ.get(PLACEMENT_ENV):
-        raise _refuse(f"{PLACEMENT_ENV} is set ({os.environ[PLACEMENT_ENV]!r}): it is hetpipe launch's own "
-                      "channel to its ranks, left over from another launch; unset it")

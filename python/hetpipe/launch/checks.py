@@ -14,8 +14,9 @@ import socket
 from pathlib import Path
 from typing import Any, Optional
 
-from hetpipe.job.environment import check_launch
+from hetpipe.job.environment import _checked, _per_rank, _planes, _refuse
 from hetpipe.util.arguments import directory_path
+from hetpipe.launch.supervisor import START_TIMEOUT_ENV
 from hetpipe.util.errors import ArgumentError
 
 
@@ -55,3 +56,25 @@ def check_arguments(args: Any, ranks: int, placement: Optional[Any]) -> None:
         except ValueError as e:
             raise ArgumentError(f"hetpipe: --cluster must be auto, a cluster preset or a cluster JSON file: {e}") from None
     check_launch(ranks, placement)
+
+
+def check_launch(ranks: int, placement=None) -> None:
+    """The variables ``hetpipe launch`` of ``ranks`` ranks reads, and those its ranks will: the peer,
+    start-up and SIGTERM times, the data planes, the emulated devices and hosts (a list: one value per
+    rank; an emulating ``placement``, :class:`hetpipe.launch.hosts.Placement`, sets ``HETPIPE_HOST``
+    itself), and, for a launch that places no hosts, no placement left over from another launch (it
+    would tell the ranks to sit on other hosts)."""
+    from hetpipe.job.failure import signal_grace_s, timeout_s
+    from hetpipe.job.placement import PLACEMENT_ENV
+    from hetpipe.util.numbers import seconds
+
+    _checked(timeout_s)
+    start = os.environ.get(START_TIMEOUT_ENV)
+    if start:
+        _checked(lambda: seconds(START_TIMEOUT_ENV, start))
+    _checked(signal_grace_s)
+    _planes()
+    _per_rank(ranks, hosts=not (placement is not None and placement.emulate))
+    if placement is None and os.environ.get(PLACEMENT_ENV):
+        raise _refuse(f"{PLACEMENT_ENV} is set ({os.environ[PLACEMENT_ENV]!r}): it is hetpipe launch's own "
+                      "channel to its ranks, left over from another launch; unset it")

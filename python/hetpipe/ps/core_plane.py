@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 import hetpipe_core
-from hetpipe.job.environment import PLANES, PS_PLANE_ENV
+from hetpipe.util.planes import PLANES, PS_PLANE_ENV
 from hetpipe.ps.server import ShardServerBase
 from hetpipe.plan.outer import check_outer, has_momentum
 from hetpipe.ps.shard import ShardLog, WSPViolation, check_aggregate, held_layers, initial_delayed, initial_momentum

@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 import hetpipe_core
-from hetpipe.job.environment import PLANES, STAGE_PLANE_ENV
+from hetpipe.util.planes import PLANES, STAGE_PLANE_ENV
 from hetpipe.transport.base import Transport
 from hetpipe.transport.protocol import ANY, KIND_NAMES, Header, Message, TransportError, chunk_bytes
 from hetpipe.transport.slots import slot_bytes

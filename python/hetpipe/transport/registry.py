@@ -25,11 +25,11 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from hetpipe.job.inventory import gpu_identity
 from hetpipe.transport.base import Transport
 from hetpipe.transport.core import CoreTransport, choose_stage_plane
 from hetpipe.transport.loopback import LoopbackHub
 from hetpipe.transport.mpi import MPITransport
+from hetpipe.util.gpus import gpu_identity
 from hetpipe.transport.torch_groups import NCCL, Channels, flavour_for, job_channels, open_channels
 from hetpipe.transport.torch_p2p import TorchP2PTransport
 from hetpipe.util.errors import HetpipeError
@@ -181,7 +181,7 @@ class RankChoice:
 
 
 def device_identity(device: Optional[torch.device]) -> str:
-    """The identity of a CUDA ``device`` across processes (:func:`hetpipe.job.inventory.gpu_identity`):
+    """The identity of a CUDA ``device`` across processes (:func:`hetpipe.util.gpus.gpu_identity`):
     its UUID as CUDA reports it (torch's ``get_device_properties(i).uuid``) where torch sees the device,
     else as nvidia-smi lists it; "" for any other device, or when neither is known."""
     if device is None or device.type != "cuda":
