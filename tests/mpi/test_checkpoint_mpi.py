@@ -41,6 +41,14 @@ def _finish(proc: subprocess.Popen) -> tuple:
     return proc.returncode, err
 
 
+def _wait_for_waves(proc: subprocess.Popen, metrics: Path, wave: int) -> None:
+    """Wait until the run's metrics file holds ``wave`` lines (VW 0 finished that many waves)."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not (metrics.exists() and metrics.read_text().count("\n") >= wave):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1] if proc.poll() else ""
+        time.sleep(0.01)
+
+
 def _kill_at_wave(proc: subprocess.Popen, metrics: Path, ckpt_dir: Path, run_dir: Path, wave: int, rank: int) -> int:
     """SIGKILL ``rank`` once VW 0 finished ``wave`` waves and a complete checkpoint exists; returns its pid."""
     from hetpipe.checkpoint.format import latest
@@ -234,10 +242,7 @@ def test_sigterm_writes_a_checkpoint_to_resume_from(tmp_path, uninterrupted):
     proc = _launch("-n", "3", "--run-dir", str(tmp_path / "run"), "--checkpoint-dir", str(ckpt),
                    "--checkpoint-every", "1000", "ckpt_run.py", str(tmp_path / "stopped"),
                    json.dumps({**CFG, "metrics": str(metrics)}))
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not (metrics.exists() and metrics.read_text().count("\n") >= wave):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1] if proc.poll() else ""
-        time.sleep(0.01)
+    _wait_for_waves(proc, metrics, wave)
     os.kill(proc.pid, signal.SIGTERM)
     rc, err = _finish(proc)
     assert rc == 128 + signal.SIGTERM and "interrupted by SIGTERM at wave" in err, err
@@ -256,10 +261,7 @@ def test_a_rank_stopped_by_sigterm_is_restarted_with_its_devices(tmp_path, unint
     metrics, ckpt, run, out = tmp_path / "metrics.jsonl", tmp_path / "ckpt", tmp_path / "run", tmp_path / "out"
     proc = _launch("-n", "3", "--max-restarts", "1", "--run-dir", str(run), "--checkpoint-dir", str(ckpt),
                    "--checkpoint-every", "2", "ckpt_run.py", str(out), json.dumps({**CFG, "metrics": str(metrics)}))
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not (metrics.exists() and metrics.read_text().count("\n") >= wave):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1] if proc.poll() else ""
-        time.sleep(0.01)
+    _wait_for_waves(proc, metrics, wave)
     os.kill(int((run / "attempt-0" / f"rank-{victim}.txt").read_text().split()[0]), signal.SIGTERM)
     rc, err = _finish(proc)
     assert rc == 0, err
@@ -284,10 +286,7 @@ def test_a_resume_into_more_vws_trains_what_they_can_share_and_names_the_rest(tm
     proc = _launch("-n", "3", "--run-dir", str(tmp_path / "run"), "--checkpoint-dir", str(ckpt),
                    "--checkpoint-every", "1000", "ckpt_run.py", str(tmp_path / "stopped"),
                    json.dumps({**cfg, "metrics": str(metrics)}))
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not (metrics.exists() and metrics.read_text().count("\n") >= wave):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1] if proc.poll() else ""
-        time.sleep(0.01)
+    _wait_for_waves(proc, metrics, wave)
     os.kill(proc.pid, signal.SIGTERM)
     rc, err = _finish(proc)
     assert rc == 128 + signal.SIGTERM, err

@@ -7,13 +7,16 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from hetpipe.checkpoint import format as ckfmt
-from hetpipe.checkpoint import state as ckpt
-from hetpipe.loader import StreamSource
+sys.path.insert(0, str(Path(__file__).parents[1] / "mpi" / "scripts"))
+from common import Tagged  # noqa: E402
+from hetpipe.checkpoint import format as ckfmt  # noqa: E402
+from hetpipe.checkpoint import state as ckpt  # noqa: E402
+from hetpipe.loader import StreamSource  # noqa: E402
 
 
 WRITER = """
@@ -111,24 +114,6 @@ def test_sigterm_checkpoint_wait_is_bounded(tmp_path):
     alone.close()
 
 
-class _Tagged:
-    """Minibatches that are their own (epoch, index), reshuffled per epoch like a real loader."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.epoch = n, 0
-
-    def set_epoch(self, e: int) -> None:
-        self.epoch = e
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __iter__(self):
-        order = list(range(self.n))
-        random.Random(self.epoch).shuffle(order)
-        return iter([((self.epoch, i), None) for i in order])
-
-
 @pytest.mark.parametrize("seed", range(40))
 def test_data_position_continues_without_repeating_or_skipping(seed):
     rng = random.Random(seed)
@@ -137,7 +122,7 @@ def test_data_position_continues_without_repeating_or_skipping(seed):
     if per == 0 or n // new == 0:
         return
     q = rng.randint(0, per * epochs - 1)
-    data = _Tagged(n)
+    data = Tagged(n)
     runs = [list(StreamSource(data).vw_stream(v, old, epochs)) for v in range(old)]
     consumed = {b for r in runs for b, _ in r[:q]}
     pos = ckfmt.DataPosition().advance(q, n, old)

@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "mpi" / "scripts"))
 
-from common import cross_entropy, mlp, sgd, two_vw_plan  # noqa: E402
+from common import Tagged, cross_entropy, mlp, sgd, two_vw_plan  # noqa: E402
 from hetpipe.loader.source import dealt, dropped_note  # noqa: E402
 from hetpipe.run.config import Reporting  # noqa: E402
 from hetpipe.run.data import Batches  # noqa: E402
@@ -74,29 +74,6 @@ def test_a_resume_into_more_vws_says_what_it_drops():
                 assert (trained, trained + dropped) == (got, 2 * per_epoch - start)
 
 
-class _Tagged:
-    """Minibatches that are their own (epoch, index), reshuffled per epoch like a real loader."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.epoch = n, 0
-
-    def set_epoch(self, e: int) -> None:
-        self.epoch = e
-
-    def __len__(self) -> int:
-        return self.n
-
-    def order(self, epoch: int):
-        import random
-
-        order = list(range(self.n))
-        random.Random(epoch).shuffle(order)
-        return order
-
-    def __iter__(self):
-        return iter([((self.epoch, i), None) for i in self.order(self.epoch)])
-
-
 @pytest.mark.parametrize("old, new", [(2, 3), (3, 2), (2, 4), (4, 3), (1, 3), (3, 3)])
 def test_a_resume_into_other_vws_drops_only_what_they_cannot_share_and_names_it(old, new):
     """A run of ``old`` VWs cut after each possible count of minibatches per VW, resumed into ``new`` VWs
@@ -111,7 +88,7 @@ def test_a_resume_into_other_vws_drops_only_what_they_cannot_share_and_names_it(
 
     for per_epoch in (40, 41, 17):
         for epochs in (1, 2):
-            data = _Tagged(per_epoch)
+            data = Tagged(per_epoch)
             runs = [list(StreamSource(data).vw_stream(v, old, epochs)) for v in range(old)]
             for q in range(0, len(runs[0]) + 1):
                 consumed = {b for r in runs for b, _ in r[:q]}

@@ -124,6 +124,24 @@ def _pull(shard, vw, stage, wave):
     return shard.log.pulls[-1][3]
 
 
+def _two_waves(init, outer, parts_of):
+    """The numpy reference of two waves of two VWs at outer_lr 0.8 and outer_momentum 0.5: ``parts_of(wave,
+    layer)`` gives each VW's scaled delta in apply order; sgd adds each, nesterov steps on their sum."""
+    w = {l: x.copy() for l, x in init.items()}
+    m = {l: np.zeros_like(x) for l, x in init.items()}
+    for wave in (0, 1):
+        for l in LAYERS:
+            parts = parts_of(wave, l)
+            if outer == "sgd":
+                for p in parts:
+                    w[l] = w[l] + np.float32(0.8) * p
+            else:
+                g = -(np.zeros_like(w[l]) + parts[0] + parts[1])
+                m[l] = np.float32(0.5) * m[l] + g
+                w[l] = w[l] - np.float32(0.8) * (np.float32(0.5) * m[l] + g)
+    return w
+
+
 @pytest.mark.parametrize("outer", ["sgd", "nesterov"])
 def test_inverse_staleness_divides_a_push_by_one_plus_its_lag(outer):
     """Two VWs of one stage, D = 1, sum: VW 0 runs a wave ahead, so its pull of wave 1 gets version 0
@@ -138,19 +156,10 @@ def test_inverse_staleness_divides_a_push_by_one_plus_its_lag(outer):
     assert _pull(shard, 1, 0, 1) == 1
     _push_wave(shard, 1)
     assert shard.applied == 2
-    w = {l: x.copy() for l, x in init.items()}
-    m = {l: np.zeros_like(x) for l, x in init.items()}
-    for wave, divisors in ((0, (1, 1)), (1, (2, 1))):
-        for l in LAYERS:
-            parts = [_layer_delta(vw, l, wave) / np.float32(k) if k > 1 else _layer_delta(vw, l, wave)
-                     for vw, k in enumerate(divisors)]
-            if outer == "sgd":
-                for p in parts:
-                    w[l] = w[l] + np.float32(0.8) * p
-            else:
-                g = -(np.zeros_like(w[l]) + parts[0] + parts[1])
-                m[l] = np.float32(0.5) * m[l] + g
-                w[l] = w[l] - np.float32(0.8) * (np.float32(0.5) * m[l] + g)
+    divisors = ((1, 1), (2, 1))
+    w = _two_waves(init, outer, lambda wave, l: [_layer_delta(vw, l, wave) / np.float32(k) if k > 1
+                                                 else _layer_delta(vw, l, wave)
+                                                 for vw, k in enumerate(divisors[wave])])
     for l in LAYERS:
         assert np.array_equal(shard.W[l], w[l]), f"layer {l}"
 
@@ -220,18 +229,9 @@ def test_staleness_decay_and_gain_divide_a_push_by_their_float32_product(outer, 
         return np.float32(g_ref * decay)
 
     assert divisor(1) != np.float32(2) and divisor(1) > 1
-    w = {l: x.copy() for l, x in init.items()}
-    m = {l: np.zeros_like(x) for l, x in init.items()}
-    for wave, lags in ((0, (0, 0)), (1, (1, 0))):
-        for l in LAYERS:
-            parts = [_layer_delta(vw, l, wave) / divisor(lag) for vw, lag in enumerate(lags)]
-            if outer == "sgd":
-                for p in parts:
-                    w[l] = w[l] + np.float32(0.8) * p
-            else:
-                g = -(np.zeros_like(w[l]) + parts[0] + parts[1])
-                m[l] = np.float32(0.5) * m[l] + g
-                w[l] = w[l] - np.float32(0.8) * (np.float32(0.5) * m[l] + g)
+    lags = ((0, 0), (1, 0))
+    w = _two_waves(init, outer, lambda wave, l: [_layer_delta(vw, l, wave) / divisor(lag)
+                                                 for vw, lag in enumerate(lags[wave])])
     for l in LAYERS:
         assert np.array_equal(shard.W[l], w[l]), f"layer {l}"
 

@@ -23,28 +23,28 @@ def _value(variable: str) -> Optional[str]:
     return text or None
 
 
-def _refuse(message: str) -> ArgumentError:
+def refusal(message: str) -> ArgumentError:
     return ArgumentError(message if message.startswith("hetpipe") else f"hetpipe: {message}")
 
 
-def _checked(check: Callable[[], object]) -> None:
+def checked(check: Callable[[], object]) -> None:
     """Run ``check`` (a reader of the environment that raises ValueError), refusing in one line."""
     try:
         check()
     except ArgumentError:
         raise
     except ValueError as e:
-        raise _refuse(str(e)) from None
+        raise refusal(str(e)) from None
 
 
-def _planes() -> None:
+def check_planes() -> None:
     for variable in (PS_PLANE_ENV, STAGE_PLANE_ENV):
         text = _value(variable)
         if text is not None and text.lower() not in PLANES:
-            raise _refuse(f"{variable} must be one of {', '.join(PLANES)} (or unset), got {text!r}")
+            raise refusal(f"{variable} must be one of {', '.join(PLANES)} (or unset), got {text!r}")
 
 
-def _per_rank(ranks: int, hosts: bool = True) -> None:
+def check_per_rank(ranks: int, hosts: bool = True) -> None:
     """``HETPIPE_EMULATE`` (and ``HETPIPE_HOST`` with ``hosts``): every value it lists is valid, and a
     list has one value per rank of the ``ranks``."""
     from hetpipe.job.inventory import EMULATE_ENV, HOST_ENV, emulated_type, per_rank
@@ -55,7 +55,7 @@ def _per_rank(ranks: int, hosts: bool = True) -> None:
             continue
         size = ranks if "," in text else 1
         for r in range(size):
-            _checked(lambda: emulated_type(r, size) if variable == EMULATE_ENV else per_rank(variable, r, size))
+            checked(lambda: emulated_type(r, size) if variable == EMULATE_ENV else per_rank(variable, r, size))
 
 
 def check_rank() -> None:
@@ -68,15 +68,15 @@ def check_rank() -> None:
     from hetpipe.job.placement import PLACEMENT_ENV
     from hetpipe.job.rundir import RUN_DIR_ENV
 
-    _planes()
-    _checked(signal_grace_s)
+    check_planes()
+    checked(signal_grace_s)
     run_dir = os.environ.get(RUN_DIR_ENV)
     if run_dir and not Path(run_dir).is_dir():
-        raise _refuse(f"{RUN_DIR_ENV} must be the run directory of hetpipe launch (an existing directory), "
+        raise refusal(f"{RUN_DIR_ENV} must be the run directory of hetpipe launch (an existing directory), "
                       f"got {run_dir!r}; unset it to run without the launcher")
     pid = os.environ.get(LAUNCHER_PID_ENV)
     if pid and not pid.strip().isdigit():
-        raise _refuse(f"{LAUNCHER_PID_ENV} must be the launcher's pid (a whole number), got {pid!r}; unset it to "
+        raise refusal(f"{LAUNCHER_PID_ENV} must be the launcher's pid (a whole number), got {pid!r}; unset it to "
                       "run without the launcher")
     placement = os.environ.get(PLACEMENT_ENV)
     if placement:
@@ -86,5 +86,5 @@ def check_rank() -> None:
         except (OSError, ValueError, KeyError, TypeError):
             ok = False
         if not ok:
-            raise _refuse(f"{PLACEMENT_ENV} must name the launcher's placement.json (a JSON object with a 'hosts' "
+            raise refusal(f"{PLACEMENT_ENV} must name the launcher's placement.json (a JSON object with a 'hosts' "
                           f"list), got {placement!r}; unset it to run without the launcher")

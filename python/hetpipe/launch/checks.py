@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 from typing import Any, Optional
 
-from hetpipe.job.environment import _checked, _per_rank, _planes, _refuse
+from hetpipe.job.environment import checked, check_per_rank, check_planes, refusal
 from hetpipe.util.arguments import directory_path
 from hetpipe.launch.supervisor import START_TIMEOUT_ENV
 from hetpipe.util.errors import ArgumentError
@@ -68,13 +68,13 @@ def check_launch(ranks: int, placement=None) -> None:
     from hetpipe.job.placement import PLACEMENT_ENV
     from hetpipe.util.numbers import seconds
 
-    _checked(timeout_s)
+    checked(timeout_s)
     start = os.environ.get(START_TIMEOUT_ENV)
     if start:
-        _checked(lambda: seconds(START_TIMEOUT_ENV, start))
-    _checked(signal_grace_s)
-    _planes()
-    _per_rank(ranks, hosts=not (placement is not None and placement.emulate))
+        checked(lambda: seconds(START_TIMEOUT_ENV, start))
+    checked(signal_grace_s)
+    check_planes()
+    check_per_rank(ranks, hosts=not (placement is not None and placement.emulate))
     if placement is None and os.environ.get(PLACEMENT_ENV):
-        raise _refuse(f"{PLACEMENT_ENV} is set ({os.environ[PLACEMENT_ENV]!r}): it is hetpipe launch's own "
+        raise refusal(f"{PLACEMENT_ENV} is set ({os.environ[PLACEMENT_ENV]!r}): it is hetpipe launch's own "
                       "channel to its ranks, left over from another launch; unset it")

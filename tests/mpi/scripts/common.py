@@ -60,6 +60,30 @@ def _shards(num_layers: int, shards: int) -> Tuple[ShardPlan, ...]:
     return tuple(ShardPlan(k, "n0", tuple(range(k, num_layers, shards))) for k in range(shards))
 
 
+class Tagged:
+    """Minibatches that are their own (epoch, index), reshuffled per epoch like a real loader; ``order(e)``
+    is epoch ``e``'s item order."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, e: int) -> None:
+        self.epoch = e
+
+    def __len__(self) -> int:
+        return self.n
+
+    def order(self, epoch: int):
+        import random
+
+        order = list(range(self.n))
+        random.Random(epoch).shuffle(order)
+        return order
+
+    def __iter__(self):
+        return iter([((self.epoch, i), None) for i in self.order(self.epoch)])
+
+
 def sgd(lr: float = 0.05, momentum: float = 0.9):
     return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)
 
