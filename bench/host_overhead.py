@@ -222,8 +222,11 @@ def _run(model: str, nm: int, d: int, n: int, plane: str, ahead: bool = True) ->
     (``plane`` "pipelining") the baseline pipeline's run on 2 ranks; ``ahead``: pulls requested early."""
     from hetpipe.launch.mpiexec import mpiexec_path
 
-    env = {**os.environ, "HETPIPE_STAGE_PLANE": plane, "OMP_NUM_THREADS": "1",
-           "HETPIPE_PULL_AHEAD": "1" if ahead else "0"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HETPIPE_PULL_AHEAD": "1" if ahead else "0"}
+    if plane in PLANES:             # the replay and the baseline have no stage plane to choose
+        env["HETPIPE_STAGE_PLANE"] = plane
+    else:
+        env.pop("HETPIPE_STAGE_PLANE", None)
     args = [sys.executable, str(HERE), "--worker", "--model", model, "--nm", str(nm), "--d", str(d), "--n", str(n)]
     if plane == "replay":
         cmd = args + ["--replay"]

@@ -220,3 +220,17 @@ def test_time_breakdown_of_a_stage_adds_up_to_its_wall_time():
     assert all(abs(got[k] - v) < 1e-12 for k, v in want.items()), got
     assert abs(sum(got[k] for k in BREAKDOWN) - got["total"]) < 1e-12
     assert time_breakdown(ev, 1, 0)["total"] == 0.0
+
+
+def test_time_breakdown_counts_overlapping_instructions_once():
+    """An instruction whose attempt began before the previous one ended (an early pull's reply taken
+    while a compute ran) overlaps it: the overlap is counted once, so the parts still sum to the wall
+    time, and an instruction wholly inside another adds nothing."""
+    from hetpipe.schedule.trace import BREAKDOWN, TraceEvent, time_breakdown
+
+    ev = [TraceEvent(0, 0, "F", 0.0, 1.0, 0), TraceEvent(0, 0, "PULL", 0.8, 0.5, -1, 0),
+          TraceEvent(0, 0, "SA", 0.9, 0.1, 0), TraceEvent(0, 0, "B", 1.5, 1.0, 0)]
+    got = time_breakdown(ev, 0, 0)
+    assert abs(got["compute"] - 2.0) < 1e-12 and abs(got["pull"] - 0.3) < 1e-12
+    assert got["send"] == 0.0 and abs(got["other"] - 0.2) < 1e-12 and got["total"] == 2.5
+    assert abs(sum(got[k] for k in BREAKDOWN) - got["total"]) < 1e-12

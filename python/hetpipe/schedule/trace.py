@@ -103,23 +103,27 @@ def time_breakdown(events: Iterable[TraceEvent], vw: int, stage: int) -> dict:
         if end is None:
             out["startup"] += gap
             gap = 0.0
+        # An instruction timed from an attempt that began before the previous one ended overlaps it
+        # (the clocks of two threads, or an attempt's start taken early): only the part past ``end``
+        # is its own, so that every instant of the stage's wall time is counted once.
+        own = e.dur_s if end is None else max(0.0, e.start_s + e.dur_s - max(e.start_s, end))
         if e.kind in _COMPUTE:
-            out["compute"] += e.dur_s
+            out["compute"] += own
             out["other"] += gap
         elif e.kind in _RECEIVE:
             out["blocked_recv"] += gap
-            out["recv"] += e.dur_s
+            out["recv"] += own
         elif e.kind == "PULL":
             out["blocked_pull"] += gap
-            out["pull"] += e.dur_s
+            out["pull"] += own
         elif e.kind == "PUSH":
-            out["push"] += gap + e.dur_s
+            out["push"] += gap + own
         elif e.kind in _SEND:
-            out["send"] += gap + e.dur_s
+            out["send"] += gap + own
         elif e.kind == "DONE":
-            out["sync"] += gap + e.dur_s
+            out["sync"] += gap + own
         else:
-            out["other"] += gap + e.dur_s
+            out["other"] += gap + own
         end = max(end or 0.0, e.start_s + e.dur_s)
     out["total"] = end or 0.0
     return out
