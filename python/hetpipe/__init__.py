@@ -16,6 +16,7 @@ _LAZY = {
     "Plan": "hetpipe.plan.types",
     "named_params": "hetpipe.model.names",
     "EarlyStopping": "hetpipe.run.callbacks",
+    "BestEvaluation": "hetpipe.run.callbacks",
     "Callback": "hetpipe.run.callbacks",
     "Planning": "hetpipe.run.config",
     "PSRule": "hetpipe.run.config",
@@ -36,6 +37,6 @@ def __getattr__(name):
 
 
 __all__ = ["Trainer", "TrainResult", "Batches", "DatasetSource", "StreamSource", "PerVWSource", "Plan", "named_params",
-           "EarlyStopping", "Callback",
+           "EarlyStopping", "BestEvaluation", "Callback",
            "Planning", "PSRule", "Numerics", "Checkpointing", "Reporting", "Runtime", "HetpipeDeprecationWarning",
            "HetpipeError", "__version__"]

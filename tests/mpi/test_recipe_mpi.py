@@ -1,7 +1,9 @@
-"""The Hugging Face GPT-2 recipe of the README (examples/recipe): the plain PyTorch script runs, its
-hetpipe twin trains under `hetpipe launch`, and a run SIGKILLed at a random wave and resumed with
-`--resume` ends as the uninterrupted run: bitwise on the same plan (its metrics file and the model it
-saves for `from_pretrained`), within float tolerance on another plan (a device excluded)."""
+"""The Hugging Face GPT-2 recipes of the README: a hand-written loop (examples/recipe) and a script
+for Hugging Face's Trainer (examples/hf_recipe). Each plain script runs on one process, its hetpipe
+twin trains under `hetpipe launch`, and a run SIGKILLed at a random wave and resumed with `--resume`
+ends as the uninterrupted run: bitwise on the same plan (its metrics file and the model it saves for
+`from_pretrained`), within float tolerance on another plan (a stage cut moved). The Trainer's script
+loads the best evaluation point's checkpoint at the end, as Hugging Face's does."""
 
 import dataclasses
 import json
@@ -21,15 +23,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.mpi]
 pytest.importorskip("transformers")
 pytest.importorskip("tensorboard")
 
-RECIPE = Path(__file__).parents[2] / "examples" / "recipe"
+EXAMPLES = Path(__file__).parents[2] / "examples"
+# recipe -> (its folder, its checkpoint directory, what its scripts print at the end)
+RECIPES = {"loop": (EXAMPLES / "recipe", "out/ckpt", "last loss"),
+           "hf-trainer": (EXAMPLES / "hf_recipe", "out/checkpoints", "mean train loss")}
 TIMEOUT_S = 420.0
 
 
-def _workdir(tmp_path: Path, name: str) -> Path:
+def _workdir(tmp_path: Path, name: str, recipe: str) -> Path:
     work = tmp_path / name
     work.mkdir()
     for f in ("plain.py", "train.py"):
-        shutil.copy(RECIPE / f, work / f)
+        shutil.copy(RECIPES[recipe][0] / f, work / f)
     return work
 
 
@@ -52,7 +57,7 @@ def _finish(proc: subprocess.Popen) -> str:
 
 def _waves(work: Path):
     """The metrics file's wave and evaluation events without their times."""
-    keep = ("vw", "wave", "loss", "lr", "grad_norm", "metric", "samples", "step")
+    keep = ("event", "vw", "wave", "loss", "lr", "grad_norm", "metric", "samples", "step")
     events = [json.loads(line) for line in (work / "out" / "metrics.jsonl").read_text().splitlines()]
     return [{k: e[k] for k in keep if k in e} for e in events if e["event"] in ("wave", "eval")]
 
@@ -63,7 +68,7 @@ def _model(work: Path):
     return load_file(str(work / "out" / "model" / "model.safetensors"))
 
 
-def _kill_at_random_wave(work: Path, proc: subprocess.Popen, run: Path) -> None:
+def _kill_at_random_wave(work: Path, proc: subprocess.Popen, run: Path, checkpoints: str) -> None:
     """SIGKILL a random rank once VW 0 has finished a random wave and a checkpoint is complete."""
     from hetpipe.checkpoint.format import latest
 
@@ -71,7 +76,7 @@ def _kill_at_random_wave(work: Path, proc: subprocess.Popen, run: Path) -> None:
     metrics, deadline = work / "out" / "metrics.jsonl", time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
         done = metrics.read_text().count('"event": "wave"') if metrics.exists() else 0
-        if done >= wave and latest(work / "out" / "ckpt") is not None:
+        if done >= wave and latest(work / checkpoints) is not None:
             os.kill(int((run / f"rank-{victim}.txt").read_text().split()[0]), signal.SIGKILL)
             break
         if proc.poll() is not None:
@@ -81,14 +86,16 @@ def _kill_at_random_wave(work: Path, proc: subprocess.Popen, run: Path) -> None:
     assert proc.returncode != 0
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The reference run, and its plan (which the resumed runs are given, or another made from it)."""
-    base = tmp_path_factory.mktemp("recipe")
-    work = _workdir(base, "ref")
+@pytest.fixture(scope="module", params=sorted(RECIPES))
+def uninterrupted(request, tmp_path_factory):
+    """The recipe, its reference run's outputs and its plan (which the resumed runs are given, or
+    another made from it)."""
+    recipe = request.param
+    base = tmp_path_factory.mktemp(recipe)
+    work = _workdir(base, "ref", recipe)
     out = _finish(_launch(work, "-n", "6", "--run-dir", str(base / "run")))
-    assert "last loss" in out
-    return _waves(work), _model(work), base / "run" / "plan.json"
+    assert RECIPES[recipe][2] in out
+    return recipe, work, _waves(work), _model(work), base / "run" / "plan.json"
 
 
 def _another(plan_file: Path, to: Path) -> Path:
@@ -106,23 +113,51 @@ def _another(plan_file: Path, to: Path) -> Path:
     return to
 
 
-def test_the_plain_recipe_runs(tmp_path):
-    work = _workdir(tmp_path, "plain")
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_the_plain_recipe_runs(tmp_path, recipe):
+    work = _workdir(tmp_path, "plain", recipe)
     proc = subprocess.run([sys.executable, "plain.py"], cwd=work, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr
-    assert (work / "out" / "model" / "model.safetensors").exists() and "last loss" in proc.stdout
+    assert (work / "out" / "model" / "model.safetensors").exists() and RECIPES[recipe][2] in proc.stdout
+
+
+@pytest.mark.parametrize("uninterrupted", ["hf-trainer"], indirect=True)
+def test_the_trainer_recipe_ends_with_the_best_evaluation_point_s_checkpoint(uninterrupted):
+    """load_best_model_at_end: the saved model is the global weights of the checkpoint written at the
+    evaluation point of the lowest loss in the metrics file (the first of equals)."""
+    from hetpipe.checkpoint.format import clock_dir
+    from hetpipe.checkpoint.state import Checkpoint
+    from hetpipe.model.weights import load_layer_weights
+    from hetpipe.run.trainer import Trainer
+
+    recipe, work, waves, weights, _ = uninterrupted
+    best = min((e for e in waves if e["event"] == "eval"), key=lambda e: e["loss"])
+    last = max(e["wave"] for e in waves)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=4, n_head=4, bos_token_id=0,
+                                       eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    layers = Trainer(model, None, lambda p: torch.optim.SGD(p, lr=0.1), [{"input_ids": torch.zeros(1, 32).long(),
+                                                                          "labels": torch.zeros(1, 32).long()}]).layers
+    w, b = Checkpoint.read(clock_dir(work / RECIPES[recipe][1], best["wave"] + 1)).global_weights()
+    load_layer_weights(layers, w, b)
+    state = model.state_dict()
+    assert all(torch.equal(state[k], weights[k]) for k in weights)
+    final = Checkpoint.read(clock_dir(work / RECIPES[recipe][1], last + 1)).global_weights()[0]
+    assert any(not (final[l] == w[l]).all() for l in w)
 
 
 @pytest.mark.parametrize("plan", ["same", "another"])
 def test_a_recipe_killed_at_a_random_wave_resumes_to_the_uninterrupted_runs_end(tmp_path, uninterrupted, plan):
     """D = 0 (the plan rank 0 makes here). Another plan moves a stage cut: every parameter's optimizer
     state and the schedule's position must reach the stage that now holds it."""
-    waves, weights, plan_file = uninterrupted
-    work = _workdir(tmp_path, "killed")
+    recipe, _, waves, weights, plan_file = uninterrupted
+    checkpoints = RECIPES[recipe][1]
+    work = _workdir(tmp_path, "killed", recipe)
     _kill_at_random_wave(work, _launch(work, "-n", "6", "--plan", str(plan_file), "--run-dir", str(tmp_path / "run")),
-                         tmp_path / "run")
+                         tmp_path / "run", checkpoints)
     given = plan_file if plan == "same" else _another(plan_file, tmp_path / "another.json")
-    _finish(_launch(work, "-n", "6", "--plan", str(given), "--resume", "out/ckpt"))
+    _finish(_launch(work, "-n", "6", "--plan", str(given), "--resume", checkpoints))
     got = _model(work)
     assert sorted(got) == sorted(weights)
     if plan == "same":
@@ -132,7 +167,7 @@ def test_a_recipe_killed_at_a_random_wave_resumes_to_the_uninterrupted_runs_end(
         # Float tolerance, measured: the same recipe trained on the other plan from the start differs from
         # the reference by the order its stages sum in; the resumed run may differ by at most twice that
         # (a lost optimizer state or schedule position differs by orders of magnitude more).
-        other = _workdir(tmp_path, "other")
+        other = _workdir(tmp_path, "other", recipe)
         _finish(_launch(other, "-n", "6", "--plan", str(given)))
         assert [e["wave"] for e in _waves(work)] == [e["wave"] for e in waves]
 

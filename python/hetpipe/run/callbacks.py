@@ -137,3 +137,32 @@ class EarlyStopping:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.best, self.bad = state["best"], int(state["bad"])
+
+
+class BestEvaluation:
+    """Remembers the best evaluation point of the run: its wave and its loss (``monitor="loss"``) or
+    metric, lowest (``mode="min"``) or highest. Its state is in the run's checkpoints, so a resumed run
+    compares with the killed one's points too. It never asks for a stop."""
+
+    def __init__(self, monitor: str = "loss", mode: str = "min") -> None:
+        if monitor not in ("loss", "metric") or mode not in ("min", "max"):
+            raise ValueError(f"hetpipe: BestEvaluation monitors 'loss' or 'metric' in mode 'min' or 'max', got "
+                             f"monitor={monitor!r}, mode={mode!r}")
+        self.monitor, self.mode = monitor, mode
+        self.best: Optional[float] = None
+        self.wave: Optional[int] = None         # the wave after which the best point evaluated
+
+    def on_eval(self, info: EvalInfo) -> bool:
+        value = info.loss if self.monitor == "loss" else info.metric
+        if value is None:
+            raise ValueError(f"hetpipe: BestEvaluation monitors the evaluation {self.monitor}, which the run does "
+                             "not compute")
+        if self.best is None or (value < self.best if self.mode == "min" else value > self.best):
+            self.best, self.wave = float(value), int(info.wave)
+        return False
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"best": self.best, "wave": self.wave}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.best, self.wave = state["best"], state["wave"]

@@ -24,6 +24,7 @@ from hetpipe.job.rundir import RUN_DIR_ENV, launcher_interrupting, mark_terminat
 from hetpipe.model.layout import ModelLayout, local_buffers
 from hetpipe.model.weights import load_layer_weights
 from hetpipe.plan.types import Plan
+from hetpipe.run.callbacks import run_steps
 from hetpipe.run.spec import RunSpec
 from hetpipe.schedule.messages import eval_waves
 from hetpipe.stage.executor import StageExecutor
@@ -54,6 +55,10 @@ class RunCheckpoints:
     keep_last: int = 1
     resume_fallback: bool = False
     run_id: str = ""
+    # Checkpointing.every_steps and the run's accumulation: ``every`` is set from them, in waves, once
+    # the plan is known (:meth:`checkpointer`). None: ``every`` stands as given.
+    every_steps: Optional[int] = None
+    accumulate: int = 1
 
     @classmethod
     def of(cls, work: Any, config: Any) -> "RunCheckpoints":
@@ -65,7 +70,16 @@ class RunCheckpoints:
                                 "directory, or one checkpoint of it)")
         return cls(work.layers, work.data, config.epochs, config.numerics.seed, config.planning.split_startup,
                    work.names, Path(c.dir) if c.dir else None, config.checkpoint_every,
-                   Path(c.resume) if c.resume else None, c.on_sigterm, c.keep, bool(c.fallback))
+                   Path(c.resume) if c.resume else None, c.on_sigterm, c.keep, bool(c.fallback),
+                   every_steps=c.every_steps, accumulate=config.numerics.accumulate)
+
+    def waves_between(self, plan: Plan) -> int:
+        """Waves between checkpoints on ``plan``: ``every``, or ``every_steps`` of the run's optimizer steps
+        (:func:`~hetpipe.run.callbacks.run_steps`) rounded to whole waves, at least one."""
+        if self.every_steps is None:
+            return self.every
+        per_wave = run_steps(0, plan.nm, len(plan.virtual_workers), self.accumulate)
+        return max(1, round(self.every_steps / max(1, per_wave)))
 
     def resume(self, plan: Plan) -> Optional[ckpt.Resume]:
         """What this run resumes from (None: from the start); loads the global weights into the model."""
@@ -170,6 +184,7 @@ class RunCheckpoints:
         ``reporter``: this rank's (VW 0's last stage), whose callbacks' state its parts hold."""
         if self.directory is None:
             return None
+        self.every = self.waves_between(plan)
         if role.kind == "stage" and part.model.scheduler is not None:
             # A scheduler whose state a checkpoint cannot hold is refused at start-up, not at the first checkpoint.
             ckpt.scheduler_snapshot(part.model.scheduler)

@@ -193,6 +193,8 @@ class Checkpointing:
 
     dir: where every rank writes (seen by all); None: ``hetpipe launch --checkpoint-dir``'s, else none.
     every: waves between checkpoints (None: ``--checkpoint-every``'s, else 1).
+    every_steps: or every so many of the run's optimizer steps, all VWs together as one process counts
+        them, rounded to whole waves once the plan is known (at least one; not with ``every``).
     keep: complete checkpoints kept on disk (2 or more lets ``fallback`` go back one).
     resume: a checkpoint directory (its latest complete checkpoint) or one checkpoint to resume from
         (None: ``hetpipe launch --resume``'s, or the one a restarting launcher picks).
@@ -207,10 +209,15 @@ class Checkpointing:
     resume: Optional[PathLike] = None
     fallback: bool = False
     on_sigterm: bool = True
+    every_steps: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.every is not None:
             whole("checkpointing.every (waves)", self.every)
+        if self.every_steps is not None:
+            whole("checkpointing.every_steps (optimizer steps)", self.every_steps)
+            if self.every is not None:
+                raise ArgumentError("hetpipe: give checkpointing.every (waves) or every_steps (steps), not both")
         whole("checkpointing.keep", self.keep)
         directory_path("checkpointing.dir", self.dir)
         path_of("checkpointing.resume", self.resume)
