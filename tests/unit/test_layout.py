@@ -27,7 +27,7 @@ LEVELS = [
     ("job", "adapters"),
     ("launch", "numpy", "jax"),
     ("run",),
-    ("cli",),
+    ("cli", "hf"),
     ("__main__",),
 ]
 LEVEL = {name: i for i, names in enumerate(LEVELS) for name in names}
