@@ -17,6 +17,7 @@ _LAZY = {
     "named_params": "hetpipe.model.names",
     "EarlyStopping": "hetpipe.run.callbacks",
     "BestEvaluation": "hetpipe.run.callbacks",
+    "RunShape": "hetpipe.run.shape",
     "Callback": "hetpipe.run.callbacks",
     "Planning": "hetpipe.run.config",
     "PSRule": "hetpipe.run.config",
@@ -37,6 +38,6 @@ def __getattr__(name):
 
 
 __all__ = ["Trainer", "TrainResult", "Batches", "DatasetSource", "StreamSource", "PerVWSource", "Plan", "named_params",
-           "EarlyStopping", "BestEvaluation", "Callback",
+           "EarlyStopping", "BestEvaluation", "Callback", "RunShape",
            "Planning", "PSRule", "Numerics", "Checkpointing", "Reporting", "Runtime", "HetpipeDeprecationWarning",
            "HetpipeError", "__version__"]

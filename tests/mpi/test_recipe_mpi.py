@@ -52,7 +52,7 @@ def _finish(proc: subprocess.Popen) -> str:
         out, err = proc.communicate()
         pytest.fail(f"the launch did not finish within {TIMEOUT_S} s:\n{err}")
     assert proc.returncode == 0, err
-    return out
+    return out + err
 
 
 def _waves(work: Path):
@@ -95,6 +95,8 @@ def uninterrupted(request, tmp_path_factory):
     work = _workdir(base, "ref", recipe)
     out = _finish(_launch(work, "-n", "6", "--run-dir", str(base / "run")))
     assert RECIPES[recipe][2] in out
+    # Rank 0 says at start-up what the update rule does per sample (docs/training.md, "Why the loss differs").
+    assert "hetpipe: update rule: 2 VWs" in out and "PSRule(aggregate='sum') advances per sample as a loop does" in out
     return recipe, work, _waves(work), _model(work), base / "run" / "plan.json"
 
 

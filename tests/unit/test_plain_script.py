@@ -227,3 +227,29 @@ def test_callbacks_without_state_may_come_and_go_on_resume():
     assert again.state_dict() == first.state_dict() == {"best": 1.0, "bad": 1}
     with pytest.raises(ValueError, match="holds the state of 1 callback.*the run has 0 with a state_dict: none"):
         Callbacks([Log()], evaluates=True).load(saved)
+
+
+@pytest.mark.parametrize("counts", ["run", "vw"])
+def test_a_schedule_factory_of_two_parameters_is_told_the_run_s_shape(counts):
+    """2 VWs x Nm = 2 over 63 minibatches an epoch (62 dealt: one dropped), 2 epochs, a step every 2
+    minibatches: the factory learns the VWs and the steps its scheduler will take, and a schedule sized
+    by them ends at its last step exactly when the run does."""
+    seen = []
+
+    def linear(opt, run):
+        seen.append(run)
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1.0 - s / run.total_steps))
+
+    rates = Rates()
+    Trainer(mlp(), cross_entropy, sgd(lr=1.0), synthetic(n=252, batch=4),
+            plan=two_vw_plan(([3], [2]), (0.0, 0.0), nm=2, d=0), epochs=2,
+            numerics=Numerics(lr_scheduler=linear, lr_scheduler_steps=counts, accumulate=2),
+            reporting=Reporting(progress=False, callbacks=[rates])).replay()
+    run = seen[0]
+    assert all(r == run for r in seen) and len(seen) == 4                 # every stage of both VWs
+    assert (run.num_vws, run.minibatches_per_epoch, run.trained_per_epoch, run.epochs) == (2, 63, 62, 2)
+    vw_steps = 31 * 2 // 2                   # a VW's steps: 31 minibatches an epoch, 2 epochs, a step every 2
+    assert run.total_steps == (2 * vw_steps if counts == "run" else vw_steps)
+    assert run.steps_per_epoch == run.total_steps // 2
+    # The last wave's rate: the schedule's last step, one step short of its end.
+    assert rates.lrs[-1] == pytest.approx(1.0 / run.total_steps * (2 if counts == "run" else 1))

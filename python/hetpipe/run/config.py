@@ -151,7 +151,9 @@ class Numerics:
     accumulate: each stage steps every ``accumulate`` minibatches with the mean of their gradients.
     clip_grad_norm: clip each minibatch's gradient to this norm, taken over all of its VW's stages.
     lr_scheduler: a factory ``optimizer -> LRScheduler`` (any of ``torch.optim.lr_scheduler``'s or
-        transformers' ``get_*_schedule*``), built by every stage over its optimizer.
+        transformers' ``get_*_schedule*``), built by every stage over its optimizer; a factory
+        ``(optimizer, run)`` is also given the run's :class:`~hetpipe.run.shape.RunShape` (the VWs,
+        ``steps_per_epoch`` and ``total_steps`` as the scheduler counts them).
     lr_scheduler_steps: what the scheduler counts. "run" (the default): the optimizer steps of the whole
         run, as one process training on all the data would take them: each VW's scheduler steps once for
         every VW's step, so a schedule sized for a plain loop (``epochs * len(loader)`` steps) spans the

@@ -32,6 +32,7 @@ from hetpipe.run.config import MAX_MINIBATCH_STAGES, Reporting, RunConfig, as_pa
 from hetpipe.run.optimizer import as_factory
 from hetpipe.run.plan_cache import PlanCache, plan_key, planning_inputs
 from hetpipe.run.report import Reporter
+from hetpipe.run.shape import RunShape, sized
 from hetpipe.run.spec import RunSpec
 from hetpipe.run.world_plan import on_world
 
@@ -229,7 +230,10 @@ def run_spec(work: Workload, config: RunConfig, plan: Plan, resume: Optional[ckp
                              eval_every, offset) for vw in plan.virtual_workers]
     return RunSpec(plan, work.layers, work.loss_fn, work.optimizer, work.data, epochs, schedules,
                    infer_boundaries(work.layers, x), batch_of(x), copy_stream=config.runtime.copy_stream,
-                   audit=config.ps.audit, seed=num.seed, resume=resume, lr_scheduler=num.lr_scheduler,
+                   audit=config.ps.audit, seed=num.seed, resume=resume,
+                   lr_scheduler=sized(num.lr_scheduler, RunShape(num_vws, per_epoch,
+                                                                 per_vw * num_vws, epochs, num.accumulate,
+                                                                 num.lr_scheduler_steps)),
                    lr_stride=num_vws if num.lr_scheduler_steps == "run" else 1,
                    clip_grad_norm=clip, param_names=param_names(work.names), eval_every=eval_every,
                    eval_data=work.eval_data, eval_metric=rep.eval_metric, loss_scale=dict(num.loss_scale or {}), accumulate=num.accumulate)
