@@ -51,9 +51,10 @@ def _add_plan_command(sub) -> None:
     p.add_argument("--recompute", choices=("none", "fit", "all"), default="none",
                    help="recompute activations: never, only to fit memory, or on every stage")
     p.add_argument("--ps-shards", type=arg_whole("--ps-shards"), help="number of parameter-server shards (default: one per node)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+    p.add_argument("--precision", choices=("fp32", "tf32", "bf16", "fp16"), default="fp32",
                    help="bf16/fp16: autocast compute and half-precision activations on the wire (half the "
-                        "transfer bytes; fp16 with dynamic loss scaling)")
+                        "transfer bytes; fp16 with dynamic loss scaling); tf32: an fp32 run whose matmuls use "
+                        "TF32 tensor cores (devices at their TF32 peak)")
     p.add_argument("--aggregate", choices=("mean", "sum"), default="mean",
                    help="how the PS combines the VWs' wave deltas: their mean (default) or their sum (HetPipe's)")
     p.add_argument("--outer", choices=("sgd", "nesterov", "delayed-nesterov"), default="sgd",
@@ -104,9 +105,10 @@ def _run_plan(args) -> int:
         profile, note = profile_for_cluster(args.profile, cluster, precision=args.precision)
         if note:
             print(note)
+        tf32 = args.precision == "tf32"
         plan = make_plan(cluster, profile, policy=args.policy, nm=args.nm, d=args.d,
                          num_ps_shards=args.ps_shards if ps_nodes is None else None, recompute=args.recompute,
-                         precision=args.precision, ps_nodes=ps_nodes)
+                         precision="fp32" if tf32 else args.precision, ps_nodes=ps_nodes, tf32=tf32)
         plan = dataclasses.replace(plan, aggregate=args.aggregate, outer=args.outer, outer_lr=args.outer_lr,
                                    outer_momentum=args.outer_momentum, outer_staleness=args.outer_staleness,
                                    outer_gain=args.outer_gain, outer_delay=args.outer_delay)

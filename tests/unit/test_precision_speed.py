@@ -63,8 +63,8 @@ def test_half_flops_in_the_cluster_json_win_and_need_peak_flops():
     with pytest.raises(ValueError, match="'x': half_flops needs peak_flops"):
         cluster_from_dict(dict(unknown, device_types={"x": {"memory_bytes": 1, "speed": 2, "half_flops": {"bf16": 1}}},
                                nodes=[{"name": "n", "type": "x"}]))
-    with pytest.raises(ValueError, match="half_flops must be an object keyed by bf16 or fp16"):
-        cluster_from_dict(dict(unknown, device_types={"x": {"memory_bytes": 1, "peak_flops": 1, "half_flops": {"tf32": 1}}},
+    with pytest.raises(ValueError, match="half_flops must be an object keyed by bf16, fp16 or tf32"):
+        cluster_from_dict(dict(unknown, device_types={"x": {"memory_bytes": 1, "peak_flops": 1, "half_flops": {"int8": 1}}},
                                nodes=[{"name": "n", "type": "x"}]))
 
 
@@ -106,13 +106,42 @@ def _best_split(layers, t_a100, t_rtx):
     return min(range(1, layers), key=lambda k: max(k * t_a100, (layers - k) * t_rtx))
 
 
-@pytest.mark.parametrize("precision, ratio", [("fp32", 19.5 / 35.6), ("bf16", 312 / 71)])
-def test_the_planner_gives_the_faster_type_for_the_precision_more_layers(precision, ratio):
+@pytest.mark.parametrize("precision, tf32, ratio", [("fp32", False, 19.5 / 35.6), ("fp32", True, 156 / 35.6),
+                                                     ("bf16", False, 312 / 71)])
+def test_the_planner_gives_the_faster_type_for_the_precision_more_layers(precision, tf32, ratio):
     # Ten equal layers measured on the A100 (no bytes: compute alone decides); the 3090 is derived.
     prof = ModelProfile("even", 8, [LayerProfile(f"l{i}", {"a100_40g": 0.01}, {"a100_40g": 0.02}) for i in range(10)])
-    plan = make_plan(cluster_from_dict(PAIR), prof, derive_missing=True, nm=2, precision=precision)
+    plan = make_plan(cluster_from_dict(PAIR), prof, derive_missing=True, nm=2, precision=precision, tf32=tf32)
     (vw,) = plan.virtual_workers
     held = {st.device_type: st.stop - st.start for st in vw.stages}
     k = _best_split(10, 0.03, 0.03 * ratio)
     assert held == {"a100_40g": k, "rtx3090": 10 - k}
-    assert k == (3 if precision == "fp32" else 8)
+    assert k == {(False, "fp32"): 3, (True, "fp32"): 8, (False, "bf16"): 8}[(tf32, precision)]
+    assert plan.precision == precision          # TF32 changes the speeds, not what the run computes
+
+
+def test_tf32_runs_at_the_tensor_core_peak_where_the_type_has_it():
+    """An fp32 run with TF32 matmuls (torch.set_float32_matmul_precision("high")): Ampere and newer at
+    their dense TF32 figure, older types at FP32; the run reads torch's setting when it plans."""
+    from hetpipe.plan.precision import speed_precision
+    from hetpipe.run.world_plan import tf32_matmuls
+
+    types = cluster_from_dict(LAB).device_types
+    assert types["a100_40g"].peak_for("tf32") == pytest.approx(156e12)
+    assert types["rtx3090"].peak_for("tf32") == pytest.approx(35.6e12)
+    assert types["a100_40g"].speed_for("tf32") / types["rtx3090"].speed_for("tf32") == pytest.approx(156 / 35.6)
+    assert lookup("NVIDIA H100 80GB HBM3").tf32 == 494.7e12 and lookup("Tesla V100-SXM2-16GB").tf32 == 15.7e12
+    for peak in PEAKS.values():
+        assert peak.fp32 <= peak.tf32 <= min(peak.bf16, peak.fp16) or peak.tf32 == peak.fp32
+    assert speed_precision("fp32", True) == "tf32" and speed_precision("bf16", True) == "bf16"
+    assert speed_precision("fp32") == "fp32"
+    import torch
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert tf32_matmuls() is False
+        torch.set_float32_matmul_precision("high")
+        assert tf32_matmuls() is True
+    finally:
+        torch.set_float32_matmul_precision(before)

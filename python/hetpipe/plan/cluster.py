@@ -26,9 +26,11 @@ Speed per precision: ``speed`` and ``peak_flops`` are those of an fp32 run. A bf
 modelled at the type's half-precision peak (:meth:`DeviceType.peak_for`): ``half_flops`` in the JSON
 (``{"bf16": 312e12, "fp16": 312e12}``, dense FLOP/s), else the published figure of
 :mod:`hetpipe.plan.peaks` for the type's ``hardware`` or name, else its FP32 peak; its speed scales
-by the same ratio (:meth:`DeviceType.speed_for`). A type without ``peak_flops`` (emulated, or given
-by ``speed`` alone) keeps its speed for every precision. :meth:`ClusterSpec.at_precision` is the
-cluster as the planner sees it for one precision.
+by the same ratio (:meth:`DeviceType.speed_for`). An fp32 run whose matmuls may use TF32 is read at
+"tf32" (:func:`hetpipe.plan.precision.speed_precision`): ``half_flops["tf32"]``, else the published
+TF32 figure. A type without ``peak_flops`` (emulated, or given by ``speed`` alone) keeps its speed for
+every precision. :meth:`ClusterSpec.at_precision` is the cluster as the planner sees it for one
+precision.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Tuple, Union
 
 from hetpipe.plan.peaks import lookup
-from hetpipe.plan.precision import HALF_DTYPE, check_precision
+from hetpipe.plan.precision import HALF_DTYPE, check_speed_precision
 from hetpipe.util.files import read_text
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "data" / "clusters"
@@ -59,8 +61,8 @@ class DeviceType:
     half_flops: Dict[str, float] = field(default_factory=dict)
 
     def peak_for(self, precision: str) -> float:
-        """Peak FLOP/s of a run of ``precision``: ``peak_flops`` for "fp32"; for a half type its
-        ``half_flops`` entry, else the published ratio of :mod:`hetpipe.plan.peaks` (by ``hardware``,
+        """Peak FLOP/s of a run of ``precision``: ``peak_flops`` for "fp32"; for a half type (or "tf32")
+        its ``half_flops`` entry, else the published ratio of :mod:`hetpipe.plan.peaks` (by ``hardware``,
         then name) applied to ``peak_flops``, else ``peak_flops``. 0 when ``peak_flops`` is."""
         return self.peak_flops * self._ratio(precision)
 
@@ -70,7 +72,7 @@ class DeviceType:
         return self.speed * self._ratio(precision)
 
     def _ratio(self, precision: str) -> float:
-        check_precision(precision, f"device type {self.name!r}")
+        check_speed_precision(precision, f"device type {self.name!r}")
         if precision == "fp32" or not self.peak_flops:
             return 1.0
         if precision in self.half_flops:
@@ -142,7 +144,7 @@ class ClusterSpec:
         ``peak_flops`` are :meth:`DeviceType.speed_for` and :meth:`DeviceType.peak_for` of it (and
         stay so when asked again for ``precision``). ``self`` for "fp32". A view for planning, not a
         spec to save: its "fp32" figures are the half ones."""
-        check_precision(precision, f"cluster {self.name!r}")
+        check_speed_precision(precision, f"cluster {self.name!r}")
         if precision == "fp32":
             return self
         types = {}
@@ -226,8 +228,9 @@ def _device_type(cname: str, tname: str, data: Any) -> DeviceType:
     if mem < 1:
         raise ValueError(f"{where}: memory_bytes must be at least 1 byte, got {data['memory_bytes']!r}")
     half = data.get("half_flops", {})
-    if not isinstance(half, Mapping) or set(half) - set(HALF_DTYPE):
-        raise ValueError(f"{where}: half_flops must be an object keyed by {' or '.join(HALF_DTYPE)}, got {half!r}")
+    if not isinstance(half, Mapping) or set(half) - set(HALF_DTYPE) - {"tf32"}:
+        raise ValueError(f"{where}: half_flops must be an object keyed by {', '.join(HALF_DTYPE)} or tf32, "
+                         f"got {half!r}")
     if half and not flops:
         raise ValueError(f"{where}: half_flops needs peak_flops (the fp32 figure its speed scales from)")
     half = {p: _positive(f"{where}: half_flops.{p}", v) for p, v in half.items()}

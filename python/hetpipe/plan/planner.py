@@ -20,7 +20,7 @@ from hetpipe.plan.cluster import ClusterSpec, load_cluster
 from hetpipe.plan.formation import POLICIES, default_vw_size, form_virtual_workers
 from hetpipe.plan.partition import Partition, partition
 from hetpipe.plan.placement import place_layers
-from hetpipe.plan.precision import check_precision, wire_factor
+from hetpipe.plan.precision import check_precision, speed_precision, wire_factor
 from hetpipe.plan.profile import ModelProfile, load_profile
 from hetpipe.plan.recompute import memory_efficiency, single_device_throughput
 from hetpipe.plan.stage_cost import LayerTable, StageDevice
@@ -94,7 +94,7 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
               minibatch_size: Optional[int] = None, num_ps_shards: Optional[int] = None, recompute: Any = False,
               *, vw_size: Optional[int] = None, objective: str = "throughput", horizon: Optional[int] = None,
               exhaustive_max: int = 8, derive_missing: bool = False, max_nm: Optional[int] = None,
-              precision: str = "fp32", ps_nodes: Optional[Sequence[str]] = None) -> Plan:
+              precision: str = "fp32", ps_nodes: Optional[Sequence[str]] = None, tf32: bool = False) -> Plan:
     """The HetPipe plan for ``profile`` (a ModelProfile, preset name or path) on ``cluster`` (a
     ClusterSpec, preset name, path or dict).
 
@@ -110,12 +110,14 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     cross stages in it, so the transfers cost half the profiled bytes (``meta["wire_factor"]``), and
     device speeds are those of the precision (:meth:`hetpipe.plan.cluster.ClusterSpec.at_precision`);
     the profile's times are used as given (measure or model them at the run's precision).
+    tf32: an fp32 run whose float32 matmuls may use TF32 tensor cores: device speeds are those of
+    their TF32 peak (:func:`hetpipe.plan.precision.speed_precision`).
     ps_nodes: the node of each PS shard, when the shards' ranks are already placed (discovery's PS
     slots); a node may be a host without devices. Excludes ``num_ps_shards``.
     Raises ValueError naming the device, layer and bytes when nothing fits.
     """
     # Device speeds (VW formation, device orders, derived types) are those of the run's precision.
-    cluster = load_cluster(cluster).at_precision(check_precision(precision, "make_plan"))
+    cluster = load_cluster(cluster).at_precision(speed_precision(check_precision(precision, "make_plan"), tf32))
     profile = load_profile(profile)
     for name, value, lo, hi in (("d", d, 0, None), ("nm", nm, 1, MAX_NM), ("max_nm", max_nm, 1, MAX_NM),
                                 ("horizon", horizon, 1, None), ("minibatch_size", minibatch_size, 0, None)):

@@ -18,6 +18,25 @@ _ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ACTIVATION_DTYPES = tuple(_ELEMENT_BYTES)
 
 
+# What a device's speed is read at: a training precision, or "tf32", an fp32 run whose matmuls may use
+# TF32 tensor cores (torch.set_float32_matmul_precision("high")): it trains as fp32, at another peak.
+SPEED_PRECISIONS = PRECISIONS + ("tf32",)
+
+
+def speed_precision(precision: str, tf32: bool = False) -> str:
+    """The precision a device's speed is read at for a run of ``precision``: "tf32" for an fp32 run
+    whose float32 matmuls may use TF32 (``tf32``), else ``precision``."""
+    check_precision(precision, "speed_precision")
+    return "tf32" if tf32 and precision == "fp32" else precision
+
+
+def check_speed_precision(precision: str, where: str) -> str:
+    """``precision`` if it is one of :data:`SPEED_PRECISIONS`; else a ValueError naming ``where``."""
+    if precision not in SPEED_PRECISIONS:
+        raise ArgumentError(f"{where}: precision must be one of {list(SPEED_PRECISIONS)}, got {precision!r}")
+    return precision
+
+
 def check_precision(precision: str, where: str) -> str:
     """``precision`` if it is one of :data:`PRECISIONS`; else a ValueError naming ``where``."""
     if precision not in PRECISIONS:

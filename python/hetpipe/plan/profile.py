@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
-from hetpipe.plan.precision import ACTIVATION_DTYPES, check_precision
+from hetpipe.plan.precision import ACTIVATION_DTYPES, check_speed_precision
 from hetpipe.util.files import read_text
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "data" / "profiles"
@@ -434,7 +434,7 @@ def analytic_profile(name: str, device_types: Mapping[str, Any], efficiency: flo
     for t, dt in device_types.items():
         if not getattr(dt, "peak_flops", 0):
             raise ValueError(f"analytic_profile: device type {t!r} has no peak_flops")
-    check_precision(precision, "analytic_profile")
+    check_speed_precision(precision, "analytic_profile")
     peak = {t: dt.peak_flops if precision == "fp32" else dt.peak_for(precision) for t, dt in device_types.items()}
     layers = []
     for sh in shapes_fn():

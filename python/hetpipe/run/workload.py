@@ -25,7 +25,7 @@ from hetpipe.model.layout import ModelLayout
 from hetpipe.model.names import model_names, param_names
 from hetpipe.model.tree import batch_of
 from hetpipe.plan.types import Plan
-from hetpipe.plan.precision import check_precision
+from hetpipe.plan.precision import check_precision, speed_precision
 from hetpipe.run.build import vw_schedule
 from hetpipe.run.callbacks import run_steps
 from hetpipe.run.config import MAX_MINIBATCH_STAGES, Reporting, RunConfig, as_path
@@ -34,7 +34,7 @@ from hetpipe.run.plan_cache import PlanCache, plan_key, planning_inputs
 from hetpipe.run.report import Reporter
 from hetpipe.run.shape import RunShape, sized
 from hetpipe.run.spec import RunSpec
-from hetpipe.run.world_plan import on_world
+from hetpipe.run.world_plan import on_world, tf32_matmuls
 
 
 @dataclass
@@ -181,7 +181,7 @@ def _plan_here(work: Workload, config: RunConfig) -> Tuple[Plan, Dict[str, Any]]
     cache, key, plan = None, None, None
     if config.plan_cache is not None:
         cache = PlanCache(config.plan_cache)
-        key = plan_key(work.layers, (x, y), cluster, precision, p)
+        key = plan_key(work.layers, (x, y), cluster, speed_precision(precision, tf32_matmuls()), p)
         plan, why = cache.lookup(key)
         sys.stderr.write(f"hetpipe: plan cache: {why}\n")
     if plan is not None:
@@ -189,11 +189,12 @@ def _plan_here(work: Workload, config: RunConfig) -> Tuple[Plan, Dict[str, Any]]
     else:
         profile = profile_model(work.sequence, x, cluster, loss_fn=lambda out: work.loss_fn(out, y))
         plan = make_plan(cluster, profile, policy=p.policy, nm=p.nm, d=p.d or 0, minibatch_size=batch_of(x),
-                         precision=precision)
+                         precision=precision, tf32=tf32_matmuls())
         if cache is not None:
             cache.store(key, plan, profile, cluster)
         profile_data = profile.to_dict()
-    return work.check_layers(plan), planning_inputs(cluster, profile_data, p, batch_of(x), precision)
+    return work.check_layers(plan), planning_inputs(cluster, profile_data, p, batch_of(x), precision,
+                                                    tf32=tf32_matmuls())
 
 
 def run_spec(work: Workload, config: RunConfig, plan: Plan, resume: Optional[ckpt.Resume] = None) -> RunSpec:

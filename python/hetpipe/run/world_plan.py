@@ -22,11 +22,21 @@ from hetpipe.job.inventory import rank_facts
 from hetpipe.job.roles import LaunchError
 from hetpipe.job.rundir import RUN_DIR_ENV
 from hetpipe.model.tree import batch_of
+from hetpipe.plan.precision import speed_precision
 from hetpipe.plan.types import Plan
 from hetpipe.run.plan_cache import PlanCache, plan_key, planning_inputs
 from hetpipe.run.profiling import ProfilingError, profile_on_devices
 
 CLUSTER_FILE = "cluster.json"       # the discovered (or matched) cluster, in the run directory
+
+
+def tf32_matmuls() -> bool:
+    """Whether this process's float32 matmuls may use TF32 tensor cores (the script set
+    ``torch.set_float32_matmul_precision("high")`` or ``"medium"``, or ``allow_tf32``): an fp32 run is
+    then planned at the devices' TF32 peaks (:func:`hetpipe.plan.precision.speed_precision`)."""
+    import torch
+
+    return torch.get_float32_matmul_precision() != "highest" or bool(torch.backends.cuda.matmul.allow_tf32)
 
 
 def on_world(cluster: Any, emulating: bool = False) -> bool:
@@ -85,7 +95,7 @@ def _planned(work: Any, config: Any, comm: Any, discovery: Discovery) -> Tuple[P
     p, cache_dir = config.planning, config.plan_cache
     precision = config.numerics.precision or "fp32"
     ps_nodes = [h.host for h in discovery.ps_slots()] or None
-    key = plan_key(work.layers, (x, y), cluster, precision, p, ps_nodes=ps_nodes)
+    key = plan_key(work.layers, (x, y), cluster, speed_precision(precision, tf32_matmuls()), p, ps_nodes=ps_nodes)
     cached = None
     if rank == 0 and cache_dir is not None:
         plan, why = PlanCache(cache_dir).lookup(key)
@@ -104,7 +114,8 @@ def _planned(work: Any, config: Any, comm: Any, discovery: Discovery) -> Tuple[P
         if rank == 0:
             try:
                 plan = make_plan(cluster, profile, policy=p.policy, nm=p.nm, d=p.d or 0,
-                                 minibatch_size=batch_of(x), precision=precision, ps_nodes=ps_nodes)
+                                 minibatch_size=batch_of(x), precision=precision, ps_nodes=ps_nodes,
+                                 tf32=tf32_matmuls())
                 if cache_dir is not None:
                     PlanCache(cache_dir).store(key, plan, profile, cluster)
                 plan_text = plan.to_json()
@@ -118,7 +129,7 @@ def _planned(work: Any, config: Any, comm: Any, discovery: Discovery) -> Tuple[P
         sys.stderr.write(f"hetpipe: profile: {ModelProfile.from_dict(profile_data).source}\n")
     # What a restarting launcher re-plans the surviving devices with (plan rank 0 saves it).
     return Plan.from_json(plan_text), planning_inputs(cluster, profile_data, p, batch_of(x), precision,
-                                                      ps_nodes=ps_nodes)
+                                                      ps_nodes=ps_nodes, tf32=tf32_matmuls())
 
 
 def _save_cluster(cluster: ClusterSpec, plan_cache: Optional[Path]) -> None:
