@@ -18,6 +18,7 @@ _LAZY = {
     "EarlyStopping": "hetpipe.run.callbacks",
     "BestEvaluation": "hetpipe.run.callbacks",
     "RunShape": "hetpipe.run.shape",
+    "heartbeat": "hetpipe.job.rundir",
     "Callback": "hetpipe.run.callbacks",
     "Planning": "hetpipe.run.config",
     "PSRule": "hetpipe.run.config",
@@ -38,6 +39,6 @@ def __getattr__(name):
 
 
 __all__ = ["Trainer", "TrainResult", "Batches", "DatasetSource", "StreamSource", "PerVWSource", "Plan", "named_params",
-           "EarlyStopping", "BestEvaluation", "Callback", "RunShape",
+           "EarlyStopping", "BestEvaluation", "Callback", "RunShape", "heartbeat",
            "Planning", "PSRule", "Numerics", "Checkpointing", "Reporting", "Runtime", "HetpipeDeprecationWarning",
            "HetpipeError", "__version__"]

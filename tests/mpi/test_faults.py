@@ -114,14 +114,17 @@ class Run:
 # (fault, whom, signal, expected cause, expected culprit rank or None)
 FAULTS = [
     ("stage-kill", "rank1", signal.SIGKILL, "died", 1),
-    ("stage-term", "rank0", signal.SIGTERM, "died", 0),
+    ("stage-term", "rank0", signal.SIGTERM, "terminated", 0),
     ("stage-stop", "rank1", signal.SIGSTOP, "stopped", 1),
     ("ps-kill", "rank2", signal.SIGKILL, "died", 2),
-    ("ps-term", "rank2", signal.SIGTERM, "died", 2),
+    ("ps-term", "rank2", signal.SIGTERM, "terminated", 2),
     ("ps-stop", "rank2", signal.SIGSTOP, "stopped", 2),
     ("ctrl-c", "launcher-group", signal.SIGINT, "signal", None),
     ("launcher-term", "launcher", signal.SIGTERM, "signal", None),
     ("mpiexec-kill", "mpiexec", signal.SIGKILL, "mpiexec", None),
+    ("mpiexec-stop", "mpiexec", signal.SIGSTOP, "stopped", None),
+    ("mpiexec-term", "mpiexec", signal.SIGTERM, "signal", None),
+    ("mpiexec-int", "mpiexec", signal.SIGINT, "signal", None),
     ("launcher-kill", "launcher", signal.SIGKILL, None, None),
 ]
 
@@ -148,13 +151,24 @@ def test_fault_ends_every_process_and_names_the_culprit(tmp_path, fault, whom, s
     assert out["cause"] == cause, (out, err)
     assert out["status"] == ("interrupted" if cause == "signal" else "failed")
     assert run.proc.returncode == out["exit_status"] != 0
+    assert out["reason"], out                       # why the launcher blamed whom it did
+    assert "Traceback" not in err, err
+    name = signal.Signals(sig).name
     if cause == "signal":
-        assert run.proc.returncode == 128 + sig and f"interrupted by {signal.Signals(sig).name}" in err
+        assert run.proc.returncode == 128 + sig and out["rank"] is None, out
+        if whom == "mpiexec":       # forwarded to every rank: no rank is blamed, the signal is named
+            assert name in out["message"] and "from outside the launcher" in out["message"], out
+        else:
+            assert f"interrupted by {name}" in err
     if rank is not None:
         assert out["rank"] == rank and out["role"] == ROLES[rank], out
-        assert f"hetpipe: {ROLES[rank]} failed: it " + ("died" if cause == "died" else "stopped responding") in err
+        said = {"died": "failed: it died", "stopped": "failed: it stopped responding",
+                "terminated": "was ended by a SIGTERM from outside the run"}[cause]
+        assert f"hetpipe: {ROLES[rank]} {said}" in err
     if cause == "stopped":
         assert "state T" in out["message"]
+    if whom == "mpiexec" and cause == "stopped":
+        assert out["role"] == f"mpiexec (pid {out['pid']})" and out["rank"] is None, out
     if cause == "mpiexec":
         assert "mpiexec was killed by SIGKILL" in err
 
@@ -192,10 +206,99 @@ def test_a_rank_that_never_reaches_mpi_start_up_is_named_and_nothing_survives(tm
     assert (out["status"], out["cause"], out["rank"]) == ("failed", cause, 1), out
     assert run.proc.returncode != 0
     if mode == "sleep":
-        assert out["message"].startswith("hetpipe: rank(s) [1] did not reach MPI start-up within"), out
-        # What the launcher measured and acted on: at least the start-up timeout.
-        waited = float(re.search(r"within ([0-9.]+) s", out["message"]).group(1))
+        assert out["message"].startswith("hetpipe: rank(s) [1] did not reach MPI start-up, making no progress for"), out
+        # What the launcher measured and acted on: no progress for at least the start-up timeout.
+        waited = float(re.search(r"no progress for ([0-9.]+) s", out["message"]).group(1))
         assert waited >= 6.0, out
         assert "(rank 1: process" in out["message"] and "rank(s) [0, 2] waited for them in MPI_Init" in out["message"]
+        assert "--start-timeout" in out["message"] and "stuck, not slow" in out["message"]
     else:
         assert out["message"].startswith("hetpipe: rank 1 failed: it stopped responding"), out
+
+
+@pytest.mark.parametrize("mode", ["compute", "heartbeat"])
+def test_a_slow_start_that_makes_progress_is_not_ended(tmp_path, monkeypatch, mode):
+    """A rank that computes (a dataset load) or waits while calling hetpipe.heartbeat() before MPI
+    start-up for three times the start-up timeout: slow, not stuck. The run completes."""
+    monkeypatch.setenv("HETPIPE_START_TIMEOUT", "3")
+    run = Run(tmp_path, "stall_start.py", mode, "1", "9")
+    try:
+        run.proc.wait(timeout=9 + START_TIMEOUT_S)
+    finally:
+        run.clean_up()
+    assert run.proc.returncode == 0, run.err.read_text()
+    assert run.outcome()["status"] == "ok"
+
+
+def _process_of_rank(run_dir: Path, rank: int, deadline_s: float = START_TIMEOUT_S) -> int:
+    """The pid of MPI rank ``rank`` of the run, found by its environment before it registers."""
+    marker = f"HETPIPE_RUN_DIR={run_dir}\0".encode()
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        for p in Path("/proc").iterdir():
+            if not p.name.isdigit():
+                continue
+            try:
+                env = (p / "environ").read_bytes()
+            except OSError:
+                continue
+            if marker in env and f"PMI_RANK={rank}\0".encode() in env and _alive(int(p.name), run_dir):
+                return int(p.name)
+        time.sleep(0.1)
+    pytest.fail(f"no process of rank {rank} within {deadline_s} s")
+
+
+def test_a_rank_killed_before_mpi_start_up_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETPIPE_START_TIMEOUT", "120")
+    run = Run(tmp_path, "stall_start.py", "sleep", "1")
+    try:
+        victim = _process_of_rank(run.run_dir, 1)
+        deadline = time.monotonic() + START_TIMEOUT_S        # its peers reached MPI_Init: they wait for it there
+        while not all((run.run_dir / f"starting-{r}").exists() for r in (0, 2)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        took = run.wait_gone(at)
+        print(f"killed before MPI start-up: every process gone {took:.2f} s after the kill")
+    finally:
+        run.clean_up()
+    out = run.outcome()
+    assert (out["status"], out["cause"], out["rank"], out["pid"]) == ("failed", "died", 1, victim), out
+    assert out["message"].startswith("hetpipe: rank 1 failed: it died before MPI start-up"), out
+    assert "Traceback" not in run.err.read_text()
+
+
+def test_a_rank_stuck_in_its_data_at_start_up_is_named_within_the_timeout(tmp_path):
+    """Rank 1 blocks (no CPU time) reading its data while the Trainer starts up; ranks 0 and 2 wait for
+    it in a start-up collective. The launcher names it, with its phase, once it has been idle for the
+    peer timeout (4 s here), not the start-up timeout of a minute or more."""
+    run = Run(tmp_path, "stuck_startup.py", "1")
+    try:
+        run.proc.wait(timeout=START_TIMEOUT_S)
+    finally:
+        run.clean_up()
+    out = run.outcome()
+    assert (out["status"], out["cause"], out["rank"]) == ("failed", "stuck", 1), out
+    assert out["role"].startswith("rank 1 (vw 0 stage 1)"), out
+    assert "made no progress for" in out["message"] and "in start-up: " in out["message"], out
+    idle = float(re.search(r"no progress for ([0-9.]+) s", out["message"]).group(1))
+    assert PEER_TIMEOUT_S <= idle < 60.0, out
+    assert "Traceback" not in run.err.read_text()
+
+
+def test_a_run_that_completed_is_reported_completed_when_mpiexec_stops_after(tmp_path):
+    """Every rank ends normally while mpiexec is stopped (it cannot reap them): the launcher names the
+    stopped mpiexec, ends it, and reports the run as completed."""
+    run = Run(tmp_path, "finish_then_exit.py", "0.5")     # the ranks end before the stop is declared (T/2)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while len(list(run.run_dir.glob("rank-*.txt"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(run.pid_of("mpiexec"), signal.SIGSTOP)
+        run.proc.wait(timeout=GONE_GUARD_S)
+        assert not _run_processes(run.run_dir)
+    finally:
+        run.clean_up()
+    out = run.outcome()
+    assert (out["status"], out["exit_status"], run.proc.returncode) == ("ok", 0, 0), out
+    assert out["message"].startswith("hetpipe: the run completed; then mpiexec (pid"), out

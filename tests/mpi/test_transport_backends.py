@@ -52,3 +52,23 @@ def test_forcing_a_backend_that_cannot_serve_a_rank_ends_the_job_naming_it():
     for rank in (0, 1):
         assert (f"rank {rank} (vw 0 stage {rank}) on cpu: the forced transport 'loopback' cannot serve it: "
                 "loopback: only the single-process replay") in proc.stderr, proc.stderr
+
+
+def _loopback(address: str) -> bool:
+    return address.startswith("127.") or address in ("::1", "::ffff:127.0.0.1")
+
+
+def test_torch_p2p_on_one_host_listens_on_loopback_alone():
+    """On one host the store is a file in a directory of the user's alone and gloo binds loopback: the
+    channels add no listener on any other address (MPI's own, there before, are MPI's). The control,
+    the same channels opened as across hosts (a TCP store at the host's name, gloo on its interface),
+    adds listeners beyond loopback: the check can fail."""
+    runs = {}
+    for mode in ("one-host", "several-hosts"):
+        proc = run_mpi(2, "listeners.py", mode, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        runs[mode] = results(proc)
+        assert len(runs[mode]) == 2 and all(r["moved"] for r in runs[mode]), runs[mode]
+    for r in runs["one-host"]:
+        assert all(_loopback(a) for a in r["listening"]), r
+    assert any(not _loopback(a) for r in runs["several-hosts"] for a in r["listening"]), runs["several-hosts"]

@@ -17,7 +17,7 @@ import time
 import traceback
 from typing import Callable, Iterator, Optional
 
-from hetpipe.job.rundir import mark_aborted
+from hetpipe.job.rundir import mark_aborted, mark_interrupted
 from hetpipe.util.numbers import seconds
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -96,6 +96,7 @@ def interrupted(comm, line: str, describe: str) -> None:
     only if it is still running then: the signal reached it alone. A second Ctrl-C meanwhile is ignored,
     and so is SIGTERM's checkpoint handler: mpiexec's teardown is not a request to checkpoint."""
     global _reported
+    mark_interrupted()
     for sig, how in ((signal.SIGINT, signal.SIG_IGN), (signal.SIGTERM, signal.SIG_DFL)):
         with contextlib.suppress(ValueError):       # not the main thread: nothing to change
             signal.signal(sig, how)

@@ -29,6 +29,29 @@ def state(pid: int) -> Optional[str]:
     return text[text.rfind(")") + 2:].split(" ", 1)[0]
 
 
+def cpu_ticks(pid: int) -> Optional[int]:
+    """CPU time ``pid`` has used, all its threads, user and system, in clock ticks (``/proc/<pid>/stat``
+    fields 14 and 15); None if there is no such process. A process that computes advances it; one
+    blocked (a read, a lock, a sleep, a stop) does not."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2:].split()
+    try:
+        return int(fields[11]) + int(fields[12])
+    except (IndexError, ValueError):
+        return None
+
+
+def command_name(pid: int) -> str:
+    """The process's command name (``/proc/<pid>/comm``), or "" if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def running(pid: int) -> bool:
     """Whether ``pid`` exists and is not a zombie (a zombie has ended; only its exit status is left)."""
     s = state(pid)

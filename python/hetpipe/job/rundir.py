@@ -66,11 +66,46 @@ def starting_ranks(run_dir: str) -> Set[int]:
     return {int(f.name.split("-", 1)[1]) for f in Path(run_dir).glob("starting-*")}
 
 
+def mark_phase(phase: str) -> None:
+    """Record the phase this rank is in (``phase-PID`` holds it): "start-up: ..." and "shutdown: ..."
+    phases are where the launcher watches a rank's progress itself (its CPU time), "training" where the
+    runtime's peer timeouts do. Replaced atomically: the launcher never reads half a phase."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return
+    pid = os.getpid()
+    try:
+        tmp = Path(run_dir, f".phase-{pid}.tmp")
+        tmp.write_text(phase + "\n")
+        os.replace(tmp, Path(run_dir, f"phase-{pid}"))
+    except OSError:
+        pass    # the launcher's directory is gone: nobody is left to read it
+
+
+def phases(run_dir: str) -> Dict[int, str]:
+    """pid -> the phase each rank last recorded (:func:`mark_phase`)."""
+    out = {}
+    for f in Path(run_dir).glob("phase-*"):
+        try:
+            out[int(f.name.split("-", 1)[1])] = f.read_text().strip()
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def mark_aborted(message: str = "") -> None:
     """Record that this process reported its own failure (``message``) and is aborting the job."""
     run_dir = os.environ.get(RUN_DIR_ENV)
     if run_dir:
         _mark(run_dir, f"aborted-{os.getpid()}", message)
+
+
+def mark_interrupted() -> None:
+    """Record that SIGINT (a Ctrl-C) reached this process: when it reached every rank and not the
+    launcher, it was sent to mpiexec or to the whole job, and the launcher blames no rank for it."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if run_dir:
+        _mark(run_dir, f"interrupted-{os.getpid()}")
 
 
 def mark_terminated(message: str = "") -> None:
@@ -115,7 +150,7 @@ def _records(run_dir: str) -> Dict[int, Tuple[int, str, str]]:
 
 
 def marked(run_dir: str, kind: str) -> Set[int]:
-    """pids with an ``exited``, ``aborted`` or ``terminated`` mark (``kind``)."""
+    """pids with an ``exited``, ``aborted``, ``terminated`` or ``interrupted`` mark (``kind``)."""
     return {int(f.name.split("-", 1)[1]) for f in Path(run_dir).glob(f"{kind}-*")}
 
 
@@ -126,6 +161,21 @@ def mark_interrupting(run_dir: str, signal_name: str) -> None:
     """Launcher side: record, before the ranks get SIGTERM, that the launcher was interrupted and says so
     for the whole run, in one line (:func:`launcher_interrupting`)."""
     _mark(run_dir, INTERRUPTING_FILE, f"{signal_name}\n")
+
+
+ENDING_FILE = "ending"      # the launcher is ending the run after a fault it has already named
+
+
+def mark_ending(run_dir: str) -> None:
+    """Launcher side: record, before the ranks get SIGTERM after a fault, that the launcher is ending the
+    run and has said why: a rank with nothing to write on SIGTERM then ends without a word."""
+    _mark(run_dir, ENDING_FILE)
+
+
+def launcher_ending() -> bool:
+    """Rank side: whether this rank's launcher is ending the run after a fault (:func:`mark_ending`)."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    return bool(run_dir) and Path(run_dir, ENDING_FILE).exists()
 
 
 def launcher_interrupting() -> bool:
@@ -145,3 +195,21 @@ def reached_clock(run_dir: str) -> int:
         except (OSError, ValueError, IndexError):
             pass
     return max(clocks, default=-1)
+
+
+def heartbeat() -> None:
+    """Tell the launcher this rank is alive and progressing although it uses no CPU (a start-up that
+    waits on storage or the network): outside training, a rank that neither computes nor beats for the
+    start-up timeout (before MPI start-up) or the peer timeout (in start-up's and shutdown's
+    collectives) is ended as stuck. Cheap (one file's timestamp); a no-op outside ``hetpipe launch``."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return
+    path = Path(run_dir, f"phase-{os.getpid()}")
+    try:
+        if path.exists():
+            os.utime(path)
+        else:
+            mark_phase("start-up: before the run")
+    except OSError:
+        pass

@@ -29,6 +29,8 @@ class DeathWatcher:
         self.supported = hasattr(os, "pidfd_open") and hasattr(select, "poll")
         self.vanished: List[int] = []
         self.vanished_at: Dict[int, float] = {}
+        self._extra: Set[int] = set()           # rank processes seen before they registered (watch())
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -43,6 +45,12 @@ class DeathWatcher:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
+    def watch(self, pid: int) -> None:
+        """Watch ``pid`` too: a rank process seen before it registered, so that its death is ordered
+        with the others'. Thread role: any thread (the watcher picks it up at its next poll)."""
+        with self._lock:
+            self._extra.add(pid)
+
     def first_unmarked(self) -> Optional[int]:
         """The first pid that vanished with neither an ``exited`` nor an ``aborted`` mark."""
         done = marked(self.run_dir, "exited") | marked(self.run_dir, "aborted")
@@ -56,9 +64,14 @@ class DeathWatcher:
         poller = select.poll()
         fds: Dict[int, int] = {}        # fd -> pid
         seen: Set[int] = set()
+        recorded: Set[int] = set()
         try:
             while not self._stop.is_set():
-                for pid in ranks_by_pid(self.run_dir, self.host) if len(seen) < self.ranks else ():
+                fresh = [pid for pid in ranks_by_pid(self.run_dir, self.host)] if len(recorded) < self.ranks else []
+                recorded.update(fresh)
+                with self._lock:
+                    fresh += list(self._extra)
+                for pid in fresh:
                     if pid in seen:
                         continue
                     seen.add(pid)

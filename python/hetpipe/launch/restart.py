@@ -31,6 +31,7 @@ from hetpipe.plan.types import Plan
 
 RESTARTABLE = ("died", "stopped")       # faults of a rank or its device; a rank that raised is a bug
 TERMINATED = "terminated"               # a rank stopped by a SIGTERM from outside the run: its device is sound
+STUCK = "stuck"                         # a rank idle outside training (blocked in its data, say): its device is sound
 PROBE_TIMEOUT_S = 30.0
 # A checkpoint write that failed for lack of space: checkpoint.format.write_error names the file and the
 # error, and marks the errno behind it, whatever layer raised it (Python's I/O: its OSError's; safetensors,
@@ -46,12 +47,12 @@ def out_of_space(outcome) -> bool:
 
 def restartable(outcome) -> bool:
     """Whether a failed run is worth restarting: a rank died or stopped, one was ended by a SIGTERM from
-    outside the run (after writing its checkpoint), a peer gave up waiting on one that never answered
-    (its report is a ``PeerTimeout``), or a checkpoint write ran out of disk space (the restart resumes
-    from the last complete checkpoint, whose files the failed write left whole; space freed meanwhile
-    lets it go on, a disk still full fails the same way and uses up the restarts). Any other error
-    would happen again."""
-    if outcome.cause in RESTARTABLE or outcome.cause == TERMINATED or out_of_space(outcome):
+    outside the run (after writing its checkpoint), one was stuck outside training (a hung read), a
+    peer gave up waiting on one that never answered (its report is a ``PeerTimeout``), or a
+    checkpoint write ran out of disk space (the restart resumes from the last complete checkpoint,
+    whose files the failed write left whole; space freed meanwhile lets it go on, a disk still full
+    fails the same way and uses up the restarts). Any other error would happen again."""
+    if outcome.cause in RESTARTABLE or outcome.cause in (TERMINATED, STUCK) or out_of_space(outcome):
         return True
     return outcome.cause == "reported" and any("PeerTimeout" in r for r in (outcome.message, *outcome.reports))
 
@@ -106,7 +107,7 @@ def replan(plan: Plan, devices: Iterable[str], planning: Dict) -> Plan:
     cluster["nodes"] = nodes
     new = make_plan(cluster, planning["profile"], policy=planning["policy"], nm=planning["nm"], d=planning["d"],
                     minibatch_size=planning["minibatch_size"], precision=planning["precision"],
-                    ps_nodes=planning.get("ps_nodes"))
+                    ps_nodes=planning.get("ps_nodes"), tf32=bool(planning.get("tf32", False)))
     vws = tuple(dataclasses.replace(vw, stages=tuple(dataclasses.replace(st, device=ids.get(st.device, st.device))
                                                      for st in vw.stages)) for vw in new.virtual_workers)
     meta = {**new.meta, "replanned_without": sorted(out)}
@@ -238,6 +239,8 @@ def launch_with_restarts(n: int, argv: List[str], *, run_dir: Optional[str], max
             left = f"{outcome.role} holds no device of the plan (a PS shard of this host): restarting it"
         elif outcome.cause == TERMINATED:
             left = "a SIGTERM from outside the run is no fault of a device: restarting with the same devices"
+        elif outcome.cause == STUCK:
+            left = "a rank stuck outside training is no fault of its device: restarting with the same devices"
         elif out_of_space(outcome):
             left = "a checkpoint write found no space left on its disk: restarting with the same devices"
         else:

@@ -20,7 +20,7 @@ from hetpipe.checkpoint import format as ckfmt
 from hetpipe.checkpoint import state as ckpt
 from hetpipe.job import failure
 from hetpipe.job.roles import LaunchError, Role
-from hetpipe.job.rundir import RUN_DIR_ENV, launcher_interrupting, mark_terminated
+from hetpipe.job.rundir import RUN_DIR_ENV, launcher_ending, launcher_interrupting, mark_terminated
 from hetpipe.model.layout import ModelLayout, local_buffers
 from hetpipe.model.weights import load_layer_weights
 from hetpipe.plan.types import Plan
@@ -258,17 +258,24 @@ class RunCheckpoints:
         rank holds is complete (every rank's part; at most ``HETPIPE_TERM_GRACE``), say which clocks it
         wrote and mark the run directory (``terminated-PID``: the launcher restarts a run one of whose ranks
         was stopped so, with the same devices) unless its launcher was interrupted and says it for the run,
-        then exit 128 + 15; returns the previous handler (None: nothing installed)."""
-        if writer is None or threading.current_thread() is not threading.main_thread():
+        then exit 128 + 15; returns the previous handler (None: nothing installed). A run without
+        checkpoints (``writer`` None) says and marks the same, having nothing to write: the launcher then
+        knows the rank ended on a SIGTERM from outside, not of a fault."""
+        if threading.current_thread() is not threading.main_thread():
             return None
 
         def handler(sig, _frame) -> None:
             # A second SIGTERM (the launcher's and mpiexec's both arrive) while the first is being handled
             # must not start a second write over the first's half-written files: it is ignored.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            if writer is None and launcher_ending():
+                os._exit(128 + sig)             # the launcher's teardown after a fault it named: nothing to say
             try:
-                writer.on_signal(failure.signal_grace_s())
-                what = f"checkpoint(s) at clock(s) {writer.written} in {self.directory}"
+                if writer is None:
+                    what = "the run writes no checkpoints"
+                else:
+                    writer.on_signal(failure.signal_grace_s())
+                    what = f"checkpoint(s) at clock(s) {writer.written} in {self.directory}"
             except BaseException as e:  # noqa: BLE001 - the rank still ends as terminated, saying why
                 # A write that failed here (a full disk) is said, and the rank ends on SIGTERM all the
                 # same: raising from the handler would turn a stop from outside into this rank's error.

@@ -19,7 +19,7 @@ import torch
 from hetpipe.checkpoint import format as ckfmt
 from hetpipe.job.roles import LaunchError, Role, check_world, resolve_device, role_of
 from hetpipe.job.placement import launcher_placement, placement_problems, plan_problems
-from hetpipe.job.rundir import RUN_DIR_ENV, WORLD_RANKS_FILE, register_rank
+from hetpipe.job.rundir import RUN_DIR_ENV, WORLD_RANKS_FILE, mark_phase, register_rank
 from hetpipe.job.world import gather_hosts
 from hetpipe.loader.check import DataMismatch, compare
 from hetpipe.model.fingerprint import first_difference, layer_digests
@@ -61,7 +61,10 @@ class RankRun:
         """Plan on rank 0, take this rank's role, train, gather the result (see :meth:`Trainer.fit`).
 
         On a world planned from its own devices (:mod:`hetpipe.run.world_plan`) the ranks are first
-        renumbered in plan order (``comm.Split``), so that the rank holding each stage's device runs it."""
+        renumbered in plan order (``comm.Split``), so that the rank holding each stage's device runs it.
+        Each phase is recorded in the run directory (``job.rundir.mark_phase``): outside "training" the
+        launcher ends a rank that makes no progress (``launch.supervisor``)."""
+        mark_phase("start-up: planning")
         hosts = gather_hosts(comm)
         problems = placement_problems([h["host"] for h in hosts], launcher_placement())
         if problems:
@@ -101,7 +104,9 @@ class RankRun:
         # A restart from the start continues its failed predecessor's run (the run file's run_id), whose
         # incomplete checkpoints are then this run's own, not another run's that would stop it at start-up.
         drawn = (self.config.run_id or uuid.uuid4().hex[:16]) if rank == 0 else None
+        mark_phase("start-up: receiving the plan")
         plan_text, error, run_id = comm.bcast((plan_text, error, drawn), root=0)
+        mark_phase("start-up: building this rank's part")
         self.checkpoints.run_id = run_id
         if error:
             raise LaunchError(f"hetpipe: {error}")
@@ -176,6 +181,7 @@ class RankRun:
         else:
             plane, plane_reason = choose_plane(comm)
             pool = shard_pool(spec, role.shard, plane)
+        mark_phase("start-up: opening the transport")
         try:
             opened = transports.open_rank(comm, pool, device if role.kind == "stage" else None, stage_pairs(spec),
                                           forced=self.config.runtime.transport,
@@ -197,20 +203,24 @@ class RankRun:
             part = build_shard(spec, role.shard, transport, pool, trace=trace, t0=t0,
                                comm=comm if plane == "core" else None)
         self.part, self.clock0 = part, spec.resume.checkpoint.clock if spec.resume is not None else 0
+        mark_phase("start-up: checking the weights and data agree")
         self._check_agreement(comm, spec, part, role)
         writer = self.checkpoints.checkpointer(plan, spec, role, part, reporter)
         previous = self.checkpoints.on_sigterm(writer, lambda: self.describe)
         # A shard idles legitimately while stages compute; it waits twice as long, so that a stuck
         # peer is reported by the stage that waits on it directly.
         limit = self.config.timeout_s if role.kind == "stage" else 2 * self.config.timeout_s
+        mark_phase("training")
         try:
             drive(part, limit, f"hetpipe: {role.describe()}", reporter.update if reporter else None)
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
         if writer is not None:
-            # The run's final checkpoint: every rank's part of its last clock (see Checkpointer.close).
+            # The run's final checkpoint: every rank's part of its last clock (see Checkpointer.close). Its
+            # wait for the peers' parts is bounded by the run's timeout, as training's waits are.
             writer.close(final=True, wait_s=self.config.timeout_s)
+        mark_phase("shutdown: gathering the result")
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         transport.close()
         mine = {**part_outcome(part, plan, spec.layout), "elapsed": elapsed, "cpu": cpu, "trace": trace or [],
@@ -238,6 +248,7 @@ class RankRun:
         load_layer_weights(self.work.layers, result.weights, result.buffers, result.local_buffers)
         if reporter is not None:
             reporter.finish(result, trace_path, reason)
+        mark_phase("done")
         return result
 
 

@@ -2,9 +2,16 @@
 
 A channel ``(src, dst)`` (MPI ranks of two stages) carries the payloads ``src`` sends ``dst`` and
 nothing else; its group has ``src`` as group rank 0 and ``dst`` as group rank 1, built over a
-:class:`torch.distributed.PrefixStore` of one job-wide :class:`torch.distributed.TCPStore`. No default
-process group is created (so several runs may follow each other in one process, and the MPI
-communicator may be a sub-communicator): the groups are constructed directly.
+:class:`torch.distributed.PrefixStore` of one job-wide store. No default process group is created (so
+several runs may follow each other in one process, and the MPI communicator may be a
+sub-communicator): the groups are constructed directly.
+
+Listeners. When every member runs on one host, nothing listens beyond it: the store is a
+:class:`torch.distributed.FileStore` in a directory only the job's user can open (created by the
+lowest member, removed when it closes), and gloo's pairs bind the loopback address. Across hosts
+the store is a :class:`torch.distributed.TCPStore` served by the lowest member at its host name (or
+``HETPIPE_STORE_HOST``), and gloo binds the interface of the host's name (or ``GLOO_SOCKET_IFNAME``):
+like torch.distributed's own rendezvous, it trusts the cluster's network (docs/clusters.md).
 
 Collective order (docs/design.md, "Transports"): every rank of ``comm`` calls :func:`open_channels`
 with the same channel list. The store's address goes from the lowest member rank to all over
@@ -22,7 +29,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
 import socket
+import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -46,6 +55,7 @@ class Channels:
     device: torch.device
     groups: Dict[Channel, object] = field(default_factory=dict)
     store: Optional[object] = None
+    store_dir: Optional[str] = None         # the one-host FileStore's directory, removed by its creator
 
     def outgoing(self, dst: int):
         """The group of channel (this rank, dst); this rank is its group rank 0."""
@@ -67,6 +77,9 @@ class Channels:
                 group.shutdown()
         self.groups.clear()
         self.store = None
+        if self.store_dir is not None:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+            self.store_dir = None
 
 
 def flavour_for(device: torch.device) -> Tuple[Optional[str], str]:
@@ -101,25 +114,37 @@ def open_channels(comm, channels: Iterable[Channel], flavour: str, device: torch
     root = members[0]
     address = None
     if rank == root:
-        host = os.environ.get(STORE_HOST_ENV) or ("127.0.0.1" if one_host else socket.gethostname())
-        out.store = dist.TCPStore(host, 0, is_master=True, timeout=timeout, wait_for_workers=False)
-        address = (host, out.store.port)
+        if one_host:
+            # A directory of the user's alone (mode 0700): the store's file is no listener, and no other
+            # user's process can read or write the job's rendezvous.
+            out.store_dir = tempfile.mkdtemp(prefix="hetpipe-store-")
+            address = ("file", os.path.join(out.store_dir, "store"))
+        else:
+            host = os.environ.get(STORE_HOST_ENV) or socket.gethostname()
+            out.store = dist.TCPStore(host, 0, is_master=True, timeout=timeout, wait_for_workers=False)
+            address = ("tcp", host, out.store.port)
     address = comm.bcast(address, root=root)
     if not mine:
         return out
     if out.store is None:
-        out.store = dist.TCPStore(address[0], address[1], is_master=False, timeout=timeout)
+        out.store = dist.FileStore(address[1], -1) if address[0] == "file" else \
+            dist.TCPStore(address[1], address[2], is_master=False, timeout=timeout)
     for src, dst in mine:
         name = f"hetpipe/channel/{src}/{dst}"
         out.groups[(src, dst)] = _group(flavour, dist.PrefixStore(name, out.store), name, 0 if rank == src else 1,
-                                        timeout)
+                                        timeout, loopback=address[0] == "file")
         _connect(out.groups[(src, dst)], rank == src, device)
     return out
 
 
-def _group(flavour: str, store, name: str, group_rank: int, timeout: datetime.timedelta):
+def _group(flavour: str, store, name: str, group_rank: int, timeout: datetime.timedelta, loopback: bool = False):
     if flavour == GLOO:
-        return dist.ProcessGroupGloo(store, group_rank, 2, timeout)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        # One host: the pair's sockets bind loopback, not the interface of the host's name.
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if loopback else
+                            dist.ProcessGroupGloo.create_default_device()]
+        return dist.ProcessGroupGloo(store, group_rank, 2, options)
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     options.group_name = name
