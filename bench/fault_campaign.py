@@ -108,9 +108,21 @@ def _verifies(path: Path) -> bool:
         return False
 
 
+def _age_s(pid: int) -> float:
+    """Seconds since ``pid`` started (its start time in /proc against the system's uptime)."""
+    try:
+        start = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    return uptime - start / os.sysconf("SC_CLK_TCK")
+
+
 def _reached(phase: str, run_dir: Path, marker: bytes, ckpt: Path, victim: Optional[int]) -> bool:
     if phase == "pre":
-        return victim is not None and not list(run_dir.glob("rank-*.txt"))
+        # Half a second into the rank's load before MPI start-up (the launcher looks for new rank
+        # processes every 0.1 s: one that dies younger than that is not seen by pid; see the table).
+        return victim is not None and not list(run_dir.glob("rank-*.txt")) and _age_s(victim) >= 0.5
     here = _phase(run_dir, victim)
     if phase == "planning":
         return here == "start-up: planning"
@@ -138,6 +150,7 @@ def trial(sig_name: str, target: str, phase: str, timeout: float, work: Path) ->
         while True:
             if time.monotonic() > deadline or launcher.poll() is not None:
                 row["error"] = "the run ended or stalled before the phase"
+                row["stderr"] = err_path.read_text(errors="replace")[-2000:]
                 return row
             victim = victim or _rank_pid(marker, VICTIM_RANK)
             if _reached(phase, run_dir, marker, ckpt, victim):

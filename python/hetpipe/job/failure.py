@@ -17,7 +17,7 @@ import time
 import traceback
 from typing import Callable, Iterator, Optional
 
-from hetpipe.job.rundir import mark_aborted, mark_interrupted
+from hetpipe.job.rundir import launcher_ending, launcher_interrupting, mark_aborted, mark_interrupted, mark_terminated
 from hetpipe.util.numbers import seconds
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -57,11 +57,21 @@ def signal_grace_s() -> float:
     return value
 
 
+def transport_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is MPI's own error from a transfer (mpi4py's ``MPI.Exception``): what a rank sees
+    when its peer died or the network failed, not a fault of its own code."""
+    return type(exc).__module__.startswith("mpi4py") and type(exc).__name__ == "Exception"
+
+
 def report(describe: str, exc: BaseException, with_traceback: bool = True) -> None:
-    """Print the one-line failure message (and the traceback below it) to stderr."""
+    """Print the one-line failure message (and the traceback below it) to stderr. An MPI transfer
+    error gets one line and no traceback: the launcher names the peer that died first."""
     global _reported
+    if transport_failure(exc):
+        with_traceback = False
     lines = traceback.format_exception(type(exc), exc, exc.__traceback__) if with_traceback else []
-    _reported = f"hetpipe: {describe} failed: {type(exc).__name__}: {exc}"
+    what = "an MPI transfer failed (its peer is gone, or the network): " if transport_failure(exc) else ""
+    _reported = f"hetpipe: {describe} failed: {what}{type(exc).__name__}: {exc}"
     sys.stderr.write(f"{_reported}\n{''.join(lines)}")
     sys.stderr.flush()
 
@@ -123,6 +133,25 @@ def install_excepthook(comm, describe: Callable[[], str]) -> None:
         abort(comm)
 
     sys.excepthook = hook
+
+
+def install_sigterm(describe: Callable[[], str], phase: Callable[[], str]) -> None:
+    """Outside training (where the checkpointer's handler replaces it), a SIGTERM from outside the run
+    ends this rank saying so: one line naming it (``describe()``) and its phase (``phase()``), the
+    ``terminated`` mark the launcher reads (a preemption, not a fault; every rank so marked at once is a
+    signal to mpiexec or to the job), exit status 128 + 15; quiet when the launcher is ending the run
+    itself (interrupted, or after a fault it named). Main thread only; elsewhere it does nothing."""
+
+    def handler(sig, _frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if not (launcher_interrupting() or launcher_ending()):
+            sys.stderr.write(f"hetpipe: {describe()}: SIGTERM in {phase()}; it ends\n")
+            sys.stderr.flush()
+            mark_terminated(f"in {phase()}")
+        os._exit(128 + sig)
+
+    with contextlib.suppress(ValueError):       # not the main thread: nothing to change
+        signal.signal(signal.SIGTERM, handler)
 
 
 @contextlib.contextmanager

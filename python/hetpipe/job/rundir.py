@@ -66,10 +66,20 @@ def starting_ranks(run_dir: str) -> Set[int]:
     return {int(f.name.split("-", 1)[1]) for f in Path(run_dir).glob("starting-*")}
 
 
+_phase = "start-up"
+
+
+def current_phase() -> str:
+    """The phase this process last recorded (:func:`mark_phase`)."""
+    return _phase
+
+
 def mark_phase(phase: str) -> None:
     """Record the phase this rank is in (``phase-PID`` holds it): "start-up: ..." and "shutdown: ..."
     phases are where the launcher watches a rank's progress itself (its CPU time), "training" where the
     runtime's peer timeouts do. Replaced atomically: the launcher never reads half a phase."""
+    global _phase
+    _phase = phase
     run_dir = os.environ.get(RUN_DIR_ENV)
     if not run_dir:
         return
@@ -88,6 +98,44 @@ def phases(run_dir: str) -> Dict[int, str]:
     for f in Path(run_dir).glob("phase-*"):
         try:
             out[int(f.name.split("-", 1)[1])] = f.read_text().strip()
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def log_signals() -> None:
+    """Have the interpreter's C-level signal handler write the number of every signal this process gets
+    that Python handles (SIGINT, and the run's SIGTERM handler) into ``signals-PID``, at once: even
+    while the main thread is blocked in C (an MPI collective), before any Python handler can run.
+    The launcher reads whom a SIGINT or SIGTERM reached: every rank at once is a signal to mpiexec or
+    to the whole job, not a fault of one rank. Main thread only (``signal.set_wakeup_fd``); a no-op
+    outside ``hetpipe launch`` or where the wakeup fd is taken already."""
+    import signal as _signal
+
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return
+    try:
+        fd = os.open(Path(run_dir, f"signals-{os.getpid()}"), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK,
+                     0o644)
+    except OSError:
+        return
+    try:
+        old = _signal.set_wakeup_fd(fd, warn_on_full_buffer=False)
+    except ValueError:                  # not the main thread
+        os.close(fd)
+        return
+    if old != -1:                       # someone else's (an event loop): theirs stays
+        _signal.set_wakeup_fd(old)
+        os.close(fd)
+
+
+def signals_got(run_dir: str) -> Dict[int, Set[int]]:
+    """pid -> the signal numbers each rank logged (:func:`log_signals`)."""
+    out = {}
+    for f in Path(run_dir).glob("signals-*"):
+        try:
+            out[int(f.name.split("-", 1)[1])] = set(f.read_bytes())
         except (OSError, ValueError):
             continue
     return out

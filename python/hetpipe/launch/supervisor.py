@@ -55,7 +55,7 @@ from hetpipe.job.guard import LAUNCHER_HOST_ENV, LAUNCHER_PID_ENV
 from hetpipe.job.procs import (command_name, cpu_ticks, environment_marker, processes_with, rank_processes, send,
                                 signal_name, stopped)
 from hetpipe.job.rundir import (RUN_DIR_ENV, mark_ending, mark_interrupting, marked, phases, rank_hosts,
-                                ranks_by_pid, reached_clock, recorded_ranks, starting_ranks)
+                                ranks_by_pid, reached_clock, recorded_ranks, signals_got, starting_ranks)
 from hetpipe.util.numbers import seconds
 from hetpipe.launch.deaths import DeathWatcher
 
@@ -70,6 +70,7 @@ GONE_WAIT_S = 5.0       # after SIGKILL, how long to wait for the processes to d
 TICK_S = 0.1
 START_MIN_S = 60.0      # the least time the ranks get to register (see the module docstring)
 START_TIMEOUT_ENV = "HETPIPE_START_TIMEOUT"
+HYDRA_CTRL_C = b"Sending Ctrl-C to processes as requested"     # MPICH's mpiexec, on SIGINT
 SAME_DEATH_S = 0.05     # deaths the watcher saw this close together are not ordered by when it saw them
 _HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -159,6 +160,8 @@ class Supervisor:
         self.mpiexec_pid: Optional[int] = None
         self.names: Dict[int, str] = {}         # pid -> what a process of the run that is no rank is
         self._in_init_since: Optional[float] = None     # since when every unregistered rank is in MPI_Init
+        self.mpiexec_interrupted = False        # mpiexec said it got SIGINT (set by the stderr relay thread)
+        self.signals: Dict[int, set] = {}       # pid -> signals each rank logged before the teardown
         # The host this launcher counts as: only the ranks recorded on it are watched by pid.
         self.host = os.environ.get(LAUNCHER_HOST_ENV) or socket.gethostname()
 
@@ -189,13 +192,14 @@ class Supervisor:
                                 start_new_session=True, preexec_fn=_die_with_parent)
         Path(self.run_dir, MPIEXEC_PID_FILE).write_text(f"{proc.pid}\n")
         self.mpiexec_pid = proc.pid
-        relays = [_relay(proc.stdout, sys.stdout.buffer), _relay(proc.stderr, sys.stderr.buffer)]
+        relays = [_relay(proc.stdout, sys.stdout.buffer), _relay(proc.stderr, sys.stderr.buffer, self._heard)]
         verdict = self._watch(proc, watcher)
         rc = proc.poll()
         # What happened before the launcher stepped in decides the culprit; the teardown's deaths do not.
         vanished = [(pid, watcher.vanished_at[pid]) for pid in list(watcher.vanished)]
         aborted = _reports(self.run_dir)
         stuck = [pid for pid in set(ranks_by_pid(self.run_dir, self.host)) | set(self.seen) if stopped(pid)]
+        self.signals = signals_got(self.run_dir)        # before the teardown's own SIGTERMs
         interrupted = verdict is not None and verdict[0] == "signal"
         if interrupted:
             mark_interrupting(self.run_dir, signal_name(verdict[1]))     # the ranks leave the saying to this launcher
@@ -211,6 +215,13 @@ class Supervisor:
         outcome.run_dir = self.run_dir
         outcome.write(self.run_dir)
         return outcome
+
+    def _heard(self, chunk: bytes) -> None:
+        """mpiexec's own stderr, as relayed (the relay thread): MPICH's mpiexec says when it got a Ctrl-C
+        (SIGINT) and hands it to the ranks, which nothing else the launcher sees tells apart from a
+        rank's own SIGINT or death."""
+        if HYDRA_CTRL_C in chunk:
+            self.mpiexec_interrupted = True
 
     def _watch(self, proc: subprocess.Popen, watcher: DeathWatcher) -> Optional[Tuple[str, int, float]]:
         """Wait for mpiexec to exit, or for a reason to end the run: ("signal", sig, 0), ("stopped", pid,
@@ -379,7 +390,24 @@ class Supervisor:
             return Outcome("failed", 1, "mpiexec", message=f"hetpipe: mpiexec was killed by {signal_name(-rc)}; "
                                                            "the launcher ended the run's processes",
                            reports=messages, reason=f"mpiexec, the launcher's child, ended on {signal_name(-rc)}")
+        got = {sig: [pid for pid in recorded if sig in self.signals.get(pid, ())] for sig in (signal.SIGINT,
+                                                                                           signal.SIGTERM)}
+        every = {sig for sig, pids in got.items() if recorded and len(pids) == len(recorded) >= self.ranks}
+        if signal.SIGTERM in every and signal.SIGINT not in every:
+            # Every rank got SIGTERM, logged by its interpreter at once (before a Python handler could run,
+            # a rank blocked in MPI included): sent to mpiexec (which forwards it) or to the whole job.
+            return Outcome("interrupted", 128 + signal.SIGTERM, "signal",
+                           message="hetpipe: every rank was ended by SIGTERM from outside the launcher (sent to "
+                                   f"mpiexec or to the whole job){self._progress()}", reports=messages,
+                           reason=f"all {len(recorded)} ranks logged a SIGTERM; the launcher got none")
+        if signal.SIGINT in every and not self.mpiexec_interrupted:
+            self.mpiexec_interrupted = True     # every rank got the Ctrl-C: sent to mpiexec or to the job
         hit = sorted(recorded[pid][0] for pid in interrupted & set(recorded))
+        if self.mpiexec_interrupted:
+            return Outcome("interrupted", 128 + signal.SIGINT, "signal",
+                           message="hetpipe: interrupted by SIGINT from outside the launcher, sent to mpiexec or "
+                                   f"to the whole job (it reached every rank){self._progress()}", reports=messages,
+                           reason="mpiexec said it got a Ctrl-C and sent it to the ranks")
         if hit:
             # A Ctrl-C that reached ranks and not the launcher: sent to mpiexec (which forwards it to every
             # rank) or to the ranks' processes. The first rank to see it ends the job (MPI_Abort), so the
@@ -500,11 +528,14 @@ def _reports(run_dir: str) -> List[Tuple[int, str, float]]:
     return [(int(f.name.split("-", 1)[1]), f.read_text().strip(), at) for at, f in marks]
 
 
-def _relay(src, dst) -> threading.Thread:
-    """A daemon thread copying ``src`` to ``dst`` as it arrives (mpiexec's output to the launcher's)."""
+def _relay(src, dst, tap: Optional[Callable[[bytes], None]] = None) -> threading.Thread:
+    """A daemon thread copying ``src`` to ``dst`` as it arrives (mpiexec's output to the launcher's);
+    ``tap`` sees each chunk first."""
 
     def copy() -> None:
         for chunk in iter(lambda: src.read1(65536), b""):
+            if tap is not None:
+                tap(chunk)
             try:
                 dst.write(chunk)
                 dst.flush()

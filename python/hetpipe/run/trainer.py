@@ -20,6 +20,7 @@ from hetpipe.checkpoint import state as ckpt
 from hetpipe.job import failure
 from hetpipe.job.environment import check_rank
 from hetpipe.job.roles import LaunchError
+from hetpipe.job.rundir import current_phase, log_signals
 from hetpipe.job.world import world
 from hetpipe.model.weights import load_layer_weights
 from hetpipe.plan.types import Plan
@@ -125,6 +126,8 @@ class Trainer:
         rank, size = comm.Get_rank(), comm.Get_size()
         run = RankRun(self.work, self.config, self.checkpoints, rank)
         failure.install_excepthook(comm, lambda: run.describe)
+        failure.install_sigterm(lambda: run.describe, current_phase)
+        log_signals()
         try:
             return run.run(comm, rank, size)
         except LaunchError as e:
