@@ -62,7 +62,8 @@ def group_names(model, opt):
     return [[names[id(p)] for p in g["params"]] for g in opt.param_groups]
 
 
-@pytest.mark.parametrize("kw", [{}, {"lr_scheduler_type": "linear", "warmup_steps": 0.2, "gradient_accumulation_steps": 2},
+@pytest.mark.parametrize("kw", [{},
+                                {"lr_scheduler_type": "linear", "warmup_steps": 0.2, "gradient_accumulation_steps": 2},
                                 {"optim": "adamw_torch", "adam_beta2": 0.95, "weight_decay": 0.0}])
 def test_the_optimizer_and_schedule_are_hugging_faces(tmp_path, kw):
     ref_model = gpt2()

@@ -64,7 +64,8 @@ def test_half_flops_in_the_cluster_json_win_and_need_peak_flops():
         cluster_from_dict(dict(unknown, device_types={"x": {"memory_bytes": 1, "speed": 2, "half_flops": {"bf16": 1}}},
                                nodes=[{"name": "n", "type": "x"}]))
     with pytest.raises(ValueError, match="half_flops must be an object keyed by bf16, fp16 or tf32"):
-        cluster_from_dict(dict(unknown, device_types={"x": {"memory_bytes": 1, "peak_flops": 1, "half_flops": {"int8": 1}}},
+        cluster_from_dict(dict(unknown, device_types={"x": {"memory_bytes": 1, "peak_flops": 1,
+                                                            "half_flops": {"int8": 1}}},
                                nodes=[{"name": "n", "type": "x"}]))
 
 

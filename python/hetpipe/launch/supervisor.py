@@ -479,7 +479,8 @@ class Supervisor:
                                                      else "")
                        + "): stuck, not slow (a rank using CPU time, or calling hetpipe.heartbeat(), is waited "
                        "for); the launcher ended the job (--start-timeout sets how long)", messages,
-                       reason=f"no CPU time or heartbeat from rank(s) {culprits} for {waited:.1f} s before MPI start-up")
+                       reason=f"no CPU time or heartbeat from rank(s) {culprits} for {waited:.1f} s before MPI "
+                              "start-up")
 
     def _progress(self) -> str:
         """How far an interrupted run got, read once its ranks ended (their SIGTERM checkpoints written):

@@ -122,7 +122,11 @@ class Trainer:
     def fit(self) -> TrainResult:
         """Train under MPI (every rank calls this); returns the run's result on every rank."""
         torch.set_num_threads(1)
-        comm = self.config.runtime.comm if self.config.runtime.comm is not None else world()
+        try:
+            comm = self.config.runtime.comm if self.config.runtime.comm is not None else world()
+        except KeyboardInterrupt:
+            # A Ctrl-C during MPI start-up, before this rank can reach its peers: one line, status 130.
+            failure.interrupted(None, "hetpipe: interrupted (SIGINT) during MPI start-up", "this rank")
         rank, size = comm.Get_rank(), comm.Get_size()
         run = RankRun(self.work, self.config, self.checkpoints, rank)
         failure.install_excepthook(comm, lambda: run.describe)
