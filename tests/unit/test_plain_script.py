@@ -253,3 +253,18 @@ def test_a_schedule_factory_of_two_parameters_is_told_the_run_s_shape(counts):
     assert run.steps_per_epoch == run.total_steps // 2
     # The last wave's rate: the schedule's last step, one step short of its end.
     assert rates.lrs[-1] == pytest.approx(1.0 / run.total_steps * (2 if counts == "run" else 1))
+
+
+def test_only_a_factory_requiring_a_second_argument_is_given_the_shape():
+    """A factory's own defaulted parameters (a closure's ``k=3``, a partial's keywords) stay its own."""
+    import functools
+
+    from hetpipe.run.shape import takes_shape
+
+    def sized(opt, run):
+        return None
+
+    step = torch.optim.lr_scheduler.StepLR
+    assert takes_shape(sized) and takes_shape(lambda opt, run, k=3: None)
+    assert not takes_shape(lambda opt, k=3: None) and not takes_shape(lambda opt: None)
+    assert not takes_shape(functools.partial(step, step_size=3)) and not takes_shape(lambda *a: None)

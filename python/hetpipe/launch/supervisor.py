@@ -52,8 +52,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from hetpipe.job.failure import ABORT_GRACE_S, signal_grace_s
 from hetpipe.job.guard import LAUNCHER_HOST_ENV, LAUNCHER_PID_ENV
-from hetpipe.job.procs import (command_name, cpu_ticks, environment_marker, processes_with, rank_processes, send,
-                                signal_name, stopped)
+from hetpipe.job.procs import (command_name, cpu_ticks, environment_marker, processes_with, rank_processes, running,
+                                send, signal_name, stopped)
 from hetpipe.job.rundir import (RUN_DIR_ENV, mark_ending, mark_interrupting, marked, phases, rank_hosts,
                                 ranks_by_pid, reached_clock, recorded_ranks, signals_got, starting_ranks)
 from hetpipe.util.numbers import seconds
@@ -71,7 +71,6 @@ TICK_S = 0.1
 START_MIN_S = 60.0      # the least time the ranks get to register (see the module docstring)
 START_TIMEOUT_ENV = "HETPIPE_START_TIMEOUT"
 HYDRA_CTRL_C = b"Sending Ctrl-C to processes as requested"     # MPICH's mpiexec, on SIGINT
-SAME_DEATH_S = 0.05     # deaths the watcher saw this close together are not ordered by when it saw them
 _HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -197,6 +196,8 @@ class Supervisor:
         rc = proc.poll()
         # What happened before the launcher stepped in decides the culprit; the teardown's deaths do not.
         vanished = [(pid, watcher.vanished_at[pid]) for pid in list(watcher.vanished)]
+        # Rank processes gone before the watcher took them up (a death within a tick of their start).
+        vanished += [(pid, time.time()) for pid in self.seen if pid not in watcher.vanished_at and not running(pid)]
         aborted = _reports(self.run_dir)
         stuck = [pid for pid in set(ranks_by_pid(self.run_dir, self.host)) | set(self.seen) if stopped(pid)]
         self.signals = signals_got(self.run_dir)        # before the teardown's own SIGTERMs
@@ -338,11 +339,11 @@ class Supervisor:
         died = unmarked[0] if unmarked else None
         if died is not None and died[0] not in recorded:
             # Before MPI start-up MPI ends the others within milliseconds of a death, often before the
-            # watcher wakes: of the deaths seen together, one of a rank that had not reached MPI_Init
-            # (no starting mark) is the cause; those in it were waiting for it.
+            # watcher wakes (or before the launcher saw the process at all): a rank that died before it
+            # reached MPI_Init (no starting mark) is the cause; those in MPI_Init were waiting for it.
             starting = starting_ranks(self.run_dir)
-            together = [(pid, at) for pid, at in unmarked if at - died[1] < SAME_DEATH_S]
-            died = next(((pid, at) for pid, at in together if self.seen.get(pid) not in starting), died)
+            died = next(((pid, at) for pid, at in unmarked
+                         if pid not in recorded and self.seen.get(pid) not in starting), died)
 
         def blame(cause: str, pid: int, say: Callable[[str], str], reason: str) -> Outcome:
             """The outcome naming ``pid`` (a rank, or mpiexec or its proxy); ``say(role)`` is the message."""

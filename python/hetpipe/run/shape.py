@@ -1,6 +1,6 @@
 """What a schedule factory may size itself by: the run's shape, known once the plan is.
 
-A factory ``lr_scheduler(optimizer, run)`` (two positional parameters) is given the run's
+A factory ``lr_scheduler(optimizer, run)`` (two required positional parameters) is given the run's
 :class:`RunShape` as ``run``; a factory of one parameter is called as before. Steps are counted as
 ``Numerics.lr_scheduler_steps`` counts them: the run's (all VWs together, as one process training on
 all the data takes them) or one VW's.
@@ -42,13 +42,14 @@ class RunShape:
 
 
 def takes_shape(factory: Callable) -> bool:
-    """Whether ``factory`` takes a second positional parameter (the run's shape)."""
+    """Whether ``factory`` requires a second positional parameter (the run's shape): one without a
+    default, so that ``lambda opt, step=3: ...`` and ``partial(StepLR, step_size=3)`` keep their own."""
     try:
         params = list(inspect.signature(factory).parameters.values())
     except (TypeError, ValueError):
         return False
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+    required = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    return len(required) >= 2
 
 
 def sized(factory: Optional[Callable], shape: RunShape) -> Optional[Callable]:
