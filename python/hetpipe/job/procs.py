@@ -89,11 +89,13 @@ def processes_with(marker: bytes, exclude: Iterable[int] = ()) -> List[int]:
 RANK_ENVS = (b"PMI_RANK=", b"PMIX_RANK=", b"OMPI_COMM_WORLD_RANK=")   # what MPI launchers tell a rank
 
 
-def rank_processes(marker: bytes, exclude: Iterable[int] = ()) -> Dict[int, int]:
+def rank_processes(marker: bytes, exclude: Iterable[int] = (),
+                   among: Optional[Iterable[int]] = None) -> Dict[int, int]:
     """pid -> MPI rank of the running processes whose environment holds ``marker`` and a rank number
-    from the MPI launcher (``PMI_RANK`` and kin): the ranks, found before they have done anything."""
+    from the MPI launcher (``PMI_RANK`` and kin): the ranks, found before they have done anything.
+    ``among``: the run's processes already found (:func:`processes_with`), so /proc is not scanned twice."""
     out = {}
-    for pid in processes_with(marker, exclude):
+    for pid in (processes_with(marker, exclude) if among is None else among):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:

@@ -239,14 +239,14 @@ class Supervisor:
                 return "signal", self._signal, 0.0
             now = time.monotonic()
             recorded = recorded_ranks(self.run_dir)
-            ranks_now = rank_processes(self.marker, me)
+            family = processes_with(self.marker, me)         # mpiexec, its proxies and the ranks: one scan
+            ranks_now = rank_processes(self.marker, me, among=family)
             for pid in set(ranks_now) - set(self.seen):
                 watcher.watch(pid)          # its death is then ordered with the registered ranks'
             self.seen.update(ranks_now)
             registered = {rank for rank, _ in recorded.values()}
             # Stopped: a rank, or mpiexec and its proxies (every process of the run that is not a rank).
-            family = set(processes_with(self.marker, me)) | {proc.pid}
-            for pid in family | set(ranks_by_pid(self.run_dir, self.host)) | set(self.seen):
+            for pid in set(family) | {proc.pid} | set(ranks_by_pid(self.run_dir, self.host)) | set(self.seen):
                 if stopped(pid):
                     since.setdefault(pid, now)
                 else:

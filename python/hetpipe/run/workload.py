@@ -179,9 +179,10 @@ def _plan_here(work: Workload, config: RunConfig) -> Tuple[Plan, Dict[str, Any]]
     cluster = load_cluster(p.cluster if p.cluster is not None else "cpu-emulated")
     x, y = work.data.sample()
     cache, key, plan = None, None, None
+    tf32 = tf32_matmuls()
     if config.plan_cache is not None:
         cache = PlanCache(config.plan_cache)
-        key = plan_key(work.layers, (x, y), cluster, speed_precision(precision, tf32_matmuls()), p)
+        key = plan_key(work.layers, (x, y), cluster, speed_precision(precision, tf32), p)
         plan, why = cache.lookup(key)
         sys.stderr.write(f"hetpipe: plan cache: {why}\n")
     if plan is not None:
@@ -189,12 +190,12 @@ def _plan_here(work: Workload, config: RunConfig) -> Tuple[Plan, Dict[str, Any]]
     else:
         profile = profile_model(work.sequence, x, cluster, loss_fn=lambda out: work.loss_fn(out, y))
         plan = make_plan(cluster, profile, policy=p.policy, nm=p.nm, d=p.d or 0, minibatch_size=batch_of(x),
-                         precision=precision, tf32=tf32_matmuls())
+                         precision=precision, tf32=tf32)
         if cache is not None:
             cache.store(key, plan, profile, cluster)
         profile_data = profile.to_dict()
     return work.check_layers(plan), planning_inputs(cluster, profile_data, p, batch_of(x), precision,
-                                                    tf32=tf32_matmuls())
+                                                    tf32=tf32)
 
 
 def run_spec(work: Workload, config: RunConfig, plan: Plan, resume: Optional[ckpt.Resume] = None) -> RunSpec:

@@ -94,8 +94,9 @@ def _planned(work: Any, config: Any, comm: Any, discovery: Discovery) -> Tuple[P
     x, y = work.data.sample()
     p, cache_dir = config.planning, config.plan_cache
     precision = config.numerics.precision or "fp32"
+    tf32 = tf32_matmuls()
     ps_nodes = [h.host for h in discovery.ps_slots()] or None
-    key = plan_key(work.layers, (x, y), cluster, speed_precision(precision, tf32_matmuls()), p, ps_nodes=ps_nodes)
+    key = plan_key(work.layers, (x, y), cluster, speed_precision(precision, tf32), p, ps_nodes=ps_nodes)
     cached = None
     if rank == 0 and cache_dir is not None:
         plan, why = PlanCache(cache_dir).lookup(key)
@@ -115,7 +116,7 @@ def _planned(work: Any, config: Any, comm: Any, discovery: Discovery) -> Tuple[P
             try:
                 plan = make_plan(cluster, profile, policy=p.policy, nm=p.nm, d=p.d or 0,
                                  minibatch_size=batch_of(x), precision=precision, ps_nodes=ps_nodes,
-                                 tf32=tf32_matmuls())
+                                 tf32=tf32)
                 if cache_dir is not None:
                     PlanCache(cache_dir).store(key, plan, profile, cluster)
                 plan_text = plan.to_json()
@@ -129,7 +130,7 @@ def _planned(work: Any, config: Any, comm: Any, discovery: Discovery) -> Tuple[P
         sys.stderr.write(f"hetpipe: profile: {ModelProfile.from_dict(profile_data).source}\n")
     # What a restarting launcher re-plans the surviving devices with (plan rank 0 saves it).
     return Plan.from_json(plan_text), planning_inputs(cluster, profile_data, p, batch_of(x), precision,
-                                                      ps_nodes=ps_nodes, tf32=tf32_matmuls())
+                                                      ps_nodes=ps_nodes, tf32=tf32)
 
 
 def _save_cluster(cluster: ClusterSpec, plan_cache: Optional[Path]) -> None:
