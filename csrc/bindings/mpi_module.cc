@@ -48,17 +48,20 @@ PYBIND11_MODULE(_mpi, m) {
     return std::string(text, static_cast<std::size_t>(len));
   }, "MPI_Get_library_version of the libmpi this module runs on (to compare with mpi4py's).");
   py::class_<hetpipe::ShardService>(m, "ShardService",
-                                    "A PS shard rank's receive/serve path: the core's threads receive PUSH and PULL\n"
-                                    "messages over MPI, apply waves and answer pulls (see csrc/mpi/shard_service.h).\n"
-                                    "ShardService(plane, comm, shard, trace=False, chunk_bytes): comm is an mpi4py\n"
-                                    "communicator's handle (MPI._handleof(comm)); chunk_bytes the size its replies are\n"
-                                    "cut at (0: one message each); MPI must run at MPI_THREAD_MULTIPLE.")
-      .def(py::init([](py::object plane, std::uint64_t comm, int shard, bool trace, std::int64_t chunk_bytes) {
+      "A PS shard rank's receive/serve path: the core's threads receive PUSH and PULL\n"
+      "messages over MPI, apply waves and answer pulls (see csrc/mpi/shard_service.h).\n"
+      "ShardService(plane, comm, shard, trace=False, chunk_bytes, sources=[]): comm is an\n"
+      "mpi4py communicator's handle (MPI._handleof(comm)); chunk_bytes the size its replies\n"
+      "are cut at (0: one message each); sources the rank of each (vw, stage), VW by VW\n"
+      "(empty: plan order); MPI must run at MPI_THREAD_MULTIPLE.")
+      .def(py::init([](py::object plane, std::uint64_t comm, int shard, bool trace, std::int64_t chunk_bytes,
+                       std::vector<int> sources) {
              auto& p = plane.cast<hetpipe::ShardPlane&>();
-             return std::make_unique<hetpipe::ShardService>(p, comm_of<MPI_Comm>(comm), shard, trace, chunk_bytes);
+             return std::make_unique<hetpipe::ShardService>(p, comm_of<MPI_Comm>(comm), shard, trace, chunk_bytes,
+                                                            std::move(sources));
            }),
            py::arg("plane"), py::arg("comm"), py::arg("shard"), py::arg("trace") = false,
-           py::arg("chunk_bytes") = hetpipe::wire::kDefaultChunkBytes,
+           py::arg("chunk_bytes") = hetpipe::wire::kDefaultChunkBytes, py::arg("sources") = std::vector<int>{},
            py::keep_alive<1, 2>())  // the plane outlives the service
       .def("start", &hetpipe::ShardService::start)
       .def("stop", &hetpipe::ShardService::stop, py::call_guard<py::gil_scoped_release>(),
@@ -67,6 +70,8 @@ PYBIND11_MODULE(_mpi, m) {
       .def_property_readonly("failed", &hetpipe::ShardService::failed)
       .def_property_readonly("error", &hetpipe::ShardService::error, "The first failure of a service thread, or ''.")
       .def_property_readonly("error_kind", &hetpipe::ShardService::error_kind, "'wsp', 'mpi' or 'internal'.")
+      .def_property_readonly("error_source", &hetpipe::ShardService::error_source,
+                             "The rank whose message caused the first failure (its transport source), or -1.")
       .def("pushes_received", &hetpipe::ShardService::pushes_received, py::arg("vw"), py::arg("stage"))
       .def_property_readonly("pulls_outstanding", &hetpipe::ShardService::pulls_outstanding)
       .def_property_readonly("events", &hetpipe::ShardService::events)

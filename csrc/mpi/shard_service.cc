@@ -75,30 +75,58 @@ int test_some(std::vector<MPI_Request>& requests, const char* what) {
   return count == MPI_UNDEFINED ? 0 : count;
 }
 
-// Plane errors are the peers breaking the protocol; MPI's are the transport's; the rest are ours.
+// A protocol error in a message from rank `source` (its transport source, not its header's claim).
+struct PeerError : std::invalid_argument {
+  PeerError(const std::string& message, int from) : std::invalid_argument(message), source(from) {}
+  int source;
+};
+
+// Runs `body`, which handles a message from rank `src`: a protocol error it raises is that rank's.
 template <class Body>
-void guarded(Body body, const std::function<void(const std::string&, const std::string&)>& fail) {
+void from_peer(int src, Body body) {
   try {
     body();
-  } catch (const MpiError& e) {
-    fail("mpi", e.what());
+  } catch (const PeerError&) {
+    throw;
   } catch (const std::invalid_argument& e) {
-    fail("wsp", e.what());
+    throw PeerError(e.what(), src);
   } catch (const std::logic_error& e) {
-    fail("wsp", e.what());
+    throw PeerError(e.what(), src);
+  }
+}
+
+// Plane errors are the peers breaking the protocol; MPI's are the transport's; the rest are ours.
+template <class Body>
+void guarded(Body body, const std::function<void(const std::string&, const std::string&, int)>& fail) {
+  try {
+    body();
+  } catch (const PeerError& e) {
+    fail("wsp", e.what(), e.source);
+  } catch (const MpiError& e) {
+    fail("mpi", e.what(), -1);
+  } catch (const std::invalid_argument& e) {
+    fail("wsp", e.what(), -1);
+  } catch (const std::logic_error& e) {
+    fail("wsp", e.what(), -1);
   } catch (const std::bad_alloc&) {
-    fail("internal", "out of host memory");
+    fail("internal", "out of host memory", -1);
   } catch (const std::exception& e) {
-    fail("internal", e.what());
+    fail("internal", e.what(), -1);
   } catch (...) {
-    fail("internal", "unknown exception");
+    fail("internal", "unknown exception", -1);
   }
 }
 
 }  // namespace
 
-ShardService::ShardService(ShardPlane& plane, MPI_Comm comm, int shard, bool trace, std::int64_t chunk_bytes)
-    : plane_(plane), comm_(comm), shard_(shard), tracing_(trace), chunk_bytes_(chunk_bytes) {
+ShardService::ShardService(ShardPlane& plane, MPI_Comm comm, int shard, bool trace, std::int64_t chunk_bytes,
+                           std::vector<int> sources)
+    : plane_(plane),
+      comm_(comm),
+      shard_(shard),
+      tracing_(trace),
+      chunk_bytes_(chunk_bytes),
+      sources_(std::move(sources)) {
   if (chunk_bytes < 0) {
     throw std::invalid_argument(where() + ": chunk_bytes must be >= 0 (0: one message per reply), got " +
                                 std::to_string(chunk_bytes));
@@ -118,6 +146,12 @@ ShardService::ShardService(ShardPlane& plane, MPI_Comm comm, int shard, bool tra
     const int stages = plane_.num_stages(vw);
     num_stages_.push_back(stages);
     slots += stages;
+  }
+  if (sources_.empty()) {
+    for (int k = 0; k < slots; ++k) sources_.push_back(k);
+  } else if (static_cast<int>(sources_.size()) != slots) {
+    throw std::invalid_argument(where() + ": sources names " + std::to_string(sources_.size()) +
+                                " ranks, the plane has " + std::to_string(slots) + " stages");
   }
   received_.reset(new std::atomic<std::int64_t>[static_cast<std::size_t>(std::max(slots, 1))]);
   packed_.resize(static_cast<std::size_t>(slots));
@@ -147,11 +181,12 @@ void ShardService::stop() {
   running_.store(false, std::memory_order_release);
 }
 
-void ShardService::fail(const std::string& kind, const std::string& message) {
+void ShardService::fail(const std::string& kind, const std::string& message, int source) {
   {
     std::lock_guard<std::mutex> lock(info_mutex_);
     if (error_.empty()) {
       error_kind_ = kind;
+      error_source_ = source;
       error_ = message.rfind("ShardPlane: ", 0) == 0 ? where() + ": " + message.substr(12) : message;
     }
   }
@@ -171,6 +206,29 @@ std::string ShardService::error() const {
 std::string ShardService::error_kind() const {
   std::lock_guard<std::mutex> lock(info_mutex_);
   return error_kind_;
+}
+
+int ShardService::error_source() const {
+  std::lock_guard<std::mutex> lock(info_mutex_);
+  return error_source_;
+}
+
+void ShardService::check_source(int vw, int stage, int src, const char* what, std::int64_t wave) const {
+  if (vw < 0 || vw >= static_cast<int>(num_stages_.size()) || stage < 0 ||
+      stage >= num_stages_[static_cast<std::size_t>(vw)]) {
+    throw PeerError(where() + ": rank " + std::to_string(src) + " sent a " + what + " of wave " + std::to_string(wave) +
+                        " claiming VW " + std::to_string(vw) + " stage " + std::to_string(stage) +
+                        ", which the plan does not have (a malformed header)",
+                    src);
+  }
+  const int owner = sources_[static_cast<std::size_t>(slot_base_[static_cast<std::size_t>(vw)] + stage)];
+  if (src != owner) {
+    throw PeerError(where() + ": rank " + std::to_string(src) + " sent a " + what + " of wave " + std::to_string(wave) +
+                        " claiming VW " + std::to_string(vw) + " stage " + std::to_string(stage) + ", which is rank " +
+                        std::to_string(owner) + " (a forged or corrupt header; the sender is named by its transport "
+                        "source)",
+                    src);
+  }
 }
 
 std::int64_t ShardService::pushes_received(int vw, int stage) const {
@@ -200,7 +258,7 @@ void ShardService::record(const ShardServiceEvent& e) {
 // --- receiver ---------------------------------------------------------------------------------------
 
 void ShardService::receive_loop() {
-  auto on_fail = [this](const std::string& k, const std::string& m) { fail(k, m); };
+  auto on_fail = [this](const std::string& k, const std::string& m, int source) { fail(k, m, source); };
   guarded(
       [this] {
         check(MPI_Irecv(push_words_.data(), kHeaderWords, MPI_INT64_T, MPI_ANY_SOURCE, wire::header_tag(kPush),
@@ -216,7 +274,8 @@ void ShardService::receive_loop() {
           MPI_Status status;
           check(MPI_Test(&push_header_, &done, &status), "MPI_Test (push header)");
           if (done) {
-            on_push_header(push_words_, status.MPI_SOURCE);
+            const int src = status.MPI_SOURCE;
+            from_peer(src, [&] { on_push_header(push_words_, src); });
             check(MPI_Irecv(push_words_.data(), kHeaderWords, MPI_INT64_T, MPI_ANY_SOURCE,
                             wire::header_tag(kPush), comm_, &push_header_),
                   "MPI_Irecv (push header)");
@@ -224,7 +283,8 @@ void ShardService::receive_loop() {
           }
           check(MPI_Test(&pull_header_, &done, &status), "MPI_Test (pull header)");
           if (done) {
-            on_pull_header(pull_words_, status.MPI_SOURCE);
+            const int src = status.MPI_SOURCE;
+            from_peer(src, [&] { on_pull_header(pull_words_, src); });
             check(MPI_Irecv(pull_words_.data(), kHeaderWords, MPI_INT64_T, MPI_ANY_SOURCE,
                             wire::header_tag(kPull), comm_, &pull_header_),
                   "MPI_Irecv (pull header)");
@@ -253,6 +313,7 @@ void ShardService::on_push_header(const std::array<std::int64_t, 16>& w, int src
   std::ostringstream who;
   who << "push from VW " << vw << " stage " << stage << " wave " << wave << " (rank " << src << ")";
   if (w[0] != kPush) throw std::invalid_argument(where() + ": " + who.str() + " carries a header of kind " + std::to_string(w[0]));
+  check_source(vw, stage, src, "push", wave);
   if (!plane_.pushes_from(vw, stage)) {
     throw std::invalid_argument(where() + ": VW " + std::to_string(vw) + " stage " + std::to_string(stage) +
                                 " (rank " + std::to_string(src) + ") holds none of its layers but pushed wave " +
@@ -290,7 +351,7 @@ void ShardService::on_push_header(const std::array<std::int64_t, 16>& w, int src
   const auto total = static_cast<std::int64_t>(4 * want);
   const std::int64_t pieces = wire::chunk_count(total, cut);
   PendingPush p{std::vector<MPI_Request>(static_cast<std::size_t>(pieces), MPI_REQUEST_NULL),
-                static_cast<int>(pieces), vw, stage, wave, start, before};
+                static_cast<int>(pieces), src, vw, stage, wave, start, before};
   for (std::int64_t i = 0; i < pieces; ++i) {
     const auto [off, len] = wire::chunk_at(total, cut, i);
     check(MPI_Irecv_c(reinterpret_cast<char*>(into) + off, static_cast<MPI_Count>(len), MPI_BYTE, src,
@@ -314,7 +375,8 @@ bool ShardService::test_pushes() {
     }
     const PendingPush p = std::move(*it);
     it = pushes_.erase(it);
-    const bool due = plane_.end_push(p.vw, p.stage, p.wave);
+    bool due = false;
+    from_peer(p.src, [&] { due = plane_.end_push(p.vw, p.stage, p.wave); });
     received_[static_cast<std::size_t>(slot_base_[static_cast<std::size_t>(p.vw)] + p.stage)].fetch_add(1);
     events_.fetch_add(1, std::memory_order_acq_rel);
     record({true, p.vw, p.stage, p.wave, p.start_s, now_s(), p.global_before, plane_.global_clock()});
@@ -329,10 +391,21 @@ bool ShardService::test_pushes() {
 
 void ShardService::on_pull_header(const std::array<std::int64_t, 16>& w, int src) {
   const int vw = static_cast<int>(w[1]), stage = static_cast<int>(w[2]);
+  check_source(vw, stage, src, "pull", w[4]);
   if (w[0] != kPull || !plane_.pulls_from(vw, stage)) {
     throw std::invalid_argument(where() + ": VW " + std::to_string(vw) + " stage " + std::to_string(stage) +
                                 " (rank " + std::to_string(src) + ") holds none of its layers but pulled wave " +
                                 std::to_string(w[4]));
+  }
+  // A stage pulls wave w once its own pull of w - 1 was answered, which needed the global clock (and
+  // so its VW's clock here) at w - 1 - D: a later wave cannot come from a stage that keeps the protocol.
+  const std::int64_t clock = plane_.clock(vw);
+  if (w[4] > clock + plane_.d() + 1) {
+    std::ostringstream msg;
+    msg << where() << ": pull of wave " << w[4] << " from VW " << vw << " stage " << stage << " (rank " << src
+        << ") is beyond VW " << vw << "'s clock " << clock << " + D + 1 = " << clock + plane_.d() + 1
+        << ": no stage can pull it under the staleness bound (a corrupt header, or a stage that ran ahead)";
+    throw std::invalid_argument(msg.str());
   }
   outstanding_.fetch_add(1, std::memory_order_acq_rel);
   events_.fetch_add(1, std::memory_order_acq_rel);
@@ -374,7 +447,7 @@ void ShardService::cancel_receives() {
 // --- worker -----------------------------------------------------------------------------------------
 
 void ShardService::serve_loop() {
-  auto on_fail = [this](const std::string& k, const std::string& m) { fail(k, m); };
+  auto on_fail = [this](const std::string& k, const std::string& m, int source) { fail(k, m, source); };
   guarded(
       [this] {
         Backoff in_flight(kMaxInFlightBackoff);

@@ -21,7 +21,10 @@
 // to 1 ms) while nothing moves, so stop() ends both within about a millisecond plus one wave's apply.
 // The clocks are the plane's ClockTables (lock-free reads); the queue of pulls is under queue_mutex_.
 // A failure in either thread (a malformed or duplicate push, a broken clock bound, an MPI error) is
-// kept as the first error (error()), and both threads stop; no exception leaves a thread.
+// kept as the first error (error()), and both threads stop; no exception leaves a thread. A message
+// that breaks the protocol is blamed on its transport source (error_source()), never on the VW and
+// stage its header claims; a header claiming a (vw, stage) whose rank (`sources`) is not the sender's
+// is refused by name.
 //
 // Calling contract: MPI is initialised with MPI_THREAD_MULTIPLE (the caller's mpi4py keeps receiving
 // other kinds, e.g. DONE, on the same communicator); while the service runs nobody else pushes to,
@@ -62,8 +65,10 @@ class ShardService {
   // trace: keep a ShardServiceEvent per push and pull. chunk_bytes: the size replies are cut at (0: one
   // message each; std::invalid_argument below 0). Throws std::runtime_error when MPI is not initialised
   // with MPI_THREAD_MULTIPLE.
+  // sources: the rank in `comm` of each (vw, stage), VW by VW, stage by stage; empty: plan order (the
+  // k-th stage of that order is rank k, as hetpipe numbers a run's communicator).
   ShardService(ShardPlane& plane, MPI_Comm comm, int shard, bool trace,
-               std::int64_t chunk_bytes = wire::kDefaultChunkBytes);
+               std::int64_t chunk_bytes = wire::kDefaultChunkBytes, std::vector<int> sources = {});
   ShardService(const ShardService&) = delete;
   ShardService& operator=(const ShardService&) = delete;
   ~ShardService();  // stop()
@@ -79,6 +84,9 @@ class ShardService {
   bool failed() const noexcept { return failed_.load(std::memory_order_acquire); }
   std::string error() const;
   std::string error_kind() const;  // "wsp" (the peers broke the protocol), "mpi", or "internal"
+  // The rank whose message caused the first failure (its transport source), or -1 (none: an MPI or
+  // internal failure, or no failure).
+  int error_source() const;
   // Pushes from (vw, stage) completed (end_push done).
   std::int64_t pushes_received(int vw, int stage) const;
   // Pulls received whose reply is not yet completely sent.
@@ -92,7 +100,7 @@ class ShardService {
   struct PendingPush {
     std::vector<MPI_Request> requests;  // one per chunk of the payload
     int left;                           // those not yet complete
-    int vw, stage;
+    int src, vw, stage;
     std::int64_t wave;
     double start_s;
     std::int64_t global_before;
@@ -118,7 +126,8 @@ class ShardService {
   bool serve_ready();
   void cancel_receives();
   void finish_replies();
-  void fail(const std::string& kind, const std::string& message);
+  void fail(const std::string& kind, const std::string& message, int source = -1);
+  void check_source(int vw, int stage, int src, const char* what, std::int64_t wave) const;
   void record(const ShardServiceEvent& e);
   std::string where() const;
 
@@ -140,6 +149,7 @@ class ShardService {
   std::atomic<std::int64_t> events_{0};
   std::unique_ptr<std::atomic<std::int64_t>[]> received_;  // by (vw, stage) slot
   std::vector<int> slot_base_;                              // per VW
+  std::vector<int> sources_;                                // per (vw, stage) slot: its rank in comm_
   std::vector<int> num_stages_;
 
   // Receiver thread only.
@@ -156,6 +166,7 @@ class ShardService {
 
   mutable std::mutex info_mutex_;  // guards everything below
   std::string error_, error_kind_;
+  int error_source_ = -1;
   std::vector<ShardServiceEvent> events_log_;
   std::vector<std::string> lost_;
 };

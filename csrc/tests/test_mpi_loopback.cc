@@ -118,7 +118,8 @@ void service_serves_an_endpoint() {
   options.mean = true;
   hetpipe::ShardPlane plane(numels, stage_layers, 1, 2, options);
   for (int l = 0; l < plane.num_layers(); ++l) std::memset(plane.weights(l), 0, 4 * plane.layer_numel(l));
-  hetpipe::ShardService service(plane, MPI_COMM_WORLD, 0, true, 3000);
+  // One process plays every stage: each (vw, stage)'s messages come from rank 0.
+  hetpipe::ShardService service(plane, MPI_COMM_WORLD, 0, true, 3000, std::vector<int>(4, 0));
   service.start();
   auto pool = PinnedBufferPool::create(16, 4 * 4000);
   hetpipe::StageEndpoint ep(pool, MPI_COMM_WORLD, 1236);

@@ -71,7 +71,7 @@ OUTERS = {
 
 def _ref_pull(ref: ShardState, vw: int, stage: int, wave: int) -> int:
     """The Python shard answers the pull now (the staleness bound allows it), logging its version."""
-    ref.pull(0, vw, stage, wave)
+    ref.pull(None, vw, stage, wave)
     ready = ref.ready_pulls()
     assert [q[1:] for q in ready] == [(vw, stage, wave)]
     ref.answered(ready)
@@ -164,7 +164,7 @@ def _follow(ref: ShardState, plane: ShardPlane, waves: int) -> None:
     while any(w < waves for w, _ in state.values()):
         for (vw, stage), (w, what) in list(state.items()):
             if w < waves and what == "pull":
-                ref.pull(0, vw, stage, w)
+                ref.pull(None, vw, stage, w)
                 state[(vw, stage)] = (w, "waiting")
             elif w < waves and what == "push":
                 ref.push(vw, stage, w, _delta(vw, stage, w, ref.stage_numel(vw, stage)))

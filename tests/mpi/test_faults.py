@@ -187,6 +187,28 @@ def test_rank_that_raises_is_named_from_its_own_report(tmp_path):
     assert run.proc.returncode == out["exit_status"] != 0
 
 
+@pytest.mark.parametrize("mode, said", [
+    ("forge", "rank 1 sent a push of wave 0 claiming VW 0 stage 0, which is rank 0 (a forged or corrupt header"),
+    ("farpull", "pull of wave 50 from VW 0 stage 1 (rank 1) is beyond VW 0's clock")])
+def test_a_malformed_message_is_blamed_on_its_sender_not_on_the_shard_or_the_claimed_rank(tmp_path, mode, said):
+    """Rank 1 sends the PS shard (rank 2) a push header claiming rank 0's stage, or a pull of a wave no stage
+    can request yet: the shard fails, and the launcher names rank 1, the message's transport source, not the
+    shard that reported it nor the rank the header claims."""
+    run = Run(tmp_path, "failing.py", mode, "1")
+    try:
+        run.proc.wait(timeout=START_TIMEOUT_S)
+        assert not _run_processes(run.run_dir)
+    finally:
+        run.clean_up()
+    out, err = run.outcome(), run.err.read_text()
+    assert (out["status"], out["cause"], out["rank"], out["role"]) == ("failed", "reported", 1, ROLES[1]), out
+    assert out["message"].startswith("hetpipe: rank 2 (ps shard 0) failed: WSPViolation: PS shard 0: ") and \
+        said in out["message"], out
+    assert "rank 2 (ps shard 0) was the first to report a failure, caused by a message from rank 1" in out["reason"]
+    assert run.proc.returncode == out["exit_status"] != 0
+    assert "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("mode, cause", [("sleep", "unregistered"), ("stop", "stopped")])
 def test_a_rank_that_never_reaches_mpi_start_up_is_named_and_nothing_survives(tmp_path, monkeypatch, mode, cause):
     """A rank stalled (asleep, or stopped) before MPI_Init: the others wait in MPI start-up. The launcher

@@ -117,7 +117,7 @@ def test_sgd_with_an_outer_lr_scales_each_aggregated_push():
 
 # --- the staleness scale ----------------------------------------------------------------------------------------
 def _pull(shard, vw, stage, wave):
-    shard.pull(0, vw, stage, wave)
+    shard.pull(None, vw, stage, wave)
     ready = shard.ready_pulls()
     assert [(v, s, w) for _, v, s, w in ready] == [(vw, stage, wave)]
     shard.answered(ready)

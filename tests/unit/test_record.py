@@ -27,7 +27,7 @@ def test_shard_answers_a_pull_at_its_recorded_version_holding_the_wave_back():
     s.push(0, 0, 0, np.full(1, 1, np.float32))
     s.push(1, 0, 0, np.full(1, 2, np.float32))
     assert s.global_clock == 1 and s.applied == 0 and s.W[0].tolist() == [0.0]   # wave 0 held back
-    s.pull(9, 0, 0, 1)
+    s.pull(None, 0, 0, 1)
     ready = s.ready_pulls()
     out = np.empty(1, np.float32)
     s.snapshot_into(0, 0, out)
@@ -42,7 +42,7 @@ def test_without_a_record_the_same_pull_gets_the_newest_version():
     s = _shard(0.0)
     s.push(0, 0, 0, np.full(1, 1, np.float32))
     s.push(1, 0, 0, np.full(1, 2, np.float32))
-    s.pull(9, 0, 0, 1)
+    s.pull(None, 0, 0, 1)
     assert [q[1:] for q in s.ready_pulls()] == [(0, 0, 1)] and s.log.pulls == [(0, 0, 1, 1)]
 
 
@@ -62,7 +62,7 @@ def test_a_record_the_shard_cannot_follow_is_named():
     with pytest.raises(RecordMismatch, match=r"record r.json: PS shard 0 wave 0 applied pushes \[\(0, 0\)\]"):
         _script(s, [[(0, 0)]], [])
     s.gate = _script(s, [[(0, 0), (1, 0)]], [])
-    s.pull(9, 1, 0, 1)
+    s.pull(None, 1, 0, 1)
     with pytest.raises(RecordMismatch, match="never answered a pull of wave 1 by VW 1 stage 0"):
         s.ready_pulls()
     s = _shard(0.0)

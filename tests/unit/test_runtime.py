@@ -48,9 +48,9 @@ def test_shard_applies_a_wave_when_the_global_clock_passes_it():
 
 def test_pulls_wait_for_the_staleness_bound():
     s = _shard(1)
-    s.pull(9, 0, 0, 1)
+    s.pull(None, 0, 0, 1)
     assert [q[3] for q in s.ready_pulls()] == [1]   # wave 1 - D = 0 <= global 0
-    s.pull(9, 0, 0, 2)
+    s.pull(None, 0, 0, 2)
     assert s.ready_pulls() == []
     s.push(0, 0, 0, np.ones(5, np.float32))
     s.push(1, 0, 0, np.ones(3, np.float32))
@@ -69,10 +69,41 @@ def test_duplicate_push_and_clock_bound_are_enforced():
 
 def test_a_push_beyond_the_staleness_window_names_its_sender():
     s = _shard(1)
-    with pytest.raises(WSPViolation, match=r"PS shard 0: push of wave 3 from VW 1 stage 0 \(rank 7\) is beyond VW 1's "
-                                           r"clock 0 \+ D \+ 1 = 2"):
-        s.push(1, 0, 3, np.ones(3, np.float32), src=7)
-    s.push(1, 0, 2, np.ones(3, np.float32), src=7)     # the window's last wave is taken
+    assert s.stage_ranks == {(0, 0): 0, (1, 0): 1, (1, 1): 2}      # plan order: VW by VW, stage by stage
+    with pytest.raises(WSPViolation, match=r"PS shard 0: push of wave 3 from VW 1 stage 0 \(rank 1\) is beyond VW 1's "
+                                           r"clock 0 \+ D \+ 1 = 2") as e:
+        s.push(1, 0, 3, np.ones(3, np.float32), src=1)
+    assert e.value.sender == 1
+    s.push(1, 0, 2, np.ones(3, np.float32), src=1)     # the window's last wave is taken
+
+
+def test_a_forged_header_is_blamed_on_its_transport_source():
+    """Rank 2 (VW 1 stage 1) sends a push and a pull claiming VW 0 stage 0 (rank 0): the shard names rank 2,
+    never the innocent rank 0, and takes nothing from it."""
+    s = _shard(1)
+    with pytest.raises(WSPViolation, match=r"rank 2 sent a push of wave 0 claiming VW 0 stage 0, which is rank 0") as e:
+        s.push(0, 0, 0, np.ones(5, np.float32), src=2)
+    assert e.value.sender == 2 and not s.seen and not s.pending
+    with pytest.raises(WSPViolation, match=r"rank 2 sent a pull of wave 1 claiming VW 0 stage 0, which is rank 0") as e:
+        s.pull(2, 0, 0, 1)
+    assert e.value.sender == 2 and not s.queued
+    with pytest.raises(WSPViolation, match=r"rank 2 sent a push of wave 0 claiming VW 5 stage 0, which the plan does "
+                                           r"not have") as e:
+        s.push(5, 0, 0, np.ones(5, np.float32), src=2)
+    assert e.value.sender == 2
+    s.push(0, 0, 0, np.ones(5, np.float32), src=0)     # the true sender is taken
+
+
+def test_a_pull_beyond_the_staleness_window_names_its_sender():
+    """A stage pulls wave w only after its pull of w - 1 was answered (the global clock at w - 1 - D): a pull
+    of a later wave is refused at once, naming its sender, instead of waiting forever for a clock that the
+    protocol never reaches."""
+    s = _shard(1)
+    s.pull(0, 0, 0, 2)                                  # wave 2 = clock 0 + D + 1: the window's last
+    with pytest.raises(WSPViolation, match=r"pull of wave 3 from VW 0 stage 0 \(rank 0\) is beyond VW 0's clock 0 "
+                                           r"\+ D \+ 1 = 2") as e:
+        s.pull(0, 0, 0, 3)
+    assert e.value.sender == 0
 
 
 def test_missing_cuda_device_is_a_launch_error():
@@ -359,11 +390,12 @@ def test_the_shard_rejects_a_push_of_the_wrong_dtype_or_size():
     stage = hub.endpoint(0, pool)
     slot = pool.acquire(40)
     stage.send(9, Header(PUSH, 0, 0, -1, 0, "float64", (5,), 40), slot)
-    with pytest.raises(WSPViolation, match=r"push from VW 0 stage 0 wave 0 is float64\[5\] \(40 bytes\), "
+    with pytest.raises(WSPViolation, match=r"push from VW 0 stage 0 wave 0 \(rank 0\) is float64\[5\] \(40 bytes\), "
                                            r"expected float32\[5\] \(20 bytes\)"):
         server.step()
-    stage.send(9, Header(PUSH, 1, 1, -1, 0, "float32", (3,), 12), pool.acquire(12))
-    with pytest.raises(WSPViolation, match=r"VW 1 stage 1 wave 0 is float32\[3\] \(12 bytes\), expected float32\[2\]"):
+    hub.endpoint(2, pool).send(9, Header(PUSH, 1, 1, -1, 0, "float32", (3,), 12), pool.acquire(12))
+    with pytest.raises(WSPViolation, match=r"VW 1 stage 1 wave 0 \(rank 2\) is float32\[3\] \(12 bytes\), "
+                                           r"expected float32\[2\]"):
         server.step()
 
 
@@ -403,7 +435,14 @@ def test_the_shard_names_a_push_from_a_stage_without_its_layers():
     pool = hetpipe_core.PinnedBufferPool(4, 4096)
     server = ShardServer(_shard(0), hub.endpoint(9, pool), pool, 3)
     hub.endpoint(0, pool).send(9, Header(PUSH, 0, 1, -1, 0, "float32", (2,), 8), pool.acquire(8))
-    with pytest.raises(WSPViolation, match="VW 0 stage 1 holds none of its layers but pushed"):
+    with pytest.raises(WSPViolation, match="rank 0 sent a push of wave 0 claiming VW 0 stage 1, which the plan does "
+                                           "not have"):
+        server.step()
+    # A stage the plan has, holding none of this shard's layers: a shard of layer 0 only, VW 1 stage 1 (rank 2).
+    server = ShardServer(ShardState(0, {0: np.zeros(3, np.float32)}, [[(0, 2)], [(0, 1), (1, 2)]], 0),
+                         hub.endpoint(8, pool), pool, 3)
+    hub.endpoint(2, pool).send(8, Header(PUSH, 1, 1, -1, 0, "float32", (2,), 8), pool.acquire(8))
+    with pytest.raises(WSPViolation, match=r"VW 1 stage 1 \(rank 2\) holds none of its layers but pushed"):
         server.step()
 
 
@@ -416,9 +455,9 @@ def test_pull_replies_wait_for_a_free_slot_without_blocking_the_shard():
     hub = LoopbackHub()
     pool = hetpipe_core.PinnedBufferPool(1, 4096)
     server = ShardServer(_shard(0), hub.endpoint(9, pool), pool, 3)
-    stage = hub.endpoint(0, None)
+    stage, other = hub.endpoint(0, None), hub.endpoint(1, None)
     stage.send(9, Header(PULL, 0, 0, -1, 0))
-    stage.send(9, Header(PULL, 1, 0, -1, 0))
+    other.send(9, Header(PULL, 1, 0, -1, 0))
     held = pool.acquire(16)
     # Frees the slot late, so that a shard blocking inside acquire() fails the asserts instead of hanging.
     rescue = threading.Timer(30.0, pool.release, (held,))
@@ -434,7 +473,7 @@ def test_pull_replies_wait_for_a_free_slot_without_blocking_the_shard():
     server.step()                                   # one slot: one reply now, the other stays queued
     assert stage.try_recv(9, WEIGHTS).header.vw == 0 and len(server.state.queued) == 1
     server.step()
-    assert stage.try_recv(9, WEIGHTS).header.vw == 1 and not server.state.queued
+    assert other.try_recv(9, WEIGHTS).header.vw == 1 and not server.state.queued
 
 
 def test_each_step_adds_after_minus_before_whether_or_not_the_newest_stash_is_current():

@@ -15,9 +15,11 @@ import signal
 import sys
 import time
 import traceback
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, List, Optional, Sequence
 
-from hetpipe.job.rundir import launcher_ending, launcher_interrupting, mark_aborted, mark_interrupted, mark_terminated
+from hetpipe.job.rundir import (
+    launcher_ending, launcher_interrupting, mark_aborted, mark_blames, mark_interrupted, mark_terminated,
+)
 from hetpipe.util.numbers import seconds
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -27,6 +29,9 @@ ABORT_GRACE_S = 0.5
 SIGNAL_GRACE_ENV = "HETPIPE_TERM_GRACE"
 SIGNAL_GRACE_S = 60.0   # default time ranks get to write a SIGTERM checkpoint when the launcher is interrupted
 _reported = ""      # the last one-line failure message of this process, kept in its aborted mark
+# The world rank of each rank of the communicator the run's messages travel on (a world renumbered in plan
+# order), to name the sender an exception blames (its ``sender``) by world rank; empty: the same numbers.
+_world_ranks: List[int] = []
 INTERRUPTED_EXIT = 128 + signal.SIGINT      # a Ctrl-C'd process's exit status, as a shell reports it
 # mpiexec hands a terminal's SIGINT to every rank: rank 0 says it for the job and exits, whereupon mpiexec
 # ends the others. A rank still running this long after its own KeyboardInterrupt got the signal alone.
@@ -63,10 +68,22 @@ def transport_failure(exc: BaseException) -> bool:
     return type(exc).__module__.startswith("mpi4py") and type(exc).__name__ == "Exception"
 
 
+def set_world_ranks(order: Sequence[int]) -> None:
+    """The world rank of each rank of the run's communicator (``order[r]``), once the world was
+    renumbered in plan order; see :func:`report`."""
+    _world_ranks[:] = list(order)
+
+
 def report(describe: str, exc: BaseException, with_traceback: bool = True) -> None:
     """Print the one-line failure message (and the traceback below it) to stderr. An MPI transfer
-    error gets one line and no traceback: the launcher names the peer that died first."""
+    error gets one line and no traceback: the launcher names the peer that died first. An exception
+    whose ``sender`` names the rank whose message broke the protocol (by its transport source) marks
+    that rank as the culprit, for the launcher."""
     global _reported
+    sender = getattr(exc, "sender", None)
+    if isinstance(sender, int) and sender >= 0:
+        mark_blames(_world_ranks[sender] if sender < len(_world_ranks) else sender)
+        with_traceback = False      # the sender's fault: where this rank's code noticed it helps no one
     if transport_failure(exc):
         with_traceback = False
     lines = traceback.format_exception(type(exc), exc, exc.__traceback__) if with_traceback else []

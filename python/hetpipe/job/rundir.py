@@ -148,6 +148,25 @@ def mark_aborted(message: str = "") -> None:
         _mark(run_dir, f"aborted-{os.getpid()}", message)
 
 
+def mark_blames(rank: int) -> None:
+    """Record that this process's failure was caused by world rank ``rank`` (the transport source of a
+    message that broke the protocol): the launcher names that rank, not this one, as the culprit."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if run_dir:
+        _mark(run_dir, f"blames-{os.getpid()}", str(rank))
+
+
+def blamed_ranks(run_dir: str) -> Dict[int, int]:
+    """pid -> the world rank that process's failure report blames (:func:`mark_blames`)."""
+    out = {}
+    for f in Path(run_dir).glob("blames-*"):
+        try:
+            out[int(f.name.split("-", 1)[1])] = int(f.read_text().strip())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def mark_interrupted() -> None:
     """Record that SIGINT (a Ctrl-C) reached this process: when it reached every rank and not the
     launcher, it was sent to mpiexec or to the whole job, and the launcher blames no rank for it."""

@@ -54,8 +54,8 @@ from hetpipe.job.failure import ABORT_GRACE_S, signal_grace_s
 from hetpipe.job.guard import LAUNCHER_HOST_ENV, LAUNCHER_PID_ENV
 from hetpipe.job.procs import (command_name, cpu_ticks, environment_marker, processes_with, rank_processes, running,
                                 send, signal_name, stopped)
-from hetpipe.job.rundir import (RUN_DIR_ENV, mark_ending, mark_interrupting, marked, phases, rank_hosts,
-                                ranks_by_pid, reached_clock, recorded_ranks, signals_got, starting_ranks)
+from hetpipe.job.rundir import (RUN_DIR_ENV, blamed_ranks, mark_ending, mark_interrupting, marked, phases,
+                                rank_hosts, ranks_by_pid, reached_clock, recorded_ranks, signals_got, starting_ranks)
 from hetpipe.util.numbers import seconds
 from hetpipe.launch.deaths import DeathWatcher
 
@@ -454,6 +454,16 @@ class Supervisor:
                          "it was the first rank to vanish without a mark of a normal exit or a report")
         if reports:
             pid, text, _ = reports[0]
+            sender = blamed_ranks(self.run_dir).get(pid)
+            if sender is not None:
+                # The reporting rank names the rank whose message broke the protocol, by its transport source.
+                reporter = who.get(pid, (None, f"the process with pid {pid}"))[1]
+                culprit = next((p for p, (r, _) in who.items() if r == sender), None)
+                return Outcome("failed", rc if rc > 0 else 1, "reported", sender,
+                               who[culprit][1] if culprit is not None else f"rank {sender}", culprit,
+                               text or f"hetpipe: {reporter} failed on a message from rank {sender}", messages,
+                               reason=f"{reporter} was the first to report a failure, caused by a message from "
+                                      f"rank {sender} (its transport source)")
             return blame("reported", pid, lambda role: text or f"hetpipe: {role} failed (it reported an error)",
                          "it was the first rank to report its own failure")
         if completed:

@@ -29,7 +29,9 @@ import hetpipe_core
 from hetpipe.util.planes import PLANES, PS_PLANE_ENV
 from hetpipe.ps.server import ShardServerBase
 from hetpipe.plan.outer import check_outer, has_momentum
-from hetpipe.ps.shard import ShardLog, WSPViolation, check_aggregate, held_layers, initial_delayed, initial_momentum
+from hetpipe.ps.shard import (
+    ShardLog, WSPViolation, check_aggregate, held_layers, initial_delayed, initial_momentum, stage_ranks,
+)
 from hetpipe.schedule.trace import PS_VW, TraceEvent
 from hetpipe.transport.base import Transport
 from hetpipe.transport.core import core_mpi_missing
@@ -79,6 +81,7 @@ class CoreShardState:
         b0 = {l: np.ascontiguousarray(buffers.get(l, np.zeros(0)), dtype=np.float32).reshape(-1) for l in self.layers}
         self.num_vws = len(stage_layers)
         self.stage_layers = held_layers(w0, b0, stage_layers)
+        self.stage_ranks = stage_ranks(stage_layers)
         self.replicas = {k: list(v) for k, v in (replicas or {}).items() if v}
         local = {l: i for i, l in enumerate(self.layers)}
         num_stages = [len(vw) for vw in stage_layers]
@@ -153,8 +156,9 @@ class CoreShardServer(ShardServerBase):
 
         from hetpipe_core import _mpi
 
+        sources = [state.stage_ranks[k] for k in sorted(state.stage_ranks)]    # VW by VW, stage by stage
         self.service = _mpi.ShardService(state.plane, MPI._handleof(comm), state.index, trace is not None,
-                                         chunk_bytes())
+                                         chunk_bytes(), sources=sources)
         self._started = False
         self._events = 0
         _live.add(self)
@@ -195,8 +199,9 @@ class CoreShardServer(ShardServerBase):
         if not svc.failed:
             return
         svc.stop()
-        kind = {"wsp": WSPViolation, "mpi": TransportError}.get(svc.error_kind, RuntimeError)
-        raise kind(svc.error)
+        if svc.error_kind == "wsp":
+            raise WSPViolation(svc.error, sender=None if svc.error_source < 0 else svc.error_source)
+        raise (TransportError if svc.error_kind == "mpi" else RuntimeError)(svc.error)
 
     def _stop(self) -> None:
         self.service.stop()

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from hetpipe.ps.shard import ShardState, ShardView, WSPViolation
+from hetpipe.ps.shard import ShardState, ShardView, WSPViolation, check_source
 from hetpipe.schedule.trace import PS_VW, TraceEvent
 from hetpipe.transport.base import Transport
 from hetpipe.transport.protocol import ANY, DONE, PULL, PUSH, STOPPED, WEIGHTS, Header
@@ -45,6 +45,8 @@ class ShardServerBase:
             msg = self.transport.try_recv(ANY, DONE)
             if msg is None:
                 return got
+            check_source(self.state.index, self.state.stage_ranks, msg.header.vw, msg.header.stage, msg.src, "DONE",
+                         msg.header.aux)
             self.done[(msg.header.vw, msg.header.stage)] = msg.header.aux
             got = True
 
@@ -75,13 +77,14 @@ class ShardServer(ShardServerBase):
             if msg is None:
                 break
             h = msg.header
+            self.state.check_source(h.vw, h.stage, msg.src, "push", h.aux)
             # A push from a stage holding none of the shard's layers is left to ShardState.push to name.
-            known = 0 <= h.vw < self.state.num_vws and h.stage in self.state.stage_layers[h.vw]
+            known = h.stage in self.state.stage_layers[h.vw]
             want = self.state.stage_numel(h.vw, h.stage) if known else 0
             if known and (h.dtype != "float32" or h.nbytes != 4 * want):
                 raise WSPViolation(f"PS shard {self.state.index}: push from VW {h.vw} stage {h.stage} wave {h.aux} "
-                                   f"is {h.dtype}{list(h.shape)} ({h.nbytes} bytes), expected float32[{want}] "
-                                   f"({4 * want} bytes)")
+                                   f"(rank {msg.src}) is {h.dtype}{list(h.shape)} ({h.nbytes} bytes), expected "
+                                   f"float32[{want}] ({4 * want} bytes)", sender=msg.src)
             started, applied = time.perf_counter(), self.state.applied
             if h.mb >= 0:
                 self.state.announce_stop(h.vw, h.stage, h.mb)

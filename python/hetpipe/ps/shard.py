@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Protocol, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -59,7 +59,13 @@ __all__ = ["ShardLog", "ShardState", "ShardView", "WSPViolation", "check_aggrega
 
 
 class WSPViolation(HetpipeError, RuntimeError):
-    """The PS saw something WSP forbids: a duplicate push, a broken clock bound, a malformed push."""
+    """The PS saw something WSP forbids: a duplicate push, a broken clock bound, a malformed push.
+    ``sender``: the rank whose message broke it, by its transport source (never by the VW and stage its
+    header claims), or None when no one message did; the launcher names that rank as the culprit."""
+
+    def __init__(self, message: str, sender: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.sender = sender
 
 
 @dataclass
@@ -89,6 +95,30 @@ def held_layers(weights: Dict[int, np.ndarray], buffers: Dict[int, np.ndarray],
     return out
 
 
+def stage_ranks(stage_layers: Sequence[Sequence[Any]]) -> Dict[Tuple[int, int], int]:
+    """The rank of each ``(vw, stage)`` of a plan whose VWs have ``len(stage_layers[vw])`` stages: stage
+    ranks are numbered in plan order (VW by VW, stage by stage), as the run's communicator numbers them."""
+    firsts = np.cumsum([0] + [len(v) for v in stage_layers]).tolist()
+    return {(v, s): firsts[v] + s for v in range(len(stage_layers)) for s in range(len(stage_layers[v]))}
+
+
+def check_source(index: int, ranks: Mapping[Tuple[int, int], int], vw: int, stage: int, src: Optional[int],
+                 what: str, wave: int) -> None:
+    """Refuse a ``what`` ("push", "pull", "DONE") of ``wave`` at shard ``index`` whose header claims
+    ``(vw, stage)`` but that came from another rank than that stage's (``src``: its transport source;
+    None: not a message). The WSPViolation names the sender by its source, never by the claim."""
+    if src is None:
+        return
+    owner = ranks.get((vw, stage))
+    if owner is None:
+        raise WSPViolation(f"PS shard {index}: rank {src} sent a {what} of wave {wave} claiming VW {vw} stage "
+                           f"{stage}, which the plan does not have (a malformed header)", sender=src)
+    if src != owner:
+        raise WSPViolation(f"PS shard {index}: rank {src} sent a {what} of wave {wave} claiming VW {vw} stage "
+                           f"{stage}, which is rank {owner} (a forged or corrupt header; the sender is named by its "
+                           "transport source)", sender=src)
+
+
 def check_aggregate(index: int, aggregate: str) -> None:
     """ValueError naming the shard unless ``aggregate`` is "sum" or "mean"."""
     if aggregate not in ("sum", "mean"):
@@ -106,6 +136,7 @@ class ShardView(Protocol):
     M: Dict[int, np.ndarray]                         # layer -> outer momentum (nesterov, delayed-nesterov; else empty)
     A: Dict[int, np.ndarray]                         # layer -> delayed-nesterov's pushes since its momentum step
     outer_options: Dict[str, object]                 # hetpipe.plan.outer.OUTER_FIELDS
+    stage_ranks: Dict[Tuple[int, int], int]          # (vw, stage) -> its rank (:func:`stage_ranks`)
     log: ShardLog
     on_applied: Optional[Callable[[int], None]]      # called with ``applied`` at each wave boundary
 
@@ -143,6 +174,9 @@ class ShardState:
         self.outer = OuterStep(index, self.W, self.num_vws, aggregate, self.outer_options, momentum, delayed)
         self.M, self.A = self.outer.M, self.outer.A
         self.stage_layers = held_layers(self.W, self.B, stage_layers)
+        # The rank of each (vw, stage): stage ranks are numbered in plan order (VW by VW, stage by stage),
+        # as the run's communicator numbers them; a message is checked against the rank it came from.
+        self.stage_ranks = stage_ranks(stage_layers)
         # (vw, stage) -> (layer, offset, numel) slices of W it pulls as replicas of tied parameters.
         self.replicas = {k: list(v) for k, v in (replicas or {}).items() if v}
         self.clock = hetpipe_core.ClockTable(self.num_vws)
@@ -186,25 +220,33 @@ class ShardState:
         return stage in self.stage_layers[vw] or (vw, stage) in self.replicas
 
     # --- pushes ----------------------------------------------------------------------------------
+    def check_source(self, vw: int, stage: int, src: Optional[int], what: str, wave: int) -> None:
+        check_source(self.index, self.stage_ranks, vw, stage, src, what, wave)
+
     def push(self, vw: int, stage: int, wave: int, delta: np.ndarray, src: Optional[int] = None) -> None:
         """Take VW ``vw`` stage ``stage``'s delta of ``wave`` (from rank ``src``, for messages)."""
+        self.check_source(vw, stage, src, "push", wave)
         key = (vw, stage, wave)
-        clock = int(self.clock.clock(vw)) if 0 <= vw < self.num_vws else 0
-        if 0 <= vw < self.num_vws and wave > clock + self.d + 1:
-            sender = f" (rank {src})" if src is not None else ""
+        sender = f" (rank {src})" if src is not None else ""
+        clock = int(self.clock.clock(vw))
+        if wave > clock + self.d + 1:
             raise WSPViolation(f"PS shard {self.index}: push of wave {wave} from VW {vw} stage {stage}{sender} is "
                                f"beyond VW {vw}'s clock {clock} + D + 1 = {clock + self.d + 1}: no stage can push it "
-                               "under the staleness bound (a corrupt header, or a stage that ran ahead of its pulls)")
+                               "under the staleness bound (a corrupt header, or a stage that ran ahead of its pulls)",
+                               sender=src)
         if key in self.seen:
-            raise WSPViolation(f"PS shard {self.index}: duplicate push of wave {wave} from VW {vw} stage {stage}")
+            raise WSPViolation(f"PS shard {self.index}: duplicate push of wave {wave} from VW {vw} stage "
+                               f"{stage}{sender}", sender=src)
         if stage not in self.stage_layers[vw]:
-            raise WSPViolation(f"PS shard {self.index}: VW {vw} stage {stage} holds none of its layers but pushed")
+            raise WSPViolation(f"PS shard {self.index}: VW {vw} stage {stage}{sender} holds none of its layers but "
+                               "pushed", sender=src)
         if delta.dtype != np.float32 or delta.size != self.stage_numel(vw, stage):
-            raise WSPViolation(f"PS shard {self.index}: push from VW {vw} stage {stage} wave {wave} is "
-                               f"{delta.dtype}[{delta.size}], expected float32[{self.stage_numel(vw, stage)}]")
-        if wave < int(self.clock.clock(vw)):
-            raise WSPViolation(f"PS shard {self.index}: VW {vw} stage {stage} pushed wave {wave} "
-                               f"but VW {vw} is already at clock {int(self.clock.clock(vw))}")
+            raise WSPViolation(f"PS shard {self.index}: push from VW {vw} stage {stage}{sender} wave {wave} is "
+                               f"{delta.dtype}[{delta.size}], expected float32[{self.stage_numel(vw, stage)}]",
+                               sender=src)
+        if wave < clock:
+            raise WSPViolation(f"PS shard {self.index}: VW {vw} stage {stage}{sender} pushed wave {wave} "
+                               f"but VW {vw} is already at clock {clock}", sender=src)
         self.seen.add(key)
         self.log.pushes.append(key)
         off = 0
@@ -305,9 +347,19 @@ class ShardState:
         return out
 
     # --- pulls -----------------------------------------------------------------------------------
-    def pull(self, src: int, vw: int, stage: int, wave: int) -> None:
+    def pull(self, src: Optional[int], vw: int, stage: int, wave: int) -> None:
+        """Queue the pull of ``wave`` by ``(vw, stage)`` from rank ``src`` (None: not a message, a direct call)."""
+        self.check_source(vw, stage, src, "pull", wave)
         if not self.pulls_from(vw, stage):
-            raise WSPViolation(f"PS shard {self.index}: VW {vw} stage {stage} holds none of its layers but pulled")
+            raise WSPViolation(f"PS shard {self.index}: VW {vw} stage {stage} (rank {src}) holds none of its layers "
+                               "but pulled", sender=src)
+        # A stage requests wave w once its pull of w - 1 was answered, which needed the global clock (and
+        # so its VW's clock here) at w - 1 - D: a later wave cannot come from a stage that keeps the protocol.
+        clock = int(self.clock.clock(vw))
+        if wave > clock + self.d + 1:
+            raise WSPViolation(f"PS shard {self.index}: pull of wave {wave} from VW {vw} stage {stage} (rank {src}) "
+                               f"is beyond VW {vw}'s clock {clock} + D + 1 = {clock + self.d + 1}: no stage can pull "
+                               "it under the staleness bound (a corrupt header, or a stage that ran ahead)", sender=src)
         self.queued.append((src, vw, stage, wave))
 
     def ready_pulls(self, limit: Optional[int] = None) -> List[Tuple[int, int, int, int]]:

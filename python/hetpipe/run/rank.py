@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from hetpipe.checkpoint import format as ckfmt
+from hetpipe.job import failure
 from hetpipe.job.roles import LaunchError, Role, check_world, resolve_device, role_of
 from hetpipe.job.placement import launcher_placement, placement_problems, plan_problems
 from hetpipe.job.rundir import RUN_DIR_ENV, WORLD_RANKS_FILE, mark_phase, register_rank
@@ -79,6 +80,7 @@ class RankRun:
             world_rank = rank
             rank = self.order.index(world_rank)
             comm = comm.Split(0, rank)
+            failure.set_world_ranks(self.order)
             hosts = [hosts[w] for w in self.order]
             return self._run_plan(comm, rank, size, hosts, plan.to_json(), None, world_rank)
         plan_text, error = None, None

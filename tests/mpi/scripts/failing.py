@@ -2,7 +2,9 @@
 
 MODE: ``raise`` (the rank raises in its forward), ``kill`` (it SIGKILLs itself mid-run), ``hang``
 (it stops responding), ``shape`` (rank 0's copy of the model narrows an activation, so stage 1
-receives the wrong shape), ``cuda`` (the plan asks for cuda:3), ``none``.
+receives the wrong shape), ``cuda`` (the plan asks for cuda:3), ``forge`` (the rank sends the PS shard,
+rank 2, a push header claiming the other stage), ``farpull`` (it sends the shard a pull of wave 50 in
+its own name), ``none``.
 """
 
 import os
@@ -17,6 +19,7 @@ from torch import nn
 from common import cross_entropy, mlp, one_vw_plan, sgd, synthetic
 from hetpipe.run.trainer import Trainer
 from hetpipe.run.config import Reporting
+from hetpipe.transport.protocol import PULL, PUSH, Header
 
 
 class Tripwire(nn.Module):
@@ -39,6 +42,11 @@ class Tripwire(nn.Module):
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.mode == "hang":
                 time.sleep(3600)
+            if self.mode in ("forge", "farpull"):
+                stage = self.rank if self.mode == "farpull" else 1 - self.rank
+                kind, wave = (PULL, 50) if self.mode == "farpull" else (PUSH, 0)
+                header = Header(kind, 0, stage, -1, wave, "float32", (0,), 0)
+                MPI.COMM_WORLD.Send([header.encode(), MPI.INT64_T], dest=2, tag=2 * kind)
         return x
 
 

@@ -1,9 +1,12 @@
-"""The core's PS service under mpiexec -n 2, driven directly: rank 0 serves one shard, rank 1 plays a
-stage by sending hand-made messages over MPITransport. Prints ``RESULT {json}`` lines from rank 0.
+"""The core's PS service under mpiexec -n 3, driven directly: rank 2 serves one shard of a plan of two
+VWs of one stage (ranks 0 and 1, in plan order); rank 0 plays VW 0's stage by sending hand-made messages
+over MPITransport, rank 1 plays a forger. Prints ``RESULT {json}`` lines from rank 2.
 
 Cases: a service stopped with nothing received, and one stopped while a push's payload never came
-(no hang; the push is listed as lost); a push of the wrong size and a duplicate push, each a
-WSPViolation from CoreShardServer.step() naming the VW, stage, wave and bytes.
+(no hang; the push is listed as lost); a push of the wrong size, a duplicate push and a push beyond
+the staleness window, each a WSPViolation from CoreShardServer.step() naming the VW, stage, wave and
+bytes; a push and a pull from rank 1 claiming VW 0 stage 0 (rank 0's), and a pull of a far-future wave,
+each blamed on its transport source (the exception's ``sender``), not on the rank the header claims.
 """
 
 import json
@@ -15,12 +18,13 @@ from mpi4py import MPI
 
 import hetpipe_core
 from hetpipe.ps.core_plane import CoreShardServer, CoreShardState
-from hetpipe.transport.protocol import PUSH, Header
+from hetpipe.transport.protocol import PULL, PUSH, Header
 from hetpipe.transport.mpi import MPITransport
 from hetpipe.transport.slots import slot_bytes
 
 COMM = MPI.COMM_WORLD
-NUMEL = 1000   # the shard: one layer of 1000 floats, held by VW 0's only stage
+NUMEL = 1000   # the shard: one layer of 1000 floats, held by each VW's only stage
+SHARD = 2      # the shard's rank: after the stage ranks, as in a run
 
 
 def close(srv: CoreShardServer) -> None:
@@ -29,35 +33,40 @@ def close(srv: CoreShardServer) -> None:
 
 
 def server(comm) -> CoreShardServer:
-    state = CoreShardState(0, {0: np.zeros(NUMEL, np.float32)}, [[(0, 1)]], 0)
+    state = CoreShardState(0, {0: np.zeros(NUMEL, np.float32)}, [[(0, 1)], [(0, 1)]], 0)
     pool = hetpipe_core.PinnedBufferPool(1, 4096, -1)
-    return CoreShardServer(state, MPITransport(comm, pool), pool, 1, comm)
+    return CoreShardServer(state, MPITransport(comm, pool), pool, 2, comm)
 
 
 def send_push(transport, pool, wave: int, numel: int, payload: bool = True) -> None:
-    """A push of wave ``wave`` from VW 0 stage 0 with ``numel`` floats (only its header without payload)."""
+    """A push of wave ``wave`` claiming VW 0 stage 0 with ``numel`` floats (only its header without payload)."""
     nbytes = 4 * numel
     if not payload:
         words = Header(PUSH, 0, 0, -1, wave, "float32", (numel,), nbytes).encode()
-        COMM.Send([words, MPI.INT64_T], dest=0, tag=2 * PUSH)
+        COMM.Send([words, MPI.INT64_T], dest=SHARD, tag=2 * PUSH)
         return
     slot = pool.acquire(nbytes, timeout=10)
     slot_bytes(slot, nbytes).view(np.float32)[:] = 0.5
-    transport.send(0, Header(PUSH, 0, 0, -1, wave, "float32", (numel,), nbytes), slot)
+    transport.send(SHARD, Header(PUSH, 0, 0, -1, wave, "float32", (numel,), nbytes), slot)
     while transport.pending_sends():
         transport.progress()
 
 
-def expect_failure(srv: CoreShardServer, deadline_s: float = 20.0) -> str:
-    """Step until the service's failure surfaces as an exception; its type and message."""
+def send_pull(wave: int) -> None:
+    """The header of a pull of wave ``wave`` claiming VW 0 stage 0."""
+    COMM.Send([Header(PULL, 0, 0, -1, wave).encode(), MPI.INT64_T], dest=SHARD, tag=2 * PULL)
+
+
+def expect_failure(srv: CoreShardServer, deadline_s: float = 20.0) -> dict:
+    """Step until the service's failure surfaces as an exception; its type and message, and its sender."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         try:
             srv.step()
         except Exception as e:  # noqa: BLE001 - the failure under test
-            return f"{type(e).__name__}: {e}"
+            return {"error": f"{type(e).__name__}: {e}", "sender": getattr(e, "sender", None)}
         time.sleep(0.001)
-    return "no failure"
+    return {"error": "no failure", "sender": None}
 
 
 def main() -> int:
@@ -66,7 +75,7 @@ def main() -> int:
     transport = MPITransport(COMM, pool)
     results = []
     # 1. Start and stop with nothing received.
-    if rank == 0:
+    if rank == SHARD:
         srv = server(COMM)
         srv.step()
         srv.service.stop()
@@ -74,9 +83,9 @@ def main() -> int:
         close(srv)
     COMM.Barrier()
     # 2. A push header whose payload never comes, then stop.
-    if rank == 1:
-        send_push(transport, pool, 0, NUMEL, payload=False)
     if rank == 0:
+        send_push(transport, pool, 0, NUMEL, payload=False)
+    if rank == SHARD:
         srv = server(COMM)
         srv.step()
         end = time.monotonic() + 20
@@ -87,41 +96,56 @@ def main() -> int:
         close(srv)
     COMM.Barrier()
     # 3. A push of the wrong size.
-    if rank == 0:
+    if rank == SHARD:
         srv = server(COMM)
         srv.step()
     COMM.Barrier()
-    if rank == 1:
-        send_push(transport, pool, 1, NUMEL - 1, payload=False)
     if rank == 0:
-        results.append({"case": "wrong_size", "error": expect_failure(srv)})
+        send_push(transport, pool, 1, NUMEL - 1, payload=False)
+    if rank == SHARD:
+        results.append({"case": "wrong_size", **expect_failure(srv)})
         close(srv)
     COMM.Barrier()
     # 4. A duplicate push (wave 0 twice).
-    if rank == 0:
+    if rank == SHARD:
         srv = server(COMM)
         srv.step()
     COMM.Barrier()
-    if rank == 1:
-        send_push(transport, pool, 0, NUMEL)
-        send_push(transport, pool, 0, NUMEL)
     if rank == 0:
-        results.append({"case": "duplicate", "error": expect_failure(srv)})
+        send_push(transport, pool, 0, NUMEL)
+        send_push(transport, pool, 0, NUMEL)
+    if rank == SHARD:
+        results.append({"case": "duplicate", **expect_failure(srv)})
         close(srv)
     COMM.Barrier()
     # 5. A push beyond the staleness window (wave 5 at clock 0, D = 0).
-    if rank == 0:
+    if rank == SHARD:
         srv = server(COMM)
         srv.step()
     COMM.Barrier()
-    if rank == 1:
-        send_push(transport, pool, 5, NUMEL, payload=False)
     if rank == 0:
-        results.append({"case": "beyond_window", "error": expect_failure(srv)})
+        send_push(transport, pool, 5, NUMEL, payload=False)
+    if rank == SHARD:
+        results.append({"case": "beyond_window", **expect_failure(srv)})
         close(srv)
+    COMM.Barrier()
+    # 6-8. Rank 1 (VW 1's stage) forges VW 0 stage 0's push, then its pull; rank 0 pulls a far-future wave.
+    for case, who, send in (("forged_push", 1, lambda: send_push(transport, pool, 0, NUMEL, payload=False)),
+                            ("forged_pull", 1, lambda: send_pull(1)),
+                            ("far_pull", 0, lambda: send_pull(7))):
+        if rank == SHARD:
+            srv = server(COMM)
+            srv.step()
+        COMM.Barrier()
+        if rank == who:
+            send()
+        if rank == SHARD:
+            results.append({"case": case, **expect_failure(srv)})
+            close(srv)
+        COMM.Barrier()
+    if rank == SHARD:
         for r in results:
             print("RESULT " + json.dumps(r), flush=True)
-    COMM.Barrier()
     return 0
 
 
