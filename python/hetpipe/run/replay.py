@@ -40,7 +40,8 @@ class ReplayResult:
     weights: Dict[int, np.ndarray]                      # layer -> final global weights (flat float32)
     shard_logs: Dict[int, ShardLog]
     buffers: Dict[int, np.ndarray] = field(default_factory=dict)     # layer -> final synced buffers (float32)
-    # Replaying a record: whether the losses and final weights are bitwise the recorded run's.
+    # Replaying a record: whether the losses and final weights are bitwise the recorded run's (None without a
+    # record, or with one that holds no outcome digests: a simulated one).
     reproduced: Optional[bool] = None
     # Buffers the PS does not synchronise (num_batches_tracked, ...), VW 0's, by "layer.name".
     local_buffers: Dict[str, torch.Tensor] = field(default_factory=dict)
@@ -96,6 +97,9 @@ def replay_run(spec: RunSpec, record: Optional[RunRecord] = None, reporter: Any 
     for state in scripted:
         state.gate.check_done(state)
     outcome = merge_outcomes(part_outcome(part, plan, spec.layout) for _, part in parts)
-    reproduced = record.matches(outcome.losses, outcome.weights) if record is not None else None
+    # A record without outcome digests (synthesised, not written by a run) has nothing to compare with.
+    reproduced = None
+    if record is not None and record.outcome:
+        reproduced = record.matches(outcome.losses, outcome.weights)
     return ReplayResult(outcome.losses, outcome.weights, outcome.shard_logs, outcome.buffers, reproduced,
                         outcome.local_buffers, outcome.evals, outcome.stopped_after, outcome.loss_scale)
