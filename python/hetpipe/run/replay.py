@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -57,9 +57,12 @@ def _endpoint(hub: LoopbackHub, rank: int, pool):
     return backend.open(port, pool, None)
 
 
-def replay_run(spec: RunSpec, record: Optional[RunRecord] = None, reporter: Any = None) -> ReplayResult:
+def replay_run(spec: RunSpec, record: Optional[RunRecord] = None, reporter: Any = None,
+               on_applied: Optional[Callable[[ShardState], None]] = None) -> ReplayResult:
     """Run ``spec`` to the end in this process (no padding, no MPI), following ``record`` if given;
-    ``reporter`` (:class:`hetpipe.run.report.Reporter`) follows VW 0's last stage as in a run."""
+    ``reporter`` (:class:`hetpipe.run.report.Reporter`) follows VW 0's last stage as in a run;
+    ``on_applied(state)`` is called each time a shard has applied a wave (``state.W`` is then the
+    global ``W_g`` of its layers, ``g = state.applied``)."""
     if record is not None:
         record.check(spec)
     hub = LoopbackHub()
@@ -82,6 +85,8 @@ def replay_run(spec: RunSpec, record: Optional[RunRecord] = None, reporter: Any 
         if record is not None:
             server.state.gate = ShardScript(record.shards[sh.index], server.state, record.where)
             scripted.append(server.state)
+        if on_applied is not None:
+            server.state.on_applied = lambda _, state=server.state: on_applied(state)
         parts.append((f"PS shard {sh.index}", server))
     compare([data_reading(spec, part, name) for name, part in parts])
     while not all(p.finished for _, p in parts):
