@@ -230,7 +230,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         points, b = run_baseline(s, args.system, args.steps, args.lr, args.seed, args.evals, say)
         about.update(step_s=b.step_s, parts=b.parts, windows=b.windows, note=b.note)
-        print(f"{args.system}: {b.note}; step {b.step_s * 1e3:.1f} ms ({', '.join(f'{k} {v * 1e3:.1f} ms' for k, v in b.parts.items())})")
+        parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in b.parts.items())
+        print(f"{args.system}: {b.note}; step {b.step_s * 1e3:.1f} ms ({parts})")
     if args.out:
         args.out.write_text(json.dumps({**about, "points": [list(p) for p in points]}, indent=1))
     return 0

@@ -3,7 +3,8 @@
 Usage: python bench/convergence/vclock_staleness.py [--d 2] [--waves 40] [--slow 3]
 
 Starts a 3-rank run under mpiexec: two VWs of one emulated stage each (VW 1 ``--slow`` times slower
-per minibatch than VW 0; ``--stages 2``: VW 0 of two stages, 4 ranks) and one PS shard, Nm = 1, staleness bound ``--d``; the run writes its record
+per minibatch than VW 0; ``--stages 2``: VW 0 of two stages, 4 ranks) and one PS shard, Nm = 1,
+staleness bound ``--d``; the run writes its record
 (``Reporting(record=...)``). Then this process builds the same run, simulates it on the plan's stage
 times (``hetpipe.run.simulated``; PS transfers instant) and prints the histogram of ``w - g`` over the
 pulls of both records (``vclock.staleness_table``), and whether the replay of the simulated record runs
@@ -85,7 +86,8 @@ def main(argv=None) -> int:
     cfg = {"d": args.d, "waves": args.waves, "slow": args.slow, "stages": args.stages,
            "record": str(work / "record.json")}
     (work / "cfg.json").write_text(json.dumps(cfg))
-    res = run_worker(Path(__file__).resolve(), 2 + args.stages, work / "cfg.json", work / "out.json", args.timeout, ["--worker"])
+    res = run_worker(Path(__file__).resolve(), 2 + args.stages, work / "cfg.json", work / "out.json", args.timeout,
+                     ["--worker"])
     measured = RunRecord.load(res["record"])
     spec = trainer(cfg).spec(plan(args.d, args.slow, args.stages))
     sim = simulated_record(spec)
