@@ -179,6 +179,11 @@ class RunRecord:
         """Whether ``losses`` and final ``weights`` are bitwise the recorded run's."""
         return self.outcome == {"weights_crc32": weights_crc32(weights), "losses_crc32": losses_crc32(losses)}
 
+    def staleness(self) -> Dict[int, int]:
+        """How many pulls (over every shard) got a version ``s = w - g`` waves old, by ``s`` (a histogram)."""
+        out: Dict[int, int] = collections.Counter(w - g for sh in self.shards.values() for _, _, w, g, _ in sh.pulls)
+        return dict(sorted(out.items()))
+
     def max_gap(self) -> int:
         """The largest ``clock_vw - global`` any shard saw (the staleness the run reached)."""
         return max((cv - g for s in self.shards.values() for _, cv, g in s.clocks), default=0)

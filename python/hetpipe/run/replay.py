@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -40,7 +40,8 @@ class ReplayResult:
     weights: Dict[int, np.ndarray]                      # layer -> final global weights (flat float32)
     shard_logs: Dict[int, ShardLog]
     buffers: Dict[int, np.ndarray] = field(default_factory=dict)     # layer -> final synced buffers (float32)
-    # Replaying a record: whether the losses and final weights are bitwise the recorded run's.
+    # Replaying a record: whether the losses and final weights are bitwise the recorded run's (None without a
+    # record, or with one that holds no outcome digests: a simulated one).
     reproduced: Optional[bool] = None
     # Buffers the PS does not synchronise (num_batches_tracked, ...), VW 0's, by "layer.name".
     local_buffers: Dict[str, torch.Tensor] = field(default_factory=dict)
@@ -56,9 +57,12 @@ def _endpoint(hub: LoopbackHub, rank: int, pool):
     return backend.open(port, pool, None)
 
 
-def replay_run(spec: RunSpec, record: Optional[RunRecord] = None, reporter: Any = None) -> ReplayResult:
+def replay_run(spec: RunSpec, record: Optional[RunRecord] = None, reporter: Any = None,
+               on_applied: Optional[Callable[[ShardState], None]] = None) -> ReplayResult:
     """Run ``spec`` to the end in this process (no padding, no MPI), following ``record`` if given;
-    ``reporter`` (:class:`hetpipe.run.report.Reporter`) follows VW 0's last stage as in a run."""
+    ``reporter`` (:class:`hetpipe.run.report.Reporter`) follows VW 0's last stage as in a run;
+    ``on_applied(state)`` is called each time a shard has applied a wave (``state.W`` is then the
+    global ``W_g`` of its layers, ``g = state.applied``)."""
     if record is not None:
         record.check(spec)
     hub = LoopbackHub()
@@ -81,6 +85,8 @@ def replay_run(spec: RunSpec, record: Optional[RunRecord] = None, reporter: Any 
         if record is not None:
             server.state.gate = ShardScript(record.shards[sh.index], server.state, record.where)
             scripted.append(server.state)
+        if on_applied is not None:
+            server.state.on_applied = lambda _, state=server.state: on_applied(state)
         parts.append((f"PS shard {sh.index}", server))
     compare([data_reading(spec, part, name) for name, part in parts])
     while not all(p.finished for _, p in parts):
@@ -96,6 +102,9 @@ def replay_run(spec: RunSpec, record: Optional[RunRecord] = None, reporter: Any 
     for state in scripted:
         state.gate.check_done(state)
     outcome = merge_outcomes(part_outcome(part, plan, spec.layout) for _, part in parts)
-    reproduced = record.matches(outcome.losses, outcome.weights) if record is not None else None
+    # A record without outcome digests (synthesised, not written by a run) has nothing to compare with.
+    reproduced = None
+    if record is not None and record.outcome:
+        reproduced = record.matches(outcome.losses, outcome.weights)
     return ReplayResult(outcome.losses, outcome.weights, outcome.shard_logs, outcome.buffers, reproduced,
                         outcome.local_buffers, outcome.evals, outcome.stopped_after, outcome.loss_scale)

@@ -21,6 +21,6 @@ from hetpipe.schedule.validate import ScheduleError, validate  # noqa: F401
 from hetpipe.schedule.buffers import buffer_counts  # noqa: F401
 from hetpipe.schedule.ps import DEFAULT_APPLY_RATE, ShardStats, ShardTraffic, plan_traffic  # noqa: F401
 from hetpipe.schedule.simulate import (  # noqa: F401
-    SimResult, StageStats, VWCosts, simulate, simulate_plan, vw_costs,
+    PSLog, SimResult, StageStats, VWCosts, simulate, simulate_plan, vw_costs,
 )
 from hetpipe.schedule.gantt import save_gantt  # noqa: F401

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 # Bytes of pushed float32 deltas a shard adds into its weights per second. Applying reads the delta
 # and the weights and writes the weights back (3x the pushed bytes of memory traffic), so a host
@@ -108,9 +108,11 @@ class Shards:
         self._through: Dict[Tuple[int, int], float] = {}      # (wave, shard): all waves <= wave applied
         self.events: List[Tuple[str, int, int, float, float]] = []    # (kind, shard, wave, start, dur)
 
-    def push(self, ready: float, wave: int, traffic: StageTraffic) -> float:
+    def push(self, ready: float, wave: int, traffic: StageTraffic,
+             booked: Optional[List[Tuple[int, float, float]]] = None) -> float:
         """Book one stage's push of ``wave`` to each of its shards in turn; return when the stage's
-        link is free again (its last push received)."""
+        link is free again (its last push received). ``booked`` gets ``(shard, received, applied)``
+        of each push."""
         for tr in traffic:
             start, got = self.recv[tr.shard].book(ready, tr.push_s)
             a0, done = self.apply[tr.shard].book(got, tr.apply_s)
@@ -118,6 +120,8 @@ class Shards:
             self._applied[key] = max(self._applied.get(key, 0.0), done)
             self.events.append(("PUSH", tr.shard, wave, start, got - start))
             self.events.append(("APPLY", tr.shard, wave, a0, done - a0))
+            if booked is not None:
+                booked.append((tr.shard, got, done))
             ready = got
         return ready
 

@@ -152,6 +152,24 @@ class _Group:
     records: List[Tuple[str, int, int, int, np.ndarray, np.ndarray]] = field(default_factory=list)
 
 
+Key = Tuple[int, int, int]                  # (vw, stage, wave)
+
+
+@dataclass
+class PSLog:
+    """When each stage's traffic with the PS happened in a simulation, by ``(vw, stage, wave)``.
+
+    ``push_s``: when the stage issued ``Push(wave)``; ``sent_s``: when its fixed push time on its PS
+    link ended (without modelled shards, when the push reached them); ``shards``: each modelled shard's
+    ``(shard, received, applied)`` of that push; ``pull_s``: ``(start, end)`` of ``Pull(wave)``, start
+    being when the stage reached the instruction (before any WSP wait)."""
+
+    push_s: Dict[Key, float] = field(default_factory=dict)
+    sent_s: Dict[Key, float] = field(default_factory=dict)
+    shards: Dict[Key, Tuple[Tuple[int, float, float], ...]] = field(default_factory=dict)
+    pull_s: Dict[Key, Tuple[float, float]] = field(default_factory=dict)
+
+
 @dataclass
 class SimResult:
     """What :func:`simulate` returns. Per-VW lists are indexed by VW; ``stages[v][s]`` is a
@@ -164,6 +182,7 @@ class SimResult:
     stages: List[List[StageStats]]
     wave_done_s: List[List[float]]
     shards: List[ShardStats] = field(default_factory=list)
+    ps_log: PSLog = field(default_factory=PSLog, repr=False)
     _shard_events: List[Tuple[str, int, int, float, float]] = field(repr=False, default_factory=list)
     _groups: List[_Group] = field(repr=False, default_factory=list)
     _timeline: Optional[List[TraceEvent]] = field(repr=False, default=None)
@@ -336,7 +355,15 @@ def simulate(schedules: Sequence[Schedule], costs: Sequence[VWCosts], *, check: 
     finish = [0.0] * nv
     stages: List[List[StageStats]] = [[] for _ in range(nv)]
     wave_done: List[List[float]] = [[] for _ in range(nv)]
+    log = PSLog()
     for g, state in zip(groups, states):
+        for (s, c), (issued, sent, booked) in state.push_log.items():
+            for i, v in enumerate(g.vws):
+                log.push_s[(v, s, c)], log.sent_s[(v, s, c)] = float(issued[i]), float(sent[i])
+                log.shards[(v, s, c)] = tuple(booked[i])
+        for (s, w), (start, end) in state.pull_log.items():
+            for i, v in enumerate(g.vws):
+                log.pull_s[(v, s, w)] = (float(start[i]), float(end[i]))
         end = np.max(np.stack(state.t), axis=0)
         for i, v in enumerate(g.vws):
             finish[v] = float(end[i])
@@ -345,7 +372,7 @@ def simulate(schedules: Sequence[Schedule], costs: Sequence[VWCosts], *, check: 
                          for s in range(g.schedule.num_stages)]
             wave_done[v] = [float(state.wave_done[c][i]) for c in range(g.schedule.num_waves)]
     return SimResult(max(finish), finish, [schedules[v].num_minibatches for v in range(nv)], stages, wave_done,
-                     shards.stats(), shards.events, groups)
+                     shards.stats(), log, shards.events, groups)
 
 
 class _State:
@@ -380,6 +407,10 @@ class _State:
         self.pulls = np.zeros((k, n))
         self.wave_done = [zero] * num_waves
         self.msgs: Dict[Tuple[int, int, int], np.ndarray] = {}
+        # (stage, wave) -> (issued, sent, per VW the shards' (shard, received, applied)) of each Push,
+        # and (start, end) of each Pull, as vectors over the group's VWs (PSLog).
+        self.push_log: Dict[Tuple[int, int], Tuple[np.ndarray, np.ndarray, List[List[Tuple[int, float, float]]]]] = {}
+        self.pull_log: Dict[Tuple[int, int], Tuple[np.ndarray, np.ndarray]] = {}
 
     def run(self, d: int, pushed: List[int], need: List[int], gate: List[float], shards: Shards) -> None:
         g, t, rec = self.g, self.t, self.g.records
@@ -410,9 +441,11 @@ class _State:
             elif op == _PUSH:
                 st = np.maximum(t[s], self.ps_link[s])
                 done = st + self.push[s]
+                booked: List[List[Tuple[int, float, float]]] = [[] for _ in g.vws]
+                self.push_log[(s, num)] = (t[s], done.copy(), booked)
                 if self.has_ps[s]:
                     for i in np.argsort(done, kind="stable").tolist():      # FIFO at the shards
-                        done[i] = shards.push(float(done[i]), num, self.traffic[s][i])
+                        done[i] = shards.push(float(done[i]), num, self.traffic[s][i], booked[i])
                 self.ps_link[s] = done
                 self.wave_done[num] = np.maximum(self.wave_done[num], t[s])
                 pushed[num] += 1
@@ -421,6 +454,7 @@ class _State:
                 c = num - d - 1
                 if c >= 0 and pushed[c] < need[c]:
                     return
+                reached = t[s]
                 if c >= 0:
                     new = np.maximum(t[s], gate[c])
                     if self.has_ps[s]:
@@ -434,6 +468,7 @@ class _State:
                 if self.has_ps[s]:
                     for i in np.argsort(end, kind="stable").tolist():       # FIFO at the shards
                         end[i] = shards.pull(float(end[i]), num, self.traffic[s][i])
+                self.pull_log[(s, num)] = (reached, end)
                 t[s] = end
                 self.pulls[s] += end - start
                 rec.append(("PULL", s, -1, num, start, end - start))

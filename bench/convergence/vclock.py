@@ -1,0 +1,241 @@
+"""One system of the convergence benchmark on the virtual clock: exact numerics in one process, time from the model.
+
+Usage: python bench/convergence/vclock.py --system hetpipe --d 1 --aggregate mean --steps 200 --out points.json
+
+Every system's updates are computed here, in this process, at the host's speed; its time axis comes
+from the device and cluster model (the profile of ``run.prepare``, the ``cpu-emulated-6`` preset),
+not from a clock. Each validation point is ``(virtual seconds, samples trained, validation loss)``.
+
+* ``hetpipe``: the run's schedules are simulated on the cluster (``hetpipe.run.simulated``), which
+  writes the record of that run (the version each pull gets, each shard's apply order); the
+  single-process replay follows it (``hetpipe.run.replay``), so the numerics are bitwise those of a
+  hetpipe run with the cluster's staleness. The model at version ``g`` is the PS's global ``W_g``, at
+  the simulated time every shard has applied wave ``g - 1``. ``--steps``: minibatches per VW (each
+  VW's optimizer steps), rounded down to whole waves.
+* ``ddp``, ``ddp-fast``, ``hetero-dp``, ``pipelining``: the update all of them apply, the mean loss over
+  the step's windows through the plain model (the windows ``train_ddp.py`` and ``train_pipelining.py``
+  read, in order), one Adam step; its time is ``steptimes``' model of the system. ``--steps``: optimizer
+  steps.
+
+:func:`staleness_table` prints a simulated record's staleness beside a measured one's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+HERE = Path(__file__).resolve().parent
+sys.path[1:1] = [str(HERE), str(HERE.parent / "e2e")]
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from baselines import batch_split, fast_subset  # noqa: E402
+from cluster_setup import memory_notes  # noqa: E402
+from hetpipe.model.weights import initial_weights, load_layer_weights  # noqa: E402
+from hetpipe.run.record import RunRecord  # noqa: E402
+from split import uniform_split  # noqa: E402
+from steptimes import boundary_transfers, dp_step_s, pipeline_step_s, ring_link  # noqa: E402
+from task import MinibatchStream, TaskSpec, build_layers, evaluate, loss_fn, optimizer  # noqa: E402
+
+SYSTEMS = ("ddp", "ddp-fast", "hetero-dp", "pipelining", "hetpipe")
+Point = Tuple[float, int, float]          # (virtual seconds, samples trained, validation loss)
+
+
+@dataclass
+class Setting:
+    """What every system on the virtual clock reads: the task, its data and validation set, the device
+    model, the profile, the cluster and hetpipe's plan (as ``run.prepare`` makes them)."""
+
+    task: TaskSpec
+    text: np.ndarray
+    val: Tuple[torch.Tensor, torch.Tensor]
+    dm: object                    # bench/e2e's DeviceModel
+    prof: object                  # hetpipe's ModelProfile
+    cluster: object               # hetpipe's ClusterSpec
+    plan: object                  # hetpipe's Plan (D = 0; a run sets its own)
+
+
+@dataclass
+class Baseline:
+    """A synchronous baseline: windows per step and the modelled seconds of one step (with its parts)."""
+
+    system: str
+    windows: int
+    step_s: float
+    parts: Dict[str, float] = field(default_factory=dict)
+    note: str = ""
+
+
+def grad_bytes(prof) -> float:
+    """Bytes of the gradient every data-parallel member all-reduces (float32, every parameter)."""
+    return float(sum(l.param_bytes for l in prof.layers))
+
+
+def baseline(s: Setting, system: str) -> Baseline:
+    """The step of ``system`` (one of ``SYSTEMS`` but hetpipe) on the setting's device model."""
+    dm, mb = s.dm, s.task.minibatch
+    ids = [d for d, _ in dm.devices]
+    times = [dm.minibatch_time(t) for _, t in dm.devices]
+    if system in ("ddp", "hetero-dp", "ddp-fast"):
+        if system == "ddp":
+            members, windows = list(range(len(ids))), [mb] * len(ids)
+        elif system == "hetero-dp":
+            members, windows = list(range(len(ids))), batch_split(times, len(ids) * mb)
+        else:
+            misfit = memory_notes(dm, s.prof, s.cluster, mb)
+            sub = fast_subset(times, [t not in misfit for _, t in dm.devices], mb)
+            members, windows = list(sub.devices), [mb] * len(sub.devices)
+        compute, reduce = dp_step_s([times[i] for i in members], windows, mb, grad_bytes(s.prof),
+                                    ring_link(s.cluster, [ids[i] for i in members]))
+        return Baseline(system, sum(windows), compute + reduce, {"compute": compute, "all-reduce": reduce},
+                        f"devices {[ids[i] for i in members]}, windows {windows}")
+    if system == "pipelining":
+        split = uniform_split(len(s.prof.layers), len(ids))
+        fb = [dm.scaled_times(t, range(a, b), mb) for (_, t), (a, b) in zip(dm.devices, split)]
+        act = [s.prof.layers[b - 1].activation_bytes for _, b in split[:-1]]
+        micro = len(ids)
+        step = pipeline_step_s([f for f, _ in fb], [b for _, b in fb], micro, boundary_transfers(s.cluster, ids, act))
+        return Baseline(system, micro * mb, step, {"pipeline": step}, f"uniform split {split}, {micro} micro-batches")
+    raise ValueError(f"vclock: unknown baseline {system!r} (known: {', '.join(SYSTEMS[:-1])})")
+
+
+def eval_steps(steps: int, evals: int) -> List[int]:
+    """The steps (0 .. steps) after which the model is validated: ``evals`` about evenly, the last included."""
+    every = max(1, steps // max(1, evals))
+    return sorted(set(range(0, steps + 1, every)) | {steps})
+
+
+def run_baseline(s: Setting, system: str, steps: int, lr: float, seed: int, evals: int = 20,
+                 progress: Optional[Callable[[str], None]] = None) -> Tuple[List[Point], Baseline]:
+    """``steps`` optimizer steps of a baseline in one process; validation points on the virtual clock."""
+    b = baseline(s, system)
+    layers = build_layers(s.task, seed)
+    model = nn.Sequential(*layers)
+    opt = optimizer(model.parameters(), lr)
+    stream = MinibatchStream(s.text, s.task, seed, count=0)
+    due = set(eval_steps(steps, evals))
+    points: List[Point] = [(0.0, 0, evaluate(layers, *s.val))]
+    for k in range(steps):
+        x, y = stream.windows(k * b.windows, b.windows)
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        opt.step()
+        if k + 1 in due:
+            points.append(((k + 1) * b.step_s, (k + 1) * b.windows, evaluate(layers, *s.val)))
+            if progress:
+                progress(f"{system} step {k + 1}: t {points[-1][0]:.1f} s, val loss {points[-1][2]:.3f}")
+    return points, b
+
+
+def run_hetpipe(s: Setting, steps: int, lr: float, seed: int, d: int, aggregate: str = "mean", evals: int = 20,
+                progress: Optional[Callable[[str], None]] = None) -> Tuple[List[Point], object]:
+    """hetpipe's plan under D and ``aggregate`` for ``steps`` minibatches per VW (whole waves), replayed
+    on the simulated record; validation points at the global versions ``W_g``. Returns the points and the
+    :class:`hetpipe.run.simulated.SimulatedRun`."""
+    from hetpipe import PSRule, Reporting
+    from hetpipe.run.replay import replay_run
+    from hetpipe.run.simulated import simulated_record
+    from hetpipe.run.trainer import Trainer
+
+    plan = dataclasses.replace(s.plan, d=d)
+    nvw = len(plan.virtual_workers)
+    waves = steps // plan.nm
+    if waves < 1:
+        raise ValueError(f"vclock: {steps} steps per VW is less than one wave of Nm = {plan.nm}")
+    data = MinibatchStream(s.text, s.task, seed, count=waves * plan.nm * nvw)
+    layers = build_layers(s.task, seed)
+    trainer = Trainer(layers, loss_fn, lambda p: optimizer(p, lr), data, plan=plan,
+                      ps=PSRule(aggregate=aggregate), reporting=Reporting(progress=False))
+    spec = trainer.spec(plan)
+    run = simulated_record(spec, cluster=s.cluster, param_bytes=[l.param_bytes for l in s.prof.layers])
+    due = set(eval_steps(waves, evals))
+    snaps: Dict[int, Dict[int, np.ndarray]] = {0: initial_weights(layers, 0)}
+
+    def on_applied(state) -> None:
+        if state.applied in due:
+            snaps.setdefault(state.applied, {}).update({l: w.copy() for l, w in state.W.items()})
+
+    replay_run(spec, run.record, on_applied=on_applied)
+    model = build_layers(s.task, seed)
+    per_wave = plan.nm * nvw * s.task.minibatch
+    points: List[Point] = []
+    for g in sorted(snaps):
+        load_layer_weights(model, snaps[g])
+        points.append((run.version_s[g], g * per_wave, evaluate(model, *s.val)))
+        if progress and g:
+            progress(f"hetpipe D={d} ({aggregate}) wave {g}: t {points[-1][0]:.1f} s, val loss {points[-1][2]:.3f}")
+    return points, run
+
+
+def staleness_table(simulated: RunRecord, measured: RunRecord) -> str:
+    """The staleness ``w - g`` of every pull, as a histogram (count and share), of a simulated record
+    beside a measured one (a record written by a run)."""
+    a, b = simulated.staleness(), measured.staleness()
+    na, nb = sum(a.values()), sum(b.values())
+    lines = [f"{'w - g':>5} | {'simulated':>16} | {'measured':>16}"]
+    for k in sorted(set(a) | set(b)):
+        ca, cb = a.get(k, 0), b.get(k, 0)
+        lines.append(f"{k:>5} | {ca:>6} ({100 * ca / max(na, 1):5.1f}%) | {cb:>6} ({100 * cb / max(nb, 1):5.1f}%)")
+    lines.append(f"{'pulls':>5} | {na:>16} | {nb:>16}")
+    return "\n".join(lines)
+
+
+def setting(task: str = "small", profile_trials: int = 1, slowdown: float = 1.5, nm: Optional[int] = None,
+            policy: str = "auto", work: Optional[Path] = None) -> Setting:
+    """The benchmark's setting (``run.prepare``: the model profiled on this host, the plan made on it)."""
+    import tempfile
+
+    from run import prepare
+    from task import corpus
+
+    args = argparse.Namespace(task=task, profile_trials=profile_trials, slowdown=slowdown)
+    work = Path(work or tempfile.mkdtemp(prefix="hetpipe-vclock-"))
+    work.mkdir(parents=True, exist_ok=True)
+    spec, _, val, dm, plan, _, prof, cluster = prepare(args, work, nm, policy)
+    return Setting(spec, corpus(spec)[0], val, dm, prof, cluster, plan)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--system", choices=SYSTEMS, required=True)
+    ap.add_argument("--steps", type=int, default=100, help="optimizer steps (hetpipe: minibatches per VW)")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--d", type=int, default=1, help="hetpipe's staleness bound")
+    ap.add_argument("--aggregate", default="mean", help="hetpipe's PS rule (sum or mean)")
+    ap.add_argument("--evals", type=int, default=20, help="validation points (about evenly spaced)")
+    ap.add_argument("--task", default="small")
+    ap.add_argument("--profile-trials", type=int, default=1)
+    ap.add_argument("--slowdown", type=float, default=1.5)
+    ap.add_argument("--nm", type=int)
+    ap.add_argument("--out", type=Path, help="where the points go (JSON)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    s = setting(args.task, args.profile_trials, args.slowdown, args.nm)
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    about: Dict[str, object] = {"system": args.system, "lr": args.lr, "seed": args.seed, "steps": args.steps}
+    if args.system == "hetpipe":
+        points, run = run_hetpipe(s, args.steps, args.lr, args.seed, args.d, args.aggregate, args.evals, say)
+        about.update(d=args.d, aggregate=args.aggregate, staleness=run.staleness(), nm=s.plan.nm,
+                     vws=len(s.plan.virtual_workers))
+        print(f"staleness (w - g: pulls): {run.staleness()}")
+    else:
+        points, b = run_baseline(s, args.system, args.steps, args.lr, args.seed, args.evals, say)
+        about.update(step_s=b.step_s, parts=b.parts, windows=b.windows, note=b.note)
+        parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in b.parts.items())
+        print(f"{args.system}: {b.note}; step {b.step_s * 1e3:.1f} ms ({parts})")
+    if args.out:
+        args.out.write_text(json.dumps({**about, "points": [list(p) for p in points]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
