@@ -290,6 +290,44 @@ def test_a_rank_killed_before_mpi_start_up_is_named(tmp_path, monkeypatch):
     assert "Traceback" not in run.err.read_text()
 
 
+@pytest.mark.parametrize("whom, sig", [("rank", signal.SIGINT), ("rank", signal.SIGTERM),
+                                       ("mpiexec", signal.SIGINT), ("mpiexec", signal.SIGTERM)])
+def test_a_signal_before_mpi_start_up_ends_the_run_in_one_line_naming_whom_it_reached(tmp_path, monkeypatch,
+                                                                                      whom, sig):
+    """Rank 1 is still in the script's own code before MPI start-up (its peers wait in MPI_Init) when a
+    SIGINT or SIGTERM reaches it alone, or reaches mpiexec, which hands it to every rank. Each rank logs
+    the signal from its first line (hetpipe.job.bootstrap): one rank's is that rank's, every rank's is a
+    signal from outside with no rank blamed; a Ctrl-C is one line, never a traceback of the script."""
+    monkeypatch.setenv("HETPIPE_START_TIMEOUT", "120")
+    run = Run(tmp_path, "stall_start.py", "sleep", "1")
+    try:
+        victim = _process_of_rank(run.run_dir, 1)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not all((run.run_dir / f"starting-{r}").exists() for r in (0, 2)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)                 # every rank's bootstrap is past its first line
+        at = time.monotonic()
+        os.kill(victim if whom == "rank" else run.pid_of("mpiexec"), sig)
+        took = run.wait_gone(at)
+        print(f"{signal.Signals(sig).name} to {whom} before MPI start-up: every process gone {took:.2f} s after it")
+    finally:
+        run.clean_up()
+    out, err = run.outcome(), run.err.read_text()
+    assert "Traceback" not in err, err
+    assert out["exit_status"] == run.proc.returncode != 0, out
+    if out["status"] == "interrupted":
+        assert out["exit_status"] == 128 + sig, out
+    if whom == "mpiexec":
+        assert (out["status"], out["cause"], out["rank"]) == ("interrupted", "signal", None), out
+        assert "from outside the launcher" in out["message"] and signal.Signals(sig).name in out["message"], out
+    elif sig == signal.SIGINT:
+        assert (out["status"], out["cause"], out["rank"]) == ("interrupted", "signal", 1), out
+        assert "hetpipe: rank 1 was interrupted (SIGINT) in start-up: before MPI start-up" in err, err
+    else:
+        assert (out["status"], out["cause"], out["rank"]) == ("failed", "terminated", 1), out
+        assert "hetpipe: rank 1: SIGTERM in start-up: before MPI start-up; it ends" in err, err
+
+
 def test_a_rank_stuck_in_its_data_at_start_up_is_named_within_the_timeout(tmp_path):
     """Rank 1 blocks (no CPU time) reading its data while the Trainer starts up; ranks 0 and 2 wait for
     it in a start-up collective. The launcher names it, with its phase, once it has been idle for the

@@ -31,3 +31,22 @@ def test_nothing_left_is_named():
     everyone = [st.device for vw in plan.virtual_workers for st in vw.stages]
     with pytest.raises(ValueError, match="no device of the cluster is left"):
         replan(plan, everyone, planning)
+
+
+def test_a_later_attempt_re_plans_with_the_run_s_planning_inputs(tmp_path):
+    """Attempt 2 resumed a re-planned plan and planned nothing itself (no planning.json of its own): a
+    device it loses is still planned around, with attempt 0's inputs, every device failed so far left out."""
+    import json
+
+    from hetpipe.launch.restart import _next_plan
+
+    plan, planning = _planning()
+    for k in range(3):
+        (tmp_path / f"attempt-{k}").mkdir()
+    (tmp_path / "attempt-0" / "planning.json").write_text(json.dumps(planning))
+    new, how = _next_plan(plan, {"n0.g0", "n2.g3"}, tmp_path / "attempt-2")
+    assert how.startswith("re-planned the ") and new.meta["replanned_without"] == ["n0.g0", "n2.g3"]
+    assert not {"n0.g0", "n2.g3"} & {st.device for vw in new.virtual_workers for st in vw.stages}
+    (tmp_path / "attempt-0" / "planning.json").unlink()
+    _, how = _next_plan(plan, {"n0.g0"}, tmp_path / "attempt-2")
+    assert how.startswith("dropped the VW(s) that held them (the run saved no planning inputs")

@@ -3,7 +3,6 @@ the runner's time axis, and the staleness histograms of two records side by side
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 

@@ -37,7 +37,11 @@ FILES = "files"      # the manifest's map: part file name -> its digest
 
 
 class CheckpointError(HetpipeError, RuntimeError):
-    """A checkpoint directory holds nothing to resume from, or something unreadable."""
+    """A checkpoint directory holds nothing to resume from, or something unreadable, or a write failed
+    (naming the file, the bytes and the errno). Reported in one line, without a traceback: the message
+    names what failed, and where in this rank's code it was noticed helps no one."""
+
+    one_line = True
 
 
 def clock_dir(directory: Path, clock: int) -> Path:

@@ -197,6 +197,8 @@ class Checkpointer:
         self.waited_s = 0.0
         self.error: Optional[BaseException] = None
         self._last: Optional[Tuple[int, Callable[[], Snapshot]]] = None     # the latest boundary and its capture
+        # Set by a SIGTERM that reached this rank alone: (deadline, end) for the next due clock.
+        self._end: Optional[Tuple[float, Callable[[Optional[int]], None]]] = None
         self._job: Optional[Tuple[int, Snapshot]] = None
         self._cv = threading.Condition()
         self._closed = False
@@ -226,6 +228,19 @@ class Checkpointer:
                 self.waited_s += time.monotonic() - started
                 self._job = (clock, snapshot)
                 self._cv.notify_all()
+        if self._end is not None:
+            deadline, end = self._end
+            if due:
+                # Every rank writes this clock: once it is complete on disk the rank can leave.
+                with self._cv:
+                    while self._job is not None and time.monotonic() < deadline:
+                        self._cv.wait(timeout=0.1)
+                path = clock_dir(self.directory, clock)
+                while not is_complete(path) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                end(clock if is_complete(path) else None)
+            elif time.monotonic() >= deadline:
+                end(None)
 
     def close(self, final: bool = False, wait_s: float = 60.0) -> None:
         """Wait for the checkpoint in flight, stop the writer; raise what it failed with.
@@ -252,12 +267,15 @@ class Checkpointer:
                 time.sleep(0.02)
         self._collect()
 
-    def on_signal(self, wait_s: float) -> None:
+    def on_signal(self, wait_s: float, settle_s: Optional[float] = None) -> bool:
         """Write every kept snapshot not yet on disk (after the one in flight), in this thread; then wait
-        (at most ``wait_s`` in all) until one of the clocks this rank holds is complete on disk.
+        until one of the clocks this rank holds is complete on disk, at most ``wait_s`` in all, or
+        ``settle_s`` for the completion when given. Whether one is.
 
         Why wait: mpiexec ends every rank once one exits, so a rank that wrote its part quickly would
-        otherwise get its slower peers killed halfway through theirs; the ranks leave together instead."""
+        otherwise get its slower peers killed halfway through theirs; the ranks leave together instead.
+        None complete within ``settle_s``: the signal reached this rank alone (its peers write only the
+        due clocks), and the caller has it train on to the next due clock (:meth:`end_at_next_due`)."""
         deadline = time.monotonic() + wait_s
         with self._cv:
             while self._job is not None and time.monotonic() < deadline:
@@ -266,10 +284,18 @@ class Checkpointer:
             if clock not in self.written:
                 self._write(clock, snapshot)
         held = [clock for clock, _ in self.ring] if self.keep else self.written[-1:]
+        until = deadline if settle_s is None else min(deadline, time.monotonic() + settle_s)
         while held and not any(is_complete(clock_dir(self.directory, c)) for c in held) \
-                and time.monotonic() < deadline:
+                and time.monotonic() < until:
             time.sleep(0.02)
         self._collect()
+        return any(is_complete(clock_dir(self.directory, c)) for c in held)
+
+    def end_at_next_due(self, deadline: float, end: Callable[[Optional[int]], None]) -> None:
+        """This rank got a SIGTERM that its peers did not: at the next due clock, once its checkpoint is
+        complete on disk (every rank's part), :meth:`boundary` calls ``end(clock)``; past ``deadline``
+        (``time.monotonic()``) the next boundary calls ``end(None)``. ``end`` does not return."""
+        self._end = (deadline, end)
 
     def _raise(self) -> None:
         if isinstance(self.error, CheckpointError):

@@ -76,10 +76,14 @@ def set_world_ranks(order: Sequence[int]) -> None:
 
 def report(describe: str, exc: BaseException, with_traceback: bool = True) -> None:
     """Print the one-line failure message (and the traceback below it) to stderr. An MPI transfer
-    error gets one line and no traceback: the launcher names the peer that died first. An exception
+    error, or an error whose class says its message is all there is to it (``one_line``: a wait on a
+    peer that timed out, a checkpoint that could not be written or read), gets one line and no
+    traceback: the launcher names the peer that died first. An exception
     whose ``sender`` names the rank whose message broke the protocol (by its transport source) marks
     that rank as the culprit, for the launcher."""
     global _reported
+    if getattr(exc, "one_line", False):
+        with_traceback = False      # its message says it all (a peer that timed out, a disk that is full)
     sender = getattr(exc, "sender", None)
     if isinstance(sender, int) and sender >= 0:
         mark_blames(_world_ranks[sender] if sender < len(_world_ranks) else sender)

@@ -26,10 +26,12 @@ def mpiexec_path() -> str:
 
 def mpiexec_command(n: int, argv: List[str], options: Sequence[str] = ()) -> List[str]:
     """The command line that runs ``argv`` (a Python script and its arguments) on ``n`` ranks, with
-    mpiexec ``options`` (host placement, and what the user passed through) before ``-n``."""
+    mpiexec ``options`` (host placement, and what the user passed through) before ``-n``. Each rank
+    starts in :mod:`hetpipe.job.bootstrap`, which runs the script as Python would after making the
+    rank one the launcher can read from its first line (its signals logged, one line on SIGINT/SIGTERM)."""
     if n < 1:
         raise ValueError(f"hetpipe launch: -n must be >= 1, got {n}")
-    return [mpiexec_path(), *options, "-n", str(n), sys.executable, *argv]
+    return [mpiexec_path(), *options, "-n", str(n), sys.executable, "-m", "hetpipe.job.bootstrap", *argv]
 
 
 def launch(n: int, argv: List[str], run_dir: Optional[str] = None, placement: Optional[Placement] = None,

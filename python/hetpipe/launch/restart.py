@@ -114,6 +114,17 @@ def replan(plan: Plan, devices: Iterable[str], planning: Dict) -> Plan:
     return dataclasses.replace(new, virtual_workers=vws, aggregate=plan.aggregate, meta=meta, **plan.outer_options)
 
 
+def _planning_inputs(here: Path) -> Optional[Path]:
+    """The run's planning inputs (``planning.json``): the attempt ``here``'s own, else those of the
+    latest earlier attempt of the run that saved them (an attempt that resumed a given or re-planned
+    plan plans nothing itself, and a device it loses must still be planned around)."""
+    if (here / "planning.json").exists():
+        return here / "planning.json"
+    earlier = sorted((p for p in here.parent.glob("attempt-*/planning.json") if p.parent != here),
+                     key=lambda p: int(p.parent.name.split("-")[1]), reverse=True)
+    return earlier[0] if earlier else None
+
+
 def _next_plan(plan: Plan, failed: Set[str], here: Path) -> "tuple[Plan, str]":
     """The plan of the next attempt and how it was chosen: re-planned over the surviving devices when
     the run saved its planning inputs (and the planner fits the model on them), else the plan without
@@ -121,11 +132,13 @@ def _next_plan(plan: Plan, failed: Set[str], here: Path) -> "tuple[Plan, str]":
     gone = failed & {st.device for vw in plan.virtual_workers for st in vw.stages}
     dropped = plan_without(plan, gone) if gone and any(not gone & set(vw.devices) for vw in plan.virtual_workers) \
         else None
-    if gone and (here / "planning.json").exists():
+    inputs = _planning_inputs(here)
+    if gone and inputs is not None:
         import json
 
         try:
-            new = replan(plan, gone, json.loads((here / "planning.json").read_text()))
+            # Every device failed so far is left out: the inputs describe the run's whole cluster.
+            new = replan(plan, failed, json.loads(inputs.read_text()))
         except (ValueError, OSError) as e:
             if dropped is None:
                 raise

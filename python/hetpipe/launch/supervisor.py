@@ -391,19 +391,22 @@ class Supervisor:
             return Outcome("failed", 1, "mpiexec", message=f"hetpipe: mpiexec was killed by {signal_name(-rc)}; "
                                                            "the launcher ended the run's processes",
                            reports=messages, reason=f"mpiexec, the launcher's child, ended on {signal_name(-rc)}")
-        got = {sig: [pid for pid in recorded if sig in self.signals.get(pid, ())] for sig in (signal.SIGINT,
-                                                                                           signal.SIGTERM)}
-        every = {sig for sig, pids in got.items() if recorded and len(pids) == len(recorded) >= self.ranks}
+        # The rank processes a signal could reach: the registered ranks, or before MPI start-up the rank
+        # processes seen (each logs its signals from its first line: hetpipe.job.bootstrap).
+        population = set(recorded) if recorded else set(self.seen)
+        got = {sig: [pid for pid in population if sig in self.signals.get(pid, ())] for sig in (signal.SIGINT,
+                                                                                             signal.SIGTERM)}
+        every = {sig for sig, pids in got.items() if population and len(pids) == len(population) >= self.ranks}
         if signal.SIGTERM in every and signal.SIGINT not in every:
             # Every rank got SIGTERM, logged by its interpreter at once (before a Python handler could run,
             # a rank blocked in MPI included): sent to mpiexec (which forwards it) or to the whole job.
             return Outcome("interrupted", 128 + signal.SIGTERM, "signal",
                            message="hetpipe: every rank was ended by SIGTERM from outside the launcher (sent to "
                                    f"mpiexec or to the whole job){self._progress()}", reports=messages,
-                           reason=f"all {len(recorded)} ranks logged a SIGTERM; the launcher got none")
+                           reason=f"all {len(population)} ranks logged a SIGTERM; the launcher got none")
         if signal.SIGINT in every and not self.mpiexec_interrupted:
             self.mpiexec_interrupted = True     # every rank got the Ctrl-C: sent to mpiexec or to the job
-        hit = sorted(recorded[pid][0] for pid in interrupted & set(recorded))
+        hit = sorted(who[pid][0] for pid in interrupted & population if who.get(pid, (None,))[0] is not None)
         if self.mpiexec_interrupted:
             return Outcome("interrupted", 128 + signal.SIGINT, "signal",
                            message="hetpipe: interrupted by SIGINT from outside the launcher, sent to mpiexec or "
@@ -420,8 +423,8 @@ class Supervisor:
                                    f"{'every rank' if every else f'rank(s) {hit}'}: sent to mpiexec or to the "
                                    f"ranks){self._progress()}", reports=messages,
                            reason=f"rank(s) {hit} recorded a SIGINT; the launcher got none")
-        ended = [pid for pid in recorded if pid in terminated]
-        if recorded and len(ended) == len(recorded) >= self.ranks:
+        ended = [pid for pid in population if pid in terminated]
+        if population and len(ended) == len(population) >= self.ranks:
             # Every rank got SIGTERM at once: sent to mpiexec (which forwards it) or to the whole job, not
             # to one rank, and not to the launcher.
             return Outcome("interrupted", 128 + signal.SIGTERM, "signal",

@@ -9,6 +9,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -29,6 +30,10 @@ from hetpipe.run.spec import RunSpec
 from hetpipe.schedule.messages import eval_waves
 from hetpipe.stage.executor import StageExecutor
 from hetpipe.util.errors import ArgumentError
+
+# How long a SIGTERM'd rank waits for a clock it holds to complete before concluding that the signal
+# reached it alone (see RunCheckpoints.on_sigterm); its peers, blocked on it meanwhile, must not time out.
+TERM_SETTLE_S = 2.0
 
 
 @dataclass
@@ -253,16 +258,29 @@ class RunCheckpoints:
         clocks = [clock0 + int(state.clock.clock(v)) for v in range(state.num_vws)]
         return tensors, {"role": "ps", "shard": role.shard, "clocks": clocks, "applied": clock0 + state.applied}
 
-    def on_sigterm(self, writer: Optional[ckpt.Checkpointer], describe: Callable[[], str]):
+    def on_sigterm(self, writer: Optional[ckpt.Checkpointer], describe: Callable[[], str],
+                   timeout_s: float = failure.DEFAULT_TIMEOUT_S):
         """On SIGTERM, write the kept wave-boundary snapshots not yet on disk, wait until a clock this
         rank holds is complete (every rank's part; at most ``HETPIPE_TERM_GRACE``), say which clocks it
         wrote and mark the run directory (``terminated-PID``: the launcher restarts a run one of whose ranks
         was stopped so, with the same devices) unless its launcher was interrupted and says it for the run,
         then exit 128 + 15; returns the previous handler (None: nothing installed). A run without
         checkpoints (``writer`` None) says and marks the same, having nothing to write: the launcher then
-        knows the rank ended on a SIGTERM from outside, not of a fault."""
+        knows the rank ended on a SIGTERM from outside, not of a fault.
+
+        A SIGTERM that reached this rank alone (none of its clocks completes within ``TERM_SETTLE_S``, at
+        most a quarter of the peer timeout ``timeout_s``: its peers did not write the clocks it holds) does
+        not end it there, which would make its peers time out and lose the checkpoint being written: the
+        rank trains on to the next due clock, which every rank writes, and ends once that is complete."""
         if threading.current_thread() is not threading.main_thread():
             return None
+
+        def finish(what: str) -> None:
+            if not launcher_interrupting():     # else the launcher says it once for the run, naming the checkpoint
+                sys.stderr.write(f"hetpipe: {describe()}: SIGTERM; {what}\n")
+                sys.stderr.flush()
+                mark_terminated(what)
+            os._exit(128 + signal.SIGTERM)
 
         def handler(sig, _frame) -> None:
             # A second SIGTERM (the launcher's and mpiexec's both arrive) while the first is being handled
@@ -270,22 +288,29 @@ class RunCheckpoints:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             if writer is None and launcher_ending():
                 os._exit(128 + sig)             # the launcher's teardown after a fault it named: nothing to say
+            grace = failure.signal_grace_s()
+            started = time.monotonic()
             try:
                 if writer is None:
-                    what = "the run writes no checkpoints"
-                else:
-                    writer.on_signal(failure.signal_grace_s())
-                    what = f"checkpoint(s) at clock(s) {writer.written} in {self.directory}"
+                    finish("the run writes no checkpoints")
+                settle = None if launcher_interrupting() else min(TERM_SETTLE_S, timeout_s / 4)
+                if not writer.on_signal(grace, settle) and settle is not None:
+                    def at_due(clock: Optional[int]) -> None:
+                        got = "" if clock is not None else f"no checkpoint completed within {grace:g} s; "
+                        finish(f"{got}checkpoint(s) at clock(s) {writer.written} in {self.directory}")
+
+                    writer.end_at_next_due(started + grace, at_due)
+                    sys.stderr.write(f"hetpipe: {describe()}: SIGTERM; training on to the next checkpoint, "
+                                     f"which every rank writes (every {writer.every} wave(s))\n")
+                    sys.stderr.flush()
+                    return
+                what = f"checkpoint(s) at clock(s) {writer.written} in {self.directory}"
             except BaseException as e:  # noqa: BLE001 - the rank still ends as terminated, saying why
                 # A write that failed here (a full disk) is said, and the rank ends on SIGTERM all the
                 # same: raising from the handler would turn a stop from outside into this rank's error.
                 what = (f"writing the checkpoint it held failed ({type(e).__name__}: {e}); checkpoint(s) at "
                         f"clock(s) {writer.written} in {self.directory}")
-            if not launcher_interrupting():     # else the launcher says it once for the run, naming the checkpoint
-                sys.stderr.write(f"hetpipe: {describe()}: SIGTERM; {what}\n")
-                sys.stderr.flush()
-                mark_terminated(what)
-            os._exit(128 + sig)
+            finish(what)
 
         return signal.signal(signal.SIGTERM, handler)
 

@@ -208,7 +208,7 @@ class RankRun:
         mark_phase("start-up: checking the weights and data agree")
         self._check_agreement(comm, spec, part, role)
         writer = self.checkpoints.checkpointer(plan, spec, role, part, reporter)
-        previous = self.checkpoints.on_sigterm(writer, lambda: self.describe)
+        previous = self.checkpoints.on_sigterm(writer, lambda: self.describe, self.config.timeout_s)
         # A shard idles legitimately while stages compute; it waits twice as long, so that a stuck
         # peer is reported by the stage that waits on it directly.
         limit = self.config.timeout_s if role.kind == "stage" else 2 * self.config.timeout_s

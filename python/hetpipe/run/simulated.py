@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 from hetpipe.ps.client import pull_ahead as pull_ahead_default
 from hetpipe.ps.shard import held_layers

@@ -20,7 +20,10 @@ class Steppable(Protocol):
 
 
 class PeerTimeout(HetpipeError, TimeoutError):
-    """A rank waited longer than the run's timeout for a peer."""
+    """A rank waited longer than the run's timeout for a peer. A peer's fault, not this rank's code's:
+    reported in one line, without a traceback (``hetpipe.job.failure.report``)."""
+
+    one_line = True
 
 
 def drive(part: Steppable, timeout: float, who: str, on_progress: Optional[Callable[[], None]] = None) -> None:
