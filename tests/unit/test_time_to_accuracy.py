@@ -277,3 +277,79 @@ def test_the_pilot_refuses_data_that_runs_out_or_minibatches_of_several_sizes():
     mixed = [(x[:4], y[:4]), (x[4:12], y[4:12])]
     with pytest.raises(ValueError, match="differ in size"):
         measure_noise_scale(model, _mse, mixed, k=2, rounds=1)
+
+
+# --- a job planning for time to accuracy ------------------------------------------------------------------
+
+def _job(**planning):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "mpi" / "scripts"))
+    from common import cross_entropy, mlp, sgd
+
+    from hetpipe.run.config import Planning
+    from hetpipe.run.data import Batches
+    from hetpipe.run.trainer import Trainer
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 64, generator=g)
+    data = Batches(x, x[:, :10].argmax(dim=1), 16, seed=1)      # labels the model can learn: a gradient signal
+    return Trainer(mlp(), cross_entropy, sgd(), data, planning=Planning(cluster="cpu-emulated", **planning))
+
+
+def test_a_job_planning_for_time_to_accuracy_runs_the_pilot_on_its_own_model_and_data(capsys):
+    torch.set_num_threads(1)
+    trainer = _job(objective=TTA)
+    plan = trainer.resolve_plan()
+    assert plan.meta["objective"] == TTA
+    measured = plan.meta["time_to_accuracy"]["noise_scale"]
+    assert "hetpipe: noise-scale pilot: " in capsys.readouterr().err
+    # the pilot: the layers, the loss and the first 8 x 16 minibatches of a one-VW run, over epochs
+    work = trainer.work
+    again = pilot_noise_scale(list(work.layers), work.loss_fn, work.data.vw_stream(0, 1, 8), k=8, rounds=16)
+    assert measured == again.noise_scale and 0 < measured < math.inf
+    assert plan.meta["time_to_accuracy"]["minibatch_size"] == 16
+
+
+def test_a_job_given_a_noise_scale_plans_without_the_pilot(monkeypatch):
+    import hetpipe.run.pilot as pilot
+
+    monkeypatch.setattr(pilot, "pilot_noise_scale", lambda *a, **k: pytest.fail("ran the pilot"))
+    plan = _job(objective=TTA, noise_scale=5.0).resolve_plan()
+    assert plan.meta["time_to_accuracy"]["noise_scale"] == 5.0
+    assert _job().resolve_plan().meta["objective"] == "throughput"
+
+
+@pytest.mark.parametrize("planning,message", [
+    ({"objective": "accuracy"}, "planning.objective must be one of throughput, memory_efficiency, time-to-accuracy"),
+    ({"objective": TTA, "noise_scale": -1}, "planning.noise_scale must be a finite number >= 0"),
+    ({"noise_scale": 3.0}, "planning.noise_scale is for objective='time-to-accuracy'"),
+])
+def test_planning_refuses_a_bad_objective_or_noise_scale(planning, message):
+    from hetpipe.run.config import Planning
+
+    with pytest.raises(ValueError, match=message):
+        Planning(**planning)
+
+
+def test_the_plan_cache_tells_the_objectives_apart():
+    from hetpipe.plan.cluster import load_cluster
+    from hetpipe.run.config import Planning
+    from hetpipe.run.plan_cache import plan_key
+
+    layers, sample, cl = [torch.nn.Linear(2, 2)], (torch.zeros(4, 2), torch.zeros(4)), load_cluster("cpu-emulated")
+    plain = plan_key(layers, sample, cl, "fp32", Planning())
+    assert "objective" not in plain         # the keys of plans cached before the objective stay as they were
+    tta = plan_key(layers, sample, cl, "fp32", Planning(objective=TTA))
+    assert tta["objective"] == TTA and tta["noise_scale"] is None
+    assert plan_key(layers, sample, cl, "fp32", Planning(objective=TTA, noise_scale=7.0))["noise_scale"] == 7.0
+
+
+def test_a_job_whose_pilot_finds_no_signal_plans_for_throughput(monkeypatch, capsys):
+    import hetpipe.run.pilot as pilot
+
+    monkeypatch.setattr(pilot, "job_noise_scale", lambda work, planning: math.inf)
+    plan = _job(objective=TTA).resolve_plan()
+    assert plan.meta["objective"] == "throughput" and "time_to_accuracy" not in plan.meta
+    assert "found no gradient above the noise" in capsys.readouterr().err

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, List, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -181,3 +182,39 @@ def measure_noise_scale(model: Union[nn.Module, Sequence[nn.Module]], loss_fn: C
     noise_scale=...)`` and ``hetpipe plan --noise-scale`` take."""
     return pilot_noise_scale(model, loss_fn, data, k=k, rounds=rounds, sgd_steps=sgd_steps, lr=lr,
                              device=device).noise_scale
+
+
+def job_noise_scale(work: Any, planning: Any, *, k: int = 8, rounds: int = 16) -> float:
+    """The noise scale a job plans with under ``Planning(objective="time-to-accuracy")``: the one given
+    (``planning.noise_scale``), else a pilot on the job's layers, loss and the data's first
+    ``k x rounds`` minibatches (in VW 0's order of a one-VW run, over as many epochs as that takes), on
+    the layers' own device, before any training; the layers are left as they were."""
+    if planning.noise_scale is not None:
+        return float(planning.noise_scale)
+    per_epoch = work.data.minibatches_per_epoch(1)
+    if per_epoch < 1:
+        raise ArgumentError("hetpipe: the noise-scale pilot found no minibatch in the data")
+    epochs = -(-k * rounds // per_epoch)
+    result = pilot_noise_scale(list(work.layers), work.loss_fn, work.data.vw_stream(0, 1, epochs), k=k,
+                               rounds=rounds)
+    sys.stderr.write(f"hetpipe: noise-scale pilot: {result.noise_scale:.4g} samples (standard error "
+                     f"{result.standard_error:.2g}, {rounds} measurements of {k} minibatches of "
+                     f"{result.batches[0]})\n")
+    return result.noise_scale
+
+
+def planning_arguments(work: Any, planning: Any) -> Dict[str, Any]:
+    """``make_plan``'s ``objective`` and ``noise_scale`` for a job's ``planning``: nothing for the default
+    objective; for time-to-accuracy the noise scale of :func:`job_noise_scale` (an infinite one, a gradient
+    the pilot finds all noise, makes every batch as efficient: the job then plans for throughput, and
+    says so)."""
+    if planning.objective == "throughput":
+        return {}
+    if planning.objective != "time-to-accuracy":
+        return {"objective": planning.objective}
+    noise = job_noise_scale(work, planning)
+    if not math.isfinite(noise):
+        sys.stderr.write("hetpipe: the noise-scale pilot found no gradient above the noise (an infinite noise "
+                         "scale, every batch as efficient): planning for throughput\n")
+        return {"objective": "throughput"}
+    return {"objective": planning.objective, "noise_scale": noise}
