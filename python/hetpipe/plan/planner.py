@@ -5,8 +5,9 @@ For each policy (NP, ED, HD, or all three for ``auto``) and each candidate Nm (t
 D = 0 a longer wave only amortises the pipeline's fill and drain further), every
 distinct VW is partitioned (VWs with the same device types on the same node pattern share one
 solution), layers are placed on PS shards, and the cost model predicts the cluster's throughput.
-The best plan by ``objective`` wins: ``throughput`` (ties: smaller Nm, less staleness) or Hippie's
-``memory_efficiency`` (:mod:`hetpipe.plan.recompute`).
+The best plan by ``objective`` wins: ``throughput`` (ties: smaller Nm, less staleness), Hippie's
+``memory_efficiency`` (:mod:`hetpipe.plan.recompute`), or ``time-to-accuracy``: the largest goodput, also
+over one-device VWs and the cluster without its slowest devices (:mod:`hetpipe.plan.time_to_accuracy`).
 """
 
 from __future__ import annotations
