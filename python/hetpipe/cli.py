@@ -71,7 +71,35 @@ def _add_plan_command(sub) -> None:
                    help="sqrt: divide each push by sqrt(VW count) instead of --aggregate's count or 1 (default none)")
     p.add_argument("--outer-delay", type=int, default=0,
                    help="delayed-nesterov: pushes of a layer per momentum step (default 0: the VW count)")
+    p.add_argument("--objective", choices=("throughput", "memory_efficiency", "time-to-accuracy"),
+                   default="throughput",
+                   help="what the plan maximises: predicted samples/s (default), Hippie's memory efficiency, or "
+                        "time-to-accuracy: goodput (samples/s x statistical efficiency of the batch per update) "
+                        "over every policy, one-device VWs and the cluster without its slowest devices; prints "
+                        "the candidates (needs --noise-scale)")
+    p.add_argument("--noise-scale", metavar="B", help="time-to-accuracy: the gradient noise scale in samples "
+                                                       "(hetpipe.run.pilot.measure_noise_scale measures it)")
+    p.add_argument("--base-batch", metavar="M0", help="time-to-accuracy: the batch whose per-sample progress is "
+                                                       "the unit (default: the minibatch)")
     p.add_argument("-o", "--output", help="write the plan as JSON to this file")
+
+
+def _statistics(args) -> dict:
+    """make_plan's ``noise_scale`` and ``base_batch`` from the command line; ArgumentError in one line."""
+    from hetpipe.plan.time_to_accuracy import NEEDS_NOISE_SCALE
+    from hetpipe.util.errors import ArgumentError
+
+    if args.objective != "time-to-accuracy":
+        for flag, value in (("--noise-scale", args.noise_scale), ("--base-batch", args.base_batch)):
+            if value is not None:
+                raise ArgumentError(f"{flag} is for --objective time-to-accuracy")
+        return {}
+    if args.noise_scale is None:
+        raise ArgumentError(f"--objective time-to-accuracy needs --noise-scale B: {NEEDS_NOISE_SCALE}")
+    out = {"noise_scale": number("--noise-scale", args.noise_scale)}
+    if args.base_batch is not None:
+        out["base_batch"] = number("--base-batch", args.base_batch, positive=True)
+    return out
 
 
 def _run_plan(args) -> int:
@@ -92,6 +120,7 @@ def _run_plan(args) -> int:
 
     ps_nodes = None
     try:
+        statistics = _statistics(args)
         if args.cluster == "auto":
             discovery = _discover()
             if discovery is None:
@@ -108,7 +137,8 @@ def _run_plan(args) -> int:
         tf32 = args.precision == "tf32"
         plan = make_plan(cluster, profile, policy=args.policy, nm=args.nm, d=args.d,
                          num_ps_shards=args.ps_shards if ps_nodes is None else None, recompute=args.recompute,
-                         precision="fp32" if tf32 else args.precision, ps_nodes=ps_nodes, tf32=tf32)
+                         precision="fp32" if tf32 else args.precision, ps_nodes=ps_nodes, tf32=tf32,
+                         objective=args.objective, **statistics)
         plan = dataclasses.replace(plan, aggregate=args.aggregate, outer=args.outer, outer_lr=args.outer_lr,
                                    outer_momentum=args.outer_momentum, outer_staleness=args.outer_staleness,
                                    outer_gain=args.outer_gain, outer_delay=args.outer_delay)

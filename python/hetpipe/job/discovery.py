@@ -265,5 +265,7 @@ def assign_ranks(plan: Any, discovery: Discovery) -> List[int]:
         raise DiscoveryError(
             f"the plan needs {len(order)} ranks but {world} were started; without a part: "
             + "; ".join(discovery.holders[r].describe() for r in idle)
-            + (f" (left out by the planner: {plan.meta['left_out']})" if plan.meta.get("left_out") else ""))
+            + (f" (left out by the planner: {plan.meta['left_out']})" if plan.meta.get("left_out") else "")
+            + (f" (not used by the plan: {plan.meta['not_used']['text']}: start the job without them)"
+               if plan.meta.get("not_used") else ""))
     return order

@@ -72,6 +72,43 @@ def format_plan(plan: Plan, cluster=None) -> str:
     if isinstance(meta.get("policies"), dict) and len(meta["policies"]) > 1:
         parts = [f"{p}: {v:.3f}" if isinstance(v, float) else f"{p}: {v}" for p, v in meta["policies"].items()]
         lines.append("policies: " + ", ".join(parts))
+    if meta.get("not_used"):
+        lines.append(f"not used: {meta['not_used']['text']} (the plan reaches its target sooner without them)")
+    if meta.get("time_to_accuracy"):
+        lines.append(format_candidates(plan))
+    return "\n".join(lines)
+
+
+def format_candidates(plan: Plan) -> str:
+    """The candidates of a time-to-accuracy plan (``meta["time_to_accuracy"]``) as a table: devices left
+    out, VWs, Nm, predicted samples/s, batch per update, efficiency, goodput and time to the target
+    relative to the chosen one, which is marked; skipped candidates with their reason below it."""
+    tta = plan.meta["time_to_accuracy"]
+    head = (f"time to accuracy: noise scale {tta['noise_scale']:g} samples, base batch {tta['base_batch']:g}, "
+            f"batch per update = VWs x minibatch ({tta['minibatch_size']})")
+    cols = ("", "#", "layout", "without", "VWs", "Nm", "samples/s", "batch/update", "efficiency", "goodput",
+            "time to target")
+    rows, skipped = [], []
+    for r in tta["candidates"]:
+        if "goodput" not in r:
+            skipped.append(f"  #{r['index']} {r['layout']} without {r['without_text']}: skipped: {r['skipped']}")
+            continue
+        mark = "*" if r["index"] == tta["chosen"] else ""
+        rows.append((mark, str(r["index"]), r["layout"], r["without_text"], r["vws_text"], str(r["nm"]),
+                     f"{r['samples_per_s']:.1f}", str(r["batch_per_update"]), f"{r['efficiency']:.3f}",
+                     f"{r['goodput']:.1f}", f"{r['relative_time']:.2f}x"))
+    width = [max(len(r[i]) for r in rows + [cols]) for i in range(len(cols))]
+    right = {5, 6, 7, 8, 9, 10}
+    fmt = [lambda c, w, i=i: c.rjust(w) if i in right else c.ljust(w) for i in range(len(cols))]
+    lines = [head, "  ".join(f(c, w) for f, c, w in zip(fmt, cols, width)).rstrip(), "  ".join("-" * w for w in width)]
+    lines += ["  ".join(f(c, w) for f, c, w in zip(fmt, r, width)).rstrip() for r in rows]
+    chosen = tta["candidates"][tta["chosen"]]
+    fastest = tta["candidates"][tta["fastest"]]
+    lines.append(f"* chosen: #{chosen['index']} ({chosen['layout']}), the largest goodput (samples/s x efficiency)")
+    if fastest["index"] != chosen["index"]:
+        lines.append(f"  the fastest, #{fastest['index']} ({fastest['layout']}, {fastest['samples_per_s']:.1f} "
+                     f"samples/s), is predicted to take {fastest['relative_time']:.2f}x as long")
+    lines += skipped
     return "\n".join(lines)
 
 

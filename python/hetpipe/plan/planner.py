@@ -5,15 +5,16 @@ For each policy (NP, ED, HD, or all three for ``auto``) and each candidate Nm (t
 D = 0 a longer wave only amortises the pipeline's fill and drain further), every
 distinct VW is partitioned (VWs with the same device types on the same node pattern share one
 solution), layers are placed on PS shards, and the cost model predicts the cluster's throughput.
-The best plan by ``objective`` wins: ``throughput`` (ties: smaller Nm, less staleness) or Hippie's
-``memory_efficiency`` (:mod:`hetpipe.plan.recompute`).
+The best plan by ``objective`` wins: ``throughput`` (ties: smaller Nm, less staleness), Hippie's
+``memory_efficiency`` (:mod:`hetpipe.plan.recompute`), or ``time-to-accuracy``: the largest goodput, also
+over one-device VWs and the cluster without its slowest devices (:mod:`hetpipe.plan.time_to_accuracy`).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from hetpipe.plan import cost as cost_model
 from hetpipe.plan.cluster import ClusterSpec, load_cluster
@@ -26,7 +27,8 @@ from hetpipe.plan.recompute import memory_efficiency, single_device_throughput
 from hetpipe.plan.stage_cost import LayerTable, StageDevice
 from hetpipe.plan.types import MAX_NM, Plan, StagePlan, VirtualWorkerPlan, check_integer
 
-OBJECTIVES = ("throughput", "memory_efficiency")
+TIME_TO_ACCURACY = "time-to-accuracy"
+OBJECTIVES = ("throughput", "memory_efficiency", TIME_TO_ACCURACY)
 
 
 @dataclass
@@ -90,11 +92,77 @@ def _stage_nodes(part: Partition) -> List[Tuple[int, int, str]]:
     return [(st.start, st.stop, sl.node) for st, sl in zip(part.stages, part.stage_devs)]
 
 
+def search(cluster: ClusterSpec, table: LayerTable, policies: Sequence[str], vw_size: Optional[int],
+           score: Callable[[float, int, int], float], *, nm: Optional[int], d: int, modes: Sequence[str],
+           exhaustive_max: int, max_nm: Optional[int], horizon: Optional[int], num_ps_shards: Optional[int],
+           ps_nodes: Optional[Sequence[str]]) -> Dict[str, Any]:
+    """Per policy, in order: the best candidate over Nm and ``modes`` by ``score(throughput, memory, VWs)``
+    (ties: the first, smaller Nm), or why none fits (a string: the first VW's reason)."""
+    by_id = {dv.id: dv for dv in cluster.devices}
+    nodes = cluster.nodes
+    all_nodes = list(nodes) + [n for n in dict.fromkeys(ps_nodes or ()) if n not in nodes]
+    pb = [float(x) for x in table.param_bytes]
+    found: Dict[str, Any] = {}
+    for pol in policies:
+        vws = form_virtual_workers(cluster, pol, vw_size)
+        stage_devs = [[StageDevice(i, by_id[i].type, by_id[i].node, cluster.device_types[by_id[i].type].memory_bytes)
+                  for i in vw] for vw in vws]
+        canon = [_canonical(s) for s in stage_devs]
+        kmax = max(len(s) for s in stage_devs)
+        nms = [nm] if nm is not None else list(range(1, (max_nm or 2 * kmax) + 1))
+        cache: Dict[Any, Tuple[List[StageDevice], Partition]] = {}
+        relaxed: Dict[Any, Partition] = {}
+        pol_best: Optional[_Candidate] = None
+        error: Optional[str] = None
+        for mode in modes:
+            for m in nms:
+                parts = []
+                left_out: List[Tuple[List[StageDevice], str, List[StageDevice], List[StageDevice]]] = []
+                for (cs, key), vw in zip(canon, stage_devs):
+                    try:
+                        if (key, mode) not in relaxed:
+                            relaxed[(key, mode)] = partition(table, cs, cluster, m, recompute=mode,
+                                                             exhaustive_max=exhaustive_max, ignore_memory=True)
+                        if (key, m, mode) not in cache:
+                            cache[(key, m, mode)] = (cs, partition(table, cs, cluster, m, recompute=mode,
+                                                                   exhaustive_max=exhaustive_max,
+                                                                   relaxed=relaxed[(key, mode)]))
+                    except ValueError as e:
+                        # this VW fits nowhere: leave its devices out rather than fail the policy
+                        cache[(key, m, mode)] = (cs, str(e))
+                    src, part = cache[(key, m, mode)]
+                    if isinstance(part, str):
+                        left_out.append((vw, part, src, cs))
+                    else:
+                        parts.append(_relabel(part, src, cs))
+                if not parts:
+                    error = error or _rename(*left_out[0][1:])
+                    continue
+                stage_nodes = [_stage_nodes(p) for p in parts]
+                # shards go to the nodes the VWs use (all of them unless a VW was left out)
+                used = {n for sn in stage_nodes for _, _, n in sn}
+                shards = place_layers(pb, [n for n in nodes if n in used], stage_nodes, num_ps_shards, ps_nodes)
+                waves = [cost_model.vw_wave_time(p.bottleneck, p.round_trip,
+                                                 cost_model.vw_sync_time(sn, pb, shards, cluster.node_link), m, d,
+                                                 len(p.stages))
+                         for p, sn in zip(parts, stage_nodes)]
+                period = max(cost_model.shard_times(stage_nodes, pb, shards, all_nodes,
+                                                    cluster.inter_node.bandwidth), default=0.0)
+                thr = cost_model.cluster_throughput(waves, m, d, period, horizon)
+                mem = sum(st.memory for p in parts for st in p.stages)
+                cand = _Candidate(pol, m, mode, parts, shards, waves, thr, mem, score(thr, mem, len(parts)), left_out)
+                if pol_best is None or cand.score > pol_best.score * (1 + 1e-9):
+                    pol_best = cand
+        found[pol] = pol_best if pol_best is not None else error
+    return found
+
+
 def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int] = None, d: int = 0,
               minibatch_size: Optional[int] = None, num_ps_shards: Optional[int] = None, recompute: Any = False,
               *, vw_size: Optional[int] = None, objective: str = "throughput", horizon: Optional[int] = None,
               exhaustive_max: int = 8, derive_missing: bool = False, max_nm: Optional[int] = None,
-              precision: str = "fp32", ps_nodes: Optional[Sequence[str]] = None, tf32: bool = False) -> Plan:
+              precision: str = "fp32", ps_nodes: Optional[Sequence[str]] = None, tf32: bool = False,
+              noise_scale: Optional[float] = None, base_batch: Optional[float] = None) -> Plan:
     """The HetPipe plan for ``profile`` (a ModelProfile, preset name or path) on ``cluster`` (a
     ClusterSpec, preset name, path or dict).
 
@@ -114,6 +182,19 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     their TF32 peak (:func:`hetpipe.plan.precision.speed_precision`).
     ps_nodes: the node of each PS shard, when the shards' ranks are already placed (discovery's PS
     slots); a node may be a host without devices. Excludes ``num_ps_shards``.
+    objective: "throughput" (default), "memory_efficiency" (Hippie's, with ``recompute``) or
+    "time-to-accuracy": the plan whose predicted time to a target accuracy is shortest, i.e. the largest
+    *goodput* = predicted samples/s x the statistical efficiency of its batch per update
+    (:mod:`hetpipe.plan.time_to_accuracy`). Its candidates are every ``policy`` (under auto: NP, ED, HD
+    and DP, one-device VWs over the devices that hold the whole model) on the whole cluster and on the
+    cluster without its slowest devices, one more left out at a time; a candidate that does not fit is
+    skipped with its reason. The batch per update of a plan of ``N`` VWs is ``N x minibatch_size``
+    samples, under either aggregate (the VWs' gradients of one wave are taken on the same global
+    weights; the aggregate scales the step, not the noise). ``meta["time_to_accuracy"]`` lists every
+    candidate with its devices, VWs, predicted throughput, batch per update, efficiency, goodput and time
+    to target relative to the best. noise_scale: the gradient noise scale ``B_noise`` in samples
+    (required; :func:`hetpipe.run.pilot.measure_noise_scale` measures it); base_batch: the batch whose
+    per-sample progress is the unit (default ``minibatch_size``).
     Raises ValueError naming the device, layer and bytes when nothing fits.
     """
     # Device speeds (VW formation, device orders, derived types) are those of the run's precision.
@@ -132,10 +213,19 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
             raise ValueError(f"make_plan: num_ps_shards={num_ps_shards} but ps_nodes names {len(ps_nodes)} shards")
         if not ps_nodes:
             ps_nodes = None
+    given_vw_size = vw_size
     if vw_size is None and default_vw_size(cluster) > profile.num_layers:
         vw_size = profile.num_layers     # nodes with more devices than layers: VWs of one stage per layer
     if objective not in OBJECTIVES:
         raise ValueError(f"make_plan: unknown objective {objective!r} (known: {', '.join(OBJECTIVES)})")
+    if objective == TIME_TO_ACCURACY:
+        from hetpipe.plan.time_to_accuracy import check_statistics
+
+        check_statistics("make_plan", noise_scale, base_batch,
+                         minibatch_size if minibatch_size is not None else profile.minibatch_size)
+    elif noise_scale is not None or base_batch is not None:
+        raise ValueError(f"make_plan: noise_scale and base_batch are for objective={TIME_TO_ACCURACY!r}, "
+                         f"not {objective!r}")
     used_types = sorted({dv.type for dv in cluster.devices})
     if derive_missing:
         profile = profile.derive_types({t: cluster.device_types[t].speed for t in used_types})
@@ -162,64 +252,28 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
         modes = ["none", "fit", "all"]
 
     single = single_device_throughput(table, used_types)
-    by_id = {dv.id: dv for dv in cluster.devices}
-    nodes = cluster.nodes
-    all_nodes = list(nodes) + [n for n in dict.fromkeys(ps_nodes or ()) if n not in nodes]
-    pb = [float(x) for x in table.param_bytes]
+    if objective == TIME_TO_ACCURACY:
+        from hetpipe.plan.time_to_accuracy import plan_for_time_to_accuracy
+
+        return plan_for_time_to_accuracy(
+            cluster, table, profile, policies, given_vw_size, noise_scale, base_batch,
+            minibatch_size if minibatch_size is not None else profile.minibatch_size,
+            dict(nm=nm, d=d, modes=modes, exhaustive_max=exhaustive_max, max_nm=max_nm, horizon=horizon,
+                 num_ps_shards=num_ps_shards, ps_nodes=ps_nodes),
+            lambda best, sub, outcomes, extra: _to_plan(best, table, sub, profile, d, minibatch_size, objective,
+                                                        outcomes, precision, extra))
+
+    def score(thr: float, mem: int, num_vws: int) -> float:
+        return thr if objective == "throughput" else memory_efficiency(thr, single, mem)
+
+    found = search(cluster, table, policies, vw_size, score, nm=nm, d=d, modes=modes, exhaustive_max=exhaustive_max,
+                   max_nm=max_nm, horizon=horizon, num_ps_shards=num_ps_shards, ps_nodes=ps_nodes)
     best: Optional[_Candidate] = None
     errors: Dict[str, str] = {}
     outcomes: Dict[str, Any] = {}
-    for pol in policies:
-        vws = form_virtual_workers(cluster, pol, vw_size)
-        stage_devs = [[StageDevice(i, by_id[i].type, by_id[i].node, cluster.device_types[by_id[i].type].memory_bytes)
-                  for i in vw] for vw in vws]
-        canon = [_canonical(s) for s in stage_devs]
-        kmax = max(len(s) for s in stage_devs)
-        nms = [nm] if nm is not None else list(range(1, (max_nm or 2 * kmax) + 1))
-        cache: Dict[Any, Tuple[List[StageDevice], Partition]] = {}
-        relaxed: Dict[Any, Partition] = {}
-        pol_best: Optional[_Candidate] = None
-        for mode in modes:
-            for m in nms:
-                parts = []
-                left_out: List[Tuple[List[StageDevice], str, List[StageDevice], List[StageDevice]]] = []
-                for (cs, key), vw in zip(canon, stage_devs):
-                    try:
-                        if (key, mode) not in relaxed:
-                            relaxed[(key, mode)] = partition(table, cs, cluster, m, recompute=mode,
-                                                             exhaustive_max=exhaustive_max, ignore_memory=True)
-                        if (key, m, mode) not in cache:
-                            cache[(key, m, mode)] = (cs, partition(table, cs, cluster, m, recompute=mode,
-                                                                   exhaustive_max=exhaustive_max,
-                                                                   relaxed=relaxed[(key, mode)]))
-                    except ValueError as e:
-                        # this VW fits nowhere: leave its devices out rather than fail the policy
-                        cache[(key, m, mode)] = (cs, str(e))
-                    src, part = cache[(key, m, mode)]
-                    if isinstance(part, str):
-                        left_out.append((vw, part, src, cs))
-                    else:
-                        parts.append(_relabel(part, src, cs))
-                if not parts:
-                    errors.setdefault(pol, _rename(*left_out[0][1:]))
-                    continue
-                stage_nodes = [_stage_nodes(p) for p in parts]
-                # shards go to the nodes the VWs use (all of them unless a VW was left out)
-                used = {n for sn in stage_nodes for _, _, n in sn}
-                shards = place_layers(pb, [n for n in nodes if n in used], stage_nodes, num_ps_shards, ps_nodes)
-                waves = [cost_model.vw_wave_time(p.bottleneck, p.round_trip,
-                                                 cost_model.vw_sync_time(sn, pb, shards, cluster.node_link), m, d,
-                                                 len(p.stages))
-                         for p, sn in zip(parts, stage_nodes)]
-                period = max(cost_model.shard_times(stage_nodes, pb, shards, all_nodes,
-                                                    cluster.inter_node.bandwidth), default=0.0)
-                thr = cost_model.cluster_throughput(waves, m, d, period, horizon)
-                mem = sum(st.memory for p in parts for st in p.stages)
-                score = thr if objective == "throughput" else memory_efficiency(thr, single, mem)
-                cand = _Candidate(pol, m, mode, parts, shards, waves, thr, mem, score, left_out)
-                if pol_best is None or score > pol_best.score * (1 + 1e-9):
-                    pol_best = cand
-        if pol_best is None:
+    for pol, pol_best in found.items():
+        if isinstance(pol_best, str):
+            errors[pol] = pol_best
             outcomes[pol] = "infeasible"
             continue
         outcomes[pol] = pol_best.throughput
@@ -232,7 +286,8 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
 
 
 def _to_plan(c: _Candidate, table: LayerTable, cluster: ClusterSpec, profile: ModelProfile, d: int,
-             minibatch_size: Optional[int], objective: str, outcomes: Dict[str, Any], precision: str) -> Plan:
+             minibatch_size: Optional[int], objective: str, outcomes: Dict[str, Any], precision: str,
+             extra: Optional[Dict[str, Any]] = None) -> Plan:
     vws = []
     for v, (part, wave) in enumerate(zip(c.parts, c.wave_times)):
         stages = tuple(
@@ -256,6 +311,7 @@ def _to_plan(c: _Candidate, table: LayerTable, cluster: ClusterSpec, profile: Mo
     if c.left_out:
         meta["left_out"] = [{"devices": [s.device for s in vw], "reason": _rename(why, src, dst)}
                             for vw, why, src, dst in c.left_out]
+    meta.update(extra or {})
     return Plan(num_layers=table.num_layers, nm=c.nm, d=d, policy=c.policy, virtual_workers=tuple(vws),
                 ps_shards=c.shards, throughput=c.throughput,
                 minibatch_size=minibatch_size if minibatch_size is not None else profile.minibatch_size,

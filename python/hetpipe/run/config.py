@@ -20,6 +20,7 @@ Sections (docs/training.md, "Settings"):
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Type, TypeVar, Union
@@ -62,6 +63,12 @@ class Planning:
     plan_cache: a directory keeping the plan, profile and cluster for the next run of the same model,
         sample shapes, cluster and settings (None: ``hetpipe launch --plan-cache``'s, else none).
     on_plan: called on rank 0 with the plan every rank runs, before training starts.
+    objective: what the plan maximises (:func:`hetpipe.plan.make_plan`): "throughput" (default), or
+        "time-to-accuracy": goodput, samples/s x the statistical efficiency of the plan's batch per update,
+        from the gradient noise scale (the chosen plan may leave slow devices out: see docs/clusters.md).
+    noise_scale: time-to-accuracy: the gradient noise scale in samples; None: rank 0 measures it before
+        planning by a short pilot on the model and the first minibatches of the data
+        (:func:`hetpipe.run.pilot.job_noise_scale`).
     """
 
     cluster: Any = None
@@ -72,6 +79,8 @@ class Planning:
     split_startup: int = 0
     plan_cache: Optional[PathLike] = None
     on_plan: Optional[Callable[[Any], None]] = None
+    objective: str = "throughput"
+    noise_scale: Optional[float] = None
 
     def __post_init__(self) -> None:
         from hetpipe.plan.formation import POLICIES
@@ -100,6 +109,19 @@ class Planning:
         directory_path("planning.plan_cache", self.plan_cache)
         if self.on_plan is not None and not callable(self.on_plan):
             raise TypeError(f"hetpipe: planning.on_plan must be a function plan -> None, got {self.on_plan!r}")
+        from hetpipe.plan.planner import OBJECTIVES, TIME_TO_ACCURACY
+
+        if self.objective not in OBJECTIVES:
+            raise ArgumentError(f"hetpipe: planning.objective must be one of {', '.join(OBJECTIVES)}, "
+                                f"got {self.objective!r}")
+        if self.noise_scale is not None:
+            if self.objective != TIME_TO_ACCURACY:
+                raise ArgumentError(f"hetpipe: planning.noise_scale is for objective={TIME_TO_ACCURACY!r}, "
+                                    f"not {self.objective!r}")
+            ns = self.noise_scale
+            if isinstance(ns, bool) or not isinstance(ns, (int, float)) or not math.isfinite(ns) or ns < 0:
+                raise ArgumentError(f"hetpipe: planning.noise_scale must be a finite number >= 0 (samples), "
+                                    f"got {ns!r}")
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,17 @@ from hetpipe.plan.types import Plan
 def plan_key(layers: Sequence[Any], sample: Any, cluster: Any, precision: str, planning: Any,
              **extra: Any) -> Dict[str, Any]:
     """The cache key of a plan made for ``layers`` on ``sample`` over ``cluster`` (a ClusterSpec) in
-    ``precision`` with ``planning``'s policy, Nm and D (a :class:`~hetpipe.run.config.Planning`); ``extra``:
+    ``precision`` with ``planning``'s policy, Nm, D and objective when not the default (a
+    :class:`~hetpipe.run.config.Planning`); ``extra``:
     what else the planner was given (e.g. the world's PS nodes). The fields in the order a mismatch is
     reported."""
-    return {"model": model_key(layers), "sample": sample_key(sample), "cluster": cluster.to_dict(),
-            "precision": precision, "policy": planning.policy, "nm": planning.nm, "d": planning.d or 0, **extra}
+    key = {"model": model_key(layers), "sample": sample_key(sample), "cluster": cluster.to_dict(),
+           "precision": precision, "policy": planning.policy, "nm": planning.nm, "d": planning.d or 0}
+    objective = getattr(planning, "objective", "throughput")
+    if objective != "throughput":
+        # a plan for another objective (time to accuracy: from the given noise scale, or None: the pilot's)
+        key.update(objective=objective, noise_scale=getattr(planning, "noise_scale", None))
+    return {**key, **extra}
 
 
 def planning_inputs(cluster: Any, profile: Dict[str, Any], planning: Any, minibatch_size: int, precision: str,

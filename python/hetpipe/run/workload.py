@@ -173,6 +173,7 @@ def _plan_here(work: Workload, config: RunConfig) -> Tuple[Plan, Dict[str, Any]]
     from hetpipe.plan.cluster import load_cluster
     from hetpipe.model.measure import profile_model
     from hetpipe.plan import make_plan
+    from hetpipe.run.pilot import planning_arguments
 
     p = config.planning
     precision = config.numerics.precision or "fp32"
@@ -190,7 +191,7 @@ def _plan_here(work: Workload, config: RunConfig) -> Tuple[Plan, Dict[str, Any]]
     else:
         profile = profile_model(work.sequence, x, cluster, loss_fn=lambda out: work.loss_fn(out, y))
         plan = make_plan(cluster, profile, policy=p.policy, nm=p.nm, d=p.d or 0, minibatch_size=batch_of(x),
-                         precision=precision, tf32=tf32)
+                         precision=precision, tf32=tf32, **planning_arguments(work, p))
         if cache is not None:
             cache.store(key, plan, profile, cluster)
         profile_data = profile.to_dict()

@@ -88,6 +88,7 @@ def plan_on_world(work: Any, config: Any, comm: Any,
 def _planned(work: Any, config: Any, comm: Any, discovery: Discovery) -> Tuple[Plan, Dict[str, Any]]:
     from hetpipe.plan import make_plan
     from hetpipe.plan.profile import ModelProfile
+    from hetpipe.run.pilot import planning_arguments
 
     rank = comm.Get_rank()
     cluster = discovery.cluster
@@ -116,7 +117,7 @@ def _planned(work: Any, config: Any, comm: Any, discovery: Discovery) -> Tuple[P
             try:
                 plan = make_plan(cluster, profile, policy=p.policy, nm=p.nm, d=p.d or 0,
                                  minibatch_size=batch_of(x), precision=precision, ps_nodes=ps_nodes,
-                                 tf32=tf32)
+                                 tf32=tf32, **planning_arguments(work, p))
                 if cache_dir is not None:
                     PlanCache(cache_dir).store(key, plan, profile, cluster)
                 plan_text = plan.to_json()
