@@ -50,3 +50,16 @@ def test_a_later_attempt_re_plans_with_the_run_s_planning_inputs(tmp_path):
     (tmp_path / "attempt-0" / "planning.json").unlink()
     _, how = _next_plan(plan, {"n0.g0"}, tmp_path / "attempt-2")
     assert how.startswith("dropped the VW(s) that held them (the run saved no planning inputs")
+
+
+def test_a_plan_without_a_failed_device_still_formats():
+    """plan_without records what it left out as the planner does, so the plan prints (it raised before)."""
+    from hetpipe.launch.restart import plan_without
+    from hetpipe.plan.format import format_plan
+
+    plan, _ = _planning()
+    dev = plan.virtual_workers[0].stages[0].device
+    new = plan_without(plan, [dev])
+    assert new.meta["left_out"] == [{"devices": list(plan.virtual_workers[0].devices),
+                                     "reason": f"device(s) {[dev]} failed"}]
+    assert dev in format_plan(new)

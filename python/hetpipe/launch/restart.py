@@ -82,7 +82,10 @@ def plan_without(plan: Plan, devices: Iterable[str]) -> Plan:
     if not kept:
         raise ValueError(f"hetpipe: without device(s) {sorted(out)} no virtual worker of the plan is left")
     vws = tuple(dataclasses.replace(vw, index=i) for i, vw in enumerate(kept))
-    meta = {**plan.meta, "left_out": sorted(out),
+    # The planner's form of meta["left_out"] (hetpipe.plan.format reads it): each VW left out, and why.
+    gone = [{"devices": list(vw.devices), "reason": f"device(s) {sorted(out & set(vw.devices))} failed"}
+            for vw in plan.virtual_workers if out & set(vw.devices)]
+    meta = {**plan.meta, "left_out": [*plan.meta.get("left_out", []), *gone],
             "prediction": f"none: the plan's prediction was for all its VWs; device(s) {sorted(out)} were left out"}
     return dataclasses.replace(plan, virtual_workers=vws, throughput=0.0, meta=meta)
 
