@@ -8,6 +8,12 @@
   bytes over every link of the ring at once, so the slowest link sets the pace:
   ``2 (k - 1) / k x n / bandwidth + 2 (k - 1) x latency`` (0 for one member). The ring visits the
   members in the given order and closes; a ring spanning nodes has an inter-node link.
+* **FSDP** (fully sharded data parallelism, every member one shard of the weights, gradients and
+  optimizer state): the data-parallel step's compute, then per step an all-gather of the weights for
+  the forward, another for the backward, and a reduce-scatter of the gradient, each a ring pass of
+  ``(k - 1) / k x n / bandwidth + (k - 1) x latency``: ``3 (k - 1) / k x n / bandwidth + 3 (k - 1) x
+  latency`` in all (1.5x a ring all-reduce), not overlapped with the compute (FSDP's prefetch overlaps
+  part of it: an upper bound by at most the communication).
 * **1F1B pipelining**: one pipeline, ``M`` micro-batches and a flush per step, played by hetpipe's
   simulator (``hetpipe.schedule.simulate``, the registered ``1f1b`` schedule) with each boundary's
   activation and gradient transfer over the link between its two devices. With equal stages it is
@@ -34,6 +40,28 @@ def ring_allreduce_s(nbytes: float, members: int, link: Link) -> float:
         return 0.0
     steps = 2 * (members - 1)
     return steps / members * nbytes / link.bandwidth + steps * link.latency
+
+
+def fsdp_comm_s(nbytes: float, members: int, link: Link) -> float:
+    """Seconds of one FSDP step's communication of ``nbytes`` of weights over ``members``: two ring
+    all-gathers (forward, backward) and one ring reduce-scatter (see the module docstring)."""
+    if members < 1 or nbytes < 0:
+        raise ValueError(f"fsdp: {members} members, {nbytes} bytes")
+    if members == 1 or nbytes == 0:
+        return 0.0
+    passes = 3 * (members - 1)
+    return passes / members * nbytes / link.bandwidth + passes * link.latency
+
+
+def fsdp_bytes_per_device(param_bytes: Sequence[float], optimizer_bytes: Sequence[float], members: int,
+                          stash_bytes: float) -> float:
+    """Bytes an FSDP member holds at its peak: its shard of the weights, gradients and optimizer state,
+    the largest layer's gathered weights and gradient (one FSDP unit per layer), and the stashed
+    activations of its share (``stash_bytes``)."""
+    if members < 1:
+        raise ValueError(f"fsdp: {members} members")
+    state = sum(2 * p + o for p, o in zip(param_bytes, optimizer_bytes))
+    return state / members + 2 * max(param_bytes, default=0.0) + stash_bytes
 
 
 def ring_link(cluster: ClusterSpec, devices: Sequence[str]) -> Link:

@@ -15,7 +15,10 @@ not from a clock. Each validation point is ``(virtual seconds, samples trained, 
 * ``ddp``, ``ddp-fast``, ``hetero-dp``, ``pipelining``: the update all of them apply, the mean loss over
   the step's windows through the plain model (the windows ``train_ddp.py`` and ``train_pipelining.py``
   read, in order), one Adam step; its time is ``steptimes``' model of the system. ``--steps``: optimizer
-  steps.
+  steps. The data-parallel baselines use only the devices whose memory holds the whole model with its
+  Adam state (``ddp-fast``: the fastest of them; ``hetero-dp``: all of them, one minibatch each, split
+  by speed). ``fsdp`` (every device, one minibatch each, the weights sharded) applies DDP's update over
+  all devices; its step adds FSDP's all-gathers and reduce-scatter (``steptimes``).
 
 :func:`staleness_table` prints a simulated record's staleness beside a measured one's.
 """
@@ -42,10 +45,11 @@ from cluster_setup import memory_notes  # noqa: E402
 from hetpipe.model.weights import initial_weights, load_layer_weights  # noqa: E402
 from hetpipe.run.record import RunRecord  # noqa: E402
 from split import uniform_split  # noqa: E402
-from steptimes import boundary_transfers, dp_step_s, pipeline_step_s, ring_link  # noqa: E402
+from steptimes import (boundary_transfers, dp_step_s, fsdp_bytes_per_device, fsdp_comm_s,  # noqa: E402
+                       pipeline_step_s, ring_link)
 from task import MinibatchStream, TaskSpec, build_layers, evaluate, loss_fn, optimizer  # noqa: E402
 
-SYSTEMS = ("ddp", "ddp-fast", "hetero-dp", "pipelining", "hetpipe")
+SYSTEMS = ("ddp", "ddp-fast", "hetero-dp", "fsdp", "pipelining", "hetpipe")
 Point = Tuple[float, int, float]          # (virtual seconds, samples trained, validation loss)
 
 
@@ -72,6 +76,7 @@ class Baseline:
     step_s: float
     parts: Dict[str, float] = field(default_factory=dict)
     note: str = ""
+    fits: bool = True             # whether every member's memory holds what the system keeps there
 
 
 def grad_bytes(prof) -> float:
@@ -79,24 +84,45 @@ def grad_bytes(prof) -> float:
     return float(sum(l.param_bytes for l in prof.layers))
 
 
+def fitting(s: Setting, share: Optional[int] = None) -> List[bool]:
+    """Per device (cluster order): whether its memory holds the whole model with its optimizer state and
+    the stashed activations of ``share`` windows (default: one minibatch), ``cluster_setup.memory_notes``."""
+    misfit = memory_notes(s.dm, s.prof, s.cluster, share or s.task.minibatch)
+    return [t not in misfit for _, t in s.dm.devices]
+
+
 def baseline(s: Setting, system: str) -> Baseline:
     """The step of ``system`` (one of ``SYSTEMS`` but hetpipe) on the setting's device model."""
     dm, mb = s.dm, s.task.minibatch
     ids = [d for d, _ in dm.devices]
     times = [dm.minibatch_time(t) for _, t in dm.devices]
-    if system in ("ddp", "hetero-dp", "ddp-fast"):
-        if system == "ddp":
+    if system in ("ddp", "hetero-dp", "ddp-fast", "fsdp"):
+        fits = fitting(s)
+        if system in ("ddp", "fsdp"):
             members, windows = list(range(len(ids))), [mb] * len(ids)
         elif system == "hetero-dp":
-            members, windows = list(range(len(ids))), batch_split(times, len(ids) * mb)
+            members = [i for i, f in enumerate(fits) if f]
+            windows = batch_split([times[i] for i in members], len(members) * mb) if members else []
         else:
-            misfit = memory_notes(dm, s.prof, s.cluster, mb)
-            sub = fast_subset(times, [t not in misfit for _, t in dm.devices], mb)
+            sub = fast_subset(times, fits, mb)
             members, windows = list(sub.devices), [mb] * len(sub.devices)
-        compute, reduce = dp_step_s([times[i] for i in members], windows, mb, grad_bytes(s.prof),
-                                    ring_link(s.cluster, [ids[i] for i in members]))
-        return Baseline(system, sum(windows), compute + reduce, {"compute": compute, "all-reduce": reduce},
-                        f"devices {[ids[i] for i in members]}, windows {windows}")
+        if not members:
+            return Baseline(system, 0, float("inf"), note="no device's memory holds the model", fits=False)
+        link = ring_link(s.cluster, [ids[i] for i in members])
+        compute, reduce = dp_step_s([times[i] for i in members], windows, mb, grad_bytes(s.prof), link)
+        note = f"devices {[ids[i] for i in members]}, windows {windows}"
+        if system == "fsdp":
+            comm = fsdp_comm_s(grad_bytes(s.prof), len(members), link)
+            held = fsdp_bytes_per_device([l.param_bytes for l in s.prof.layers],
+                                         [l.optimizer_bytes for l in s.prof.layers], len(members),
+                                         sum(l.stash for l in s.prof.layers))
+            cap = min(s.cluster.device_types[dm.devices[i][1]].memory_bytes for i in members)
+            return Baseline(system, sum(windows), compute + comm, {"compute": compute, "gather+scatter": comm},
+                            note + f", {held / 2**20:.1f} MiB per device (smallest memory {cap / 2**20:.1f} MiB)",
+                            fits=held <= cap)
+        ok = system == "ddp-fast" or all(fitting(s, w)[i] for i, w in zip(members, windows))
+        return Baseline(system, sum(windows), compute + reduce, {"compute": compute, "all-reduce": reduce}, note,
+                        fits=ok)
     if system == "pipelining":
         split = uniform_split(len(s.prof.layers), len(ids))
         fb = [dm.scaled_times(t, range(a, b), mb) for (_, t), (a, b) in zip(dm.devices, split)]
@@ -114,8 +140,10 @@ def eval_steps(steps: int, evals: int) -> List[int]:
 
 
 def run_baseline(s: Setting, system: str, steps: int, lr: float, seed: int, evals: int = 20,
-                 progress: Optional[Callable[[str], None]] = None) -> Tuple[List[Point], Baseline]:
-    """``steps`` optimizer steps of a baseline in one process; validation points on the virtual clock."""
+                 progress: Optional[Callable[[str], None]] = None,
+                 on_point: Optional[Callable[[Point, List[nn.Module]], None]] = None) -> Tuple[List[Point], Baseline]:
+    """``steps`` optimizer steps of a baseline in one process; validation points on the virtual clock
+    (``on_point(point, layers)`` is called at each, the layers holding the weights it validated)."""
     b = baseline(s, system)
     layers = build_layers(s.task, seed)
     model = nn.Sequential(*layers)
@@ -123,6 +151,8 @@ def run_baseline(s: Setting, system: str, steps: int, lr: float, seed: int, eval
     stream = MinibatchStream(s.text, s.task, seed, count=0)
     due = set(eval_steps(steps, evals))
     points: List[Point] = [(0.0, 0, evaluate(layers, *s.val))]
+    if on_point:
+        on_point(points[-1], layers)
     for k in range(steps):
         x, y = stream.windows(k * b.windows, b.windows)
         opt.zero_grad(set_to_none=True)
@@ -130,6 +160,8 @@ def run_baseline(s: Setting, system: str, steps: int, lr: float, seed: int, eval
         opt.step()
         if k + 1 in due:
             points.append(((k + 1) * b.step_s, (k + 1) * b.windows, evaluate(layers, *s.val)))
+            if on_point:
+                on_point(points[-1], layers)
             if progress:
                 progress(f"{system} step {k + 1}: t {points[-1][0]:.1f} s, val loss {points[-1][2]:.3f}")
     return points, b

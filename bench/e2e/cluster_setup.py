@@ -30,9 +30,10 @@ def make_device_model(spec: ModelSpec) -> Tuple[DeviceModel, ModelProfile, Any]:
 
 def profile_device_model(layers: Sequence[Any], x: Any, loss: Callable[[Any], Any], name: str,
                          optimizer_factor: float = 1.0, trials: int = 1,
-                         slowdown: float = 1.0) -> Tuple[DeviceModel, ModelProfile, Any]:
+                         slowdown: float = 1.0, cluster: Any = CLUSTER) -> Tuple[DeviceModel, ModelProfile, Any]:
     """Profile ``layers`` on one minibatch ``x`` (``loss(output)`` drives the backward) on this host, one
-    thread, on the ``CLUSTER`` preset: (device model, the hetpipe profile it came from, the cluster spec).
+    thread, on ``cluster`` (an emulated cluster: a preset name, dict or spec; default the ``CLUSTER``
+    preset): (device model, the hetpipe profile it came from, the cluster spec).
 
     ``trials`` > 1 profiles that many times and keeps each layer's fastest forward and backward: on a
     host shared with other work, a layer whose time was inflated by preemption in one profile is not
@@ -43,7 +44,8 @@ def profile_device_model(layers: Sequence[Any], x: Any, loss: Callable[[Any], An
     from torch import nn
 
     torch.set_num_threads(1)
-    cluster = load_cluster(CLUSTER)
+    where = f"cluster preset {cluster}" if isinstance(cluster, str) else f"cluster {load_cluster(cluster).name}"
+    cluster = load_cluster(cluster)
     profs = [profile_model(nn.Sequential(*layers), x, cluster, loss_fn=loss, optimizer_factor=optimizer_factor,
                            name=name) for _ in range(trials)]
     prof = dataclasses.replace(profs[0], layers=tuple(
@@ -57,7 +59,7 @@ def profile_device_model(layers: Sequence[Any], x: Any, loss: Callable[[Any], An
     how += f"times x {slowdown:g}, " if slowdown != 1 else ""
     dm = DeviceModel(devices=[(d.id, d.type) for d in cluster.devices], minibatch=prof.minibatch_size,
                      fwd={t: prof.fwd(t) for t in types}, bwd={t: prof.bwd(t) for t in types},
-                     source=f"hetpipe.model.measure.profile_model on this host, {how}cluster preset {CLUSTER}",
+                     source=f"hetpipe.model.measure.profile_model on this host, {how}{where}",
                      host_fwd=[v * speed / slowdown for v in prof.fwd(ref)],
                      host_bwd=[v * speed / slowdown for v in prof.bwd(ref)])
     return dm, prof, cluster

@@ -1,0 +1,134 @@
+"""bench/convergence/tta.py's pieces: the capacity-bound regime's cluster and memory verdicts (in bytes),
+the baselines that regime leaves to the fitting devices, FSDP's step and memory, the targets, mean and
+sd, and the speed-up bound, against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path[:0] = [str(BENCH / "convergence"), str(BENCH / "e2e")]
+
+import steptimes as st  # noqa: E402
+import tta  # noqa: E402
+import vclock  # noqa: E402
+from devices import DeviceModel  # noqa: E402
+from hetpipe.plan.cluster import Link, load_cluster  # noqa: E402
+from hetpipe.plan.profile import LayerProfile, ModelProfile  # noqa: E402
+from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan  # noqa: E402
+from task import TaskSpec, corpus, validation_set  # noqa: E402
+
+torch.set_num_threads(1)
+MIB = 2 ** 20
+
+
+def profile(types, layers=4, param=2 * MIB, stash=1 * MIB) -> ModelProfile:
+    """A model of ``layers`` equal layers: ``param`` bytes of weights each, Adam (2x), ``stash`` per minibatch."""
+    f = {t: 0.01 / s for t, s in types.items()}
+    return ModelProfile("m", 4, tuple(LayerProfile(f"l{i}", f, {t: 2 * v for t, v in f.items()}, 1000, param, 2 * param,
+                                                   stash_bytes=stash) for i in range(layers)), input_bytes=1)
+
+
+def test_r1_cluster_is_the_testbed_with_scaled_memory():
+    tb = load_cluster("hetpipe-testbed")
+    spec, scale = tta.testbed_emulated(40 * MIB)
+    cl = load_cluster(spec)
+    assert scale == pytest.approx(40 * MIB / (10 * 2 ** 30))
+    assert [(d.id, d.type) for d in cl.devices] == [(d.id, d.type) for d in tb.devices]
+    assert cl.emulated and cl.inter_node == load_cluster("cpu-emulated-6").inter_node
+    for t, dt in cl.device_types.items():
+        assert dt.memory_bytes == int(tb.device_types[t].memory_bytes * scale)
+        assert dt.speed == pytest.approx(0.125 * tb.device_types[t].peak_flops / 16.3e12)
+    # 40 MiB at 10 GiB: Titan V (12 GiB -> 48 MiB) and Titan RTX (96 MiB) hold it; RTX 2060 (24 MiB) and
+    # Quadro P4000 (32 MiB) do not.
+    fits = {t: ok for t, (_, _, ok) in tta.memory_verdicts(cl, 40 * MIB).items()}
+    assert fits == {"titan_v": True, "titan_rtx": True, "rtx2060": False, "quadro_p4000": False}
+
+
+def test_model_bytes_is_weights_gradients_adam_and_stash():
+    prof = profile({"a": 1.0}, layers=3, param=2 * MIB, stash=MIB)
+    # per layer: 2 MiB weights + 2 MiB gradients + 4 MiB Adam + 1 MiB stash (one minibatch) = 9 MiB
+    assert tta.model_bytes(prof, 4) == 27 * MIB
+    assert tta.model_bytes(prof, 8) == 30 * MIB
+
+
+def r1_setting() -> vclock.Setting:
+    """The capacity-bound regime on a made-up profile: each device type's memory from the testbed's."""
+    tb = load_cluster("hetpipe-testbed")
+    speeds = {t: dt.peak_flops / 1e12 for t, dt in tb.device_types.items()}
+    prof = profile(speeds)
+    need = tta.model_bytes(prof, 4)
+    spec, _ = tta.testbed_emulated(need)
+    cl = load_cluster(spec)
+    dm = DeviceModel([(d.id, d.type) for d in cl.devices], {t: prof.fwd(t) for t in speeds},
+                     {t: prof.bwd(t) for t in speeds}, 4, "test")
+    task = TaskSpec(width=16, blocks=1, val_windows=8)
+    text, val, _ = corpus(task)
+    stage = StagePlan("n0.g0", "titan_v", 0, 4, 0.1, 0.2)
+    plan = Plan(4, 1, 0, "manual", (VirtualWorkerPlan(0, (stage,)),), (ShardPlan(0, "n0", (0, 1, 2, 3)),))
+    return vclock.Setting(task, text, validation_set(val, task), dm, prof, cl, plan)
+
+
+def test_r1_data_parallel_baselines_leave_out_the_devices_that_cannot_hold_the_model():
+    s = r1_setting()
+    need = tta.model_bytes(s.prof, 4)
+    small = {t for t, dt in s.cluster.device_types.items() if dt.memory_bytes < need}
+    assert small == {"rtx2060", "quadro_p4000"}
+    for system in ("ddp-fast", "hetero-dp"):
+        b = vclock.baseline(s, system)
+        used = {d.type for d in s.cluster.devices if f"'{d.id}'" in b.note}
+        assert used and not used & small, (system, b.note)
+        # every member holds the model with its share of the step
+        assert b.fits
+    hetero = vclock.baseline(s, "hetero-dp")
+    assert hetero.windows == 8 * 4                  # the 8 fitting devices' minibatches
+    fast = vclock.baseline(s, "ddp-fast")
+    assert fast.windows in (16, 32)                 # the k fastest fitting: 4 Titan RTX, or all 8
+
+
+def test_fsdp_step_and_memory_by_hand():
+    link = Link(2.5e8, 1e-4)
+    # 16 members, 16e6 bytes: 3 passes x 15 steps of 1e6 bytes at 2.5e8 B/s, plus 45 latencies.
+    assert st.fsdp_comm_s(16e6, 16, link) == pytest.approx(45 * 1e6 / 2.5e8 + 45 * 1e-4)
+    assert st.fsdp_comm_s(16e6, 1, link) == 0.0
+    # weights 4 x 2 MiB, gradients alike, Adam 4 x 4 MiB over 4 members, plus one gathered layer's weights and
+    # gradient (4 MiB) and the stash (3 MiB)
+    held = st.fsdp_bytes_per_device([2 * MIB] * 4, [4 * MIB] * 4, 4, 3 * MIB)
+    assert held == pytest.approx(8 * MIB + 4 * MIB + 3 * MIB)
+    s = r1_setting()
+    b = vclock.baseline(s, "fsdp")
+    assert b.windows == 16 * 4 and b.fits
+    slowest = max(s.dm.minibatch_time(t) for _, t in s.dm.devices)
+    assert b.parts["compute"] == pytest.approx(slowest)
+    comm = st.fsdp_comm_s(vclock.grad_bytes(s.prof), 16, s.cluster.inter_node)
+    assert b.parts["gather+scatter"] == pytest.approx(comm)
+
+
+def test_targets_are_spread_along_the_reference_curve():
+    ref = [(0.0, 5.5), (10.0, 4.0), (20.0, 3.0), (40.0, 2.5)]
+    other = [(0.0, 5.5), (40.0, 2.8)]
+    # hardest: 2.8 (what every curve reaches); the reference reaches it at 20 + 20 x 0.2 / 0.5 = 28 s;
+    # at 7 s it is at 4.45, at 14 s at 3.6
+    assert tta.choose_targets([ref, other], 40.0, ref) == pytest.approx([4.45, 3.6, 2.8])
+    # coinciding levels are spaced evenly between the first and the hardest instead
+    flat = [(0.0, 5.5), (1.0, 3.0), (40.0, 2.9)]
+    got = tta.choose_targets([flat], 40.0, flat)
+    assert len(got) == 3 and got[-1] == pytest.approx(2.9) and got[0] > got[1] > got[2]
+    with pytest.raises(ValueError):
+        tta.choose_targets([other], 40.0, [(0.0, 5.5), (40.0, 5.0)])
+
+
+def test_mean_sd_samples_and_speedup_bound_by_hand():
+    m, sd = tta.mean_sd([10.0, 12.0, 14.0])
+    assert m == 12.0 and sd == pytest.approx(2.0)
+    assert tta.mean_sd([3.0]) == (3.0, None)
+    assert tta.mean_sd([3.0, None]) == (None, None)
+    assert tta.samples_at([(0.0, 0, 5.0), (2.0, 100, 4.0), (4.0, 300, 3.0)], 3.0) == pytest.approx(200.0)
+    # throughput 30 vs 20 samples/s; batches 16 and 32 at B_noise 16: efficiency ratio (16 + 32) / (16 + 16) = 1.5
+    assert tta.speedup_bound(30.0, 20.0, 16, 32, 16.0) == pytest.approx(1.5 * 1.5)
+    assert tta.speedup_bound(30.0, 20.0, 16, 32, math.inf) == pytest.approx(1.5)
