@@ -63,3 +63,17 @@ def test_a_plan_without_a_failed_device_still_formats():
     assert new.meta["left_out"] == [{"devices": list(plan.virtual_workers[0].devices),
                                      "reason": f"device(s) {[dev]} failed"}]
     assert dev in format_plan(new)
+
+
+def test_a_plan_for_time_to_accuracy_is_re_planned_for_it():
+    """The restart keeps the objective the plan was made for, with its noise scale: the same choice as
+    make_plan makes on the surviving devices for that objective."""
+    cluster, profile = load_cluster("hetpipe-testbed"), load_profile("resnet152")
+    planning = {"cluster": cluster.to_dict(), "profile": profile.to_dict(), "policy": "auto", "nm": None, "d": 0,
+                "minibatch_size": 32, "precision": "fp32"}
+    plan = make_plan(cluster, profile, minibatch_size=32, objective="time-to-accuracy", noise_scale=50.0)
+    gone = plan.virtual_workers[0].stages[0].device
+    new = replan(plan, [gone], planning)
+    assert new.meta["objective"] == "time-to-accuracy"
+    assert new.meta["time_to_accuracy"]["noise_scale"] == 50.0
+    assert gone not in {st.device for vw in new.virtual_workers for st in vw.stages}
