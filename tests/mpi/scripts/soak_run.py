@@ -5,6 +5,8 @@ shard: 4 ranks), D = 0, SGD with momentum and a StepLR (state a resume must rest
 ``epochs`` epochs of ``minibatches`` shuffled minibatches; checkpoints come from the launcher
 (--checkpoint-dir, --checkpoint-every), two complete ones are kept and a resume falls back past one that
 fails verification. A restart that leaves a failed stage's device out re-plans the remaining ones.
+``plan_cache`` (CONFIG_JSON): where the plan is kept for the next run of the job (the soak's reference
+and the soaked run then train one plan).
 
 Records for the soak's lineage check: the last stage appends one line per loss it computes in training to
 ``$HETPIPE_RUN_DIR/trained-<pid>.jsonl`` (the minibatch's label digest, which identifies it, and the
@@ -62,7 +64,8 @@ class LoggedLoss:
 def main() -> int:
     out, cfg = Path(sys.argv[1]), json.loads(sys.argv[2])
     run = Trainer(mlp(), LoggedLoss(), sgd(momentum=0.9), data_of(cfg), epochs=cfg["epochs"],
-                  planning=Planning(cluster=cluster_from_dict(CLUSTER), policy="NP", nm=cfg["nm"], d=0),
+                  planning=Planning(cluster=cluster_from_dict(CLUSTER), policy="NP", nm=cfg["nm"], d=0,
+                                    plan_cache=cfg.get("plan_cache")),
                   numerics=Numerics(lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 8, gamma=0.7)),
                   checkpointing=Checkpointing(keep=2, fallback=True), reporting=Reporting(progress=False),
                   runtime=Runtime(emulate=True)).fit()
