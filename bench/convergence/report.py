@@ -14,14 +14,14 @@ import numpy as np
 from curves import best_within, loss_at, on_grid, time_to_target
 
 
-def _fmt(x: Optional[float], spec: str = ".1f") -> str:
+def fmt(x: Optional[float], spec: str = ".1f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
 def table(cols: Sequence[str], body: List[List[str]]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(cols, *body)]
-    fmt = lambda row: " | ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip()  # noqa: E731
-    return "\n".join([fmt(cols), "-+-".join("-" * w for w in widths)] + [fmt(b) for b in body])
+    line = lambda row: " | ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(cols), "-+-".join("-" * w for w in widths)] + [line(b) for b in body])
 
 
 def sweep_table(runs: List[dict], best: Dict[str, float], budget: float) -> str:
@@ -33,7 +33,7 @@ def sweep_table(runs: List[dict], best: Dict[str, float], budget: float) -> str:
         row = [label]
         for lr in lrs:
             rs = [r for r in runs if r["label"] == label and r["lr"] == lr]
-            cell = _fmt(loss_at(rs[0]["curve"], budget), ".3f") if rs else "-"
+            cell = fmt(loss_at(rs[0]["curve"], budget), ".3f") if rs else "-"
             if rs and best.get(rs[0]["key"]) == lr:
                 cell += " *"
             row.append(cell)
@@ -64,11 +64,11 @@ def summary_table(rows: List[dict], budget: float) -> str:
     ddp = next((r for r in rows if r["key"] == "ddp"), None)
     body = []
     for r in rows:
-        per_seed = ", ".join(_fmt(t) for t in r["time_to_target"])
+        per_seed = ", ".join(fmt(t) for t in r["time_to_target"])
         speed = (f"{ddp['ttt_mean'] / r['ttt_mean']:.2f}x" if ddp and ddp["ttt_mean"] and r["ttt_mean"] else "-")
         dloss = f"{100 * (r['loss_mean'] / ddp['loss_mean'] - 1):+.2f}%" if ddp else "-"
         note = f"ended before {budget:g} s (seeds {r['short']})" if r["short"] else ""
-        body.append([r["label"], f"{r['lr']:.3g}", f"{_fmt(r['ttt_mean'])} ± {_fmt(r['ttt_sd'])}", per_seed, speed,
+        body.append([r["label"], f"{r['lr']:.3g}", f"{fmt(r['ttt_mean'])} ± {fmt(r['ttt_sd'])}", per_seed, speed,
                      f"{r['loss_mean']:.3f} ± {r['loss_sd']:.3f}", dloss, f"{r['samples_per_s']:.0f}",
                      f"{100 * r['overrun']:.1f}%", note])
     return table(["system", "lr", "time to target s (mean ± sd)", "per seed", "speed-up vs DDP",
@@ -92,7 +92,7 @@ def goal_lines(rows: List[dict], speedup: float = 1.5, loss_tol: float = 0.01) -
         rel = r["loss_mean"] / best["loss_mean"] - 1
         ok_s = s is not None and s >= speedup
         ok_l = rel <= loss_tol
-        out.append(f"goal {r['label']}: speed-up {_fmt(s, '.2f')}x vs the best baseline ({'met' if ok_s else 'NOT met'}, "
+        out.append(f"goal {r['label']}: speed-up {fmt(s, '.2f')}x vs the best baseline ({'met' if ok_s else 'NOT met'}, "
                    f"needs >= {speedup}x); val loss at budget {100 * rel:+.2f}% vs it ({'met' if ok_l else 'NOT met'}, "
                    f"needs <= +{100 * loss_tol:.0f}%)")
     return out

@@ -32,25 +32,26 @@ from hetpipe.schedule import simulate, vw_costs
 from hetpipe.schedule.registry import ScheduleOptions, generate
 
 
-def ring_allreduce_s(nbytes: float, members: int, link: Link) -> float:
-    """Seconds of a ring all-reduce of ``nbytes`` over ``members`` whose slowest ring link is ``link``."""
+def _ring_s(what: str, phases: int, nbytes: float, members: int, link: Link) -> float:
+    """Seconds of ``phases`` ring passes (an all-gather or a reduce-scatter each: ``members - 1`` steps
+    of ``nbytes / members``) over ``members`` whose slowest ring link is ``link``."""
     if members < 1 or nbytes < 0:
-        raise ValueError(f"ring all-reduce: {members} members, {nbytes} bytes")
+        raise ValueError(f"{what}: {members} members, {nbytes} bytes")
     if members == 1 or nbytes == 0:
         return 0.0
-    steps = 2 * (members - 1)
+    steps = phases * (members - 1)
     return steps / members * nbytes / link.bandwidth + steps * link.latency
+
+
+def ring_allreduce_s(nbytes: float, members: int, link: Link) -> float:
+    """Seconds of a ring all-reduce (a reduce-scatter and an all-gather) of ``nbytes`` over ``members``."""
+    return _ring_s("ring all-reduce", 2, nbytes, members, link)
 
 
 def fsdp_comm_s(nbytes: float, members: int, link: Link) -> float:
     """Seconds of one FSDP step's communication of ``nbytes`` of weights over ``members``: two ring
     all-gathers (forward, backward) and one ring reduce-scatter (see the module docstring)."""
-    if members < 1 or nbytes < 0:
-        raise ValueError(f"fsdp: {members} members, {nbytes} bytes")
-    if members == 1 or nbytes == 0:
-        return 0.0
-    passes = 3 * (members - 1)
-    return passes / members * nbytes / link.bandwidth + passes * link.latency
+    return _ring_s("fsdp", 3, nbytes, members, link)
 
 
 def fsdp_bytes_per_device(param_bytes: Sequence[float], optimizer_bytes: Sequence[float], members: int,

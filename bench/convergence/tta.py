@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 from curves import best_within, loss_at, on_grid, time_to_target  # noqa: E402
 from hetpipe.plan.cluster import load_cluster  # noqa: E402
 from hetpipe.plan.efficiency import NoiseScale, efficiency  # noqa: E402
+from report import fmt, table  # noqa: E402
 from task import TaskSpec  # noqa: E402
 
 GIB = 2 ** 30
@@ -301,16 +302,6 @@ def r1_setting(task, slowdown: float = SLOWDOWN, nm: Optional[int] = None, trial
     cluster = load_cluster(spec)
     plan, _ = make_plan(dm, prof, cluster, nm=nm, policy="auto")
     return vclock.Setting(task, text, validation_set(val, task), dm, prof, cluster, plan), scale, need
-
-
-def fmt(x: Optional[float], spec: str = ".1f") -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
-def table(cols: Sequence[str], body: List[List[str]]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(cols, *body)]
-    line = lambda row: " | ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(cols), "-+-".join("-" * w for w in widths)] + [line(b) for b in body])
 
 
 def campaign(name: str, s, rows: List[Row], budget: float, lrs: Sequence[float], seeds: Sequence[int], evals: int,
