@@ -145,6 +145,7 @@ class Row:
     system: str
     d: int = 0
     aggregate: str = "mean"
+    outer: Dict[str, object] = field(default_factory=dict)     # hetpipe: PSRule's outer-optimizer fields set
     batch: int = 0                 # windows per update (hetpipe: see batch_note)
     batch_note: str = ""
     step_s: float = 0.0            # virtual seconds per step (hetpipe: per wave, steady)
@@ -234,7 +235,50 @@ def hetpipe_steps(s, d: int, budget: float, margin: float = 1.1) -> Tuple[int, f
     return waves * plan.nm, wave
 
 
-def make_rows(s, systems: Sequence[str], variants: Sequence[Tuple[str, int]], steps: int) -> Tuple[List[Row], float]:
+OUTER_KEYS = {"outer": "outer", "lr": "outer_lr", "momentum": "outer_momentum", "staleness": "outer_staleness",
+              "gain": "outer_gain", "delay": "outer_delay"}
+
+
+def parse_variant(text: str) -> Tuple[str, int, Dict[str, object]]:
+    """One ``--hetpipe`` row: ``AGG:D`` or ``AGG:D:KEY=VALUE+KEY=VALUE...`` with KEY one of
+    :data:`OUTER_KEYS` (the PS's outer optimizer, :mod:`hetpipe.plan.outer`), e.g.
+    ``mean:1:outer=delayed-nesterov+lr=0.15+momentum=0.9``. Returns (aggregate, D, PSRule fields)."""
+    from hetpipe.plan.outer import OUTER_DEFAULTS, check_outer
+
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or parts[0] not in ("mean", "sum") or not parts[1].isdigit():
+        raise SystemExit(f"tta: --hetpipe row {text!r} is not AGG:D[:KEY=VALUE+...] with AGG mean or sum")
+    outer: Dict[str, object] = {}
+    for item in (parts[2].split("+") if len(parts) == 3 and parts[2] else []):
+        key, _, value = item.partition("=")
+        if key not in OUTER_KEYS or not value:
+            raise SystemExit(f"tta: --hetpipe row {text!r}: {item!r} is not KEY=VALUE with KEY in {sorted(OUTER_KEYS)}")
+        field_name = OUTER_KEYS[key]
+        kind = type(OUTER_DEFAULTS[field_name])
+        try:
+            outer[field_name] = kind(value)
+        except ValueError:
+            raise SystemExit(f"tta: --hetpipe row {text!r}: {key} must be a {kind.__name__}, got {value!r}") from None
+    try:
+        check_outer(f"tta: --hetpipe row {text!r}", **{**OUTER_DEFAULTS, **outer})
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    return parts[0], int(parts[1]), outer
+
+
+def variant_name(agg: str, d: int, outer: Dict[str, object]) -> Tuple[str, str]:
+    """(key, label) of a hetpipe row: ``hetpipe-d1-mean`` and ``hetpipe D=1 (mean)`` under the plain rule,
+    the outer optimizer's description added otherwise."""
+    from hetpipe.plan.outer import OUTER_DEFAULTS, describe_outer
+
+    if not outer:
+        return f"hetpipe-d{d}-{agg}", f"hetpipe D={d} ({agg})"
+    slug = "-".join(f"{k.replace('outer_', '')}{v}" for k, v in sorted(outer.items()))
+    return f"hetpipe-d{d}-{agg}-{slug}", f"hetpipe D={d} ({agg}; {describe_outer({**OUTER_DEFAULTS, **outer})})"
+
+
+def make_rows(s, systems: Sequence[str], variants: Sequence[Tuple[str, int, Dict[str, object]]],
+              steps: int) -> Tuple[List[Row], float]:
     """The regime's rows and its budget (virtual seconds): ``steps`` steps of the baseline with the
     shortest step; every other row's steps are sized to cover it."""
     import vclock
@@ -251,10 +295,11 @@ def make_rows(s, systems: Sequence[str], variants: Sequence[Tuple[str, int]], st
     for r in rows:
         r.steps = math.ceil(budget / r.step_s - 1e-9)
     nvw, mb = len(s.plan.virtual_workers), s.task.minibatch
-    for agg, d in variants:
+    for agg, d, outer in variants:
         n, wave = hetpipe_steps(s, d, budget)
         batch = nvw * mb if agg == "mean" else mb
-        rows.append(Row(f"hetpipe-d{d}-{agg}", f"hetpipe D={d} ({agg})", "hetpipe", d, agg, batch, step_s=wave, steps=n,
+        key, label = variant_name(agg, d, outer)
+        rows.append(Row(key, label, "hetpipe", d, agg, dict(outer), batch, step_s=wave, steps=n,
                         batch_note=(f"{batch} ({nvw} VWs x {mb} averaged)" if agg == "mean"
                                     else f"{mb} (each VW's, summed)"),
                         note=f"{nvw} VWs, Nm {s.plan.nm}, ~{wave:.3f} s per wave, {n} minibatches per VW"))
@@ -267,7 +312,7 @@ def run_one(s, row: Row, lr: float, seed: int, evals: int, keep: Optional[list] 
 
     started = time.perf_counter()
     if row.system == "hetpipe":
-        points, run = vclock.run_hetpipe(s, row.steps, lr, seed, row.d, row.aggregate, evals)
+        points, run = vclock.run_hetpipe(s, row.steps, lr, seed, row.d, row.aggregate, evals, outer=row.outer)
         extra = {"staleness": {str(k): v for k, v in run.staleness().items()}}
     else:
         def on_point(p, layers) -> None:
@@ -455,7 +500,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="profile the model this many times, each layer's fastest kept (--quick: 1)")
     ap.add_argument("--lrs", default="3e-4,1e-3,3e-3")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--hetpipe", default="mean:0,mean:4", help="hetpipe's (aggregate:D) rows")
+    ap.add_argument("--hetpipe", default="mean:0,mean:4",
+                    help="hetpipe's rows, comma-separated: AGG:D, or AGG:D:KEY=VALUE+... to set the PS's outer optimizer "
+                         "(KEY outer, lr, momentum, staleness, gain, delay; e.g. mean:1:gain=sqrt)")
     ap.add_argument("--r2-task", default="small", help="R2's task (run.py's --task)")
     ap.add_argument("--evals", type=int, default=16, help="validation points per run")
     ap.add_argument("--noise-groups", type=int, default=8, help="noise-scale measurements (8 gradients each)")
@@ -487,7 +534,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     lrs = [float(x) for x in args.lrs.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]
-    variants = [(v.split(":")[0], int(v.split(":")[1])) for v in args.hetpipe.split(",") if v]
+    variants = [parse_variant(v) for v in args.hetpipe.split(",") if v]
     say = lambda line: print(line, flush=True)  # noqa: E731
     started = time.time()
     stamp = "quick" if args.quick else "full"

@@ -168,9 +168,11 @@ def run_baseline(s: Setting, system: str, steps: int, lr: float, seed: int, eval
 
 
 def run_hetpipe(s: Setting, steps: int, lr: float, seed: int, d: int, aggregate: str = "mean", evals: int = 20,
-                progress: Optional[Callable[[str], None]] = None) -> Tuple[List[Point], object]:
-    """hetpipe's plan under D and ``aggregate`` for ``steps`` minibatches per VW (whole waves), replayed
-    on the simulated record; validation points at the global versions ``W_g``. Returns the points and the
+                progress: Optional[Callable[[str], None]] = None,
+                outer: Optional[Dict[str, object]] = None) -> Tuple[List[Point], object]:
+    """hetpipe's plan under D and ``aggregate`` (and ``outer``: :class:`hetpipe.PSRule`'s outer-optimizer
+    fields) for ``steps`` minibatches per VW (whole waves), replayed on the simulated record; validation
+    points at the global versions ``W_g``. Returns the points and the
     :class:`hetpipe.run.simulated.SimulatedRun`."""
     from hetpipe import PSRule, Reporting
     from hetpipe.run.replay import replay_run
@@ -185,7 +187,8 @@ def run_hetpipe(s: Setting, steps: int, lr: float, seed: int, d: int, aggregate:
     data = MinibatchStream(s.text, s.task, seed, count=waves * plan.nm * nvw)
     layers = build_layers(s.task, seed)
     trainer = Trainer(layers, loss_fn, lambda p: optimizer(p, lr), data, plan=plan,
-                      ps=PSRule(aggregate=aggregate), reporting=Reporting(progress=False))
+                      ps=PSRule(aggregate=aggregate, **(outer or {})), reporting=Reporting(progress=False))
+    plan = trainer.resolve_plan()           # the plan with the PS rule (aggregate, outer optimizer) applied
     spec = trainer.spec(plan)
     run = simulated_record(spec, cluster=s.cluster, param_bytes=[l.param_bytes for l in s.prof.layers])
     due = set(eval_steps(waves, evals))

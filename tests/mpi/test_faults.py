@@ -270,14 +270,22 @@ def _process_of_rank(run_dir: Path, rank: int, deadline_s: float = START_TIMEOUT
     pytest.fail(f"no process of rank {rank} within {deadline_s} s")
 
 
+def _wait_files(run_dir: Path, *names: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not all((run_dir / name).exists() for name in names):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{names} not all in the run directory within {START_TIMEOUT_S} s")
+        time.sleep(0.05)
+
+
 def test_a_rank_killed_before_mpi_start_up_is_named(tmp_path, monkeypatch):
+    """Rank 1 is in its script's own code (its first line, hetpipe.job.bootstrap, has run) and its peers
+    wait in MPI_Init when it is killed."""
     monkeypatch.setenv("HETPIPE_START_TIMEOUT", "120")
     run = Run(tmp_path, "stall_start.py", "sleep", "1")
     try:
         victim = _process_of_rank(run.run_dir, 1)
-        deadline = time.monotonic() + START_TIMEOUT_S        # its peers reached MPI_Init: they wait for it there
-        while not all((run.run_dir / f"starting-{r}").exists() for r in (0, 2)) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        _wait_files(run.run_dir, f"spawned-{victim}", "starting-0", "starting-2")
         at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         took = run.wait_gone(at)
@@ -288,6 +296,36 @@ def test_a_rank_killed_before_mpi_start_up_is_named(tmp_path, monkeypatch):
     assert (out["status"], out["cause"], out["rank"], out["pid"]) == ("failed", "died", 1, victim), out
     assert out["message"].startswith("hetpipe: rank 1 failed: it died before MPI start-up"), out
     assert "Traceback" not in run.err.read_text()
+
+
+def test_a_rank_dead_before_the_launcher_ever_saw_it_is_named(tmp_path, monkeypatch):
+    """The launcher is stopped (SIGSTOP) from just after it started mpiexec until mpiexec has ended the
+    job on rank 1's death, so its scan of the process table never saw a rank: as on a host so loaded
+    that a rank dies between two of its scans. The rank's own start record names it."""
+    monkeypatch.setenv("HETPIPE_START_TIMEOUT", "120")
+    run = Run(tmp_path, "stall_start.py", "sleep", "1")
+    try:
+        _wait_files(run.run_dir, "mpiexec.pid")
+        while not (run.run_dir / "mpiexec.pid").read_text().strip():
+            time.sleep(0.01)
+        os.kill(run.proc.pid, signal.SIGSTOP)
+        mpiexec = run.pid_of("mpiexec")
+        victim = _process_of_rank(run.run_dir, 1)
+        _wait_files(run.run_dir, f"spawned-{victim}", "starting-0", "starting-2")
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + GONE_GUARD_S
+        while _alive(mpiexec, run.run_dir) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(mpiexec, run.run_dir), "mpiexec did not end the job after a rank died"
+        os.kill(run.proc.pid, signal.SIGCONT)
+        run.wait_gone(time.monotonic())
+    finally:
+        if run.proc.poll() is None:
+            os.kill(run.proc.pid, signal.SIGCONT)
+        run.clean_up()
+    out = run.outcome()
+    assert (out["status"], out["cause"], out["rank"], out["pid"]) == ("failed", "died", 1, victim), out
+    assert out["message"].startswith("hetpipe: rank 1 failed: it died before MPI start-up"), out
 
 
 @pytest.mark.parametrize("whom, sig", [("rank", signal.SIGINT), ("rank", signal.SIGTERM),

@@ -132,3 +132,20 @@ def test_mean_sd_samples_and_speedup_bound_by_hand():
     # throughput 30 vs 20 samples/s; batches 16 and 32 at B_noise 16: efficiency ratio (16 + 32) / (16 + 16) = 1.5
     assert tta.speedup_bound(30.0, 20.0, 16, 32, 16.0) == pytest.approx(1.5 * 1.5)
     assert tta.speedup_bound(30.0, 20.0, 16, 32, math.inf) == pytest.approx(1.5)
+
+
+def test_hetpipe_rows_name_their_outer_optimizer_and_refuse_bad_fields():
+    assert tta.parse_variant("mean:1") == ("mean", 1, {})
+    agg, d, outer = tta.parse_variant("sum:2:outer=delayed-nesterov+lr=0.15+momentum=0.9+gain=sqrt+delay=3")
+    assert (agg, d) == ("sum", 2)
+    assert outer == {"outer": "delayed-nesterov", "outer_lr": 0.15, "outer_momentum": 0.9, "outer_gain": "sqrt",
+                     "outer_delay": 3}
+    assert tta.variant_name("mean", 1, {}) == ("hetpipe-d1-mean", "hetpipe D=1 (mean)")
+    key, label = tta.variant_name("mean", 1, {"outer_staleness": "inverse"})
+    assert key == "hetpipe-d1-mean-stalenessinverse"
+    assert label == "hetpipe D=1 (mean; sgd (lr 1, inverse staleness))"
+    for bad, culprit in [("avg:1", "AGG:D"), ("mean:x", "AGG:D"), ("mean:1:speed=2", "'speed=2'"),
+                         ("mean:1:lr=fast", "lr must be a float"), ("mean:1:staleness=linear", "outer_staleness"),
+                         ("mean:1:momentum=1.5", "outer_momentum")]:
+        with pytest.raises(SystemExit, match=culprit):
+            tta.parse_variant(bad)

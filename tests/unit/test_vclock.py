@@ -121,3 +121,16 @@ def test_staleness_table_puts_two_records_side_by_side():
         "    1 |      2 ( 66.7%) |      2 ( 50.0%)",
         "    2 |      0 (  0.0%) |      1 ( 25.0%)",
         "pulls |                3 |                4"]
+
+
+def test_hetpipe_rows_carry_the_outer_optimizer_into_the_replay():
+    """Two VWs at D = 0: ``mean`` with outer lr 2 moves the weights by 2 x (delta / 2) per push, which is
+    exactly ``sum``'s delta (both factors are powers of two), so every wave's weights and hence every
+    validation loss agree bitwise with ``sum``; plain ``mean`` differs from both."""
+    s = tiny_setting()
+    assert len(s.plan.virtual_workers) == 2
+    summed, _ = vclock.run_hetpipe(s, 8, 1e-2, 0, d=0, aggregate="sum", evals=4)
+    scaled, _ = vclock.run_hetpipe(s, 8, 1e-2, 0, d=0, aggregate="mean", evals=4, outer={"outer_lr": 2.0})
+    plain, _ = vclock.run_hetpipe(s, 8, 1e-2, 0, d=0, aggregate="mean", evals=4)
+    assert [p[2] for p in scaled] == [p[2] for p in summed]
+    assert [p[2] for p in plain][1:] != [p[2] for p in summed][1:]

@@ -3,6 +3,9 @@
 Before the script's first line runs (its imports can take seconds, a dataset load minutes), the rank
 is already one the launcher can read and that ends in one line:
 
+* it records its pid and MPI rank in the run directory (``spawned-PID``,
+  :func:`hetpipe.job.rundir.mark_spawned`): a rank that dies moments after its start, before the
+  launcher's scan of the process table saw it, is still named;
 * every SIGINT and SIGTERM it gets is logged in the run directory at once (``signals-PID``,
   :func:`hetpipe.job.rundir.log_signals`), so that a signal sent to mpiexec, which hands it to every
   rank, is told from a signal sent to one rank even before MPI start-up;
@@ -24,7 +27,8 @@ import signal
 import sys
 
 from hetpipe.job import failure
-from hetpipe.job.rundir import current_phase, log_signals
+from hetpipe.job.rundir import current_phase, log_signals, mark_spawned
+from hetpipe.job.world import host_before_start_up
 
 PHASE = "start-up: before MPI start-up"
 
@@ -42,6 +46,7 @@ def phase() -> str:
 
 def prepare() -> None:
     """Install what the module docstring lists, for this process (its main thread)."""
+    mark_spawned(host_before_start_up())
     log_signals()
     failure.install_sigterm(describe, phase)
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -61,6 +61,30 @@ def mark_starting() -> None:
         _mark(run_dir, f"starting-{int(rank)}", f"{os.getpid()}\n")
 
 
+def mark_spawned(host: str = "") -> None:
+    """Record, at a rank process's first line (:mod:`hetpipe.job.bootstrap`), its pid, its MPI launcher's
+    rank number and its host (``spawned-PID``). A rank that dies within moments of its start, before
+    the launcher's scan of the process table ever saw it, is still one the launcher can name."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    rank = next((os.environ[k] for k in LAUNCHER_RANK_ENVS if k in os.environ), None)
+    if run_dir and rank is not None and rank.isdigit():
+        _mark(run_dir, f"spawned-{os.getpid()}", f"{int(rank)}\n{host}\n")
+
+
+def spawned_ranks(run_dir: str, host: str = "") -> Dict[int, int]:
+    """pid -> MPI rank of every rank process that recorded its start (:func:`mark_spawned`); with
+    ``host``, only those on that host (or that did not say where they run)."""
+    out = {}
+    for f in Path(run_dir).glob("spawned-*"):
+        try:
+            lines = f.read_text().splitlines()
+            if lines and (not host or len(lines) < 2 or lines[1] in (host, "")):
+                out[int(f.name.split("-", 1)[1])] = int(lines[0])
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def starting_ranks(run_dir: str) -> Set[int]:
     """The MPI ranks that reached MPI start-up (:func:`mark_starting`)."""
     return {int(f.name.split("-", 1)[1]) for f in Path(run_dir).glob("starting-*")}

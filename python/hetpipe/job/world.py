@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from hetpipe.job.inventory import host_name
-from hetpipe.job.rundir import RUN_DIR_ENV, mark_starting, register_rank
+from hetpipe.job.rundir import LAUNCHER_RANK_ENVS, RUN_DIR_ENV, mark_starting, register_rank
 from hetpipe.util.errors import HetpipeError
 
 # hetpipe sends host memory only over MPI (pinned slots; device-to-device traffic has its own
@@ -75,6 +75,19 @@ def _host(rank: int, size: int) -> str:
         return host_name(rank, size)
     except ValueError:
         return socket.gethostname()
+
+
+LAUNCHER_SIZE_ENVS = ("PMI_SIZE", "PMIX_SIZE", "OMPI_COMM_WORLD_SIZE")     # set by MPI launchers before MPI_Init
+
+
+def host_before_start_up() -> str:
+    """This rank's host before MPI start-up (from the rank number and world size its MPI launcher set
+    in the environment), as :func:`world` will record it; the machine's name when they are not set."""
+    rank = next((os.environ[k] for k in LAUNCHER_RANK_ENVS if k in os.environ), "")
+    size = next((os.environ[k] for k in LAUNCHER_SIZE_ENVS if k in os.environ), "")
+    if not (rank.isdigit() and size.isdigit()):
+        return socket.gethostname()
+    return _host(int(rank), int(size))
 
 
 def gather_hosts(comm) -> List[Dict[str, Any]]:

@@ -55,7 +55,8 @@ from hetpipe.job.guard import LAUNCHER_HOST_ENV, LAUNCHER_PID_ENV
 from hetpipe.job.procs import (command_name, cpu_ticks, environment_marker, processes_with, rank_processes, running,
                                 send, signal_name, stopped)
 from hetpipe.job.rundir import (RUN_DIR_ENV, blamed_ranks, mark_ending, mark_interrupting, marked, phases,
-                                rank_hosts, ranks_by_pid, reached_clock, recorded_ranks, signals_got, starting_ranks)
+                                rank_hosts, ranks_by_pid, reached_clock, recorded_ranks, signals_got, spawned_ranks,
+                                starting_ranks)
 from hetpipe.util.numbers import seconds
 from hetpipe.launch.deaths import DeathWatcher
 
@@ -196,7 +197,9 @@ class Supervisor:
         rc = proc.poll()
         # What happened before the launcher stepped in decides the culprit; the teardown's deaths do not.
         vanished = [(pid, watcher.vanished_at[pid]) for pid in list(watcher.vanished)]
-        # Rank processes gone before the watcher took them up (a death within a tick of their start).
+        # Rank processes gone before the watcher took them up (a death within a tick of their start, or
+        # before the launcher's scan ever saw them: their own start record names them).
+        self._see({}, None)
         vanished += [(pid, time.time()) for pid in self.seen if pid not in watcher.vanished_at and not running(pid)]
         aborted = _reports(self.run_dir)
         stuck = [pid for pid in set(ranks_by_pid(self.run_dir, self.host)) | set(self.seen) if stopped(pid)]
@@ -216,6 +219,16 @@ class Supervisor:
         outcome.run_dir = self.run_dir
         outcome.write(self.run_dir)
         return outcome
+
+    def _see(self, ranks_now: Dict[int, int], watcher: Optional[DeathWatcher]) -> None:
+        """Add to :attr:`seen` the rank processes found running (``ranks_now``) and those that recorded
+        their start on this host (``spawned-PID``: alive or not), and have ``watcher`` (None once it no
+        longer orders deaths) watch the new."""
+        found = {**spawned_ranks(self.run_dir, self.host), **ranks_now}
+        for pid in set(found) - set(self.seen):
+            if watcher is not None:
+                watcher.watch(pid)      # its death is then ordered with the registered ranks'
+        self.seen.update(found)
 
     def _heard(self, chunk: bytes) -> None:
         """mpiexec's own stderr, as relayed (the relay thread): MPICH's mpiexec says when it got a Ctrl-C
@@ -241,9 +254,7 @@ class Supervisor:
             recorded = recorded_ranks(self.run_dir)
             family = processes_with(self.marker, me)         # mpiexec, its proxies and the ranks: one scan
             ranks_now = rank_processes(self.marker, me, among=family)
-            for pid in set(ranks_now) - set(self.seen):
-                watcher.watch(pid)          # its death is then ordered with the registered ranks'
-            self.seen.update(ranks_now)
+            self._see(ranks_now, watcher)
             registered = {rank for rank, _ in recorded.values()}
             # Stopped: a rank, or mpiexec and its proxies (every process of the run that is not a rank).
             for pid in set(family) | {proc.pid} | set(ranks_by_pid(self.run_dir, self.host)) | set(self.seen):
