@@ -340,10 +340,9 @@ def test_a_signal_before_mpi_start_up_ends_the_run_in_one_line_naming_whom_it_re
     run = Run(tmp_path, "stall_start.py", "sleep", "1")
     try:
         victim = _process_of_rank(run.run_dir, 1)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not all((run.run_dir / f"starting-{r}").exists() for r in (0, 2)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.5)                 # every rank's bootstrap is past its first line
+        _wait_files(run.run_dir, f"spawned-{victim}", "starting-0", "starting-2")
+        while len(list(run.run_dir.glob("spawned-*"))) < 3:     # every rank's signal handlers are in place
+            time.sleep(0.05)
         at = time.monotonic()
         os.kill(victim if whom == "rank" else run.pid_of("mpiexec"), sig)
         took = run.wait_gone(at)

@@ -3,7 +3,7 @@
 Before the script's first line runs (its imports can take seconds, a dataset load minutes), the rank
 is already one the launcher can read and that ends in one line:
 
-* it records its pid and MPI rank in the run directory (``spawned-PID``,
+* once the rest is in place, it records its pid and MPI rank in the run directory (``spawned-PID``,
   :func:`hetpipe.job.rundir.mark_spawned`): a rank that dies moments after its start, before the
   launcher's scan of the process table saw it, is still named;
 * every SIGINT and SIGTERM it gets is logged in the run directory at once (``signals-PID``,
@@ -46,7 +46,6 @@ def phase() -> str:
 
 def prepare() -> None:
     """Install what the module docstring lists, for this process (its main thread)."""
-    mark_spawned(host_before_start_up())
     log_signals()
     failure.install_sigterm(describe, phase)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -58,6 +57,7 @@ def prepare() -> None:
         failure.abort(None)
 
     sys.excepthook = hook
+    mark_spawned(host_before_start_up())        # last: the record also says the handlers are in place
 
 
 def main(argv: list) -> None:
