@@ -45,19 +45,18 @@ def real_run(args, work: Path) -> dict:
 
 def virtual_run(args, work: Path, run: dict):
     """The virtual clock on the real run's kept plan: (points, minibatches per VW, waves)."""
+    import dataclasses
+
     import torch
 
     import vclock
     from hetpipe.plan.types import Plan
-    from run import prepare
-    from task import corpus
 
     torch.set_num_threads(1)
-    setting = argparse.Namespace(task="small", profile_trials=1, slowdown=1.5)
-    spec, _, val, dm, _, _, prof, cluster = prepare(setting, work / "virtual", None, "auto")
     plan = Plan.load(work / "real" / "plan.json")
-    s = vclock.Setting(spec, corpus(spec)[0], val, dm, prof, cluster, plan)
-    steps = run["samples"] // (len(plan.virtual_workers) * spec.minibatch)
+    # The task, data and model bytes are the real run's; its stage times come from the kept plan.
+    s = dataclasses.replace(vclock.setting("small", 1, 1.5, work=work / "virtual"), plan=plan)
+    steps = run["samples"] // (len(plan.virtual_workers) * s.task.minibatch)
     waves = steps // plan.nm
     points, _ = vclock.run_hetpipe(s, steps, run["lr"], args.seed, args.d, "mean", evals=waves)
     return points, steps, waves
@@ -73,7 +72,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="keep the real run's directory and this check's JSON here")
     args = ap.parse_args(argv)
     work = args.out or Path(tempfile.mkdtemp(prefix="hetpipe-vclock-check-"))
-    (work / "virtual").mkdir(parents=True, exist_ok=True)
     run = real_run(args, work)
     points, steps, waves = virtual_run(args, work, run)
     at = {}

@@ -341,7 +341,10 @@ def test_a_signal_before_mpi_start_up_ends_the_run_in_one_line_naming_whom_it_re
     try:
         victim = _process_of_rank(run.run_dir, 1)
         _wait_files(run.run_dir, f"spawned-{victim}", "starting-0", "starting-2")
+        deadline = time.monotonic() + START_TIMEOUT_S
         while len(list(run.run_dir.glob("spawned-*"))) < 3:     # every rank's signal handlers are in place
+            if time.monotonic() > deadline:
+                pytest.fail(f"not every rank recorded its start within {START_TIMEOUT_S} s")
             time.sleep(0.05)
         at = time.monotonic()
         os.kill(victim if whom == "rank" else run.pid_of("mpiexec"), sig)
