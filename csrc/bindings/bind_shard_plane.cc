@@ -82,7 +82,7 @@ void bind_shard_plane(py::module_& m) {
                        std::vector<std::vector<std::vector<std::tuple<int, std::size_t, std::size_t>>>> replicas,
                        const std::string& aggregate, bool log_sums, const std::string& outer, float outer_lr,
                        float outer_momentum, const std::string& outer_staleness, const std::string& outer_gain,
-                       int outer_delay) {
+                       int outer_delay, std::vector<std::int64_t> wave_minibatches) {
              if (aggregate != "sum" && aggregate != "mean") {
                throw std::invalid_argument("ShardPlane: aggregate must be 'sum' or 'mean', got '" + aggregate + "'");
              }
@@ -97,6 +97,7 @@ void bind_shard_plane(py::module_& m) {
                }
              }
              options.mean = aggregate == "mean";
+             options.wave_minibatches = std::move(wave_minibatches);
              options.log_sums = log_sums;
              return std::make_unique<ShardPlane>(std::move(layer_numels), std::move(stage_layers), d, num_threads,
                                                  std::move(options));
@@ -106,7 +107,8 @@ void bind_shard_plane(py::module_& m) {
            py::arg("replicas") = std::vector<std::vector<std::vector<std::tuple<int, std::size_t, std::size_t>>>>{},
            py::arg("aggregate") = "sum", py::arg("log_sums") = false, py::arg("outer") = "sgd",
            py::arg("outer_lr") = 1.0f, py::arg("outer_momentum") = 0.9f, py::arg("outer_staleness") = "none",
-           py::arg("outer_gain") = "none", py::arg("outer_delay") = 0)
+           py::arg("outer_gain") = "none", py::arg("outer_delay") = 0,
+           py::arg("wave_minibatches") = std::vector<std::int64_t>{})
       .def_property_readonly("num_layers", &ShardPlane::num_layers)
       .def_property_readonly("num_vws", &ShardPlane::num_vws)
       .def("stage_numel", &ShardPlane::stage_numel, py::arg("vw"), py::arg("stage"),

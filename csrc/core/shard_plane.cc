@@ -46,6 +46,25 @@ ShardPlane::ShardPlane(std::vector<std::size_t> layer_numels, std::vector<std::v
   if (stage_layers.empty()) throw std::invalid_argument("ShardPlane: stage_layers names no virtual worker");
   if (d < 0) throw std::invalid_argument("ShardPlane: staleness bound d must be >= 0, got " + std::to_string(d));
   check_outer(outer_);
+  const auto& waves = options.wave_minibatches;
+  if (!waves.empty() && waves.size() != stage_layers.size()) {
+    throw std::invalid_argument("ShardPlane: wave_minibatches has " + std::to_string(waves.size()) + " VWs, stage_layers " +
+                                std::to_string(stage_layers.size()));
+  }
+  std::int64_t samples = 0;
+  for (std::size_t vw = 0; vw < waves.size(); ++vw) {
+    if (waves[vw] < 1) {
+      throw std::invalid_argument("ShardPlane: wave_minibatches of VW " + std::to_string(vw) + " must be >= 1, got " +
+                                  std::to_string(waves[vw]));
+    }
+    samples += waves[vw];
+  }
+  for (std::size_t vw = 0; vw < stage_layers.size(); ++vw) {
+    // S / n_v rounded once to double, then to float: numpy's float32(S / n_v) gives the same bits.
+    mean_divisor_.push_back(waves.empty() ? static_cast<float>(stage_layers.size())
+                                          : static_cast<float>(static_cast<double>(samples) /
+                                                               static_cast<double>(waves[vw])));
+  }
   const int layers = static_cast<int>(layer_numels.size());
   std::vector<std::size_t>& bufs = options.buffer_numels;
   if (bufs.empty()) bufs.assign(layer_numels.size(), 0);
@@ -278,7 +297,7 @@ bool ShardPlane::end_push(int vw, int stage, std::int64_t wave) {
   }
   if (log_sums_) {
     const float* delta = pending_[wave][static_cast<std::size_t>(slot_id(vw, stage))].get();
-    const float scale = mean_ ? static_cast<float>(num_vws()) : 1.0f;
+    const float scale = mean_ ? mean_divisor_[static_cast<std::size_t>(vw)] : 1.0f;
     std::lock_guard<std::mutex> log_lock(log_mutex_);
     std::size_t off = 0;
     for (int l : s.layers) {
@@ -375,7 +394,7 @@ void ShardPlane::record_version(int vw, int stage, std::int64_t wave, std::int64
 float ShardPlane::push_divisor(int vw, int stage, std::int64_t wave, std::int64_t version) const {
   const float n = static_cast<float>(num_vws());
   // std::sqrt of a float is IEEE's correctly rounded float square root, as numpy's float32 np.sqrt.
-  const float gain = outer_.sqrt_gain ? std::sqrt(n) : (mean_ ? n : 1.0f);
+  const float gain = outer_.sqrt_gain ? std::sqrt(n) : (mean_ ? mean_divisor_[static_cast<std::size_t>(vw)] : 1.0f);
   if (outer_.staleness == StalenessDecay::kNone) return gain;
   if (version > wave) {
     throw std::logic_error("ShardPlane: " + who(vw, stage) + " pulled wave " + std::to_string(wave) + " at version " +

@@ -48,6 +48,9 @@ def _add_plan_command(sub) -> None:
     p.add_argument("--policy", default="auto", help="VW formation: NP, ED, HD or auto (default)")
     p.add_argument("--nm", type=arg_whole("--nm"), help="minibatches in flight per VW (default: chosen by the planner)")
     p.add_argument("--d", type=arg_whole("--d", 0), default=0, help="WSP staleness bound D (default 0)")
+    p.add_argument("--waves", choices=("equal", "speed"), default="equal",
+                   help="minibatches per wave of each VW: equal (Nm each, the default) or speed (proportional to "
+                        "the VW's predicted speed; the PS weighs the deltas by their samples)")
     p.add_argument("--recompute", choices=("none", "fit", "all"), default="none",
                    help="recompute activations: never, only to fit memory, or on every stage")
     p.add_argument("--ps-shards", type=arg_whole("--ps-shards"), help="number of parameter-server shards (default: one per node)")
@@ -138,7 +141,7 @@ def _run_plan(args) -> int:
         plan = make_plan(cluster, profile, policy=args.policy, nm=args.nm, d=args.d,
                          num_ps_shards=args.ps_shards if ps_nodes is None else None, recompute=args.recompute,
                          precision="fp32" if tf32 else args.precision, ps_nodes=ps_nodes, tf32=tf32,
-                         objective=args.objective, **statistics)
+                         objective=args.objective, waves=args.waves, **statistics)
         plan = dataclasses.replace(plan, aggregate=args.aggregate, outer=args.outer, outer_lr=args.outer_lr,
                                    outer_momentum=args.outer_momentum, outer_staleness=args.outer_staleness,
                                    outer_gain=args.outer_gain, outer_delay=args.outer_delay)

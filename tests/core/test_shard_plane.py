@@ -2,7 +2,7 @@
 hetpipe.ps.shard: the same pushes and pulls give bit-identical weights, clocks and pull replies,
 sequentially and with one thread per stage pushing and pulling at once (GIL released), under the
 plain rule and under every outer optimizer (hetpipe.plan.outer: nesterov, delayed nesterov, an outer lr, the
-staleness decays, the sqrt gain)."""
+staleness decays, the sqrt gain), and with VWs' waves of unequal length (deltas weighed by their samples)."""
 
 import random
 import threading
@@ -66,6 +66,10 @@ OUTERS = {
     # 2 VWs, a momentum step every 3 pushes: the windows straddle waves (A is non-zero at wave boundaries).
     "delayed-nesterov-delay3-sqrt": dict(aggregate="sum", outer="delayed-nesterov", outer_lr=0.8, outer_momentum=0.6,
                                          outer_delay=3, outer_gain="sqrt", outer_staleness="sqrt"),
+    # Waves of unequal length: each VW's delta divided by S / n_v (10 / 3 is inexact in float32).
+    "mean-waves-3-7": dict(aggregate="mean", wave_minibatches=[3, 7]),
+    "nesterov-mean-waves-inverse": dict(aggregate="mean", outer="nesterov", outer_lr=0.7, outer_momentum=0.9,
+                                        outer_staleness="inverse", wave_minibatches=[5, 2]),
 }
 
 

@@ -2,7 +2,8 @@
 equals the single-process replay (Python shards) bitwise; nesterov with the inverse staleness scale, and
 delayed nesterov with the sqrt staleness decay and the sqrt gain, at D = 2, where pulls really lag, equal
 the replay of the run's record bitwise. All differ from the plain rule, and the record refuses a replay
-under another outer optimizer."""
+under another outer optimizer. Waves of unequal length, weighed by their samples, equal the replay the same
+way, and differ from the same plan with equal waves."""
 
 import json
 
@@ -25,6 +26,13 @@ CONFIGS = [
     {"name": "delayed-sqrt-d2", "d": 2, "cuts": [[3], []], "shards": 2, "slow": [0.004, 0.03], "aggregate": "sum",
      "outer": {**NESTEROV, "outer": "delayed-nesterov", "outer_lr": 0.5, "outer_staleness": "sqrt",
                "outer_gain": "sqrt", "outer_delay": 3}},
+    # Waves of unequal length (VW 0 trains 3 minibatches per wave, VW 1 2): the mean weighs the deltas by
+    # their samples, in the core plane as in the Python shards. The "plain" replay is the same plan with
+    # equal waves, which must differ.
+    {"name": "waves-3-2-d0", "d": 0, "cuts": [[3], []], "shards": 2, "slow": [0.0, 0.0], "aggregate": "mean",
+     "waves": [3, 2], "n": 320, "outer": {}},
+    {"name": "waves-3-2-d2", "d": 2, "cuts": [[3], []], "shards": 2, "slow": [0.004, 0.03], "aggregate": "mean",
+     "waves": [3, 2], "n": 320, "outer": {}},
 ]
 
 
@@ -41,6 +49,14 @@ def test_outer_optimizer_run_equals_the_replay(outer_runs, cfg):
     assert r is not None, f"no result for {cfg['name']}:\n{proc.stdout}\n{proc.stderr}"
     assert r["ps_plane"] == "core", r
     assert r["equal"] and r["plain_differs"], r
+    if "waves" in cfg:
+        # The record keeps the VWs' waves; a replay with equal waves is refused naming them.
+        assert r["record_waves"] == cfg["waves"], r
+        if cfg["d"]:
+            assert r["max_pull_staleness"] >= 1 and r["reproduced"], r
+            assert "field 'run.waves'" in r["plain_refused"], r
+        assert proc.returncode == 0, proc.stderr
+        return
     # The record keeps the options; outer_gain and outer_delay only when not their defaults.
     assert r["record_outer"] == {"outer_staleness": "none", **cfg["outer"]}, r
     if cfg["d"]:

@@ -104,6 +104,10 @@ struct ShardPlaneOptions {
   std::vector<std::size_t> buffer_numels;                        // per layer (empty: no synced buffers)
   std::vector<std::vector<std::vector<ReplicaSlice>>> replicas;  // [vw][stage] (empty: none)
   bool mean = false;      // aggregate "mean": each VW's delta is divided by the VW count
+  // Minibatches per wave of each VW (empty: all equal). With `mean`, VW v's delta is then divided by
+  // float(double(S) / double(n_v)), S the sum over the VWs: deltas weighted by the samples behind them
+  // (the VW count, bit for bit, when the waves are equal).
+  std::vector<std::int64_t> wave_minibatches;
   bool log_sums = false;  // keep, per layer, the float64 sum of every pushed delta (as applied)
   OuterOptions outer;     // the outer optimizer (default: the plain rule)
 };
@@ -243,6 +247,8 @@ class ShardPlane {
   std::int64_t d_;
   int num_threads_;
   bool mean_;
+  // Per VW, its divisor under `mean` (the VW count, or S / n_v with waves of unequal length); set once.
+  std::vector<float> mean_divisor_;
   OuterOptions outer_;
   std::int64_t delay_;  // delayed-nesterov: pushes of a layer per momentum step (0 resolved to the VW count)
 

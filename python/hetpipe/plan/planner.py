@@ -26,6 +26,7 @@ from hetpipe.plan.profile import ModelProfile, load_profile
 from hetpipe.plan.recompute import memory_efficiency, single_device_throughput
 from hetpipe.plan.stage_cost import LayerTable, StageDevice
 from hetpipe.plan.types import MAX_NM, Plan, StagePlan, VirtualWorkerPlan, check_integer
+from hetpipe.plan.waves import check_wave_rule, with_waves
 
 TIME_TO_ACCURACY = "time-to-accuracy"
 OBJECTIVES = ("throughput", "memory_efficiency", TIME_TO_ACCURACY)
@@ -162,7 +163,8 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
               *, vw_size: Optional[int] = None, objective: str = "throughput", horizon: Optional[int] = None,
               exhaustive_max: int = 8, derive_missing: bool = False, max_nm: Optional[int] = None,
               precision: str = "fp32", ps_nodes: Optional[Sequence[str]] = None, tf32: bool = False,
-              noise_scale: Optional[float] = None, base_batch: Optional[float] = None) -> Plan:
+              noise_scale: Optional[float] = None, base_batch: Optional[float] = None,
+              waves: str = "equal") -> Plan:
     """The HetPipe plan for ``profile`` (a ModelProfile, preset name or path) on ``cluster`` (a
     ClusterSpec, preset name, path or dict).
 
@@ -195,6 +197,8 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     to target relative to the best. noise_scale: the gradient noise scale ``B_noise`` in samples
     (required; :func:`hetpipe.run.pilot.measure_noise_scale` measures it); base_batch: the batch whose
     per-sample progress is the unit (default ``minibatch_size``).
+    waves: "equal" (HetPipe's: every VW trains Nm minibatches per wave) or "speed" (a VW's wave
+    proportional to its predicted speed, :mod:`hetpipe.plan.waves`), applied to the chosen plan.
     Raises ValueError naming the device, layer and bytes when nothing fits.
     """
     # Device speeds (VW formation, device orders, derived types) are those of the run's precision.
@@ -216,6 +220,7 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     given_vw_size = vw_size
     if vw_size is None and default_vw_size(cluster) > profile.num_layers:
         vw_size = profile.num_layers     # nodes with more devices than layers: VWs of one stage per layer
+    check_wave_rule("make_plan", waves)
     if objective not in OBJECTIVES:
         raise ValueError(f"make_plan: unknown objective {objective!r} (known: {', '.join(OBJECTIVES)})")
     if objective == TIME_TO_ACCURACY:
@@ -255,13 +260,13 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     if objective == TIME_TO_ACCURACY:
         from hetpipe.plan.time_to_accuracy import plan_for_time_to_accuracy
 
-        return plan_for_time_to_accuracy(
+        return with_waves(plan_for_time_to_accuracy(
             cluster, table, profile, policies, given_vw_size, noise_scale, base_batch,
             minibatch_size if minibatch_size is not None else profile.minibatch_size,
             dict(nm=nm, d=d, modes=modes, exhaustive_max=exhaustive_max, max_nm=max_nm, horizon=horizon,
                  num_ps_shards=num_ps_shards, ps_nodes=ps_nodes),
             lambda best, sub, outcomes, extra: _to_plan(best, table, sub, profile, d, minibatch_size, objective,
-                                                        outcomes, precision, extra))
+                                                        outcomes, precision, extra)), waves)
 
     def score(thr: float, mem: int, num_vws: int) -> float:
         return thr if objective == "throughput" else memory_efficiency(thr, single, mem)
@@ -282,7 +287,7 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     if best is None:
         detail = "; ".join(f"{p}: {e}" for p, e in errors.items())
         raise ValueError(f"make_plan: no plan of {profile.name!r} fits cluster {cluster.name!r}: {detail}")
-    return _to_plan(best, table, cluster, profile, d, minibatch_size, objective, outcomes, precision)
+    return with_waves(_to_plan(best, table, cluster, profile, d, minibatch_size, objective, outcomes, precision), waves)
 
 
 def _to_plan(c: _Candidate, table: LayerTable, cluster: ClusterSpec, profile: ModelProfile, d: int,

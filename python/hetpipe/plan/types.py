@@ -61,6 +61,9 @@ class VirtualWorkerPlan:
     index: int
     stages: Tuple[StagePlan, ...]
     throughput: float = 0.0     # predicted minibatches per second of this VW alone
+    # Minibatches per wave (and in flight) of this VW; 0: the plan's Nm. A faster VW may train more
+    # minibatches per wave than a slower one (docs/design.md, "Waves of unequal length").
+    nm: int = 0
 
     @property
     def devices(self) -> Tuple[str, ...]:
@@ -133,6 +136,7 @@ class Plan:
             if vw.index != i:
                 raise ValueError(f"plan: virtual worker at position {i} has index {vw.index!r}; "
                                  f"VW indices must be 0, 1, ... in order")
+            check_integer("plan", f"VW {i} nm", vw.nm, 0, MAX_NM, "0: the plan's Nm")
             for k, st in enumerate(vw.stages):
                 for name in ("start", "stop"):
                     v = getattr(st, name)
@@ -164,6 +168,25 @@ class Plan:
         owned = sorted(layer for sh in self.ps_shards for layer in sh.layers)
         if self.ps_shards and owned != list(range(self.num_layers)):
             raise ValueError(f"plan: PS shards must own every layer exactly once, they own {owned}")
+
+    def nm_of(self, vw: int) -> int:
+        """Minibatches per wave (and in flight) of VW ``vw``: its own Nm, else the plan's."""
+        return self.virtual_workers[vw].nm or self.nm
+
+    @property
+    def wave_minibatches(self) -> Tuple[int, ...]:
+        """Minibatches per wave of each VW (:meth:`nm_of`), VW by VW."""
+        return tuple(self.nm_of(v) for v in range(len(self.virtual_workers)))
+
+    @property
+    def equal_waves(self) -> bool:
+        """Whether every VW's wave is the plan's Nm minibatches long (HetPipe's waves)."""
+        return all(n == self.nm for n in self.wave_minibatches)
+
+    @property
+    def minibatches_per_wave(self) -> int:
+        """Minibatches the VWs train together in one wave (``N x Nm`` with equal waves)."""
+        return sum(self.wave_minibatches)
 
     @property
     def outer_options(self) -> Dict[str, Any]:
@@ -200,6 +223,9 @@ class Plan:
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
         d["format"] = PLAN_FORMAT
+        for vw in d["virtual_workers"]:
+            if not vw["nm"]:
+                del vw["nm"]        # equal waves: the JSON of plans written before the field
         return d
 
     @classmethod
@@ -216,7 +242,7 @@ class Plan:
                 VirtualWorkerPlan(
                     index=v["index"],
                     stages=tuple(StagePlan(**{**s, "recompute": tuple(s.get("recompute", ()))}) for s in v["stages"]),
-                    throughput=v.get("throughput", 0.0))
+                    throughput=v.get("throughput", 0.0), nm=v.get("nm", 0))
                 for v in d.pop("virtual_workers"))
             shards = tuple(ShardPlan(**{**s, "layers": tuple(s["layers"])}) for s in d.pop("ps_shards"))
             return cls(virtual_workers=vws, ps_shards=shards,

@@ -30,7 +30,8 @@ from hetpipe.util.planes import PLANES, PS_PLANE_ENV
 from hetpipe.ps.server import ShardServerBase
 from hetpipe.plan.outer import check_outer, has_momentum
 from hetpipe.ps.shard import (
-    ShardLog, WSPViolation, check_aggregate, held_layers, initial_delayed, initial_momentum, stage_ranks,
+    ShardLog, WSPViolation, check_aggregate, check_wave_minibatches, held_layers, initial_delayed, initial_momentum,
+    stage_ranks,
 )
 from hetpipe.schedule.trace import PS_VW, TraceEvent
 from hetpipe.transport.base import Transport
@@ -70,8 +71,10 @@ class CoreShardState:
                  aggregate: str = "sum", outer: str = "sgd", outer_lr: float = 1.0, outer_momentum: float = 0.9,
                  outer_staleness: str = "none", outer_gain: str = "none", outer_delay: int = 0,
                  momentum: Optional[Dict[int, np.ndarray]] = None,
-                 delayed: Optional[Tuple[Dict[int, np.ndarray], Dict[int, int]]] = None) -> None:
+                 delayed: Optional[Tuple[Dict[int, np.ndarray], Dict[int, int]]] = None,
+                 wave_minibatches: Optional[Sequence[int]] = None) -> None:
         check_aggregate(index, aggregate)
+        check_wave_minibatches(index, wave_minibatches, len(stage_layers))
         self.index, self.d, self.aggregate = index, d, aggregate
         self.outer_options = check_outer(f"PS shard {index}", outer, outer_lr, outer_momentum, outer_staleness,
                                          outer_gain, outer_delay)
@@ -91,7 +94,8 @@ class CoreShardState:
                            for s in range(num_stages[vw])] for vw in range(self.num_vws)]
         self.plane = hetpipe_core.ShardPlane([w0[l].size for l in self.layers], plane_layers, d, 0,
                                              buffer_numels=[b0[l].size for l in self.layers], replicas=plane_replicas,
-                                             aggregate=aggregate, log_sums=log_sums, **self.outer_options)
+                                             aggregate=aggregate, log_sums=log_sums,
+                                             wave_minibatches=list(wave_minibatches or ()), **self.outer_options)
         self.W = {l: self.plane.weights(i) for i, l in enumerate(self.layers)}
         self.B = {l: self.plane.buffers(i) for i, l in enumerate(self.layers)}
         self.M = {l: self.plane.momentum(i) for i, l in enumerate(self.layers)}

@@ -15,7 +15,7 @@ Thread role: the shard's one thread (part of :class:`~hetpipe.ps.shard.ShardStat
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -23,17 +23,29 @@ import hetpipe_core
 from hetpipe.plan.outer import has_momentum
 
 
-def push_divisor(num_vws: int, aggregate: str, options: Dict[str, Any], lag: int) -> np.float32:
+def mean_divisor(num_vws: int, wave_minibatches: Optional[Sequence[int]], vw: int) -> np.float32:
+    """VW ``vw``'s divisor under ``aggregate="mean"``: ``float32(N)``, or with waves of unequal length
+    ``float32(S / n_v)`` (``n_v`` its minibatches per wave, ``S`` their sum; the quotient rounded to a
+    double, then to float32, as the core's ``ShardPlane``): the VWs' deltas weighted by the samples
+    behind them. With equal waves ``S / n_v`` is exactly ``N``."""
+    if not wave_minibatches:
+        return np.float32(num_vws)
+    return np.float32(sum(wave_minibatches) / wave_minibatches[vw])
+
+
+def push_divisor(num_vws: int, aggregate: str, options: Dict[str, Any], lag: int,
+                 mean: Optional[np.float32] = None) -> np.float32:
     """``k`` of a push whose stage's pull lagged ``lag`` versions: ``float32(gain * decay)``, one rounding, where
-    gain is ``float32(N)`` with ``aggregate="mean"`` (else 1), or ``sqrt(float32(N))`` (correctly rounded)
-    with ``outer_gain="sqrt"``; decay is 1, ``float32(1 + lag)`` ("inverse") or ``sqrt(float32(1 + lag))``
-    ("sqrt"). The compiled core's ``push_divisor`` computes the same bits; with integer factors (the
-    rules before the sqrt ones) ``k`` is the exact integer ``N * (1 + lag)``."""
+    gain is ``mean`` (the pushing VW's :func:`mean_divisor`; default ``float32(N)``) with ``aggregate="mean"``
+    (else 1), or ``sqrt(float32(N))`` (correctly rounded) with ``outer_gain="sqrt"``; decay is 1,
+    ``float32(1 + lag)`` ("inverse") or ``sqrt(float32(1 + lag))`` ("sqrt"). The compiled core's
+    ``push_divisor`` computes the same bits; with integer factors (the rules before the sqrt ones) ``k``
+    is the exact integer ``N * (1 + lag)``."""
     n = np.float32(num_vws)
     if options["outer_gain"] == "sqrt":
         gain = np.sqrt(n)
     else:
-        gain = n if aggregate == "mean" else np.float32(1)
+        gain = (n if mean is None else mean) if aggregate == "mean" else np.float32(1)
     staleness = options["outer_staleness"]
     if staleness == "none":
         return gain
@@ -90,13 +102,17 @@ class OuterStep:
     ``delayed`` (``(buffers, counts)``): the state a checkpoint kept."""
 
     def __init__(self, index: int, W: Dict[int, np.ndarray], num_vws: int, aggregate: str, options: Dict[str, Any],
-                 momentum: Optional[Dict[int, np.ndarray]] = None, delayed: Optional[Tuple[Dict, Dict]] = None) -> None:
+                 momentum: Optional[Dict[int, np.ndarray]] = None, delayed: Optional[Tuple[Dict, Dict]] = None,
+                 wave_minibatches: Optional[Sequence[int]] = None) -> None:
         self.index, self.W, self.options = index, W, options
         self.num_vws, self.aggregate_rule = num_vws, aggregate
         self.nesterov = options["outer"] == "nesterov"
         self.delayed = options["outer"] == "delayed-nesterov"
         self.delay = options["outer_delay"] or num_vws          # delayed-nesterov: pushes per momentum step
-        self.scale = num_vws if aggregate == "mean" else 1     # the audit's divisor (the pushes, not the step)
+        # per VW, its divisor under "mean" (N, or S / n_v with waves of unequal length)
+        self.mean = [mean_divisor(num_vws, wave_minibatches, v) for v in range(num_vws)]
+        # per VW, the audit's divisor (the pushes, not the step)
+        self.scale = self.mean if aggregate == "mean" else [1] * num_vws
         self.M = initial_momentum(index, W, momentum, has_momentum(options))
         # delayed-nesterov: per layer, the pushes since its last momentum step (A) and how many they are.
         self.A, self.count = initial_delayed(index, W, delayed, self.delayed)
@@ -115,9 +131,9 @@ class OuterStep:
         kept: wave 0, or a staleness rule that needs none)."""
         return self.pulled.pop((vw, stage, wave), wave)
 
-    def divisor(self, wave: int, version: int) -> np.float32:
-        """``k`` of a push of ``wave`` whose stage pulled ``version`` (:func:`push_divisor`)."""
-        return push_divisor(self.num_vws, self.aggregate_rule, self.options, wave - version)
+    def divisor(self, vw: int, wave: int, version: int) -> np.float32:
+        """``k`` of VW ``vw``'s push of ``wave`` whose stage pulled ``version`` (:func:`push_divisor`)."""
+        return push_divisor(self.num_vws, self.aggregate_rule, self.options, wave - version, self.mean[vw])
 
     def add(self, layer: int, delta: np.ndarray, k: np.float32) -> None:
         """One push's ``delta`` of ``layer``, divided in place by ``k``: into the weights (sgd), into

@@ -65,7 +65,8 @@ def shard_server(plan: Plan, shard: int, weights: Mapping[int, np.ndarray], buff
     run continues from."""
     stage_layers = [[(s.start, s.stop) for s in vw.stages] for vw in plan.virtual_workers]
     options = dict(log_sums=audit, buffers=dict(buffers), replicas=replicas, aggregate=plan.aggregate,
-                   momentum=momentum, delayed=delayed, **plan.outer_options)
+                   momentum=momentum, delayed=delayed, **plan.outer_options,
+                   wave_minibatches=None if plan.equal_waves else plan.wave_minibatches)
     if comm is not None:
         core = CoreShardState(shard, dict(weights), stage_layers, plan.d, **options)
         return CoreShardServer(core, transport, pool, plan.num_stage_ranks, comm, trace=trace, t0=t0)

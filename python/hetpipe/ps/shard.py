@@ -119,6 +119,16 @@ def check_source(index: int, ranks: Mapping[Tuple[int, int], int], vw: int, stag
                            "transport source)", sender=src)
 
 
+def check_wave_minibatches(index: int, wave_minibatches: Optional[Sequence[int]], num_vws: int) -> None:
+    """ValueError naming the shard unless ``wave_minibatches`` is None or one integer >= 1 per VW."""
+    if wave_minibatches is None:
+        return
+    if len(wave_minibatches) != num_vws or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+                                              for n in wave_minibatches):
+        raise ValueError(f"PS shard {index}: wave_minibatches must be one integer >= 1 per VW ({num_vws}), "
+                         f"got {list(wave_minibatches)!r}")
+
+
 def check_aggregate(index: int, aggregate: str) -> None:
     """ValueError naming the shard unless ``aggregate`` is "sum" or "mean"."""
     if aggregate not in ("sum", "mean"):
@@ -159,7 +169,8 @@ class ShardState:
                  aggregate: str = "sum", outer: str = "sgd", outer_lr: float = 1.0, outer_momentum: float = 0.9,
                  outer_staleness: str = "none", outer_gain: str = "none", outer_delay: int = 0,
                  momentum: Optional[Dict[int, np.ndarray]] = None,
-                 delayed: Optional[Tuple[Dict[int, np.ndarray], Dict[int, int]]] = None) -> None:
+                 delayed: Optional[Tuple[Dict[int, np.ndarray], Dict[int, int]]] = None,
+                 wave_minibatches: Optional[Sequence[int]] = None) -> None:
         check_aggregate(index, aggregate)
         self.index = index
         self.d = d
@@ -171,7 +182,9 @@ class ShardState:
         buffers = buffers or {}
         self.B = {l: np.ascontiguousarray(buffers.get(l, np.zeros(0)), dtype=np.float32).copy() for l in self.layers}
         self.num_vws = len(stage_layers)
-        self.outer = OuterStep(index, self.W, self.num_vws, aggregate, self.outer_options, momentum, delayed)
+        check_wave_minibatches(index, wave_minibatches, len(stage_layers))
+        self.outer = OuterStep(index, self.W, self.num_vws, aggregate, self.outer_options, momentum, delayed,
+                               wave_minibatches)
         self.M, self.A = self.outer.M, self.outer.A
         self.stage_layers = held_layers(self.W, self.B, stage_layers)
         # The rank of each (vw, stage): stage ranks are numbered in plan order (VW by VW, stage by stage),
@@ -256,7 +269,7 @@ class ShardState:
             parts[l] = self.spare[l].pop() if self.spare[l] else np.empty(n, dtype=np.float32)
             np.copyto(parts[l], delta[off:off + n])
             if self.log_sums:
-                self.log.pushed_sum[l] += parts[l] / self.outer.scale
+                self.log.pushed_sum[l] += parts[l] / self.outer.scale[vw]
             off += n
         values = self.pending_buffers[wave].setdefault(vw, {})
         for l in self.stage_layers[vw][stage]:
@@ -299,7 +312,7 @@ class ShardState:
                 if version > c:
                     raise WSPViolation(f"PS shard {self.index}: VW {vw} stage {stage} pulled wave {c} at version "
                                        f"{version}, after that wave was applied")
-                k = self.outer.divisor(c, version)
+                k = self.outer.divisor(vw, c, version)
                 for l in self.stage_layers[vw][stage]:
                     delta = wave[vw][l]
                     self.outer.add(l, delta, k)

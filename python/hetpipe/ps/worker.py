@@ -31,6 +31,11 @@ class WorkerRank:
         self.plan, self.vw, self.stage, self.timeout = plan, a, b, timeout
         self.num_stages = len(plan.virtual_workers[a].stages)
         self.all_shard_ranks: Dict[int, int] = {sh.index: plan.ps_rank(sh.index) for sh in plan.ps_shards}
+        if not plan.equal_waves:
+            v = next(v for v, n in enumerate(plan.wave_minibatches) if n != plan.nm)
+            raise ValueError(f"hetpipe: the NumPy and JAX front ends run waves of equal length; VW {v} trains "
+                             f"{plan.nm_of(v)} minibatches per wave, the plan's Nm is {plan.nm} (the torch front end "
+                             f"runs waves of unequal length)")
         self.pool = stage_pool(stage_slot_classes(plan.nm, plan.d, slot_bytes, [slot_bytes] * len(plan.ps_shards)))
         self.transport = MPITransport(comm, self.pool)
         self.link = ArrayLink(self.transport, self.pool)

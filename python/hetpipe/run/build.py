@@ -27,7 +27,8 @@ from hetpipe.stage.evaluate import Evaluation
 from hetpipe.stage.executor import StageExecutor
 from hetpipe.stage.loss_scale import LossScale
 from hetpipe.loader.check import Reading, reading
-from hetpipe.loader.source import CHECKED, INPUTS, LABELS, dropped_note
+from hetpipe.loader.deal import deal_for, deal_stream
+from hetpipe.loader.source import CHECKED, INPUTS, LABELS, dealt, dropped_note
 from hetpipe.stage.feed import MinibatchFeed
 from hetpipe.stage.pacer import Pacer
 from hetpipe.stage.settings import StageContext, StageIO, StageRun, StageTiming
@@ -58,7 +59,7 @@ def stage_pool(spec: RunSpec, vw: int, stage: int):
     shard_bytes = [4 * (sum(lay.numel(l) + lay.buffer_numel(l) for l in sh.layers if st.start <= l < st.stop)
                         + sum(r.numel for r in replicas if r.owner in sh.layers)) for sh in plan.ps_shards]
     neighbours = (stage > 0) + (stage < len(plan.virtual_workers[vw].stages) - 1)
-    classes = slots.stage_slot_classes(plan.nm, plan.d, max([act, *tied.values()]), shard_bytes,
+    classes = slots.stage_slot_classes(plan.nm_of(vw), plan.d, max([act, *tied.values()]), shard_bytes,
                                        value_peers=neighbours + len(tied), tied_peers=len(tied))
     device = _pin_device(spec.devices.get(plan.rank_of(vw, stage)))
     return slots.stage_pool(classes, device, f"VW {vw} stage {stage} (rank {plan.rank_of(vw, stage)})")
@@ -109,7 +110,7 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
             raise ValueError(f"hetpipe: VW {vw} stage {stage} (rank {rank}) needs what enters layer {i}, but "
                              f"{b.explain()}")
     device = spec.devices.get(rank, torch.device("cpu"))
-    model = StageModel(spec.layers, st.start, st.stop, nm=plan.nm, shard_layers=shard_layers(plan),
+    model = StageModel(spec.layers, st.start, st.stop, nm=plan.nm_of(vw), shard_layers=shard_layers(plan),
                        optimizer_factory=spec.optimizer_factory, device=device, recompute=tuple(st.recompute),
                        layout=spec.layout, tied_stages=tied_stages(spec, vw), seed=spec.seed, vw=vw, stage=stage,
                        precision=plan.precision,
@@ -126,11 +127,11 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
     inputs = labels = None
     layout = spec.schedules[vw]
     start = (spec.resume.start.epoch, spec.resume.start.index) if spec.resume is not None else (0, 0)
-    num_vws = len(plan.virtual_workers)
+    deal = deal_for(plan.wave_minibatches)
     if stage == 0 or model.needs_side_inputs:
-        inputs = MinibatchFeed(spec.data.vw_stream(vw, num_vws, spec.epochs, *start, part=INPUTS), layout)
+        inputs = MinibatchFeed(deal_stream(spec.data, deal, vw, spec.epochs, *start, part=INPUTS), layout)
     if stage == num_stages - 1:
-        labels = MinibatchFeed(spec.data.vw_stream(vw, num_vws, spec.epochs, *start, part=LABELS), layout)
+        labels = MinibatchFeed(deal_stream(spec.data, deal, vw, spec.epochs, *start, part=LABELS), layout)
     staged = spec.copy_stream if spec.copy_stream is not None else device.type == "cuda"
     emulated = spec.emulated.get(rank, False) and spec.emulation_scale is not None
     pacer = Pacer(spec.emulation_scale if emulated else None)
@@ -186,7 +187,7 @@ def vw_schedule(name: str, plan: Plan, layout: ModelLayout, vw: int, minibatches
     ``split`` run as halves), recomputing where the plan's stages do, with the run's messages."""
     stages = plan.virtual_workers[vw].stages
     messages = vw_messages(plan, layout, vw, clip_grad_norm, accumulate, eval_every, eval_offset)
-    return generate(name, ScheduleOptions(len(stages), minibatches, plan.nm, plan.d, any(st.recompute for st in stages),
+    return generate(name, ScheduleOptions(len(stages), minibatches, plan.nm_of(vw), plan.d, any(st.recompute for st in stages),
                                           split, messages))
 
 
@@ -244,17 +245,26 @@ def data_reading(spec: RunSpec, part: Any, who: str) -> Reading:
     (:mod:`hetpipe.loader.check`); a stage reads its first minibatches ahead."""
     io = getattr(part, "io", None)        # a stage's (StageIO); a shard reads no data
     feeds = [f for f in (io.inputs, io.labels) if f is not None] if io is not None else []
-    num_vws = len(spec.plan.virtual_workers)
-    return reading(who, spec.data.minibatches_per_epoch(num_vws), spec.data.identity(),
+    slots = deal_for(spec.plan.wave_minibatches).num_slots
+    return reading(who, spec.data.minibatches_per_epoch(slots), spec.data.identity(),
                    [f.source for f in feeds], CHECKED)
 
 
 def say_dropped(spec: RunSpec) -> None:
     """Say on stderr, in one line, which minibatches the run leaves unused and what to change
     (:func:`hetpipe.loader.source.dropped_note`); nothing when it trains them all. Called once, on rank 0."""
-    num_vws = len(spec.plan.virtual_workers)
+    plan = spec.plan
+    slots = deal_for(plan.wave_minibatches).num_slots
     start = (spec.resume.start.epoch, spec.resume.start.index) if spec.resume is not None else (0, 0)
-    note = dropped_note(spec.data.minibatches_per_epoch(num_vws), num_vws, spec.plan.nm, spec.epochs, *start)
+    per_epoch = spec.data.minibatches_per_epoch(slots)
+    if plan.equal_waves:
+        note = dropped_note(per_epoch, slots, plan.nm, spec.epochs, *start)
+    else:
+        trained, dropped = dealt(per_epoch, slots, spec.epochs, *start)
+        note = None if not dropped else (
+            f"hetpipe: the data has {per_epoch} minibatches per epoch; {trained} are trained and {dropped} dropped: "
+            f"with waves of {list(plan.wave_minibatches)} minibatches the VWs take an epoch in rounds of {slots} "
+            f"(docs/design.md, 'Waves of unequal length'); give an epoch a multiple of {slots} minibatches")
     if note is not None:
         sys.stderr.write(note + "\n")
         sys.stderr.flush()

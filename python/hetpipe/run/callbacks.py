@@ -41,11 +41,11 @@ class EvalInfo:
     step: int = 0                   # the run's optimizer steps at the point, all VWs (see run_steps)
 
 
-def run_steps(wave: int, nm: int, num_vws: int, accumulate: int = 1) -> int:
+def run_steps(wave: int, per_wave: int, accumulate: int = 1) -> int:
     """The optimizer steps the run has taken when every VW has finished wave ``wave``, counted as one
-    process training on all the data would take them: ``nm`` minibatches per VW per wave, one step per
-    ``accumulate`` of them."""
-    return (wave + 1) * nm * num_vws // accumulate
+    process training on all the data would take them: ``per_wave`` minibatches per wave, all VWs
+    together (``Plan.minibatches_per_wave``), one step per ``accumulate`` of them."""
+    return (wave + 1) * per_wave // accumulate
 
 
 class Callback:

@@ -83,7 +83,7 @@ class RunCheckpoints:
         (:func:`~hetpipe.run.callbacks.run_steps`) rounded to whole waves, at least one."""
         if self.every_steps is None:
             return self.every
-        per_wave = run_steps(0, plan.nm, len(plan.virtual_workers), self.accumulate)
+        per_wave = run_steps(0, plan.minibatches_per_wave, self.accumulate)
         return max(1, round(self.every_steps / max(1, per_wave)))
 
     def resume(self, plan: Plan) -> Optional[ckpt.Resume]:

@@ -69,6 +69,8 @@ class Planning:
     noise_scale: time-to-accuracy: the gradient noise scale in samples; None: rank 0 measures it before
         planning by a short pilot on the model and the first minibatches of the data
         (:func:`hetpipe.run.pilot.job_noise_scale`).
+    waves: minibatches per wave of each VW (:func:`hetpipe.plan.make_plan`): "equal" (default, Nm each)
+        or "speed" (proportional to the VW's predicted speed; the PS weighs the deltas by their samples).
     """
 
     cluster: Any = None
@@ -81,6 +83,7 @@ class Planning:
     on_plan: Optional[Callable[[Any], None]] = None
     objective: str = "throughput"
     noise_scale: Optional[float] = None
+    waves: str = "equal"
 
     def __post_init__(self) -> None:
         from hetpipe.plan.formation import POLICIES
@@ -101,6 +104,8 @@ class Planning:
             whole("planning.nm", self.nm, 1, MAX_NM, " (minibatches in flight per VW)")
         if self.d is not None:
             whole("planning.d", self.d, 0)
+        if self.waves not in ("equal", "speed"):
+            raise ArgumentError(f"hetpipe: planning.waves must be 'equal' or 'speed', got {self.waves!r}")
         whole("planning.split_startup", self.split_startup, 0)
         try:
             get_schedule(self.schedule)

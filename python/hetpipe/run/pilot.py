@@ -204,17 +204,19 @@ def job_noise_scale(work: Any, planning: Any, *, k: int = 8, rounds: int = 16) -
 
 
 def planning_arguments(work: Any, planning: Any) -> Dict[str, Any]:
-    """``make_plan``'s ``objective`` and ``noise_scale`` for a job's ``planning``: nothing for the default
-    objective; for time-to-accuracy the noise scale of :func:`job_noise_scale` (an infinite one, a gradient
+    """``make_plan``'s ``objective``, ``noise_scale`` and ``waves`` for a job's ``planning``: nothing for the
+    defaults; for time-to-accuracy the noise scale of :func:`job_noise_scale` (an infinite one, a gradient
     the pilot finds all noise, makes every batch as efficient: the job then plans for throughput, and
     says so)."""
+    waves = getattr(planning, "waves", "equal")
+    extra = {} if waves == "equal" else {"waves": waves}
     if planning.objective == "throughput":
-        return {}
+        return extra
     if planning.objective != "time-to-accuracy":
-        return {"objective": planning.objective}
+        return {"objective": planning.objective, **extra}
     noise = job_noise_scale(work, planning)
     if not math.isfinite(noise):
         sys.stderr.write("hetpipe: the noise-scale pilot found no gradient above the noise (an infinite noise "
                          "scale, every batch as efficient): planning for throughput\n")
-        return {"objective": "throughput"}
-    return {"objective": planning.objective, "noise_scale": noise}
+        return {"objective": "throughput", **extra}
+    return {"objective": planning.objective, "noise_scale": noise, **extra}

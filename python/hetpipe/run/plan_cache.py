@@ -28,6 +28,9 @@ def plan_key(layers: Sequence[Any], sample: Any, cluster: Any, precision: str, p
     reported."""
     key = {"model": model_key(layers), "sample": sample_key(sample), "cluster": cluster.to_dict(),
            "precision": precision, "policy": planning.policy, "nm": planning.nm, "d": planning.d or 0}
+    waves = getattr(planning, "waves", "equal")
+    if waves != "equal":
+        key["waves"] = waves
     objective = getattr(planning, "objective", "throughput")
     if objective != "throughput":
         # a plan for another objective (time to accuracy: from the given noise scale, or None: the pilot's)

@@ -60,8 +60,10 @@ def run_identity(spec: RunSpec) -> Dict[str, Any]:
     # The outer optimizer only where it is not the plain rule, and its later fields only where they are not
     # their defaults: records written before them stay as they were.
     outer = {} if is_plain(plan.outer_options) else {"outer": recorded_outer(plan.outer_options)}
+    # Each VW's wave only where they differ: records of equal waves stay as they were.
+    waves = {} if plan.equal_waves else {"waves": list(plan.wave_minibatches)}
     return {
-        "nm": plan.nm, "d": plan.d, "aggregate": plan.aggregate, **outer, "seed": spec.seed,
+        "nm": plan.nm, "d": plan.d, "aggregate": plan.aggregate, **outer, **waves, "seed": spec.seed,
         "vws": [[[st.start, st.stop] for st in vw.stages] for vw in plan.virtual_workers],
         "shards": [list(sh.layers) for sh in plan.ps_shards],
         "minibatches": [s.num_minibatches for s in spec.schedules],
@@ -164,8 +166,11 @@ class RunRecord:
     def check(self, spec: RunSpec) -> None:
         """Raise :class:`RecordMismatch` naming the first field where this record and ``spec`` differ."""
         mine = run_identity(spec)
-        # "outer" is absent for the plain rule on both sides: compared either way, so neither side's is ignored.
-        for key in list(mine) + ([] if "outer" in mine else ["outer"]):
+        # "outer" (the plain rule) and "waves" (equal waves) may be absent on either side: compared either way,
+        # so neither side's is ignored, and named before the fields that follow from them.
+        keys = [k for k in mine if k not in ("outer", "waves")]
+        at = keys.index("aggregate") + 1
+        for key in keys[:at] + ["outer", "waves"] + keys[at:]:
             got, want = self.run.get(key), mine.get(key)
             if got != want:
                 what = ("the model's initial weights differ (another seed or model?)" if key == "weights_crc32"

@@ -128,7 +128,7 @@ class Reporter:
             self.seen += 1
             if self.bar is not None:
                 self.bar.update(1)
-        nm = self.plan.nm
+        nm = self.plan.nm_of(0)             # the waves of VW 0, whose last stage this follows
         total = self.total if ex.stopped_after is None else min(self.total, (ex.stopped_after + 1) * nm)
         while (self.wave + 1) * nm <= self.seen or (self.seen == total and self.wave * nm < total):
             mbs = range(self.wave * nm, min((self.wave + 1) * nm, total))
@@ -160,7 +160,7 @@ class Reporter:
             self.wave += 1
 
     def _step(self, wave: int) -> int:
-        return run_steps(wave, self.plan.nm, len(self.plan.virtual_workers), self.accumulate)
+        return run_steps(wave, self.plan.minibatches_per_wave, self.accumulate)
 
     def evaluated(self, wave: int, result: Dict[str, float]) -> bool:
         """The decision hook of VW 0's evaluation points: report, then ask the callbacks."""
@@ -179,7 +179,7 @@ class Reporter:
         self.evals.append(event)
         self._write(event)
         if self.tb is not None:
-            step = self.step0 + (wave + 1) * self.plan.nm
+            step = self.step0 + (wave + 1) * self.plan.nm_of(0)
             for key in ("loss", "metric"):
                 if event[key] is not None:
                     self.tb.add_scalar(f"eval/{key}", event[key], step)

@@ -19,6 +19,7 @@ from torch import nn
 from hetpipe.checkpoint import state as ckpt
 from hetpipe.job.roles import LaunchError
 from hetpipe.loader import as_source
+from hetpipe.loader.deal import deal_for
 from hetpipe.loader.source import too_few
 from hetpipe.model.contract import as_layers, infer_boundaries
 from hetpipe.model.layout import ModelLayout
@@ -35,6 +36,7 @@ from hetpipe.run.report import Reporter
 from hetpipe.run.shape import RunShape, sized
 from hetpipe.run.spec import RunSpec
 from hetpipe.run.world_plan import on_world, tf32_matmuls
+from hetpipe.util.errors import ArgumentError
 
 
 @dataclass
@@ -203,12 +205,17 @@ def run_spec(work: Workload, config: RunConfig, plan: Plan, resume: Optional[ckp
     """The run's :class:`RunSpec` for ``plan`` (schedules, activation shapes) on this rank; a resumed
     run trains what is left after the checkpoint's cut."""
     num_vws = len(plan.virtual_workers)
-    per_epoch = work.data.minibatches_per_epoch(num_vws)
+    deal = deal_for(plan.wave_minibatches)
+    per_epoch = work.data.minibatches_per_epoch(deal.num_slots)
     per_vw = per_epoch // num_vws
-    if per_vw < 1:
-        raise ValueError(too_few(per_epoch, num_vws, plan.nm))
+    if per_vw < 1 or deal.per_epoch(0, per_epoch) < 1:
+        raise ValueError(too_few(per_epoch, deal.num_slots, plan.nm))
     epochs, num = config.epochs, config.numerics
     total, split = per_vw * epochs, config.planning.split_startup
+    totals = [deal.per_epoch(v, per_epoch) * epochs for v in range(num_vws)]
+    if not deal.equal:
+        unequal_waves_supported(config, resume)
+        per_vw = max(totals) // epochs
     if resume is not None:
         total = resume.start.per_vw(per_epoch, num_vws, epochs)
         split = max(0, split - resume.minibatches) if resume.same_plan else 0
@@ -216,7 +223,9 @@ def run_spec(work: Workload, config: RunConfig, plan: Plan, resume: Optional[ckp
             raise ValueError(f"hetpipe: the checkpoint {resume.checkpoint.path} is at epoch "
                              f"{resume.start.epoch} minibatch {resume.start.index}: nothing is left of the "
                              f"{epochs} epoch(s) to train")
-    held = total * plan.num_stage_ranks
+    if deal.equal:
+        totals = [total] * num_vws
+    held = max(totals) * plan.num_stage_ranks
     if held > MAX_MINIBATCH_STAGES:
         raise ValueError(f"hetpipe: epochs={epochs} gives each VW {total} minibatches ({per_vw} per epoch), so the "
                          f"schedules of the plan's {plan.num_stage_ranks} stage(s) hold {held} minibatch-stages, more "
@@ -229,17 +238,32 @@ def run_spec(work: Workload, config: RunConfig, plan: Plan, resume: Optional[ckp
     layout = ModelLayout(work.layers)
     eval_every = eval_interval(rep, plan, num.accumulate)
     offset = resume.checkpoint.clock if resume is not None else 0
-    schedules = [vw_schedule(config.planning.schedule, plan, layout, vw.index, total, split, clip, num.accumulate,
-                             eval_every, offset) for vw in plan.virtual_workers]
+    schedules = [vw_schedule(config.planning.schedule, plan, layout, vw.index, totals[vw.index], split, clip,
+                             num.accumulate, eval_every, offset) for vw in plan.virtual_workers]
     return RunSpec(plan, work.layers, work.loss_fn, work.optimizer, work.data, epochs, schedules,
                    infer_boundaries(work.layers, x), batch_of(x), copy_stream=config.runtime.copy_stream,
                    audit=config.ps.audit, seed=num.seed, resume=resume,
                    lr_scheduler=sized(num.lr_scheduler, RunShape(num_vws, per_epoch,
-                                                                 per_vw * num_vws, epochs, num.accumulate,
+                                                                 sum(totals) // epochs, epochs, num.accumulate,
                                                                  num.lr_scheduler_steps)),
                    lr_stride=num_vws if num.lr_scheduler_steps == "run" else 1,
                    clip_grad_norm=clip, param_names=param_names(work.names), eval_every=eval_every,
                    eval_data=work.eval_data, eval_metric=rep.eval_metric, loss_scale=dict(num.loss_scale or {}), accumulate=num.accumulate)
+
+
+def unequal_waves_supported(config: RunConfig, resume: Optional[ckpt.Resume]) -> None:
+    """ArgumentError naming the setting a run with waves of unequal length does not support yet: resuming
+    from a checkpoint, writing checkpoints, or a learning-rate schedule stepped by the run's minibatches
+    (each counts an equal share per VW)."""
+    if resume is not None:
+        raise ArgumentError("hetpipe: resuming a run whose VWs' waves differ in length is not supported; "
+                            "resume with a plan of equal waves (planning.waves='equal')")
+    if config.checkpointing.dir is not None:
+        raise ArgumentError("hetpipe: checkpoints of a run whose VWs' waves differ in length are not supported; "
+                            "use planning.waves='equal' to checkpoint")
+    if config.numerics.lr_scheduler is not None and config.numerics.lr_scheduler_steps == "run":
+        raise ArgumentError("hetpipe: lr_scheduler_steps='run' counts an equal share of minibatches per VW; with "
+                            "waves of unequal length use lr_scheduler_steps='vw'")
 
 
 def eval_interval(rep: Reporting, plan: Plan, accumulate: int) -> Optional[int]:
@@ -247,7 +271,7 @@ def eval_interval(rep: Reporting, plan: Plan, accumulate: int) -> Optional[int]:
     optimizer steps (:func:`~hetpipe.run.callbacks.run_steps`) rounded to whole waves, at least one."""
     if rep.eval_every_steps is None:
         return rep.eval_every
-    per_wave = run_steps(0, plan.nm, len(plan.virtual_workers), accumulate)
+    per_wave = run_steps(0, plan.minibatches_per_wave, accumulate)
     return max(1, round(rep.eval_every_steps / max(1, per_wave)))
 
 

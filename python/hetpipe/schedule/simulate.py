@@ -485,11 +485,13 @@ def check_waves(plan, waves: int, name: str = "waves") -> None:
     :data:`MAX_MINIBATCH_STAGES`."""
     if isinstance(waves, bool) or not isinstance(waves, int) or waves < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {waves!r}")
-    shapes = {len(vw.stages) for vw in plan.virtual_workers}
-    work = waves * plan.nm * sum(shapes)
+    shapes = {(len(vw.stages), plan.nm_of(v)) for v, vw in enumerate(plan.virtual_workers)}
+    per_wave = sum(k * nm for k, nm in shapes)
+    work = waves * per_wave
     if work > MAX_MINIBATCH_STAGES:
-        most = max(1, MAX_MINIBATCH_STAGES // (plan.nm * sum(shapes)))
-        raise ValueError(f"{name} {waves} x Nm {plan.nm} x {sorted(shapes)} stages is {work} minibatch-stages, more "
+        most = max(1, MAX_MINIBATCH_STAGES // per_wave)
+        told = " + ".join(f"Nm {nm} x {k}" for k, nm in sorted(shapes))
+        raise ValueError(f"{name} {waves} x ({told} stages) is {work} minibatch-stages, more "
                          f"than the {MAX_MINIBATCH_STAGES} this simulator plays in about a minute; "
                          f"use at most {most} waves")
 
@@ -501,7 +503,7 @@ def simulate_plan(plan, waves: int = 10, *, apply: PerStage = 0.0, latency_s: Pe
     """Simulate ``waves`` waves of every VW of a :class:`hetpipe.plan.types.Plan` under its Nm and D.
 
     Every VW runs the registered schedule ``schedule`` (:mod:`hetpipe.schedule.registry`) for
-    ``waves x Nm`` minibatches; one that does not take the plan's Nm or D refuses them by name.
+    ``waves x`` its Nm minibatches; one that does not take the plan's Nm or D refuses them by name.
 
     Forward/backward times come from each stage's ``fwd_time``/``bwd_time`` (recomputation is part
     of ``bwd_time``, so the schedule has no separate Recompute), transfers from
@@ -518,13 +520,14 @@ def simulate_plan(plan, waves: int = 10, *, apply: PerStage = 0.0, latency_s: Pe
     spec = get_schedule(schedule)
     traffic = None if cluster is None or not spec.syncs else plan_traffic(plan, cluster, param_bytes, apply_rate)
     schedules, costs = [], []
-    cache: Dict[int, Schedule] = {}
+    cache: Dict[Tuple[int, int], Schedule] = {}
     for v, vw in enumerate(plan.virtual_workers):
-        k = len(vw.stages)
-        if k not in cache:
-            cache[k] = _plan_schedule(spec.name, ScheduleOptions(k, waves * plan.nm, plan.nm, plan.d,
-                                                                 split_startup=split_startup))
-        schedules.append(cache[k])
+        shape = (len(vw.stages), plan.nm_of(v))
+        if shape not in cache:
+            k, nm = shape
+            cache[shape] = _plan_schedule(spec.name, ScheduleOptions(k, waves * nm, nm, plan.d,
+                                                                     split_startup=split_startup))
+        schedules.append(cache[shape])
         tx = [st.send_time for st in vw.stages[:-1]] if transfer_s is None else transfer_s
         costs.append(vw_costs([st.fwd_time for st in vw.stages], [st.bwd_time for st in vw.stages],
                               apply=apply, latency_s=latency_s, transfer_s=tx, push=push, pull=pull,

@@ -59,7 +59,8 @@ def plan_of(cfg: dict) -> Plan:
     for v, cuts in enumerate(cfg["cuts"]):
         bounds = [0, *cuts, NUM_LAYERS]
         vws.append(VirtualWorkerPlan(v, tuple(StagePlan("cpu", "cpu", a, b, 0.0, 0.0)
-                                              for a, b in zip(bounds, bounds[1:]))))
+                                              for a, b in zip(bounds, bounds[1:])),
+                                     nm=cfg.get("waves", [0] * len(cfg["cuts"]))[v]))
     k = cfg.get("shards", 1)
     shards = tuple(ShardPlan(i, "n0", tuple(range(i, NUM_LAYERS, k))) for i in range(k))
     return Plan(NUM_LAYERS, cfg.get("nm", 2), cfg["d"], "manual", tuple(vws), shards)
