@@ -223,12 +223,14 @@ def estimate_host_s(rows: Sequence[Row], s, host: Dict[str, float], runs_per_row
     return per_run * runs_per_row
 
 
-def hetpipe_steps(s, d: int, budget: float, margin: float = 1.1) -> Tuple[int, float]:
-    """(minibatches per VW, steady seconds per wave) of a hetpipe run whose simulated length passes
-    ``budget x margin``: whole waves, from the steady wave time of an 8-wave simulation."""
+def hetpipe_steps(s, d: int, budget: float, margin: float = 1.1, waves_rule: str = "equal") -> Tuple[int, float]:
+    """(waves x the plan's Nm, steady seconds per wave) of a hetpipe run whose simulated length passes
+    ``budget x margin``: whole waves, from the steady wave time of an 8-wave simulation, with the VWs'
+    waves of ``waves_rule`` (:func:`hetpipe.plan.waves.with_waves`)."""
+    from hetpipe.plan.waves import with_waves
     from hetpipe.schedule import simulate_plan
 
-    plan = dataclasses.replace(s.plan, d=d)
+    plan = with_waves(dataclasses.replace(s.plan, d=d), waves_rule)
     a, b = simulate_plan(plan, waves=4).makespan_s, simulate_plan(plan, waves=8).makespan_s
     wave = (b - a) / 4
     waves = max(1, math.ceil((budget * margin - a) / wave) + 4)
@@ -251,6 +253,12 @@ def parse_variant(text: str) -> Tuple[str, int, Dict[str, object]]:
     outer: Dict[str, object] = {}
     for item in (parts[2].split("+") if len(parts) == 3 and parts[2] else []):
         key, _, value = item.partition("=")
+        if key == "waves":
+            if value not in ("equal", "speed"):
+                raise SystemExit(f"tta: --hetpipe row {text!r}: waves must be equal or speed, got {value!r}")
+            if value == "speed":
+                outer["waves"] = value
+            continue
         if key not in OUTER_KEYS or not value:
             raise SystemExit(f"tta: --hetpipe row {text!r}: {item!r} is not KEY=VALUE with KEY in {sorted(OUTER_KEYS)}")
         field_name = OUTER_KEYS[key]
@@ -260,10 +268,15 @@ def parse_variant(text: str) -> Tuple[str, int, Dict[str, object]]:
         except ValueError:
             raise SystemExit(f"tta: --hetpipe row {text!r}: {key} must be a {kind.__name__}, got {value!r}") from None
     try:
-        check_outer(f"tta: --hetpipe row {text!r}", **{**OUTER_DEFAULTS, **outer})
+        check_outer(f"tta: --hetpipe row {text!r}", **{**OUTER_DEFAULTS, **without_waves(outer)})
     except ValueError as e:
         raise SystemExit(str(e)) from None
     return parts[0], int(parts[1]), outer
+
+
+def without_waves(outer: Dict[str, object]) -> Dict[str, object]:
+    """A row's options less its wave rule: the PS's outer-optimizer fields."""
+    return {k: v for k, v in outer.items() if k != "waves"}
 
 
 def variant_name(agg: str, d: int, outer: Dict[str, object]) -> Tuple[str, str]:
@@ -271,10 +284,14 @@ def variant_name(agg: str, d: int, outer: Dict[str, object]) -> Tuple[str, str]:
     the outer optimizer's description added otherwise."""
     from hetpipe.plan.outer import OUTER_DEFAULTS, describe_outer
 
+    waves = "; waves by speed" if outer.get("waves") == "speed" else ""
+    opts = without_waves(outer)
     if not outer:
         return f"hetpipe-d{d}-{agg}", f"hetpipe D={d} ({agg})"
     slug = "-".join(f"{k.replace('outer_', '')}{v}" for k, v in sorted(outer.items()))
-    return f"hetpipe-d{d}-{agg}-{slug}", f"hetpipe D={d} ({agg}; {describe_outer({**OUTER_DEFAULTS, **outer})})"
+    if not opts:
+        return f"hetpipe-d{d}-{agg}-{slug}", f"hetpipe D={d} ({agg}{waves})"
+    return f"hetpipe-d{d}-{agg}-{slug}", f"hetpipe D={d} ({agg}; {describe_outer({**OUTER_DEFAULTS, **opts})}{waves})"
 
 
 def make_rows(s, systems: Sequence[str], variants: Sequence[Tuple[str, int, Dict[str, object]]],
@@ -282,6 +299,8 @@ def make_rows(s, systems: Sequence[str], variants: Sequence[Tuple[str, int, Dict
     """The regime's rows and its budget (virtual seconds): ``steps`` steps of the baseline with the
     shortest step; every other row's steps are sized to cover it."""
     import vclock
+
+    from hetpipe.plan.waves import with_waves
 
     rows = []
     for sysname in systems:
@@ -296,13 +315,16 @@ def make_rows(s, systems: Sequence[str], variants: Sequence[Tuple[str, int, Dict
         r.steps = math.ceil(budget / r.step_s - 1e-9)
     nvw, mb = len(s.plan.virtual_workers), s.task.minibatch
     for agg, d, outer in variants:
-        n, wave = hetpipe_steps(s, d, budget)
+        rule = str(outer.get("waves", "equal"))
+        n, wave = hetpipe_steps(s, d, budget, waves_rule=rule)
+        lengths = with_waves(s.plan, rule).wave_minibatches
         batch = nvw * mb if agg == "mean" else mb
         key, label = variant_name(agg, d, outer)
+        nm_note = f"Nm {s.plan.nm}" if rule == "equal" else f"Nm per VW {list(lengths)} (by speed)"
         rows.append(Row(key, label, "hetpipe", d, agg, dict(outer), batch, step_s=wave, steps=n,
                         batch_note=(f"{batch} ({nvw} VWs x {mb} averaged)" if agg == "mean"
                                     else f"{mb} (each VW's, summed)"),
-                        note=f"{nvw} VWs, Nm {s.plan.nm}, ~{wave:.3f} s per wave, {n} minibatches per VW"))
+                        note=f"{nvw} VWs, {nm_note}, ~{wave:.3f} s per wave, {n // s.plan.nm} waves"))
     return rows, budget
 
 

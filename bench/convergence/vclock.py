@@ -171,23 +171,25 @@ def run_hetpipe(s: Setting, steps: int, lr: float, seed: int, d: int, aggregate:
                 progress: Optional[Callable[[str], None]] = None,
                 outer: Optional[Dict[str, object]] = None) -> Tuple[List[Point], object]:
     """hetpipe's plan under D and ``aggregate`` (and ``outer``: :class:`hetpipe.PSRule`'s outer-optimizer
-    fields) for ``steps`` minibatches per VW (whole waves), replayed on the simulated record; validation
+    fields, and ``waves``: the plan's wave rule, :func:`hetpipe.plan.waves.with_waves`) for ``steps // Nm``
+    waves, replayed on the simulated record; validation
     points at the global versions ``W_g``. Returns the points and the
     :class:`hetpipe.run.simulated.SimulatedRun`."""
     from hetpipe import PSRule, Reporting
     from hetpipe.run.replay import replay_run
     from hetpipe.run.simulated import simulated_record
+    from hetpipe.plan.waves import with_waves
     from hetpipe.run.trainer import Trainer
 
-    plan = dataclasses.replace(s.plan, d=d)
-    nvw = len(plan.virtual_workers)
+    options = dict(outer or {})
+    plan = with_waves(dataclasses.replace(s.plan, d=d), str(options.pop("waves", "equal")))
     waves = steps // plan.nm
     if waves < 1:
         raise ValueError(f"vclock: {steps} steps per VW is less than one wave of Nm = {plan.nm}")
-    data = MinibatchStream(s.text, s.task, seed, count=waves * plan.nm * nvw)
+    data = MinibatchStream(s.text, s.task, seed, count=waves * plan.minibatches_per_wave)
     layers = build_layers(s.task, seed)
     trainer = Trainer(layers, loss_fn, lambda p: optimizer(p, lr), data, plan=plan,
-                      ps=PSRule(aggregate=aggregate, **(outer or {})), reporting=Reporting(progress=False))
+                      ps=PSRule(aggregate=aggregate, **options), reporting=Reporting(progress=False))
     plan = trainer.resolve_plan()           # the plan with the PS rule (aggregate, outer optimizer) applied
     spec = trainer.spec(plan)
     run = simulated_record(spec, cluster=s.cluster, param_bytes=[l.param_bytes for l in s.prof.layers])
@@ -200,7 +202,7 @@ def run_hetpipe(s: Setting, steps: int, lr: float, seed: int, d: int, aggregate:
 
     replay_run(spec, run.record, on_applied=on_applied)
     model = build_layers(s.task, seed)
-    per_wave = plan.nm * nvw * s.task.minibatch
+    per_wave = plan.minibatches_per_wave * s.task.minibatch
     points: List[Point] = []
     for g in sorted(snaps):
         load_layer_weights(model, snaps[g])
