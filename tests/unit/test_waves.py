@@ -168,3 +168,28 @@ def test_what_unequal_waves_do_not_support_is_refused_by_name(tmp_path):
                 reporting=Reporting(progress=False)).spec(plan)
     with pytest.raises(ArgumentError, match="planning.waves"):
         Planning(waves="fast")
+
+
+def test_cli_plan_waves_by_speed_on_the_papers_testbed(tmp_path, capsys):
+    from hetpipe.cli import main
+
+    out = tmp_path / "plan.json"
+    # NP: one VW per GPU type; the Titan VWs are about 3x the Quadro P4000's and RTX 2060's speed
+    assert main(["plan", "--cluster", "hetpipe-testbed", "--profile", "vgg19", "--policy", "NP", "--waves", "speed",
+                 "-o", str(out)]) == 0
+    plan = Plan.load(out)
+    times = plan.meta["wave_time_s"]
+    assert plan.wave_minibatches == tuple(round(plan.nm * max(times) / t) for t in times)
+    assert len(set(plan.wave_minibatches)) > 1 and min(plan.wave_minibatches) == plan.nm
+    assert f"Nm per VW {list(plan.wave_minibatches)}" in capsys.readouterr().out
+
+
+def test_the_numpy_and_jax_workers_refuse_unequal_waves_by_name():
+    from hetpipe.ps.worker import WorkerRank
+
+    class Rank0:
+        def Get_rank(self):
+            return 0
+
+    with pytest.raises(ValueError, match="VW 0 trains 3 minibatches per wave"):
+        WorkerRank(Rank0(), plan_of([3, 2]), 64)

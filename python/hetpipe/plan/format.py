@@ -29,7 +29,8 @@ def format_plan(plan: Plan, cluster=None) -> str:
     """The plan as text. With ``cluster`` (a ClusterSpec) each device's node is shown too."""
     nodes = {d.id: d.node for d in cluster.devices} if cluster is not None else {}
     meta = plan.meta or {}
-    head = (f"plan: policy {plan.policy}, {len(plan.virtual_workers)} VWs, Nm={plan.nm}, D={plan.d}, "
+    nm = f"Nm={plan.nm}" if plan.equal_waves else f"Nm per VW {list(plan.wave_minibatches)}"
+    head = (f"plan: policy {plan.policy}, {len(plan.virtual_workers)} VWs, {nm}, D={plan.d}, "
             f"{plan.num_layers} layers, minibatch {plan.minibatch_size}, aggregate {plan.aggregate}, "
             f"precision {plan.precision}")
     if not is_plain(plan.outer_options):
