@@ -14,6 +14,7 @@ from hetpipe.plan.cluster import load_cluster
 from hetpipe.plan.efficiency import efficiency
 from hetpipe.plan.profile import load_profile
 from hetpipe.plan.time_to_accuracy import batch_per_update, slowest_first
+from hetpipe.plan.waves import with_waves
 from hetpipe.run.pilot import measure_noise_scale, pilot_noise_scale
 
 TTA = "time-to-accuracy"
@@ -50,11 +51,15 @@ def test_the_batch_per_update_is_the_vws_times_the_minibatch():
     assert batch_per_update(1, 32) == 32 and batch_per_update(4, 32) == 128
 
 
-@pytest.mark.parametrize("model,noise", [("vgg19", 200.0), ("resnet152", 30.0), ("resnet152", 1e6)])
-def test_the_choice_is_the_argmax_of_a_brute_force_over_the_candidates(model, noise):
+@pytest.mark.parametrize("model,noise,waves", [("vgg19", 200.0, "equal"), ("resnet152", 30.0, "equal"),
+                                               ("resnet152", 1e6, "equal"), ("vgg19", 200.0, "speed"),
+                                               ("resnet152", 1e6, "speed")])
+def test_the_choice_is_the_argmax_of_a_brute_force_over_the_candidates(model, noise, waves):
     """Every candidate planned alone at every Nm (make_plan with the throughput objective on the cluster
     without the k slowest devices, each policy and one-device VWs), scored by samples/s x Pollux's
-    efficiency of VWs x minibatch samples: the planner's choice and figures are the argmax's."""
+    efficiency of VWs x minibatch samples: the planner's choice and figures are the argmax's. With
+    ``waves="speed"`` each candidate's Nm is its best for equal waves and its samples/s that of the
+    same plan with waves by speed (hetpipe.plan.waves.with_waves)."""
     prof = load_profile(model)
     b = prof.minibatch_size
 
@@ -86,10 +91,13 @@ def test_the_choice_is_the_argmax_of_a_brute_force_over_the_candidates(model, no
                     top = (g, p)
             if top is None:
                 continue
+            if waves == "speed":
+                p = with_waves(top[1], "speed")
+                top = (p.throughput * b * efficiency(len(p.virtual_workers) * b, noise, b), p)
             if best is None or top[0] > best[0] * (1 + 1e-9):
                 best = (top[0], top[1], tuple(order[:k]), layout)
             want[(tuple(order[:k]), layout)] = top[0]
-    plan = make_plan(cluster(), prof, objective=TTA, noise_scale=noise)
+    plan = make_plan(cluster(), prof, objective=TTA, noise_scale=noise, waves=waves)
     figures = goodputs(plan)
     assert {(w, layout.split("/")[0]): g for (w, layout), g in figures.items()} == pytest.approx(want, rel=1e-12)
     g, ref, without, layout = best
@@ -98,6 +106,7 @@ def test_the_choice_is_the_argmax_of_a_brute_force_over_the_candidates(model, no
     assert (tuple(chosen["without"]), chosen["layout"].split("/")[0]) == (without, layout)
     assert chosen["goodput"] == pytest.approx(g, rel=1e-12) and chosen["relative_time"] == 1.0
     assert devices_of(plan) == devices_of(ref) and plan.nm == ref.nm
+    assert plan.wave_minibatches == ref.wave_minibatches
     assert plan.throughput == pytest.approx(ref.throughput, rel=1e-12)
     assert chosen["batch_per_update"] == len(plan.virtual_workers) * b
     assert max(figures.values()) == pytest.approx(g, rel=1e-12)

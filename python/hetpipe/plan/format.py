@@ -82,8 +82,8 @@ def format_plan(plan: Plan, cluster=None) -> str:
 
 def format_candidates(plan: Plan) -> str:
     """The candidates of a time-to-accuracy plan (``meta["time_to_accuracy"]``) as a table: devices left
-    out, VWs, Nm, predicted samples/s, batch per update, efficiency, goodput and time to the target
-    relative to the chosen one, which is marked; skipped candidates with their reason below it."""
+    out, VWs, Nm (each VW's, ``a/b/c``, where waves by speed make them differ), predicted samples/s, batch per
+    update, efficiency, goodput and time to the target relative to the chosen one, which is marked; skipped candidates with their reason below it."""
     tta = plan.meta["time_to_accuracy"]
     head = (f"time to accuracy: noise scale {tta['noise_scale']:g} samples, base batch {tta['base_batch']:g}, "
             f"batch per update = VWs x minibatch ({tta['minibatch_size']})")
@@ -95,7 +95,8 @@ def format_candidates(plan: Plan) -> str:
             skipped.append(f"  #{r['index']} {r['layout']} without {r['without_text']}: skipped: {r['skipped']}")
             continue
         mark = "*" if r["index"] == tta["chosen"] else ""
-        rows.append((mark, str(r["index"]), r["layout"], r["without_text"], r["vws_text"], str(r["nm"]),
+        nm = str(r["nm"]) if len(set(r.get("waves", ()))) < 2 else "/".join(str(n) for n in r["waves"])
+        rows.append((mark, str(r["index"]), r["layout"], r["without_text"], r["vws_text"], nm,
                      f"{r['samples_per_s']:.1f}", str(r["batch_per_update"]), f"{r['efficiency']:.3f}",
                      f"{r['goodput']:.1f}", f"{r['relative_time']:.2f}x"))
     width = [max(len(r[i]) for r in rows + [cols]) for i in range(len(cols))]

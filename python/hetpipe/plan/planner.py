@@ -266,7 +266,7 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
             dict(nm=nm, d=d, modes=modes, exhaustive_max=exhaustive_max, max_nm=max_nm, horizon=horizon,
                  num_ps_shards=num_ps_shards, ps_nodes=ps_nodes),
             lambda best, sub, outcomes, extra: _to_plan(best, table, sub, profile, d, minibatch_size, objective,
-                                                        outcomes, precision, extra)), waves)
+                                                        outcomes, precision, extra), waves), waves)
 
     def score(thr: float, mem: int, num_vws: int) -> float:
         return thr if objective == "throughput" else memory_efficiency(thr, single, mem)

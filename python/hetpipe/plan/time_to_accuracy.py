@@ -55,6 +55,7 @@ from hetpipe.plan.formation import POLICIES, default_vw_size, form_virtual_worke
 from hetpipe.plan.profile import ModelProfile
 from hetpipe.plan.stage_cost import LayerTable
 from hetpipe.plan.types import Plan
+from hetpipe.plan.waves import speed_lengths, speed_throughput
 
 DP = "DP"       # the layout of one-device VWs (pure data parallelism)
 NEEDS_NOISE_SCALE = ("measure the gradient noise scale (samples) with a short pilot on the model and its data: "
@@ -135,10 +136,13 @@ def _shape(sizes: Sequence[int]) -> str:
 def plan_for_time_to_accuracy(cluster: ClusterSpec, table: LayerTable, profile: ModelProfile, policies: Sequence[str],
                               vw_size: Optional[int], noise_scale: float, base_batch: Optional[float],
                               minibatch_size: int, search_args: Dict[str, Any],
-                              to_plan: Callable[[Any, ClusterSpec, Dict[str, Any], Dict[str, Any]], Plan]) -> Plan:
+                              to_plan: Callable[[Any, ClusterSpec, Dict[str, Any], Dict[str, Any]], Plan],
+                              waves: str = "equal") -> Plan:
     """The candidate of the largest goodput as a plan (see the module docstring), its ``meta`` carrying
     ``time_to_accuracy``: the statistics and every candidate. ``to_plan(candidate, cluster, outcomes,
-    extra_meta)`` builds the plan (the planner's); ``search_args``: the planner's search settings."""
+    extra_meta)`` builds the plan (the planner's); ``search_args``: the planner's search settings; ``waves``:
+    the plan's wave rule, under which each candidate's throughput is predicted (``"speed"``:
+    :func:`hetpipe.plan.waves.speed_throughput`)."""
     from hetpipe.plan.planner import check_fits_cluster, search
 
     base = float(base_batch) if base_batch is not None else float(minibatch_size)
@@ -188,13 +192,18 @@ def plan_for_time_to_accuracy(cluster: ClusterSpec, table: LayerTable, profile: 
             n = len(cand.parts)
             batch = batch_per_update(n, minibatch_size)
             eff = efficiency(batch, noise_scale, base)
+            stages = [len(p.stages) for p in cand.parts]
+            thr = cand.throughput
+            if waves == "speed":
+                thr = speed_throughput(cand.nm, list(cand.wave_times), stages) or thr
+                row["waves"] = speed_lengths(cand.nm, list(cand.wave_times), stages)
             row.update(devices=[st.device for p in cand.parts for st in p.stage_devs],
-                       vws=[len(p.stages) for p in cand.parts], vws_text=_shape([len(p.stages) for p in cand.parts]),
-                       nm=cand.nm, throughput=cand.throughput, samples_per_s=cand.throughput * minibatch_size,
-                       batch_per_update=batch, efficiency=eff, goodput=cand.throughput * minibatch_size * eff)
+                       vws=stages, vws_text=_shape(stages),
+                       nm=cand.nm, throughput=thr, samples_per_s=thr * minibatch_size,
+                       batch_per_update=batch, efficiency=eff, goodput=thr * minibatch_size * eff)
             if cand.left_out:
                 row["left_out"] = [s.device for vw, *_ in cand.left_out for s in vw]
-            if chosen is None or cand.score > chosen[0].score * (1 + 1e-9):
+            if chosen is None or row["goodput"] > chosen[1]["goodput"] * (1 + 1e-9):
                 chosen = (cand, row, sub, outcomes)
     if chosen is None:
         detail = "; ".join(f"{r['layout']} on {len(r['devices'])} devices: {r['skipped']}" for r in rows[:4])

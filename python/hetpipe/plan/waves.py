@@ -43,11 +43,20 @@ def speed_lengths(nm: int, wave_times: Sequence[float], num_stages: Sequence[int
     return out
 
 
+def speed_throughput(nm: int, wave_times: Sequence[float], num_stages: Sequence[int]) -> float:
+    """Predicted minibatches per second of VWs with :func:`speed_lengths`' waves: every VW's minibatches
+    per wave over the slowest VW's time for its wave (a wave of ``n_v`` taking ``T_v x n_v / nm``; the
+    cost model's steady state, the PS shards' network time per wave left out). 0 without wave times."""
+    lengths = speed_lengths(nm, wave_times, num_stages) if wave_times else []
+    period = max((t * n / nm for t, n in zip(wave_times, lengths)), default=0.0)
+    return sum(lengths) / period if period > 0 else 0.0
+
+
 def with_waves(plan: Plan, waves: str) -> Plan:
     """``plan`` with the wave rule ``waves`` applied: unchanged under ``"equal"``; under ``"speed"``, each
     VW's Nm from :func:`speed_lengths` over ``meta["wave_time_s"]`` (the planner's prediction for a wave of
-    Nm), the predicted throughput that of the longer waves (every VW's minibatches per wave over the
-    slowest VW's wave time, the cost model's steady state), and ``meta["waves"]`` what was done."""
+    Nm), the predicted throughput that of the longer waves (:func:`speed_throughput`), and
+    ``meta["waves"]`` what was done."""
     check_wave_rule("make_plan", waves)
     if waves == "equal":
         return plan
@@ -58,9 +67,8 @@ def with_waves(plan: Plan, waves: str) -> Plan:
     stages = [len(vw.stages) for vw in plan.virtual_workers]
     lengths = speed_lengths(plan.nm, times, stages)
     vws = tuple(dataclasses.replace(vw, nm=0 if n == plan.nm else n) for vw, n in zip(plan.virtual_workers, lengths))
-    period = max(t * n / plan.nm for t, n in zip(times, lengths))
     meta: Dict[str, Any] = dict(plan.meta)
     meta["waves"] = {"rule": "speed", "minibatches": lengths,
                      "kept": [v for v, (k, n) in enumerate(zip(stages, lengths)) if k > plan.nm]}
-    return dataclasses.replace(plan, virtual_workers=vws, meta=meta,
-                               throughput=sum(lengths) / period if period > 0 else plan.throughput)
+    throughput = speed_throughput(plan.nm, times, stages)
+    return dataclasses.replace(plan, virtual_workers=vws, meta=meta, throughput=throughput or plan.throughput)
