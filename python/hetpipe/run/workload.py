@@ -205,31 +205,29 @@ def run_spec(work: Workload, config: RunConfig, plan: Plan, resume: Optional[ckp
     """The run's :class:`RunSpec` for ``plan`` (schedules, activation shapes) on this rank; a resumed
     run trains what is left after the checkpoint's cut."""
     num_vws = len(plan.virtual_workers)
-    deal = deal_for(plan.wave_minibatches)
-    per_epoch = work.data.minibatches_per_epoch(deal.num_slots)
-    per_vw = per_epoch // num_vws
-    if per_vw < 1 or deal.per_epoch(0, per_epoch) < 1:
-        raise ValueError(too_few(per_epoch, deal.num_slots, plan.nm))
-    epochs, num = config.epochs, config.numerics
-    total, split = per_vw * epochs, config.planning.split_startup
-    totals = [deal.per_epoch(v, per_epoch) * epochs for v in range(num_vws)]
+    deal = deal_for(plan.wave_minibatches)          # equal waves: one slot per VW, the round-robin deal
     if not deal.equal:
         unequal_waves_supported(config, resume)
-        per_vw = max(totals) // epochs
+    per_epoch = work.data.minibatches_per_epoch(deal.num_slots)
+    per_slot = per_epoch // deal.num_slots
+    if per_slot < 1:
+        raise ValueError(too_few(per_epoch, deal.num_slots, plan.nm))
+    epochs, num = config.epochs, config.numerics
+    totals = [per_slot * q * epochs for q in deal.shares]         # each VW's minibatches: its slots' share
+    split = config.planning.split_startup
     if resume is not None:
-        total = resume.start.per_vw(per_epoch, num_vws, epochs)
+        totals = [resume.start.per_vw(per_epoch, num_vws, epochs)] * num_vws
         split = max(0, split - resume.minibatches) if resume.same_plan else 0
-        if total < 1:
+        if totals[0] < 1:
             raise ValueError(f"hetpipe: the checkpoint {resume.checkpoint.path} is at epoch "
                              f"{resume.start.epoch} minibatch {resume.start.index}: nothing is left of the "
                              f"{epochs} epoch(s) to train")
-    if deal.equal:
-        totals = [total] * num_vws
     held = max(totals) * plan.num_stage_ranks
     if held > MAX_MINIBATCH_STAGES:
-        raise ValueError(f"hetpipe: epochs={epochs} gives each VW {total} minibatches ({per_vw} per epoch), so the "
-                         f"schedules of the plan's {plan.num_stage_ranks} stage(s) hold {held} minibatch-stages, more "
-                         f"than the {MAX_MINIBATCH_STAGES} a run builds up front; train at most "
+        per_vw = per_slot * max(deal.shares)
+        raise ValueError(f"hetpipe: epochs={epochs} gives a VW {max(totals)} minibatches ({per_vw} per epoch), so "
+                         f"the schedules of the plan's {plan.num_stage_ranks} stage(s) hold {held} minibatch-stages, "
+                         f"more than the {MAX_MINIBATCH_STAGES} a run builds up front; train at most "
                          f"{max(1, MAX_MINIBATCH_STAGES // (per_vw * plan.num_stage_ranks))} epoch(s) per run and "
                          "resume the next run from its checkpoint")
     x, _ = work.data.sample()
@@ -244,7 +242,7 @@ def run_spec(work: Workload, config: RunConfig, plan: Plan, resume: Optional[ckp
                    infer_boundaries(work.layers, x), batch_of(x), copy_stream=config.runtime.copy_stream,
                    audit=config.ps.audit, seed=num.seed, resume=resume,
                    lr_scheduler=sized(num.lr_scheduler, RunShape(num_vws, per_epoch,
-                                                                 sum(totals) // epochs, epochs, num.accumulate,
+                                                                 per_slot * deal.num_slots, epochs, num.accumulate,
                                                                  num.lr_scheduler_steps)),
                    lr_stride=num_vws if num.lr_scheduler_steps == "run" else 1,
                    clip_grad_norm=clip, param_names=param_names(work.names), eval_every=eval_every,
