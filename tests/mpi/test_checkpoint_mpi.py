@@ -231,6 +231,33 @@ def test_outer_momentum_resumes_bitwise(tmp_path, outer, seed):
     assert _resume_and_compare(tmp_path, ckpt, reference, cfg) % 2 == 0
 
 
+def test_unequal_waves_resume_bitwise(tmp_path):
+    """D = 0, 2 one-stage VWs whose waves are 3 and 2 minibatches long (the epoch dealt in rounds of 5,
+    the PS weighing each VW's delta by its samples): killed at a random wave and resumed from its
+    checkpoint, the run ends with the uninterrupted run's weights and losses, bitwise, having trained only
+    what was left after the cut. The same plan with equal waves ends elsewhere."""
+    cfg = {"vws": 2, "cuts": [], "nm": 2, "d": 0, "epochs": 2, "minibatches": 30, "time": 0.01, "waves": [3, 2]}
+    rc, err = _finish(_launch("-n", "3", "ckpt_run.py", str(tmp_path / "ref"), json.dumps(cfg)))
+    assert rc == 0, err
+    want, w_want = _result(tmp_path / "ref")
+    assert len(want["losses"]["0"]) == 36 and len(want["losses"]["1"]) == 24       # 12 waves of 3 and of 2
+    rc, err = _finish(_launch("-n", "3", "ckpt_run.py", str(tmp_path / "equal"), json.dumps({**cfg, "waves": [0, 0]})))
+    assert rc == 0, err
+    w_equal = _result(tmp_path / "equal")[1]
+    assert not all(np.array_equal(w_equal[l], w_want[l]) for l in w_want), "the waves changed nothing"
+    ckpt, victim, rc, err = _killed_run(tmp_path, cfg, 17, 3)
+    assert rc != 0 and f"rank {victim}" in err, err
+    rc, err = _finish(_launch("-n", "3", "--resume", str(ckpt), "--run-dir", str(tmp_path / "run2"),
+                              "ckpt_run.py", str(tmp_path / "resumed"), json.dumps(cfg)))
+    assert rc == 0, err
+    got, w_got = _result(tmp_path / "resumed")
+    clock = got["resumed"]["clock"]
+    assert got["resumed"]["same_plan"] and 1 <= clock < 12
+    assert all(np.array_equal(w_got[l], w_want[l]) for l in w_want), "weights differ from the uninterrupted run"
+    assert got["losses"] == want["losses"]
+    assert got["samples"] == 16 * (60 - 5 * clock)
+
+
 def test_sigterm_writes_a_checkpoint_to_resume_from(tmp_path, uninterrupted):
     """SIGTERM to `hetpipe launch` at a random wave, with no periodic checkpoint due (every 1000 waves):
     the ranks write the newest clock they all hold on SIGTERM, and the resumed run is bitwise the

@@ -19,7 +19,7 @@ from hetpipe.loader.deal import deal_for, deal_stream  # noqa: E402
 from hetpipe.loader.source import VWStream, epoch_range  # noqa: E402
 from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan  # noqa: E402
 from hetpipe.plan.waves import speed_lengths, with_waves  # noqa: E402
-from hetpipe.run.config import Checkpointing, Planning, PSRule, Reporting  # noqa: E402
+from hetpipe.run.config import Numerics, Planning, PSRule, Reporting  # noqa: E402
 from hetpipe.run.data import Batches  # noqa: E402
 from hetpipe.run.replay import replay_run  # noqa: E402
 from hetpipe.run.trainer import Trainer  # noqa: E402
@@ -161,11 +161,15 @@ def test_a_bad_vw_nm_is_named():
         plan_of([2, -1])
 
 
-def test_what_unequal_waves_do_not_support_is_refused_by_name(tmp_path):
+def test_what_unequal_waves_do_not_support_is_refused_by_name():
     plan = plan_of([3, 2])
-    with pytest.raises(ArgumentError, match="checkpoints of a run whose VWs' waves differ"):
-        Trainer(mlp(), cross_entropy, sgd, data(20), plan=plan, checkpointing=Checkpointing(dir=tmp_path),
+    step = Numerics(lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 4))
+    with pytest.raises(ArgumentError, match="lr_scheduler_steps='run' counts an equal share"):
+        Trainer(mlp(), cross_entropy, sgd, data(20), plan=plan, numerics=step,
                 reporting=Reporting(progress=False)).spec(plan)
+    vw_steps = Numerics(lr_scheduler=step.lr_scheduler, lr_scheduler_steps="vw")
+    assert Trainer(mlp(), cross_entropy, sgd, data(20), plan=plan, numerics=vw_steps,
+                   reporting=Reporting(progress=False)).spec(plan).schedules[0].num_minibatches == 12
     with pytest.raises(ArgumentError, match="planning.waves"):
         Planning(waves="fast")
 

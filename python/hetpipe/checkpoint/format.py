@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -368,6 +369,17 @@ def data_cursor(segments: List[Dict[str, Any]], clock: int) -> Tuple[DataPositio
     return pos, q
 
 
+def stretch_shape(plan: Dict[str, Any]) -> Tuple[int, int]:
+    """(slots, minibatches per slot and wave) of a plan's data deal (JSON data): its VWs and Nm with equal
+    waves; with waves of unequal length ``n_v``, ``sum(n_v) / gcd(n)`` slots of ``gcd(n)`` each
+    (docs/design.md, "Waves of unequal length"). A stretch (:func:`segment`) records these."""
+    waves = [int(v.get("nm") or plan["nm"]) for v in plan["virtual_workers"]]
+    g = 0
+    for n in waves:
+        g = math.gcd(g, n)
+    return sum(n // g for n in waves), g
+
+
 def check_data(path: Path, manifest: Dict[str, Any]) -> None:
     """Refuse, naming the manifest, a run's checkpoint (format 2, with a plan) whose data position or
     minibatch count is not where the waves up to its clock of the stretches it records leave the data
@@ -386,11 +398,12 @@ def check_data(path: Path, manifest: Dict[str, Any]) -> None:
         last = segments[-1]
         resumed = manifest.get("resumed_from")
         since = int(resumed["clock"]) if resumed else 0
-        if (int(last["vws"]), int(last["nm"]), int(last["clock"])) != (len(plan["virtual_workers"]), int(plan["nm"]),
-                                                                       since):
+        slots, per_slot = stretch_shape(plan)
+        if (int(last["vws"]), int(last["nm"]), int(last["clock"])) != (slots, per_slot, since):
             raise CheckpointError(f"{where} records a last stretch of {last['vws']} VW(s), nm={last['nm']} from clock "
-                                  f"{last['clock']}, but its plan has {len(plan['virtual_workers'])} VW(s), "
-                                  f"nm={plan['nm']}, and it resumed at clock {since}: it was altered")
+                                  f"{last['clock']}, but its plan has {slots} VW(s), nm={per_slot} (slots of its "
+                                  f"deal, minibatches of each per wave), and it resumed at clock {since}: it was "
+                                  "altered")
         clocks = [int(s["clock"]) for s in segments] + [clock]
         if clocks != sorted(clocks) or (clocks[0] != 0 and "start" not in segments[0]):
             raise CheckpointError(f"{where} records stretches from clocks {clocks[:-1]} up to clock {clock}, not a "

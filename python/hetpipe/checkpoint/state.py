@@ -559,6 +559,21 @@ class Resume:
     start: DataPosition = field(default_factory=DataPosition)
     micro_offset: int = 0            # micro-batches each VW ran before the cut (seeds continue from there)
     minibatches: int = 0             # minibatches each VW trained before the cut (same plan; else 0)
+    # With waves of unequal length (docs/design.md, "Waves of unequal length"): each VW's share of the
+    # deal's slots; ``minibatches`` and ``micro_offset`` then count per slot. Empty: one slot per VW.
+    shares: Tuple[int, ...] = ()
+    split: int = 0                   # the checkpointed run's split start-up minibatches (same plan)
+
+    def minibatches_of(self, vw: int) -> int:
+        """Minibatches VW ``vw`` trained before the cut (same plan; else 0)."""
+        return self.minibatches * (self.shares[vw] if self.shares else 1)
+
+    def micro_offset_of(self, vw: int) -> int:
+        """Micro-batches VW ``vw`` ran before the cut: its minibatches, the split start-up's counted twice."""
+        if not self.shares:
+            return self.micro_offset
+        q = self.minibatches_of(vw)
+        return q + min(self.split, q)
 
     def restore_stage(self, model, layout, vw: int, stage: int) -> None:
         """Give a freshly built :class:`~hetpipe.stage.params.StageModel` its saved optimizer state and

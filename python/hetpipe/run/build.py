@@ -114,7 +114,7 @@ def build_stage(spec: RunSpec, vw: int, stage: int, transport: Transport, pool, 
                        optimizer_factory=spec.optimizer_factory, device=device, recompute=tuple(st.recompute),
                        layout=spec.layout, tied_stages=tied_stages(spec, vw), seed=spec.seed, vw=vw, stage=stage,
                        precision=plan.precision,
-                       micro_offset=spec.resume.micro_offset if spec.resume is not None else 0,
+                       micro_offset=spec.resume.micro_offset_of(vw) if spec.resume is not None else 0,
                        lr_scheduler=spec.lr_scheduler, param_names=spec.param_names,
                        lr_stride=spec.lr_stride)
     if spec.resume is not None:

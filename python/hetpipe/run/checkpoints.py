@@ -22,6 +22,7 @@ from hetpipe.checkpoint import state as ckpt
 from hetpipe.job import failure
 from hetpipe.job.roles import LaunchError, Role
 from hetpipe.job.rundir import RUN_DIR_ENV, launcher_ending, launcher_interrupting, mark_terminated
+from hetpipe.loader.deal import deal_for
 from hetpipe.model.layout import ModelLayout, local_buffers
 from hetpipe.model.weights import load_layer_weights
 from hetpipe.plan.types import Plan
@@ -104,22 +105,25 @@ class RunCheckpoints:
                                   f"the model's layer {l} has {lay.numel(l)}")
         load_layer_weights(self.layers, weights, buffers)
         data = found.manifest["data"]
-        q = int(data["minibatches_per_vw"])
+        q = int(data["minibatches_per_vw"])             # per slot of the deal (per VW with equal waves)
         same = same_layout(old, plan)
         split = int(found.manifest.get("split_startup", 0))
+        deal = deal_for(plan.wave_minibatches)
         return ckpt.Resume(found, same, ckfmt.DataPosition(**data["position"]), q + min(split, q) if same else 0,
-                           q if same else 0)
+                           q if same else 0, () if deal.equal or not same else deal.shares, split if same else 0)
 
     def manifest(self, plan: Plan, spec: RunSpec, clock: int) -> Dict[str, Any]:
         """The manifest of the checkpoint at ``clock`` (identical on every rank)."""
         resume = spec.resume
         clock0 = resume.checkpoint.clock if resume is not None else 0
         start = resume.start if resume is not None else ckfmt.DataPosition()
-        total = spec.schedules[0].num_minibatches
-        k = min(total, (clock - clock0) * plan.nm)
-        num_vws = len(plan.virtual_workers)
-        per_epoch = self.data.minibatches_per_epoch(num_vws)
-        pos = start.advance(k, per_epoch, num_vws)
+        # Counted per slot of the deal (docs/design.md, "Waves of unequal length"): a wave is gcd(waves)
+        # minibatches of every slot; with equal waves a slot is a VW and a wave Nm minibatches of it.
+        deal = deal_for(plan.wave_minibatches)
+        total = spec.schedules[0].num_minibatches // deal.shares[0]
+        k = min(total, (clock - clock0) * (plan.nm_of(0) // deal.shares[0]))
+        per_epoch = self.data.minibatches_per_epoch(deal.num_slots)
+        pos = start.advance(k, per_epoch, deal.num_slots)
         return {"format": ckfmt.FORMAT, "run_id": self.run_id, "clock": clock, "plan": plan.to_dict(),
                 "parts": [ckfmt.part_name(r) for r in range(plan.num_ranks)],
                 "data": {"position": {"epoch": pos.epoch, "index": pos.index},
@@ -137,6 +141,10 @@ class RunCheckpoints:
         resume checks the data position a manifest records (:func:`~hetpipe.checkpoint.format.check_data`):
         the resumed checkpoint's, then this run's, which began at ``clock0``."""
         same = resume.same_plan if resume is not None else False
+        # A stretch counts slots of the deal, each training gcd(waves) minibatches a wave (VWs and Nm with
+        # equal waves), so that its arithmetic is the round-robin one.
+        deal = deal_for(plan.wave_minibatches)
+        slots, per_slot = deal.num_slots, plan.nm_of(0) // deal.shares[0]
         if resume is None:
             before: List[Dict[str, Any]] = []
         elif "segments" in resume.checkpoint.manifest["data"]:
@@ -144,8 +152,8 @@ class RunCheckpoints:
         else:
             # A checkpoint written before stretches were recorded: this run's history starts at its cut.
             start = {"epoch": resume.start.epoch, "index": resume.start.index, "minibatches_per_vw": resume.minibatches}
-            return [ckfmt.segment(clock0, len(plan.virtual_workers), plan.nm, per_epoch, self.epochs, same, start)]
-        return before + [ckfmt.segment(clock0, len(plan.virtual_workers), plan.nm, per_epoch, self.epochs, same)]
+            return [ckfmt.segment(clock0, slots, per_slot, per_epoch, self.epochs, same, start)]
+        return before + [ckfmt.segment(clock0, slots, per_slot, per_epoch, self.epochs, same)]
 
     def claim(self) -> None:
         """Refuse a checkpoint directory that holds another run's checkpoints (call after :meth:`resume`):
@@ -239,7 +247,7 @@ class RunCheckpoints:
             part["callbacks"] = reporter.callbacks.state()
         if ex.is_last:
             resume = spec.resume
-            q0 = resume.minibatches if resume is not None else 0
+            q0 = resume.minibatches_of(role.vw) if resume is not None else 0
             before = resume.checkpoint.losses().get(role.vw, {}) if resume is not None and resume.same_plan else {}
             part["losses"] = {**{str(p): v for p, v in before.items()},
                               **{str(q0 + p): v for p, v in ex.losses.items()}}
@@ -316,9 +324,9 @@ class RunCheckpoints:
 
 
 def same_layout(a: Plan, b: Plan) -> bool:
-    """Whether two plans run the same VWs, stages, Nm, D and shards (devices and predictions aside)."""
+    """Whether two plans run the same VWs, stages, Nm (each VW's), D and shards (devices and predictions aside)."""
     def shape(p: Plan):
-        return (p.nm, p.d, p.aggregate, tuple(tuple((s.start, s.stop, tuple(s.recompute)) for s in vw.stages)
+        return (p.wave_minibatches, p.d, p.aggregate, tuple(tuple((s.start, s.stop, tuple(s.recompute)) for s in vw.stages)
                                               for vw in p.virtual_workers),
                 tuple(tuple(sh.layers) for sh in p.ps_shards))
     return shape(a) == shape(b)

@@ -71,5 +71,5 @@ def resumed_losses(losses: Dict[int, Dict[int, float]], resume: ckpt.Resume) -> 
     if not resume.same_plan:
         return losses
     before = resume.checkpoint.losses()
-    return {vw: {**before.get(vw, {}), **{resume.minibatches + p: v for p, v in per.items()}}
+    return {vw: {**before.get(vw, {}), **{resume.minibatches_of(vw) + p: v for p, v in per.items()}}
             for vw, per in losses.items()}

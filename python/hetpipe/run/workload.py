@@ -207,18 +207,20 @@ def run_spec(work: Workload, config: RunConfig, plan: Plan, resume: Optional[ckp
     num_vws = len(plan.virtual_workers)
     deal = deal_for(plan.wave_minibatches)          # equal waves: one slot per VW, the round-robin deal
     if not deal.equal:
-        unequal_waves_supported(config, resume)
+        unequal_waves_supported(config)
     per_epoch = work.data.minibatches_per_epoch(deal.num_slots)
     per_slot = per_epoch // deal.num_slots
     if per_slot < 1:
         raise ValueError(too_few(per_epoch, deal.num_slots, plan.nm))
     epochs, num = config.epochs, config.numerics
     totals = [per_slot * q * epochs for q in deal.shares]         # each VW's minibatches: its slots' share
-    split = config.planning.split_startup
+    splits = [config.planning.split_startup] * num_vws
     if resume is not None:
-        totals = [resume.start.per_vw(per_epoch, num_vws, epochs)] * num_vws
-        split = max(0, split - resume.minibatches) if resume.same_plan else 0
-        if totals[0] < 1:
+        left = resume.start.per_vw(per_epoch, deal.num_slots, epochs)     # per slot, from the cut
+        totals = [left * q for q in deal.shares]
+        splits = [max(0, split - resume.minibatches_of(v)) if resume.same_plan else 0
+                  for v, split in enumerate(splits)]
+        if left < 1:
             raise ValueError(f"hetpipe: the checkpoint {resume.checkpoint.path} is at epoch "
                              f"{resume.start.epoch} minibatch {resume.start.index}: nothing is left of the "
                              f"{epochs} epoch(s) to train")
@@ -236,8 +238,8 @@ def run_spec(work: Workload, config: RunConfig, plan: Plan, resume: Optional[ckp
     layout = ModelLayout(work.layers)
     eval_every = eval_interval(rep, plan, num.accumulate)
     offset = resume.checkpoint.clock if resume is not None else 0
-    schedules = [vw_schedule(config.planning.schedule, plan, layout, vw.index, totals[vw.index], split, clip,
-                             num.accumulate, eval_every, offset) for vw in plan.virtual_workers]
+    schedules = [vw_schedule(config.planning.schedule, plan, layout, vw.index, totals[vw.index], splits[vw.index],
+                             clip, num.accumulate, eval_every, offset) for vw in plan.virtual_workers]
     return RunSpec(plan, work.layers, work.loss_fn, work.optimizer, work.data, epochs, schedules,
                    infer_boundaries(work.layers, x), batch_of(x), copy_stream=config.runtime.copy_stream,
                    audit=config.ps.audit, seed=num.seed, resume=resume,
@@ -249,16 +251,9 @@ def run_spec(work: Workload, config: RunConfig, plan: Plan, resume: Optional[ckp
                    eval_data=work.eval_data, eval_metric=rep.eval_metric, loss_scale=dict(num.loss_scale or {}), accumulate=num.accumulate)
 
 
-def unequal_waves_supported(config: RunConfig, resume: Optional[ckpt.Resume]) -> None:
-    """ArgumentError naming the setting a run with waves of unequal length does not support yet: resuming
-    from a checkpoint, writing checkpoints, or a learning-rate schedule stepped by the run's minibatches
-    (each counts an equal share per VW)."""
-    if resume is not None:
-        raise ArgumentError("hetpipe: resuming a run whose VWs' waves differ in length is not supported; "
-                            "resume with a plan of equal waves (planning.waves='equal')")
-    if config.checkpointing.dir is not None:
-        raise ArgumentError("hetpipe: checkpoints of a run whose VWs' waves differ in length are not supported; "
-                            "use planning.waves='equal' to checkpoint")
+def unequal_waves_supported(config: RunConfig) -> None:
+    """ArgumentError naming the setting a run with waves of unequal length does not support: a
+    learning-rate schedule stepped by the run's minibatches (it counts an equal share per VW)."""
     if config.numerics.lr_scheduler is not None and config.numerics.lr_scheduler_steps == "run":
         raise ArgumentError("hetpipe: lr_scheduler_steps='run' counts an equal share of minibatches per VW; with "
                             "waves of unequal length use lr_scheduler_steps='vw'")

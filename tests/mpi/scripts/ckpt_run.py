@@ -1,7 +1,7 @@
 """A run for the checkpoint tests, started with `hetpipe launch`. Usage: ckpt_run.py OUT CONFIG_JSON
 
 CONFIG keys: ``vws`` (1 or 2 VWs; VW v is stages on emulated devices n<v>.g<k> split at ``cuts``),
-``nm``, ``d``, ``epochs``, ``minibatches`` (per epoch), ``shuffle``, ``momentum``, ``time`` (emulated
+``nm``, ``d``, ``waves`` (each VW's minibatches per wave; 0: ``nm``), ``epochs``, ``minibatches`` (per epoch), ``shuffle``, ``momentum``, ``time`` (emulated
 seconds per forward, twice per backward: slow enough to be killed mid-run), ``metrics``, ``tensorboard``, ``lr_step``
 (a StepLR halving the learning rate every ``lr_step`` minibatches: its state must survive a resume), ``groups``
 (AdamW with two parameter groups built by the model's parameter names, weight decay on the weights only,
@@ -32,7 +32,7 @@ def plan_of(cfg) -> Plan:
         bounds = [0, *cfg.get("cuts", []), 6]
         t = cfg.get("time", 0.0)
         stages = tuple(StagePlan(f"n{v}.g{k}", "emulated", a, b, t, 2 * t) for k, (a, b) in enumerate(zip(bounds, bounds[1:])))
-        vws.append(VirtualWorkerPlan(v, stages))
+        vws.append(VirtualWorkerPlan(v, stages, nm=cfg.get("waves", [0] * cfg.get("vws", 1))[v]))
     return Plan(6, cfg["nm"], cfg["d"], "manual", tuple(vws), (ShardPlan(0, "n0", tuple(range(6))),))
 
 
