@@ -197,3 +197,12 @@ def test_the_numpy_and_jax_workers_refuse_unequal_waves_by_name():
 
     with pytest.raises(ValueError, match="VW 0 trains 3 minibatches per wave"):
         WorkerRank(Rank0(), plan_of([3, 2]), 64)
+
+
+def test_the_start_up_line_names_the_waves_and_their_weighting():
+    from hetpipe.run.explain import update_rule
+
+    assert "waves" not in update_rule(plan_of([0, 0]), 4)
+    line = update_rule(plan_of([3, 2]), 4)
+    assert "waves are 3/2 minibatches long and the PS weighs each VW's update by its samples" in line
+    assert "weighs" not in update_rule(dataclasses.replace(plan_of([3, 2]), aggregate="sum"), 4)

@@ -18,7 +18,7 @@ from hetpipe.plan.types import Plan
 
 def update_rule(plan: Plan, batch: int, accumulate: int = 1) -> str:
     """The start-up line for ``plan`` with minibatches of ``batch`` samples (see the module docstring)."""
-    n, nm = len(plan.virtual_workers), plan.nm
+    n, nm = len(plan.virtual_workers), max(plan.wave_minibatches)
     per_step = f"{batch * accumulate} samples" if accumulate == 1 else f"{accumulate} minibatches of {batch}"
     inflight = (f"; a minibatch computes on weights lacking the steps of up to {nm - 1} minibatch(es) still in "
                 "flight" if nm > 1 else "")
@@ -36,6 +36,10 @@ def update_rule(plan: Plan, batch: int, accumulate: int = 1) -> str:
                 f"lacking up to {plan.d} wave(s) of the other VWs' updates{inflight}")
     if n > 1 and plan.outer_gain == "sqrt":
         rule += f"; outer_gain 'sqrt' divides each VW's update by sqrt({n}) instead, between 'mean' and 'sum'"
+    if not plan.equal_waves:
+        rule += f"; the VWs' waves are {'/'.join(map(str, plan.wave_minibatches))} minibatches long"
+        if plan.aggregate == "mean":
+            rule += " and the PS weighs each VW's update by its samples instead of 1/N"
     if plan.outer != "sgd" or plan.outer_lr != 1.0:
         rule += f"; the PS's outer step ({plan.outer}, lr {plan.outer_lr:g}) scales each wave's update"
     return rule + " (docs/training.md, \"Why the loss differs\")"
