@@ -244,7 +244,9 @@ OUTER_KEYS = {"outer": "outer", "lr": "outer_lr", "momentum": "outer_momentum", 
 def parse_variant(text: str) -> Tuple[str, int, Dict[str, object]]:
     """One ``--hetpipe`` row: ``AGG:D`` or ``AGG:D:KEY=VALUE+KEY=VALUE...`` with KEY one of
     :data:`OUTER_KEYS` (the PS's outer optimizer, :mod:`hetpipe.plan.outer`), e.g.
-    ``mean:1:outer=delayed-nesterov+lr=0.15+momentum=0.9``. Returns (aggregate, D, PSRule fields)."""
+    ``mean:1:outer=delayed-nesterov+lr=0.15+momentum=0.9``, or ``waves`` (``equal``, ``speed``: the plan's wave
+    rule, :func:`hetpipe.plan.waves.with_waves`). Returns (aggregate, D, PSRule fields and ``waves`` when
+    ``speed``)."""
     from hetpipe.plan.outer import OUTER_DEFAULTS, check_outer
 
     parts = text.split(":")
@@ -260,7 +262,7 @@ def parse_variant(text: str) -> Tuple[str, int, Dict[str, object]]:
                 outer["waves"] = value
             continue
         if key not in OUTER_KEYS or not value:
-            raise SystemExit(f"tta: --hetpipe row {text!r}: {item!r} is not KEY=VALUE with KEY in {sorted(OUTER_KEYS)}")
+            raise SystemExit(f"tta: --hetpipe row {text!r}: {item!r} is not KEY=VALUE with KEY in {sorted([*OUTER_KEYS, 'waves'])}")
         field_name = OUTER_KEYS[key]
         kind = type(OUTER_DEFAULTS[field_name])
         try:
@@ -524,7 +526,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--hetpipe", default="mean:0,mean:4",
                     help="hetpipe's rows, comma-separated: AGG:D, or AGG:D:KEY=VALUE+... to set the PS's outer optimizer "
-                         "(KEY outer, lr, momentum, staleness, gain, delay; e.g. mean:1:gain=sqrt)")
+                         "(KEY outer, lr, momentum, staleness, gain, delay; e.g. mean:1:gain=sqrt) or the VWs' waves "
+                         "(waves=speed: each VW's wave proportional to its speed)")
     ap.add_argument("--r2-task", default="small", help="R2's task (run.py's --task)")
     ap.add_argument("--evals", type=int, default=16, help="validation points per run")
     ap.add_argument("--noise-groups", type=int, default=8, help="noise-scale measurements (8 gradients each)")

@@ -144,8 +144,15 @@ def test_hetpipe_rows_name_their_outer_optimizer_and_refuse_bad_fields():
     key, label = tta.variant_name("mean", 1, {"outer_staleness": "inverse"})
     assert key == "hetpipe-d1-mean-stalenessinverse"
     assert label == "hetpipe D=1 (mean; sgd (lr 1, inverse staleness))"
+    # the wave rule rides with the outer fields but is the plan's: named in the label, not the outer optimizer
+    assert tta.parse_variant("mean:1:waves=speed") == ("mean", 1, {"waves": "speed"})
+    assert tta.parse_variant("mean:1:waves=equal") == ("mean", 1, {})
+    assert tta.variant_name("mean", 1, {"waves": "speed"}) == ("hetpipe-d1-mean-wavesspeed",
+                                                               "hetpipe D=1 (mean; waves by speed)")
+    assert tta.variant_name("mean", 1, {"waves": "speed", "outer_gain": "sqrt"})[1] == \
+        "hetpipe D=1 (mean; sgd (lr 1, sqrt gain); waves by speed)"
     for bad, culprit in [("avg:1", "AGG:D"), ("mean:x", "AGG:D"), ("mean:1:speed=2", "'speed=2'"),
                          ("mean:1:lr=fast", "lr must be a float"), ("mean:1:staleness=linear", "outer_staleness"),
-                         ("mean:1:momentum=1.5", "outer_momentum")]:
+                         ("mean:1:momentum=1.5", "outer_momentum"), ("mean:1:waves=fast", "waves must be")]:
         with pytest.raises(SystemExit, match=culprit):
             tta.parse_variant(bad)
