@@ -42,6 +42,7 @@ import report  # noqa: E402
 from baselines import batch_split, fast_subset, step_time  # noqa: E402
 from cluster_setup import CLUSTER, make_plan, memory_notes, profile_device_model  # noqa: E402
 from curves import validation_curve  # noqa: E402
+from hetpipe.plan.waves import with_waves  # noqa: E402
 from hetpipe.schedule import simulate_plan  # noqa: E402
 from job import Job, save_jobs  # noqa: E402
 from launch import run_worker  # noqa: E402
@@ -69,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--only", default=SYSTEMS, help=f"systems to run (of {SYSTEMS})")
     ap.add_argument("--nm", type=int, help="hetpipe minibatches in flight per VW (default: the planner's choice)")
     ap.add_argument("--policy", default="auto", help="hetpipe VW formation policy (NP, ED, HD, auto)")
+    ap.add_argument("--waves", choices=("equal", "speed"), default="equal",
+                    help="hetpipe's waves: equal (Nm each) or speed (each VW's proportional to its speed)")
     ap.add_argument("--target", type=float, help="target validation loss (default: chosen, see README)")
     ap.add_argument("--profile-trials", type=int, default=3,
                     help="profile the model this many times, keeping each layer's fastest time (a shared host "
@@ -129,7 +132,7 @@ def hetpipe_size(plan, d: int, budget: float, margin: float, snapshot_every: flo
     length (start-up included, hetpipe.schedule.simulate_plan) is at least ``budget x margin``."""
     pd = dataclasses.replace(plan, d=d)
     rate = predict.hetpipe_rate(pd, waves=8, skip_waves=2)
-    per_wave = len(plan.virtual_workers) * plan.nm
+    per_wave = plan.minibatches_per_wave
     waves = 1
     while simulate_plan(pd, waves=waves).makespan_s < budget * margin:
         waves += 1
@@ -203,6 +206,7 @@ def prepare(args, work: Path, nm, policy: str):
                                              trials=args.profile_trials, slowdown=args.slowdown)
     dm.save(work / "devices.json")
     plan, planner = make_plan(dm, prof, cluster, nm=nm, policy=policy)
+    plan = with_waves(plan, getattr(args, "waves", "equal"))
     plan.save(work / "plan.json")
     return task, about, validation_set(val_text, task), dm, plan, planner, prof, cluster
 
@@ -242,7 +246,8 @@ def main(argv=None) -> int:
         f"{task.minibatch} windows; text: Python {about['stdlib']} standard library ({about['train_files']} files, "
         f"{about['train_bytes']} bytes train; {about['val_files']} held-out files, {task.val_windows} windows of "
         f"{task.context} validated); uniform guess = {uniform_loss():.3f} nats/byte",
-        f"plan: {planner}, Nm={plan.nm}, {len(plan.ps_shards)} PS shard(s); {vws}",
+        f"plan: {planner}, Nm={plan.nm if plan.equal_waves else list(plan.wave_minibatches)}, "
+        f"{len(plan.ps_shards)} PS shard(s); {vws}",
         f"device model throughputs (compute only): cluster limit {predict.limit_rate(dm):.0f} samples/s (sum of "
         f"the devices' standalone rates); DDP {predict.ddp_rate(dm, len(dm.fwd[dm.types[0]]), ndev * task.minibatch):.0f} "
         f"(every step waits for the slowest device's minibatch); pipelining "

@@ -68,7 +68,7 @@ def train(job: Job, comm, rank: int) -> Optional[dict]:
     plan = dataclasses.replace(Plan.load(job.plan), d=job.d)
     nvw = len(plan.virtual_workers)
     RecordingServer.every = job.snapshot_waves
-    RecordingServer.last_wave = math.ceil(job.minibatches // nvw / plan.nm)
+    RecordingServer.last_wave = math.ceil(job.minibatches / plan.minibatches_per_wave)
     text, _, _ = corpus(job.task)
     data = MinibatchStream(text, job.task, job.seed, count=job.minibatches)
     ps = {"aggregate": job.aggregate}
@@ -110,7 +110,8 @@ def train(job: Job, comm, rank: int) -> Optional[dict]:
             "wall_s": result.elapsed_s, "ranks": ranks, "emulated": result.emulated,
             "train_loss_last": result.final_loss(),
             "note": f"{nvw} VWs x {[len(v.stages) for v in plan.virtual_workers]} stages, "
-                    f"Nm={plan.nm}, {len(plan.ps_shards)} PS, aggregate {rule}"}
+                    f"Nm={plan.nm if plan.equal_waves else list(plan.wave_minibatches)}, {len(plan.ps_shards)} PS, "
+                    f"aggregate {rule}"}
 
 
 def main(jobs_path: str, out_path: str) -> None:

@@ -1,7 +1,8 @@
 """The virtual clock against a real run: hetpipe's validation curve, run for real on emulated devices and
 replayed on the virtual clock, wave by wave.
 
-Usage: python bench/convergence/vclock_check.py [--d 0] [--budget 30] [--lr 3e-3] [--seed 0] [--out DIR]
+Usage: python bench/convergence/vclock_check.py [--d 0] [--budget 30] [--lr 3e-3] [--seed 0] [--waves equal]
+[--out DIR]
 
 1. ``run.py --only hetpipe`` trains the plan for ``--budget`` seconds on the emulated ``cpu-emulated-6``
    cluster (real MPI ranks, every instruction padded to its device type's profiled time) and keeps its
@@ -35,7 +36,8 @@ def real_run(args, work: Path) -> dict:
     """The real emulated run (``run.py``), its kept directory under ``work``; returns its one run's record."""
     cmd = [sys.executable, str(HERE / "run.py"), "--only", "hetpipe", "--d", str(args.d), "--aggregate", "mean",
            "--budget", str(args.budget), "--lrs", str(args.lr), "--seeds", str(args.seed),
-           "--profile-trials", str(args.profile_trials), "--keep", str(work / "real"), "--out", str(work / "real-out")]
+           "--profile-trials", str(args.profile_trials), "--keep", str(work / "real"), "--out", str(work / "real-out"),
+           "--waves", args.waves]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"vclock_check: run.py failed (status {done.returncode}):\n{done.stdout[-3000:]}\n"
@@ -56,8 +58,8 @@ def virtual_run(args, work: Path, run: dict):
     plan = Plan.load(work / "real" / "plan.json")
     # The task, data and model bytes are the real run's; its stage times come from the kept plan.
     s = dataclasses.replace(vclock.setting("small", 1, 1.5, work=work / "virtual"), plan=plan)
-    steps = run["samples"] // (len(plan.virtual_workers) * s.task.minibatch)
-    waves = steps // plan.nm
+    waves = run["samples"] // (plan.minibatches_per_wave * s.task.minibatch)
+    steps = waves * plan.nm                # run_hetpipe's unit: waves of the plan's Nm
     points, _ = vclock.run_hetpipe(s, steps, run["lr"], args.seed, args.d, "mean", evals=waves)
     return points, steps, waves
 
@@ -69,11 +71,12 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile-trials", type=int, default=3)
+    ap.add_argument("--waves", choices=("equal", "speed"), default="equal", help="the plan's waves (run.py --waves)")
     ap.add_argument("--out", type=Path, help="keep the real run's directory and this check's JSON here")
     args = ap.parse_args(argv)
     work = args.out or Path(tempfile.mkdtemp(prefix="hetpipe-vclock-check-"))
     run = real_run(args, work)
-    points, steps, waves = virtual_run(args, work, run)
+    points, _, waves = virtual_run(args, work, run)
     at = {}
     for t, n, loss in points:
         at.setdefault(loss, (t, n))
@@ -88,9 +91,10 @@ def main(argv=None) -> int:
             ratios.append(ratio)
         rows.append([f"{t_real:.2f}", f"{loss:.4f}", f"{hit[0]:.2f}", str(hit[1]), "-" if ratio is None else f"{ratio:.3f}"])
     matched = sum(r[2] != "no exact match" for r in rows)
-    print(f"hetpipe D={args.d} (mean), lr {args.lr:g}, seed {args.seed}: real run on EMULATED devices "
-          f"(cpu-emulated-6, real MPI ranks, {run['wall_s']:.1f} s wall, {run['samples']} samples = {steps} "
-          f"minibatches per VW, {waves} waves) beside the VIRTUAL CLOCK on its kept plan")
+    plan_waves = "" if args.waves == "equal" else ", waves by speed"
+    print(f"hetpipe D={args.d} (mean{plan_waves}), lr {args.lr:g}, seed {args.seed}: real run on EMULATED devices "
+          f"(cpu-emulated-6, real MPI ranks, {run['wall_s']:.1f} s wall, {run['samples']} samples, {waves} waves) "
+          f"beside the VIRTUAL CLOCK on its kept plan")
     print(table(["real s", "val loss", "virtual s", "samples", "real / virtual"], rows))
     summary = (f"real snapshots equal to a virtual-clock wave's loss exactly: {matched} of {len(rows)}")
     if ratios:
