@@ -77,3 +77,28 @@ def test_a_plan_for_time_to_accuracy_is_re_planned_for_it():
     assert new.meta["objective"] == "time-to-accuracy"
     assert new.meta["time_to_accuracy"]["noise_scale"] == 50.0
     assert gone not in {st.device for vw in new.virtual_workers for st in vw.stages}
+
+
+def test_a_plan_with_waves_by_speed_is_re_planned_with_them():
+    """NP on the testbed: VWs of one GPU type each, about 3x apart in speed. Without one device the new
+    plan's waves follow the new VWs' speed, as make_plan gives them on the surviving devices."""
+    cluster, profile = load_cluster("hetpipe-testbed"), load_profile("vgg19")
+    planning = {"cluster": cluster.to_dict(), "profile": profile.to_dict(), "policy": "NP", "nm": None, "d": 0,
+                "minibatch_size": 32, "precision": "fp32"}
+    plan = make_plan(cluster, profile, policy="NP", minibatch_size=32, waves="speed")
+    assert not plan.equal_waves
+    new = replan(plan, ["n3.g3"], planning)
+    assert new.meta["waves"]["rule"] == "speed"
+    want = make_plan(cluster.to_dict() | {"nodes": new_nodes(cluster, "n3.g3")}, profile, policy="NP",
+                     minibatch_size=32, waves="speed")
+    assert new.wave_minibatches == want.wave_minibatches and not new.equal_waves
+
+
+def new_nodes(cluster, gone):
+    """The cluster's nodes (JSON data) without the device ``gone``."""
+    out = []
+    for node in cluster.to_dict()["nodes"]:
+        kept = [t for j, t in enumerate(node["devices"]) if f"{node['name']}.g{j}" != gone]
+        if kept:
+            out.append({"name": node["name"], "devices": kept})
+    return out

@@ -108,13 +108,15 @@ def replan(plan: Plan, devices: Iterable[str], planning: Dict) -> Plan:
     if not nodes:
         raise ValueError(f"hetpipe: without device(s) {sorted(out)} no device of the cluster is left")
     cluster["nodes"] = nodes
-    # A plan made for time to accuracy is re-planned for it, with the noise scale it was made with.
+    # A plan made for time to accuracy is re-planned for it, with the noise scale it was made with; one
+    # whose waves follow the VWs' speed gets waves by the new VWs' speed.
     tta = plan.meta.get("time_to_accuracy")
     objective = {} if not tta else {"objective": "time-to-accuracy", "noise_scale": tta["noise_scale"],
                                     "base_batch": tta["base_batch"]}
     new = make_plan(cluster, planning["profile"], policy=planning["policy"], nm=planning["nm"], d=planning["d"],
                     minibatch_size=planning["minibatch_size"], precision=planning["precision"],
-                    ps_nodes=planning.get("ps_nodes"), tf32=bool(planning.get("tf32", False)), **objective)
+                    ps_nodes=planning.get("ps_nodes"), tf32=bool(planning.get("tf32", False)),
+                    waves=plan.meta.get("waves", {}).get("rule", "equal"), **objective)
     vws = tuple(dataclasses.replace(vw, stages=tuple(dataclasses.replace(st, device=ids.get(st.device, st.device))
                                                      for st in vw.stages)) for vw in new.virtual_workers)
     meta = {**new.meta, "replanned_without": sorted(out)}
