@@ -112,7 +112,8 @@ class ShardPlane:
                  num_threads: int = 0, *, buffer_numels: list[int] = ...,
                  replicas: list[list[list[tuple[int, int, int]]]] = ..., aggregate: str = "sum",
                  log_sums: bool = False, outer: str = "sgd", outer_lr: float = 1.0, outer_momentum: float = 0.9,
-                 outer_staleness: str = "none", outer_gain: str = "none", outer_delay: int = 0) -> None: ...
+                 outer_staleness: str = "none", outer_gain: str = "none", outer_delay: int = 0,
+                 wave_minibatches: list[int] = ...) -> None: ...
     @property
     def num_layers(self) -> int: ...
     @property

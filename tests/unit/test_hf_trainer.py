@@ -160,7 +160,7 @@ def test_checkpoints_every_so_many_steps_round_to_whole_waves():
     with pytest.raises(ArgumentError, match="every .* or every_steps"):
         Checkpointing(dir="c", every=2, every_steps=8)
     run = RunCheckpoints([], None, 1, 0, 0, {}, Path("c"), 1, None, False, every_steps=20, accumulate=2)
-    plan = types.SimpleNamespace(nm=4, virtual_workers=[0, 1, 2])     # 4 x 3 / 2 = 6 steps per wave
+    plan = types.SimpleNamespace(minibatches_per_wave=4 * 3)     # Nm 4, 3 VWs: 4 x 3 / 2 = 6 steps per wave
     assert run.waves_between(plan) == 3
     run.every_steps = 2
     assert run.waves_between(plan) == 1
