@@ -15,10 +15,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1] / "mpi" / "scripts"))
 from common import cross_entropy, mlp  # noqa: E402
 
-from hetpipe.loader.deal import deal_for, deal_stream  # noqa: E402
+from hetpipe.loader.deal import deal_stream  # noqa: E402
 from hetpipe.loader.source import VWStream, epoch_range  # noqa: E402
 from hetpipe.plan.types import Plan, ShardPlan, StagePlan, VirtualWorkerPlan  # noqa: E402
-from hetpipe.plan.waves import speed_lengths, with_waves  # noqa: E402
+from hetpipe.plan.waves import deal_for, speed_lengths, with_waves  # noqa: E402
 from hetpipe.run.config import Numerics, Planning, PSRule, Reporting  # noqa: E402
 from hetpipe.run.data import Batches  # noqa: E402
 from hetpipe.run.replay import replay_run  # noqa: E402
@@ -60,7 +60,7 @@ def reference(waves, minibatches: int, weighted: bool = True):
     x, y = data(minibatches).x, data(minibatches).y
     deal = deal_for(waves)
     rounds = minibatches // deal.num_slots
-    per_wave = waves[0] // deal.shares[0]              # rounds per wave: the gcd of the waves
+    per_wave = deal.per_slot                          # rounds per wave: the gcd of the waves
     total = sum(waves)
     W = [p.detach().clone() for p in params]
     for wave in range(rounds // per_wave):

@@ -22,13 +22,13 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import math
 import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from hetpipe.plan.waves import deal_for
 from hetpipe.util.errors import HetpipeError
 
 FORMAT = 2           # 2: the manifest is written last and holds the digest of every part file
@@ -370,14 +370,11 @@ def data_cursor(segments: List[Dict[str, Any]], clock: int) -> Tuple[DataPositio
 
 
 def stretch_shape(plan: Dict[str, Any]) -> Tuple[int, int]:
-    """(slots, minibatches per slot and wave) of a plan's data deal (JSON data): its VWs and Nm with equal
-    waves; with waves of unequal length ``n_v``, ``sum(n_v) / gcd(n)`` slots of ``gcd(n)`` each
-    (docs/design.md, "Waves of unequal length"). A stretch (:func:`segment`) records these."""
-    waves = [int(v.get("nm") or plan["nm"]) for v in plan["virtual_workers"]]
-    g = 0
-    for n in waves:
-        g = math.gcd(g, n)
-    return sum(n // g for n in waves), g
+    """(slots, minibatches per slot and wave) of a plan's data deal (JSON data,
+    :func:`hetpipe.plan.waves.deal_for`): its VWs and Nm with equal waves. A stretch (:func:`segment`)
+    records these."""
+    deal = deal_for([int(v.get("nm") or plan["nm"]) for v in plan["virtual_workers"]])
+    return deal.num_slots, deal.per_slot
 
 
 def check_data(path: Path, manifest: Dict[str, Any]) -> None:

@@ -9,50 +9,16 @@ from ``sum_{u < v} q_u``: its ``j``-th minibatch of an epoch is the ``(j // q_v)
 ``q_v`` times that and every VW trains the same number of waves. With equal waves ``q_v = 1`` and the
 slots are the VWs: the deal is exactly the round-robin one. A source is read per slot (a
 :class:`~hetpipe.loader.source.PerVWSource`'s factory is called with ``(slot, Q, epoch)``), and VW ``v``'s
-stream interleaves its slots' streams.
+stream interleaves its slots' streams. The slots' arithmetic (:class:`~hetpipe.plan.waves.Deal`) is the
+plan's, free of torch, as a checkpoint's manifest counts them too.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any, Iterator, Sequence, Tuple
+from typing import Any, Iterator
 
 from hetpipe.loader.source import CHECKED, VWStream
-
-
-@dataclass(frozen=True)
-class Deal:
-    """The slots of a deal: ``shares[v]`` (``q_v``) and ``offsets[v]`` of each VW, ``num_slots`` (``Q``)."""
-
-    shares: Tuple[int, ...]
-    offsets: Tuple[int, ...]
-
-    @property
-    def num_slots(self) -> int:
-        return sum(self.shares)
-
-    @property
-    def equal(self) -> bool:
-        """Whether each VW is one slot: the round-robin deal of equal waves."""
-        return all(q == 1 for q in self.shares)
-
-    def slots_of(self, vw: int) -> range:
-        return range(self.offsets[vw], self.offsets[vw] + self.shares[vw])
-
-    def per_epoch(self, vw: int, minibatches: int) -> int:
-        """Minibatches VW ``vw`` takes of an epoch of ``minibatches``."""
-        return minibatches // self.num_slots * self.shares[vw]
-
-
-def deal_for(wave_minibatches: Sequence[int]) -> Deal:
-    """The deal of VWs training ``wave_minibatches[v]`` minibatches per wave (``Plan.wave_minibatches``)."""
-    g = 0
-    for n in wave_minibatches:
-        g = math.gcd(g, n)
-    shares = tuple(n // g for n in wave_minibatches)
-    offsets = tuple(sum(shares[:v]) for v in range(len(shares)))
-    return Deal(shares, offsets)
+from hetpipe.plan.waves import Deal
 
 
 def deal_stream(source: Any, deal: Deal, vw: int, epochs: int, start_epoch: int = 0, start_index: int = 0,

@@ -10,12 +10,17 @@ weighs each VW's delta by the samples behind it (``aggregate="mean"``: ``n_v / S
 A VW's Nm is also its cap on minibatches in flight, and a stage holds ``min(Nm, stages - stage)`` of them
 (:mod:`hetpipe.schedule.generators`): a VW whose stage count exceeds the plan's Nm would need more memory
 for a longer wave, so its wave stays Nm long (``meta["waves"]["kept"]`` names it).
+
+:class:`Deal` is the arithmetic of the epoch's deal to VWs of such waves (slots by share,
+:mod:`hetpipe.loader.deal`), kept here, free of torch, because a checkpoint's manifest counts it too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Sequence
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence, Tuple
 
 from hetpipe.plan.types import MAX_NM, Plan
 
@@ -72,3 +77,40 @@ def with_waves(plan: Plan, waves: str) -> Plan:
                      "kept": [v for v, (k, n) in enumerate(zip(stages, lengths)) if k > plan.nm]}
     throughput = speed_throughput(plan.nm, times, stages)
     return dataclasses.replace(plan, virtual_workers=vws, meta=meta, throughput=throughput or plan.throughput)
+
+
+@dataclass(frozen=True)
+class Deal:
+    """The slots of an epoch's deal (:mod:`hetpipe.loader.deal`): ``shares[v]`` (``q_v``) and ``offsets[v]`` of
+    each VW, ``num_slots`` (``Q``), and ``per_slot``, the minibatches of each slot per wave (``gcd(n)``;
+    Nm with equal waves)."""
+
+    shares: Tuple[int, ...]
+    offsets: Tuple[int, ...]
+    per_slot: int
+
+    @property
+    def num_slots(self) -> int:
+        return sum(self.shares)
+
+    @property
+    def equal(self) -> bool:
+        """Whether each VW is one slot: the round-robin deal of equal waves."""
+        return all(q == 1 for q in self.shares)
+
+    def slots_of(self, vw: int) -> range:
+        return range(self.offsets[vw], self.offsets[vw] + self.shares[vw])
+
+    def per_epoch(self, vw: int, minibatches: int) -> int:
+        """Minibatches VW ``vw`` takes of an epoch of ``minibatches``."""
+        return minibatches // self.num_slots * self.shares[vw]
+
+
+def deal_for(wave_minibatches: Sequence[int]) -> Deal:
+    """The deal of VWs training ``wave_minibatches[v]`` minibatches per wave (``Plan.wave_minibatches``)."""
+    g = 0
+    for n in wave_minibatches:
+        g = math.gcd(g, n)
+    shares = tuple(n // g for n in wave_minibatches)
+    offsets = tuple(sum(shares[:v]) for v in range(len(shares)))
+    return Deal(shares, offsets, g)

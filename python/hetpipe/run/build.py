@@ -27,8 +27,9 @@ from hetpipe.stage.evaluate import Evaluation
 from hetpipe.stage.executor import StageExecutor
 from hetpipe.stage.loss_scale import LossScale
 from hetpipe.loader.check import Reading, reading
-from hetpipe.loader.deal import deal_for, deal_stream
+from hetpipe.loader.deal import deal_stream
 from hetpipe.loader.source import CHECKED, INPUTS, LABELS, dealt, dropped_note
+from hetpipe.plan.waves import deal_for
 from hetpipe.stage.feed import MinibatchFeed
 from hetpipe.stage.pacer import Pacer
 from hetpipe.stage.settings import StageContext, StageIO, StageRun, StageTiming

@@ -22,10 +22,10 @@ from hetpipe.checkpoint import state as ckpt
 from hetpipe.job import failure
 from hetpipe.job.roles import LaunchError, Role
 from hetpipe.job.rundir import RUN_DIR_ENV, launcher_ending, launcher_interrupting, mark_terminated
-from hetpipe.loader.deal import deal_for
 from hetpipe.model.layout import ModelLayout, local_buffers
 from hetpipe.model.weights import load_layer_weights
 from hetpipe.plan.types import Plan
+from hetpipe.plan.waves import deal_for
 from hetpipe.run.callbacks import run_steps
 from hetpipe.run.spec import RunSpec
 from hetpipe.schedule.messages import eval_waves
@@ -121,7 +121,7 @@ class RunCheckpoints:
         # minibatches of every slot; with equal waves a slot is a VW and a wave Nm minibatches of it.
         deal = deal_for(plan.wave_minibatches)
         total = spec.schedules[0].num_minibatches // deal.shares[0]
-        k = min(total, (clock - clock0) * (plan.nm_of(0) // deal.shares[0]))
+        k = min(total, (clock - clock0) * deal.per_slot)
         per_epoch = self.data.minibatches_per_epoch(deal.num_slots)
         pos = start.advance(k, per_epoch, deal.num_slots)
         return {"format": ckfmt.FORMAT, "run_id": self.run_id, "clock": clock, "plan": plan.to_dict(),
@@ -144,7 +144,6 @@ class RunCheckpoints:
         # A stretch counts slots of the deal, each training gcd(waves) minibatches a wave (VWs and Nm with
         # equal waves), so that its arithmetic is the round-robin one.
         deal = deal_for(plan.wave_minibatches)
-        slots, per_slot = deal.num_slots, plan.nm_of(0) // deal.shares[0]
         if resume is None:
             before: List[Dict[str, Any]] = []
         elif "segments" in resume.checkpoint.manifest["data"]:
@@ -152,8 +151,8 @@ class RunCheckpoints:
         else:
             # A checkpoint written before stretches were recorded: this run's history starts at its cut.
             start = {"epoch": resume.start.epoch, "index": resume.start.index, "minibatches_per_vw": resume.minibatches}
-            return [ckfmt.segment(clock0, slots, per_slot, per_epoch, self.epochs, same, start)]
-        return before + [ckfmt.segment(clock0, slots, per_slot, per_epoch, self.epochs, same)]
+            return [ckfmt.segment(clock0, deal.num_slots, deal.per_slot, per_epoch, self.epochs, same, start)]
+        return before + [ckfmt.segment(clock0, deal.num_slots, deal.per_slot, per_epoch, self.epochs, same)]
 
     def claim(self) -> None:
         """Refuse a checkpoint directory that holds another run's checkpoints (call after :meth:`resume`):

@@ -19,13 +19,13 @@ from torch import nn
 from hetpipe.checkpoint import state as ckpt
 from hetpipe.job.roles import LaunchError
 from hetpipe.loader import as_source
-from hetpipe.loader.deal import deal_for
 from hetpipe.loader.source import too_few
 from hetpipe.model.contract import as_layers, infer_boundaries
 from hetpipe.model.layout import ModelLayout
 from hetpipe.model.names import model_names, param_names
 from hetpipe.model.tree import batch_of
 from hetpipe.plan.types import Plan
+from hetpipe.plan.waves import deal_for
 from hetpipe.plan.precision import check_precision, speed_precision
 from hetpipe.run.build import vw_schedule
 from hetpipe.run.callbacks import run_steps
