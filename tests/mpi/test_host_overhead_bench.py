@@ -1,9 +1,12 @@
 """bench/host_overhead.py end to end (its --quick run), so the benchmark cannot rot: every row is
 measured on both stage planes, with each rank's CPU time and each stage's blocked-on-pull time with pulls
 requested at the instruction and early, beside its baselines (torch.distributed.pipelining on the same
-model, two plain loops at once), and the table states the goals and bounds. No timing is asserted here."""
+model, two plain loops at once), and the table states the goals and bounds. No timing is asserted here:
+each figure is a long run less a short one, and on a busy host the difference of two noisy times can
+have either sign, so the rows are checked for shape and for finite numbers only."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -25,18 +28,18 @@ def test_quick_run_prints_the_table(tmp_path):
                                                             ("compute", 4, 0), ("compute", 4, 1)]
     for r in rows:
         for key in ("plain_ms", "python_ms", "core_ms", "replay_ms", "pipelining_ms", "pair_ms"):
-            assert r[key] > 0, r
+            assert math.isfinite(r[key]), r
         # CPU per minibatch: the plain loop's, and each of the three ranks' on each plane.
-        assert len(r["plain_cpu_ms"]) == 1 and r["plain_cpu_ms"][0] > 0, r
+        assert len(r["plain_cpu_ms"]) == 1 and math.isfinite(r["plain_cpu_ms"][0]), r
         for plane in ("python", "core"):
-            assert len(r[f"{plane}_cpu_ms"]) == 3, r
-            assert r[f"{plane}_before_ms"] > 0, r
+            assert len(r[f"{plane}_cpu_ms"]) == 3 and all(math.isfinite(c) for c in r[f"{plane}_cpu_ms"]), r
+            assert math.isfinite(r[f"{plane}_before_ms"]), r
             # Per stage, ms per wave its Pull waited: requests at the instruction, and early.
             for key in (f"{plane}_before_pull_wait_ms", f"{plane}_pull_wait_ms"):
                 assert len(r[key]) == 2 and all(w >= 0 for w in r[key]), r
         # The baselines: torch.distributed.pipelining's two ranks, and two plain loops at once.
-        assert len(r["pipelining_cpu_ms"]) == 2 and all(c > 0 for c in r["pipelining_cpu_ms"]), r
-        assert len(r["pair_cpu_ms"]) == 1 and r["pair_cpu_ms"][0] > 0, r
+        assert len(r["pipelining_cpu_ms"]) == 2 and all(math.isfinite(c) for c in r["pipelining_cpu_ms"]), r
+        assert len(r["pair_cpu_ms"]) == 1 and math.isfinite(r["pair_cpu_ms"][0]), r
     assert "devices: host CPU (real)" in proc.stdout
     assert proc.stdout.count(" core ") == 5 and proc.stdout.count(" python ") == 5, proc.stdout
     assert "baseline pipeline: torch.distributed.pipelining" in proc.stdout
