@@ -39,6 +39,7 @@ class Job:
     outer_delay: int = 0         # hetpipe: delayed-nesterov's pushes per momentum step (0: the VW count)
     minibatches: int = 0         # hetpipe: minibatches in the run (all VWs)
     snapshot_waves: int = 1      # hetpipe: record the global weights every this many waves
+    record: str = ""             # hetpipe: where the run writes its record (pulls, applies), empty: none
     timeout_s: float = 120.0     # hetpipe: seconds a rank may wait for a peer
     devices: List[int] = field(default_factory=list)   # DDP: device index of each rank (empty: rank r on device r)
     windows: List[int] = field(default_factory=list)   # DDP: windows per rank per step (empty: one minibatch each)

@@ -281,7 +281,9 @@ def main(argv=None) -> int:
         tag = f"{first['group']}-{phase}{len(runs)}"
         jobs = [Job(system=s["key"], task=task, seed=seed, lr=lr, budget_s=budget,
                     snapshot_every_s=args.snapshot_every, device_model=str(work / "devices.json"),
-                    snapshots=str(work / f"{tag}-{k}.npz"), micro=ndev, **job_fields(s, budget))
+                    snapshots=str(work / f"{tag}-{k}.npz"), micro=ndev,
+                    record=str(work / f"{tag}-{k}.record.json") if s["key"].startswith("hetpipe") else "",
+                    **job_fields(s, budget))
                 for k, (s, seed, lr) in enumerate(batch)]
         save_jobs(work / f"{tag}.jobs.json", jobs)
         load = os.getloadavg()[0]
@@ -306,7 +308,9 @@ def main(argv=None) -> int:
                          "budget_s": budget,
                          "curve": curve, "end_s": end, "samples": r["samples"], "wall_s": r["wall_s"],
                          "overrun_frac": over, "load_at_launch": load, "launch_s": res["elapsed_s"],
-                         "note": r.get("note", ""), "ranks": r["ranks"]})
+                         "note": r.get("note", ""), "ranks": r["ranks"],
+                         **{k: r[k] for k in ("snapshot_steps", "snapshot_versions") if k in r},
+                         **({"record": job.record} if job.record else {})})
             print(f"  {s['label']:<24} seed {job.seed} lr {job.lr:<6.3g} val loss {curve[-1][1]:.3f} at "
                   f"{curve[-1][0]:5.1f} s, {r['samples'] / r['wall_s']:6.0f} samples/s, overrun {100 * over:4.1f}%",
                   flush=True)

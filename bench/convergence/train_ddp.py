@@ -60,6 +60,7 @@ def train(job: Job, rank: int, world: int, dm: DeviceModel) -> Optional[dict]:
                                 for i, layer in enumerate(layers)]))
     opt = optimizer(model.parameters(), job.lr)
     snaps = {0: (0.0, initial_weights(layers, 0))}
+    snap_steps = [0]                    # optimizer steps taken at each snapshot (its index)
     steps = 0
     timer = gloo_runs.StepClock(job, rank)
     timer.start()
@@ -73,6 +74,7 @@ def train(job: Job, rank: int, world: int, dm: DeviceModel) -> Optional[dict]:
         now, stop, snap = timer.after_step()
         if snap and rank == 0:
             snaps[len(snaps)] = (now, initial_weights(layers, 0))
+            snap_steps.append(steps)
         if stop:
             break
     wall = time.perf_counter() - timer.t0
@@ -86,7 +88,7 @@ def train(job: Job, rank: int, world: int, dm: DeviceModel) -> Optional[dict]:
             f"{world} ranks, windows per step {windows} (loss weighted by share)")
     if job.devices:
         note += f" on devices {[dm.devices[d][0] for d in job.devices]}"
-    return {"system": job.system, "steps": steps, "samples": steps * total,
+    return {"system": job.system, "steps": steps, "samples": steps * total, "snapshot_steps": snap_steps,
             "wall_s": max(r["wall_s"] for r in ranks), "ranks": ranks, "note": note}
 
 

@@ -87,7 +87,7 @@ def train(job: Job, comm, rank: int) -> Optional[dict]:
         ps.update(outer_staleness=job.outer_staleness)
         rule += f" + {job.outer_staleness} staleness"
     result = Trainer(build_layers(job.task, job.seed), loss_fn, lambda p: optimizer(p, job.lr), data, plan=plan,
-                     ps=PSRule(**ps), reporting=Reporting(progress=False),
+                     ps=PSRule(**ps), reporting=Reporting(progress=False, record=job.record or None),
                      runtime=Runtime(emulate=True, timeout=job.timeout_s)).fit()
     pacers = e2e.RecordingPacer.instances
     role = role_of(plan, rank)
@@ -103,10 +103,12 @@ def train(job: Job, comm, rank: int) -> Optional[dict]:
     ranks = comm.gather(mine, root=0)
     if rank != 0:
         return None
-    snapshots.save(job.snapshots, snapshots.merge(r.pop("snapshots") for r in ranks if r["snapshots"] is not None))
+    parts = [r.pop("snapshots") for r in ranks if r["snapshots"] is not None]
+    waves = sorted(set.intersection(*(set(p) for p in parts)))     # the version g of each merged snapshot
+    snapshots.save(job.snapshots, snapshots.merge(parts))
     for r in ranks:
         r.pop("snapshots", None)
-    return {"system": f"hetpipe D={plan.d} {rule}", "samples": result.samples,
+    return {"system": f"hetpipe D={plan.d} {rule}", "samples": result.samples, "snapshot_versions": waves,
             "wall_s": result.elapsed_s, "ranks": ranks, "emulated": result.emulated,
             "train_loss_last": result.final_loss(),
             "note": f"{nvw} VWs x {[len(v.stages) for v in plan.virtual_workers]} stages, "

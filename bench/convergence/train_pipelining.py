@@ -44,6 +44,7 @@ def train(job: Job, rank: int, world: int, dm: DeviceModel) -> Optional[dict]:
     schedule = Schedule1F1B(stage, job.micro, loss_fn=loss_fn)
     opt = optimizer(module.parameters(), job.lr)
     snaps = {0: (0.0, initial_weights(mine, start))}
+    snap_steps = [0]                    # optimizer steps taken at each snapshot (its index), alike on every stage
     steps = 0
     losses: list = []
     timer = gloo_runs.StepClock(job, rank)
@@ -63,6 +64,7 @@ def train(job: Job, rank: int, world: int, dm: DeviceModel) -> Optional[dict]:
         now, stop, snap = timer.after_step()
         if snap:
             snaps[len(snaps)] = (now, initial_weights(mine, start))
+            snap_steps.append(steps)
         if stop:
             break
     wall = time.perf_counter() - timer.t0
@@ -75,6 +77,7 @@ def train(job: Job, rank: int, world: int, dm: DeviceModel) -> Optional[dict]:
         return None
     snapshots.save(job.snapshots, snapshots.merge(r.pop("snapshots") for r in ranks))
     return {"system": "pipelining-1f1b", "steps": steps, "samples": steps * job.micro * job.task.minibatch,
+            "snapshot_steps": snap_steps,
             "wall_s": max(r["wall_s"] for r in ranks), "ranks": ranks,
             "note": f"uniform split {[r['layers'] for r in ranks]}, {job.micro} x {job.task.minibatch}"}
 

@@ -1,40 +1,49 @@
-"""The virtual clock against a real run: hetpipe's validation curve, run for real on emulated devices and
-replayed on the virtual clock, wave by wave.
+"""The virtual clock against a real run: one system's validation curve, trained for real on emulated devices
+and again on the virtual clock, point by point.
 
-Usage: python bench/convergence/vclock_check.py [--d 0] [--budget 30] [--lr 3e-3] [--seed 0] [--waves equal]
-[--out DIR]
+Usage: python bench/convergence/vclock_check.py [--system hetpipe] [--d 0] [--budget 30] [--lr 3e-3]
+[--seed 0] [--spread 0,1,2] [--waves equal] [--out DIR]
 
-1. ``run.py --only hetpipe`` trains the plan for ``--budget`` seconds on the emulated ``cpu-emulated-6``
-   cluster (real MPI ranks, every instruction padded to its device type's profiled time) and keeps its
-   device model, plan and validation curve (the PS's global weights, snapshotted about every second).
-2. ``vclock.run_hetpipe`` replays the same plan, learning rate and seed for as many minibatches per VW,
-   its times from the simulator on the kept plan, and validates after every wave.
-3. Each real snapshot's validation loss is looked up among the virtual clock's: at D = 0 the replay's
-   numerics are the run's bitwise, so every snapshot must equal one wave's loss exactly, and that wave's
-   virtual time beside the snapshot's real time is how far the real run's host overheads (Python, MPI,
-   start of each wave) stretch the modelled time. At D >= 1 the run's staleness is the host's, not the
-   simulated record's, so exact matches are not expected there (the count says how many there were).
+1. ``run.py --only SYSTEM`` trains for ``--budget`` seconds on the emulated ``cpu-emulated-6`` cluster
+   (real MPI ranks, every instruction padded to its device type's profiled time) and keeps its device
+   model, plan and validation curve: the weights recorded about every second, with the optimizer steps
+   taken by then (the baselines) or the global version ``g`` (hetpipe: the PS's ``W_g``).
+2. The virtual clock runs the same system, learning rate and seed (``vclock.run_baseline`` or
+   ``vclock.run_hetpipe``) on the kept device model and plan, validating after every step or wave, and
+   once more on each seed of ``--spread``.
+3. Each real point is set beside the virtual clock's at the same step or version:
+   - the loss. hetpipe at D = 0 replays the run's numerics bitwise, so the losses must be equal (the
+     script fails otherwise). Elsewhere the losses can only agree within the seed spread: the baselines'
+     real runs sum the ranks' gradients in another order than one process does, and at D >= 1 the real
+     run's staleness is the host's, not the simulated record's (printed beside each other). A point
+     agrees when the difference is within the standard deviation of the virtual clock's seeds there.
+   - the time: real seconds over virtual seconds, how far the real run's host overheads (Python, MPI,
+     gloo) stretch the modelled time.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Dict, List, Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path[1:1] = [str(HERE), str(HERE.parent / "e2e")]
 
 from report import table  # noqa: E402
 
+BASELINES = ("ddp", "ddp-fast", "hetero-dp", "pipelining")
+
 
 def real_run(args, work: Path) -> dict:
     """The real emulated run (``run.py``), its kept directory under ``work``; returns its one run's record."""
-    cmd = [sys.executable, str(HERE / "run.py"), "--only", "hetpipe", "--d", str(args.d), "--aggregate", "mean",
+    cmd = [sys.executable, str(HERE / "run.py"), "--only", args.system, "--d", str(args.d), "--aggregate", "mean",
            "--budget", str(args.budget), "--lrs", str(args.lr), "--seeds", str(args.seed),
            "--profile-trials", str(args.profile_trials), "--keep", str(work / "real"), "--out", str(work / "real-out"),
            "--waves", args.waves]
@@ -42,69 +51,136 @@ def real_run(args, work: Path) -> dict:
     if done.returncode != 0:
         raise SystemExit(f"vclock_check: run.py failed (status {done.returncode}):\n{done.stdout[-3000:]}\n"
                          f"{done.stderr[-3000:]}")
-    return json.loads((work / "real-out" / "convergence-full.json").read_text())["runs"][0]
+    run = json.loads((work / "real-out" / "convergence-full.json").read_text())["runs"][0]
+    at = run.get("snapshot_versions" if args.system == "hetpipe" else "snapshot_steps")
+    if at is None or len(at) != len(run["curve"]):
+        raise SystemExit(f"vclock_check: the real run kept {len(run['curve'])} validation points but "
+                         f"{'no' if at is None else len(at)} step counts for them")
+    return run
 
 
-def virtual_run(args, work: Path, run: dict):
-    """The virtual clock on the real run's kept plan: (points, minibatches per VW, waves)."""
-    import dataclasses
-
-    import torch
-
+def kept_setting(args, work: Path):
+    """The virtual clock's setting with the real run's device model and plan (the task, data, profile and
+    cluster as ``run.prepare`` makes them: the profile only sizes the gradient and the memory verdicts)."""
     import vclock
+    from devices import DeviceModel
     from hetpipe.plan.types import Plan
 
-    torch.set_num_threads(1)
-    plan = Plan.load(work / "real" / "plan.json")
-    # The task, data and model bytes are the real run's; its stage times come from the kept plan.
-    s = dataclasses.replace(vclock.setting("small", 1, 1.5, work=work / "virtual"), plan=plan)
-    waves = run["samples"] // (plan.minibatches_per_wave * s.task.minibatch)
-    steps = waves * plan.nm                # run_hetpipe's unit: waves of the plan's Nm
-    points, _ = vclock.run_hetpipe(s, steps, run["lr"], args.seed, args.d, "mean", evals=waves)
-    return points, steps, waves
+    s = vclock.setting("small", 1, 1.5, work=work / "virtual")
+    return dataclasses.replace(s, dm=DeviceModel.load(work / "real" / "devices.json"),
+                               plan=Plan.load(work / "real" / "plan.json"))
 
 
-def main(argv=None) -> int:
+def virtual_curves(args, s, upto: int) -> Dict[int, tuple]:
+    """Per seed of the spread: (points validated after every step or wave 0 .. ``upto``, what the run
+    returns beside them: the baseline's step or hetpipe's simulated run)."""
+    import vclock
+
+    out = {}
+    for seed in args.spread:
+        if args.system == "hetpipe":
+            points, extra = vclock.run_hetpipe(s, upto * s.plan.nm, args.lr, seed, args.d, "mean", evals=upto)
+        else:
+            points, extra = vclock.run_baseline(s, args.system, upto, args.lr, seed, evals=upto)
+        if len(points) != upto + 1:
+            raise SystemExit(f"vclock_check: the virtual clock validated {len(points)} points, not {upto + 1}")
+        out[seed] = (points, extra)
+    return out
+
+
+def staleness_lines(run: dict, simulated) -> List[str]:
+    """hetpipe: the staleness of the real run's pulls beside the simulated record's, and how many pulls got
+    the same version in both."""
+    import vclock
+    from hetpipe.run.record import RunRecord
+
+    if not run.get("record") or not Path(run["record"]).exists():
+        return ["(the real run kept no record: staleness not compared)"]
+    measured = RunRecord.load(run["record"])
+    got = {(sh, v, k, w): g for sh, rec in simulated.shards.items() for v, k, w, g, _ in rec.pulls}
+    pulls = [(sh, v, k, w, g) for sh, rec in measured.shards.items() for v, k, w, g, _ in rec.pulls]
+    same = sum(got.get((sh, v, k, w)) == g for sh, v, k, w, g in pulls)
+    return ["staleness w - g of every pull, the simulated record beside the real run's:",
+            vclock.staleness_table(simulated, measured),
+            f"pulls answered at the same version in both records: {same} of {len(pulls)}; largest clock gap at a "
+            f"shard: simulated {simulated.max_gap()}, measured {measured.max_gap()}"]
+
+
+def compare(args, run: dict, curves: Dict[int, tuple]) -> dict:
+    """The table rows and the verdicts of each real point against the virtual clock's at its step."""
+    at = run["snapshot_versions" if args.system == "hetpipe" else "snapshot_steps"]
+    mine = curves[args.seed][0]
+    rows, ratios, diffs, sds = [], [], [], []
+    exact = within = 0
+    for k, (t_real, loss) in zip(at, run["curve"]):
+        t_virt, samples, virt = mine[k]
+        sd = statistics.stdev(c[0][k][2] for c in curves.values()) if len(curves) > 1 else 0.0
+        diff = abs(loss - virt)
+        exact += loss == virt
+        ratio = t_real / t_virt if t_virt else None
+        if k:
+            ratios += [ratio] if ratio is not None else []
+            diffs.append(diff)
+            sds.append(sd)
+            within += diff <= sd
+        rows.append([f"{t_real:.2f}", str(k), f"{loss:.4f}", f"{virt:.4f}", f"{diff:.1e}", f"{sd:.4f}",
+                     f"{t_virt:.2f}", "-" if ratio is None else f"{ratio:.3f}"])
+    return {"rows": rows, "ratios": ratios, "diffs": diffs, "sds": sds, "exact": exact, "within": within,
+            "points": len(rows)}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--d", type=int, default=0)
+    ap.add_argument("--system", choices=("hetpipe",) + BASELINES, default="hetpipe")
+    ap.add_argument("--d", type=int, default=0, help="hetpipe's staleness bound")
     ap.add_argument("--budget", type=float, default=30.0, help="the real run's training wall time (s)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--spread", default="0,1,2", help="the virtual clock's seeds for the seed spread")
     ap.add_argument("--profile-trials", type=int, default=3)
-    ap.add_argument("--waves", choices=("equal", "speed"), default="equal", help="the plan's waves (run.py --waves)")
+    ap.add_argument("--waves", choices=("equal", "speed"), default="equal", help="hetpipe's waves (run.py --waves)")
     ap.add_argument("--out", type=Path, help="keep the real run's directory and this check's JSON here")
     args = ap.parse_args(argv)
+    args.spread = sorted({int(x) for x in args.spread.split(",")} | {args.seed})
     work = args.out or Path(tempfile.mkdtemp(prefix="hetpipe-vclock-check-"))
+
+    import torch
+    torch.set_num_threads(1)
     run = real_run(args, work)
-    points, _, waves = virtual_run(args, work, run)
-    at = {}
-    for t, n, loss in points:
-        at.setdefault(loss, (t, n))
-    rows, ratios = [], []
-    for t_real, loss in run["curve"]:
-        hit = at.get(loss)
-        if hit is None:
-            rows.append([f"{t_real:.2f}", f"{loss:.4f}", "no exact match", "-", "-"])
-            continue
-        ratio = t_real / hit[0] if hit[0] else None
-        if ratio is not None:
-            ratios.append(ratio)
-        rows.append([f"{t_real:.2f}", f"{loss:.4f}", f"{hit[0]:.2f}", str(hit[1]), "-" if ratio is None else f"{ratio:.3f}"])
-    matched = sum(r[2] != "no exact match" for r in rows)
-    plan_waves = "" if args.waves == "equal" else ", waves by speed"
-    print(f"hetpipe D={args.d} (mean{plan_waves}), lr {args.lr:g}, seed {args.seed}: real run on EMULATED devices "
-          f"(cpu-emulated-6, real MPI ranks, {run['wall_s']:.1f} s wall, {run['samples']} samples, {waves} waves) "
-          f"beside the VIRTUAL CLOCK on its kept plan")
-    print(table(["real s", "val loss", "virtual s", "samples", "real / virtual"], rows))
-    summary = (f"real snapshots equal to a virtual-clock wave's loss exactly: {matched} of {len(rows)}")
-    if ratios:
-        summary += (f"; real / virtual time at the matched waves: median {statistics.median(ratios):.3f}, "
-                    f"range {min(ratios):.3f}-{max(ratios):.3f}")
-    print(summary)
+    s = kept_setting(args, work)
+    at = run["snapshot_versions" if args.system == "hetpipe" else "snapshot_steps"]
+    curves = virtual_curves(args, s, max(at))
+    got = compare(args, run, curves)
+
+    hetpipe = args.system == "hetpipe"
+    what = (f"hetpipe D={args.d} (mean{'' if args.waves == 'equal' else ', waves by speed'})" if hetpipe else
+            f"{args.system} ({curves[args.seed][1].note})")
+    unit = "version g" if hetpipe else "step"
+    print(f"{what}, lr {args.lr:g}, seed {args.seed}: real run on EMULATED devices (cpu-emulated-6, real MPI "
+          f"ranks, {run['wall_s']:.1f} s wall, {run['samples']} samples) beside the VIRTUAL CLOCK on its kept "
+          f"device model and plan (seeds {args.spread} for the spread)")
+    print(table(["real s", unit, "real loss", "virtual loss", "|diff|", "seed sd", "virtual s", "real / virtual"],
+                got["rows"]))
+    n = got["points"] - 1                       # the initial weights are the same in both by construction
+    lines = []
+    lines.append(f"real points equal to the virtual clock's loss at the same {unit} exactly: "
+                 f"{got['exact']} of {got['points']}")
+    lines.append(f"points after the first within the seed spread (|diff| <= sd of the virtual clock's seeds): "
+                 f"{got['within']} of {n}; largest |diff| {max(got['diffs'], default=0):.1e}, median seed sd "
+                 f"{statistics.median(got['sds']) if got['sds'] else 0:.4f}")
+    if got["ratios"]:
+        lines.append(f"real / virtual time: median {statistics.median(got['ratios']):.3f}, range "
+                     f"{min(got['ratios']):.3f}-{max(got['ratios']):.3f}")
+    if hetpipe:
+        lines += staleness_lines(run, curves[args.seed][1].record)
+    print("\n".join(lines))
     (work / "vclock_check.json").write_text(json.dumps(
-        {"d": args.d, "lr": args.lr, "seed": args.seed, "real": run, "virtual": [list(p) for p in points],
-         "matched": matched, "snapshots": len(rows), "ratios": ratios}, indent=1))
-    return 0 if args.d > 0 or matched == len(rows) else 1
+        {"system": args.system, "d": args.d, "lr": args.lr, "seed": args.seed, "spread": args.spread, "real": run,
+         "virtual": {str(k): [list(p) for p in v[0]] for k, v in curves.items()},
+         **{k: got[k] for k in ("exact", "within", "points", "ratios", "diffs", "sds")}}, indent=1))
+    if hetpipe and args.d == 0:
+        return 0 if got["exact"] == got["points"] else 1
+    return 0 if got["within"] == n else 1
 
 
 if __name__ == "__main__":
