@@ -60,7 +60,9 @@ REFERENCE = "ddp-fast"       # the run the noise scale is measured along
 NOISE_SEED = 1 << 20         # the noise scale's minibatches: a stream no run reads
 VALIDATION = ("validation against real emulated runs (bench/convergence/README.md, 'Virtual clock'): "
               "vclock_staleness.py, 3-rank runs, pulls at the simulated version: 78/78 (D 2, VW 1 3x slower), "
-              "74/78 (D 4, 1.5x), 78/78 (D 1, 2x); 4 ranks (a 2-stage VW), D 2: 91/117")
+              "74/78 (D 4, 1.5x), 78/78 (D 1, 2x); 4 ranks (a 2-stage VW), D 2: 91/117; vclock_check.py, "
+              "cpu-emulated-6, 30 s: DDP (2 and 6 devices), hetero DP and 1F1B within one seed sd at every point; "
+              "hetpipe D 0 and D 1 equal at every point; D 4 within one seed sd at 25 of 29")
 
 
 # --- regimes -----------------------------------------------------------------------------------------
