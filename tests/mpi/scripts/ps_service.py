@@ -144,9 +144,19 @@ def main() -> int:
             close(srv)
         COMM.Barrier()
     if rank == SHARD:
+        drain(COMM)
         for r in results:
             print("RESULT " + json.dumps(r), flush=True)
     return 0
+
+
+def drain(comm) -> None:
+    """Receive what the refused messages left: the duplicate push's payload, sent behind the header the
+    service refused. MPI_Finalize fails on a communicator holding an unmatched message; this rank would
+    then exit without finalizing, and mpiexec kill the ranks still finalizing (SIGKILL)."""
+    status = MPI.Status()
+    while comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+        comm.Recv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE], source=status.Get_source(), tag=status.Get_tag())
 
 
 if __name__ == "__main__":
