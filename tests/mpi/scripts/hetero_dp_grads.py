@@ -20,6 +20,7 @@ from task import MinibatchStream, TaskSpec, build_layers, corpus, loss_fn  # noq
 
 TINY = TaskSpec(context=16, width=16, heads=2, blocks=1, minibatch=4, train_bytes=1 << 18, val_windows=8)
 WINDOWS = {2: [5, 3], 3: [6, 1, 1]}          # per world size: unequal shares of 8 windows (2 minibatches)
+STEP = 3                                     # any step: its windows are total * STEP onwards
 
 
 def main() -> None:
@@ -28,20 +29,27 @@ def main() -> None:
     total = sum(windows)
     text, _, _ = corpus(TINY)
     stream = MinibatchStream(text, TINY, seed=1, count=0)
-    step = 3                                   # any step: its windows are total * step onwards
     model = DDP(nn.Sequential(*build_layers(TINY, 1)))
-    x, y = stream.windows(step * total + sum(windows[:rank]), windows[rank])
+    x, y = stream.windows(STEP * total + sum(windows[:rank]), windows[rank])
     weighted_loss(loss_fn(model(x), y), windows[rank], total, world).backward()
-    if rank != 0:
-        torch.distributed.barrier()
-        return
+    if rank == 0:
+        report(stream, model, windows)
+    torch.distributed.barrier()
+    # The process group is ended before the interpreter: left to exit, gloo's threads can still be
+    # joinable when their destructors run, and std::terminate aborts the rank after its result.
+    torch.distributed.destroy_process_group()
+
+
+def report(stream, model, windows) -> None:
+    """Rank 0: the largest difference between DDP's averaged gradients and those of the mean loss over
+    the step's windows in one process."""
+    total = sum(windows)
     ref = nn.Sequential(*build_layers(TINY, 1))
-    xa, ya = stream.concat(step * total // TINY.minibatch, total // TINY.minibatch)
+    xa, ya = stream.concat(STEP * total // TINY.minibatch, total // TINY.minibatch)
     loss_fn(ref(xa), ya).backward()
     diff = max(float((p.grad - q.grad).abs().max()) for p, q in zip(model.module.parameters(), ref.parameters()))
     scale = max(float(q.grad.abs().max()) for q in ref.parameters())
     print("RESULT " + json.dumps({"max_abs_diff": diff, "max_abs_grad": scale, "windows": windows}), flush=True)
-    torch.distributed.barrier()
 
 
 if __name__ == "__main__":
