@@ -104,11 +104,11 @@ def train(job: Job, comm, rank: int) -> Optional[dict]:
     if rank != 0:
         return None
     parts = [r.pop("snapshots") for r in ranks if r["snapshots"] is not None]
-    waves = sorted(set.intersection(*(set(p) for p in parts)))     # the version g of each merged snapshot
+    versions = sorted(set.intersection(*(set(p) for p in parts)))  # the version g of each merged snapshot
     snapshots.save(job.snapshots, snapshots.merge(parts))
     for r in ranks:
         r.pop("snapshots", None)
-    return {"system": f"hetpipe D={plan.d} {rule}", "samples": result.samples, "snapshot_versions": waves,
+    return {"system": f"hetpipe D={plan.d} {rule}", "samples": result.samples, "snapshot_versions": versions,
             "wall_s": result.elapsed_s, "ranks": ranks, "emulated": result.emulated,
             "train_loss_last": result.final_loss(),
             "note": f"{nvw} VWs x {[len(v.stages) for v in plan.virtual_workers]} stages, "
