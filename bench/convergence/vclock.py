@@ -212,6 +212,13 @@ def run_hetpipe(s: Setting, steps: int, lr: float, seed: int, d: int, aggregate:
     return points, run
 
 
+def same_versions(simulated: RunRecord, measured: RunRecord) -> Tuple[int, int]:
+    """(pulls of ``measured`` answered at the version ``simulated`` answered them, all its pulls), every shard."""
+    got = {(sh, v, k, w): g for sh, rec in simulated.shards.items() for v, k, w, g, _ in rec.pulls}
+    pulls = [(sh, v, k, w, g) for sh, rec in measured.shards.items() for v, k, w, g, _ in rec.pulls]
+    return sum(got.get((sh, v, k, w)) == g for sh, v, k, w, g in pulls), len(pulls)
+
+
 def staleness_table(simulated: RunRecord, measured: RunRecord) -> str:
     """The staleness ``w - g`` of every pull, as a histogram (count and share), of a simulated record
     beside a measured one (a record written by a run)."""

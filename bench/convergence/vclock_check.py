@@ -100,12 +100,10 @@ def staleness_lines(run: dict, simulated) -> List[str]:
     if not run.get("record") or not Path(run["record"]).exists():
         return ["(the real run kept no record: staleness not compared)"]
     measured = RunRecord.load(run["record"])
-    got = {(sh, v, k, w): g for sh, rec in simulated.shards.items() for v, k, w, g, _ in rec.pulls}
-    pulls = [(sh, v, k, w, g) for sh, rec in measured.shards.items() for v, k, w, g, _ in rec.pulls]
-    same = sum(got.get((sh, v, k, w)) == g for sh, v, k, w, g in pulls)
+    same, pulls = vclock.same_versions(simulated, measured)
     return ["staleness w - g of every pull, the simulated record beside the real run's:",
             vclock.staleness_table(simulated, measured),
-            f"pulls answered at the same version in both records: {same} of {len(pulls)}; largest clock gap at a "
+            f"pulls answered at the same version in both records: {same} of {pulls}; largest clock gap at a "
             f"shard: simulated {simulated.max_gap()}, measured {measured.max_gap()}"]
 
 

@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     from hetpipe.run.replay import replay_run
     from hetpipe.run.simulated import simulated_record
     from launch import run_worker
-    from vclock import staleness_table
+    from vclock import same_versions, staleness_table
 
     work = Path(tempfile.mkdtemp(prefix="hetpipe-vclock-staleness-"))
     cfg = {"d": args.d, "waves": args.waves, "slow": args.slow, "stages": args.stages,
@@ -96,9 +96,8 @@ def main(argv=None) -> int:
           f"Nm 1, D {args.d}, {args.waves} waves; measured: a {2 + args.stages}-rank "
           f"emulated run ({res['elapsed_s']:.0f} s with start-up); simulated: the plan's stage times, PS instant")
     print(staleness_table(sim.record, measured))
-    got = {(v, k, w): g for v, k, w, g, _ in sim.record.shards[0].pulls}
-    same = sum(got.get((v, k, w)) == g for v, k, w, g, _ in measured.shards[0].pulls)
-    print(f"pulls answered at the same version in both records: {same} of {len(measured.shards[0].pulls)}")
+    same, pulls = same_versions(sim.record, measured)
+    print(f"pulls answered at the same version in both records: {same} of {pulls}")
     print(f"largest clock gap at the shard: simulated {sim.record.max_gap()}, measured {measured.max_gap()}; "
           f"the replay of the simulated record ran to the end ({len(followed.losses[0])} + {len(followed.losses[1])} "
           f"minibatches); simulated makespan {sim.sim.makespan_s:.2f} s")
