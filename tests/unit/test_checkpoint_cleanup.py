@@ -134,6 +134,8 @@ def test_closing_at_the_end_writes_the_last_clock_when_it_was_not_due(tmp_path, 
     for clock in range(1, 6):
         for r, w in enumerate(writers):
             w.boundary(clock, _capture(clock, r))
+    for w in writers:                      # clock 4 on disk from both writer threads
+        w.flush()
     writers[0].close(final=True, wait_s=0.0)
     assert not ckfmt.is_complete(ckfmt.clock_dir(tmp_path, 5))
     writers[1].close(final=True, wait_s=60.0)
@@ -193,6 +195,7 @@ def test_a_rank_writing_an_older_clock_while_a_newer_one_completes_keeps_its_dir
     for clock in (1, 2, 3):
         writers[0].boundary(clock, _capture(clock, 0))
     writers[1].close()
+    writers[0].flush()                                  # rank 0's part of clock 2 on disk from its writer thread
     assert [p.name for p in ckfmt.complete_clocks(tmp_path)] == ["clock-000002"]
     writers[1].on_signal(5.0)
     assert seen == [["manifest.json"]] and writers[1].written == [2, 4, 3]

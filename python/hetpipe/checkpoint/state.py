@@ -232,15 +232,27 @@ class Checkpointer:
             deadline, end = self._end
             if due:
                 # Every rank writes this clock: once it is complete on disk the rank can leave.
-                with self._cv:
-                    while self._job is not None and time.monotonic() < deadline:
-                        self._cv.wait(timeout=0.1)
+                self.flush(max(0.0, deadline - time.monotonic()))
                 path = clock_dir(self.directory, clock)
                 while not is_complete(path) and time.monotonic() < deadline:
                     time.sleep(0.02)
                 end(clock if is_complete(path) else None)
             elif time.monotonic() >= deadline:
                 end(None)
+
+    def flush(self, wait_s: Optional[float] = None) -> bool:
+        """Wait until the writer thread has finished the checkpoint handed to it (written and collected,
+        or failed: :meth:`close` raises that), at most ``wait_s`` when given. Whether it has."""
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        with self._cv:
+            while self._job is not None:
+                if deadline is None:
+                    self._cv.wait()
+                elif time.monotonic() >= deadline:
+                    return False
+                else:
+                    self._cv.wait(timeout=min(0.1, deadline - time.monotonic()))
+        return True
 
     def close(self, final: bool = False, wait_s: float = 60.0) -> None:
         """Wait for the checkpoint in flight, stop the writer; raise what it failed with.
@@ -250,9 +262,8 @@ class Checkpointer:
         (the run's final checkpoint, from the snapshot kept at the boundary or, with ``keep = 0``, one
         captured now: nothing a rank holds changes after its last boundary). Older checkpoints are then
         removed once every rank's part of it is on disk (waiting at most ``wait_s``)."""
+        self.flush()
         with self._cv:
-            while self._job is not None:
-                self._cv.wait()
             self._closed = True
             self._cv.notify_all()
         self._thread.join()
@@ -277,9 +288,7 @@ class Checkpointer:
         None complete within ``settle_s``: the signal reached this rank alone (its peers write only the
         due clocks), and the caller has it train on to the next due clock (:meth:`end_at_next_due`)."""
         deadline = time.monotonic() + wait_s
-        with self._cv:
-            while self._job is not None and time.monotonic() < deadline:
-                self._cv.wait(timeout=0.1)
+        self.flush(wait_s)
         for clock, snapshot in list(self.ring) if self.keep else ():
             if clock not in self.written:
                 self._write(clock, snapshot)
