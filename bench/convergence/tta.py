@@ -153,6 +153,7 @@ class Row:
     step_s: float = 0.0            # virtual seconds per step (hetpipe: per wave, steady)
     steps: int = 0                 # steps (hetpipe: minibatches per VW) to cover the budget
     note: str = ""
+    plan: object = None            # hetpipe: the row's own plan (``plan=tta``); None: the regime's
     runs: List[dict] = field(default_factory=list)
 
 
@@ -243,12 +244,18 @@ OUTER_KEYS = {"outer": "outer", "lr": "outer_lr", "momentum": "outer_momentum", 
               "gain": "outer_gain", "delay": "outer_delay"}
 
 
+ROW_KEYS = ("waves", "plan", "noise")       # a row's keys that are not the PS's outer-optimizer fields
+
+
 def parse_variant(text: str) -> Tuple[str, int, Dict[str, object]]:
     """One ``--hetpipe`` row: ``AGG:D`` or ``AGG:D:KEY=VALUE+KEY=VALUE...`` with KEY one of
     :data:`OUTER_KEYS` (the PS's outer optimizer, :mod:`hetpipe.plan.outer`), e.g.
-    ``mean:1:outer=delayed-nesterov+lr=0.15+momentum=0.9``, or ``waves`` (``equal``, ``speed``: the plan's wave
-    rule, :func:`hetpipe.plan.waves.with_waves`). Returns (aggregate, D, PSRule fields and ``waves`` when
-    ``speed``)."""
+    ``mean:1:outer=delayed-nesterov+lr=0.15+momentum=0.9``, ``waves`` (``equal``, ``speed``: the plan's wave
+    rule, :func:`hetpipe.plan.waves.with_waves`), ``plan=tta`` (the row's plan is
+    ``make_plan(objective="time-to-accuracy")``'s on the regime's cluster and profile, at the regime's Nm)
+    and ``noise`` (with ``plan=tta``: the noise scale in windows it plans with; without it, a pilot on the
+    initial model measures one, as a job does). Returns (aggregate, D, PSRule fields, and ``waves`` when
+    ``speed``, ``plan`` and ``noise`` when given)."""
     from hetpipe.plan.outer import OUTER_DEFAULTS, check_outer
 
     parts = text.split(":")
@@ -263,24 +270,40 @@ def parse_variant(text: str) -> Tuple[str, int, Dict[str, object]]:
             if value == "speed":
                 outer["waves"] = value
             continue
+        if key == "plan":
+            if value != "tta":
+                raise SystemExit(f"tta: --hetpipe row {text!r}: plan must be tta, got {value!r}")
+            outer["plan"] = value
+            continue
+        if key == "noise":
+            try:
+                outer["noise"] = float(value)
+            except ValueError:
+                raise SystemExit(f"tta: --hetpipe row {text!r}: noise must be a number, got {value!r}") from None
+            if not (math.isfinite(outer["noise"]) and outer["noise"] > 0):
+                raise SystemExit(f"tta: --hetpipe row {text!r}: noise must be > 0, got {value!r}")
+            continue
         if key not in OUTER_KEYS or not value:
-            raise SystemExit(f"tta: --hetpipe row {text!r}: {item!r} is not KEY=VALUE with KEY in {sorted([*OUTER_KEYS, 'waves'])}")
+            raise SystemExit(f"tta: --hetpipe row {text!r}: {item!r} is not KEY=VALUE with KEY in "
+                             f"{sorted([*OUTER_KEYS, *ROW_KEYS])}")
         field_name = OUTER_KEYS[key]
         kind = type(OUTER_DEFAULTS[field_name])
         try:
             outer[field_name] = kind(value)
         except ValueError:
             raise SystemExit(f"tta: --hetpipe row {text!r}: {key} must be a {kind.__name__}, got {value!r}") from None
+    if "noise" in outer and "plan" not in outer:
+        raise SystemExit(f"tta: --hetpipe row {text!r}: noise is the noise scale plan=tta plans with; add plan=tta")
     try:
-        check_outer(f"tta: --hetpipe row {text!r}", **{**OUTER_DEFAULTS, **without_waves(outer)})
+        check_outer(f"tta: --hetpipe row {text!r}", **{**OUTER_DEFAULTS, **outer_fields(outer)})
     except ValueError as e:
         raise SystemExit(str(e)) from None
     return parts[0], int(parts[1]), outer
 
 
-def without_waves(outer: Dict[str, object]) -> Dict[str, object]:
-    """A row's options less its wave rule: the PS's outer-optimizer fields."""
-    return {k: v for k, v in outer.items() if k != "waves"}
+def outer_fields(outer: Dict[str, object]) -> Dict[str, object]:
+    """A row's options less its wave rule and its planning: the PS's outer-optimizer fields."""
+    return {k: v for k, v in outer.items() if k not in ROW_KEYS}
 
 
 def variant_name(agg: str, d: int, outer: Dict[str, object]) -> Tuple[str, str]:
@@ -289,7 +312,9 @@ def variant_name(agg: str, d: int, outer: Dict[str, object]) -> Tuple[str, str]:
     from hetpipe.plan.outer import OUTER_DEFAULTS, describe_outer
 
     waves = "; waves by speed" if outer.get("waves") == "speed" else ""
-    opts = without_waves(outer)
+    if outer.get("plan") == "tta":
+        waves += "; plan for time to accuracy" + (f", noise {outer['noise']:g}" if "noise" in outer else "")
+    opts = outer_fields(outer)
     if not outer:
         return f"hetpipe-d{d}-{agg}", f"hetpipe D={d} ({agg})"
     slug = "-".join(f"{k.replace('outer_', '')}{v}" for k, v in sorted(outer.items()))
@@ -317,19 +342,51 @@ def make_rows(s, systems: Sequence[str], variants: Sequence[Tuple[str, int, Dict
     budget = steps * min(r.step_s for r in rows)
     for r in rows:
         r.steps = math.ceil(budget / r.step_s - 1e-9)
-    nvw, mb = len(s.plan.virtual_workers), s.task.minibatch
+    mb = s.task.minibatch
     for agg, d, outer in variants:
         rule = str(outer.get("waves", "equal"))
-        n, wave = hetpipe_steps(s, d, budget, waves_rule=rule)
-        lengths = with_waves(s.plan, rule).wave_minibatches
+        own = tta_plan(s, rule, outer.get("noise")) if outer.get("plan") == "tta" else None
+        row_s = dataclasses.replace(s, plan=own) if own is not None else s
+        nvw = len(row_s.plan.virtual_workers)
+        n, wave = hetpipe_steps(row_s, d, budget, waves_rule=rule)
+        lengths = with_waves(row_s.plan, rule).wave_minibatches
         batch = nvw * mb if agg == "mean" else mb
         key, label = variant_name(agg, d, outer)
-        nm_note = f"Nm {s.plan.nm}" if rule == "equal" else f"Nm per VW {list(lengths)} (by speed)"
+        nm_note = f"Nm {row_s.plan.nm}" if rule == "equal" else f"Nm per VW {list(lengths)} (by speed)"
+        planned = ""
+        if own is not None:
+            chosen = own.meta["time_to_accuracy"]
+            planned = (f"; planned for time to accuracy at a noise scale of {chosen['noise_scale']:.4g} windows "
+                       f"({chosen['noise_source']}): policy {own.policy}, devices "
+                       f"{sorted(st.device for vw in own.virtual_workers for st in vw.stages)}")
         rows.append(Row(key, label, "hetpipe", d, agg, dict(outer), batch, step_s=wave, steps=n,
                         batch_note=(f"{batch} ({nvw} VWs x {mb} averaged)" if agg == "mean"
                                     else f"{mb} (each VW's, summed)"),
-                        note=f"{nvw} VWs, {nm_note}, ~{wave:.3f} s per wave, {n // s.plan.nm} waves"))
+                        note=f"{nvw} VWs, {nm_note}, ~{wave:.3f} s per wave, {n // row_s.plan.nm} waves{planned}",
+                        plan=own))
     return rows, budget
+
+
+def tta_plan(s, rule: str, noise: Optional[float]):
+    """The plan ``make_plan(objective="time-to-accuracy")`` makes on the regime's cluster and profile, at the
+    regime plan's Nm and with the row's wave rule, for a noise scale of ``noise`` windows; None: measured
+    as a job measures it (``Planning(objective="time-to-accuracy")``), by a pilot on the initial model and
+    the first 128 minibatches of a stream no run reads. ``meta["time_to_accuracy"]`` gains the noise scale
+    and where it came from."""
+    from hetpipe.plan.planner import make_plan
+    from hetpipe.run.pilot import measure_noise_scale
+    from task import MinibatchStream, build_layers, loss_fn
+
+    source = "given"
+    if noise is None:
+        noise = measure_noise_scale(build_layers(s.task, 0), loss_fn,
+                                    MinibatchStream(s.text, s.task, NOISE_SEED + 1, count=128))
+        source = "pilot on the initial model, 16 x 8 minibatches"
+    plan = make_plan(s.cluster, s.prof, policy="auto", nm=s.plan.nm, d=0, minibatch_size=s.task.minibatch,
+                     objective="time-to-accuracy", noise_scale=noise, waves=rule)
+    plan.meta["time_to_accuracy"] = {**plan.meta["time_to_accuracy"], "noise_scale": float(noise),
+                                     "noise_source": source}
+    return plan
 
 
 def run_one(s, row: Row, lr: float, seed: int, evals: int, keep: Optional[list] = None) -> dict:
@@ -338,7 +395,9 @@ def run_one(s, row: Row, lr: float, seed: int, evals: int, keep: Optional[list] 
 
     started = time.perf_counter()
     if row.system == "hetpipe":
-        points, run = vclock.run_hetpipe(s, row.steps, lr, seed, row.d, row.aggregate, evals, outer=row.outer)
+        row_s = dataclasses.replace(s, plan=row.plan) if row.plan is not None else s
+        outer = {**outer_fields(row.outer), **({"waves": row.outer["waves"]} if "waves" in row.outer else {})}
+        points, run = vclock.run_hetpipe(row_s, row.steps, lr, seed, row.d, row.aggregate, evals, outer=outer)
         extra = {"staleness": {str(k): v for k, v in run.staleness().items()}}
     else:
         def on_point(p, layers) -> None:
@@ -593,7 +652,7 @@ def main(argv=None) -> int:
         else:
             raise SystemExit(f"tta: unknown regime {name!r} (r1, r2)")
         rows, budget = make_rows(s, systems, variants, args.steps_of[name])
-        from hetpipe.plan.format import format_plan
+        from hetpipe.plan.format import format_candidates, format_plan
 
         host = host_seconds(s)
         from task import build_layers, evaluate
@@ -618,7 +677,9 @@ def main(argv=None) -> int:
             f"{1e3 * host['per_minibatch']:.1f} ms per minibatch in an 8-minibatch step, {eval_s:.2f} s per "
             f"validation; estimated host time of this regime {est / 60:.0f} min",
             *[f"[{name.upper()}]   {r.label}: batch per update {r.batch_note}; {r.steps} "
-              f"{'minibatches per VW' if r.system == 'hetpipe' else 'steps'}; {r.note}" for r in rows]]
+              f"{'minibatches per VW' if r.system == 'hetpipe' else 'steps'}; {r.note}" for r in rows],
+            *[f"[{name.upper()}]   {line}" for r in rows if r.plan is not None
+              for line in [f"{r.label}: the planner's candidates", *format_candidates(r.plan).splitlines()]]]
         if args.estimate:
             say("\n".join(header))
             say(format_plan(s.plan))

@@ -4,6 +4,7 @@ sd, and the speed-up bound, against hand-computed values."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -156,3 +157,33 @@ def test_hetpipe_rows_name_their_outer_optimizer_and_refuse_bad_fields():
                          ("mean:1:momentum=1.5", "outer_momentum"), ("mean:1:waves=fast", "waves must be")]:
         with pytest.raises(SystemExit, match=culprit):
             tta.parse_variant(bad)
+
+
+def test_a_row_planned_for_time_to_accuracy_runs_the_planners_plan():
+    """``plan=tta`` rows: the planner's time-to-accuracy plan at the given noise scale, at the regime's Nm, is
+    the row's (its VWs set the batch per update and the wave time), and the run follows it, not the regime's
+    one-device plan. A tiny noise scale prices every extra VW's samples (fewer VWs), a huge one only
+    throughput (more VWs)."""
+    agg, d, outer = tta.parse_variant("mean:1:plan=tta+noise=1")
+    assert outer == {"plan": "tta", "noise": 1.0}
+    assert tta.outer_fields({**outer, "waves": "speed", "outer_lr": 0.5}) == {"outer_lr": 0.5}
+    assert tta.variant_name(agg, d, outer)[1] == "hetpipe D=1 (mean; plan for time to accuracy, noise 1)"
+    for bad, culprit in [("mean:1:plan=fast", "plan must be tta"), ("mean:1:plan=tta+noise=x", "noise must be a number"),
+                         ("mean:1:plan=tta+noise=-2", "noise must be > 0"), ("mean:1:noise=8", "add plan=tta")]:
+        with pytest.raises(SystemExit, match=culprit):
+            tta.parse_variant(bad)
+    s = r1_setting()
+    s = vclock.Setting(s.task, s.text, s.val, s.dm, s.prof, s.cluster, dataclasses.replace(s.plan, nm=2))
+    rows, budget = tta.make_rows(s, ["ddp-fast"], [("mean", 1, {"plan": "tta", "noise": 1.0}),
+                                                   ("mean", 1, {"plan": "tta", "noise": 1e6})], 4)
+    small, large = rows[1].plan, rows[2].plan
+    for row, plan, noise in ((rows[1], small, 1.0), (rows[2], large, 1e6)):
+        meta = plan.meta["time_to_accuracy"]
+        assert plan.nm == 2 and meta["noise_scale"] == noise and meta["noise_source"] == "given"
+        assert row.batch == len(plan.virtual_workers) * s.task.minibatch
+        assert f"policy {plan.policy}" in row.note and row.steps % plan.nm == 0
+    assert len(small.virtual_workers) < len(large.virtual_workers)
+    row = dataclasses.replace(rows[1], steps=2 * small.nm)
+    result = tta.run_one(s, row, 1e-2, 0, evals=1)
+    per_wave = sum(vw.nm or small.nm for vw in small.virtual_workers) * s.task.minibatch
+    assert result["points"][-1][1] == 2 * per_wave          # 2 waves of the row's plan, not the regime's
