@@ -588,7 +588,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hetpipe", default="mean:0,mean:4",
                     help="hetpipe's rows, comma-separated: AGG:D, or AGG:D:KEY=VALUE+... to set the PS's outer optimizer "
                          "(KEY outer, lr, momentum, staleness, gain, delay; e.g. mean:1:gain=sqrt) or the VWs' waves "
-                         "(waves=speed: each VW's wave proportional to its speed)")
+                         "(waves=speed: each VW's wave proportional to its speed) or its plan (plan=tta: "
+                         "make_plan(objective='time-to-accuracy')'s, at the noise scale a pilot measures or at "
+                         "noise=B windows)")
     ap.add_argument("--r2-task", default="small", help="R2's task (run.py's --task)")
     ap.add_argument("--evals", type=int, default=16, help="validation points per run")
     ap.add_argument("--noise-groups", type=int, default=8, help="noise-scale measurements (8 gradients each)")
