@@ -311,16 +311,16 @@ def variant_name(agg: str, d: int, outer: Dict[str, object]) -> Tuple[str, str]:
     the outer optimizer's description added otherwise."""
     from hetpipe.plan.outer import OUTER_DEFAULTS, describe_outer
 
-    waves = "; waves by speed" if outer.get("waves") == "speed" else ""
+    shape = "; waves by speed" if outer.get("waves") == "speed" else ""       # the row's plan, not the PS's rule
     if outer.get("plan") == "tta":
-        waves += "; plan for time to accuracy" + (f", noise {outer['noise']:g}" if "noise" in outer else "")
+        shape += "; plan for time to accuracy" + (f", noise {outer['noise']:g}" if "noise" in outer else "")
     opts = outer_fields(outer)
     if not outer:
         return f"hetpipe-d{d}-{agg}", f"hetpipe D={d} ({agg})"
     slug = "-".join(f"{k.replace('outer_', '')}{v}" for k, v in sorted(outer.items()))
     if not opts:
-        return f"hetpipe-d{d}-{agg}-{slug}", f"hetpipe D={d} ({agg}{waves})"
-    return f"hetpipe-d{d}-{agg}-{slug}", f"hetpipe D={d} ({agg}; {describe_outer({**OUTER_DEFAULTS, **opts})}{waves})"
+        return f"hetpipe-d{d}-{agg}-{slug}", f"hetpipe D={d} ({agg}{shape})"
+    return f"hetpipe-d{d}-{agg}-{slug}", f"hetpipe D={d} ({agg}; {describe_outer({**OUTER_DEFAULTS, **opts})}{shape})"
 
 
 def make_rows(s, systems: Sequence[str], variants: Sequence[Tuple[str, int, Dict[str, object]]],
