@@ -139,38 +139,40 @@ def pipelining(args) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     sys.path.insert(0, str(HERE.parent / "e2e"))
-    from mpi_env import gather_results, init_gloo
+    from mpi_env import gather_results, run_gloo
 
     if args.n % args.nm:
         raise SystemExit(f"host_overhead: {args.n} minibatches are not whole steps of {args.nm} micro-batches")
-    rank, world = init_gloo()
-    layers = _model(args.model)
-    cut = len(layers) // 2
-    mine = nn.Sequential(*(layers[:cut] if rank == 0 else layers[cut:]))
-    # Every rank passes loss_fn: the schedule's shape inference needs it on all of them. 1F1B needs a
-    # micro-batch per stage; with one, GPipe runs the same order (forward, then backward).
-    kind = Schedule1F1B if args.nm >= world else ScheduleGPipe
-    schedule = kind(PipelineStage(mine, rank, world, torch.device("cpu")), args.nm, loss_fn=nn.functional.cross_entropy)
-    opt = torch.optim.SGD(mine.parameters(), lr=0.01)
-    warm, steps = 2, args.n // args.nm
-    batches = iter(_data(args.model, (warm + steps) * args.nm))
-    for i in range(warm + steps):
-        if i == warm:
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-        xs, ys = zip(*(next(batches) for _ in range(args.nm)))
-        opt.zero_grad(set_to_none=True)
+
+    def work(rank: int, world: int) -> None:
+        layers = _model(args.model)
+        cut = len(layers) // 2
+        mine = nn.Sequential(*(layers[:cut] if rank == 0 else layers[cut:]))
+        # Every rank passes loss_fn: the schedule's shape inference needs it on all of them. 1F1B needs a
+        # micro-batch per stage; with one, GPipe runs the same order (forward, then backward).
+        kind = Schedule1F1B if args.nm >= world else ScheduleGPipe
+        schedule = kind(PipelineStage(mine, rank, world, torch.device("cpu")), args.nm, loss_fn=nn.functional.cross_entropy)
+        opt = torch.optim.SGD(mine.parameters(), lr=0.01)
+        warm, steps = 2, args.n // args.nm
+        batches = iter(_data(args.model, (warm + steps) * args.nm))
+        for i in range(warm + steps):
+            if i == warm:
+                dist.barrier()
+                t0, c0 = time.perf_counter(), time.process_time()
+            xs, ys = zip(*(next(batches) for _ in range(args.nm)))
+            opt.zero_grad(set_to_none=True)
+            if rank == 0:
+                schedule.step(torch.cat(xs))
+            else:
+                schedule.step(target=torch.cat(ys))
+            opt.step()
+        dist.barrier()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        cpus = gather_results({"cpu_s": cpu})
         if rank == 0:
-            schedule.step(torch.cat(xs))
-        else:
-            schedule.step(target=torch.cat(ys))
-        opt.step()
-    dist.barrier()
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    cpus = gather_results({"cpu_s": cpu})
-    if rank == 0:
-        print("RESULT " + json.dumps({"elapsed_s": wall, "cpu_s": [c["cpu_s"] for c in cpus]}), flush=True)
-    dist.destroy_process_group()
+            print("RESULT " + json.dumps({"elapsed_s": wall, "cpu_s": [c["cpu_s"] for c in cpus]}), flush=True)
+
+    run_gloo(work)
 
 
 def plain(name: str, n: int, gate: bool = False) -> Tuple[float, float]:

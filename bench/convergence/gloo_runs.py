@@ -17,7 +17,7 @@ import torch.distributed as dist
 from config import write_result
 from devices import DeviceModel
 from job import Job, load_jobs
-from mpi_env import init_gloo
+from mpi_env import run_gloo
 
 
 class StepClock:
@@ -51,12 +51,14 @@ def main(train: Callable[[Job, int, int, DeviceModel], Optional[dict]], name: st
          out_path: str) -> None:
     """Run every job of ``jobs_path`` in this launch; rank 0 writes ``{"runs": [...]}`` to ``out_path``."""
     jobs: List[Job] = load_jobs(jobs_path)
-    rank, world = init_gloo()
-    dm = DeviceModel.load(jobs[0].device_model)
-    devices = jobs[0].devices or range(len(dm.devices))
-    if world != len(devices) or any(list(j.devices) != list(jobs[0].devices) for j in jobs):
-        raise SystemExit(f"{name}: {world} ranks for devices {list(devices)} (every job of a launch on the same ones)")
-    runs = [train(job, rank, world, dm) for job in jobs]
-    if rank == 0:
-        write_result(out_path, {"runs": runs})
-    dist.destroy_process_group()
+
+    def work(rank: int, world: int) -> None:
+        dm = DeviceModel.load(jobs[0].device_model)
+        devices = jobs[0].devices or range(len(dm.devices))
+        if world != len(devices) or any(list(j.devices) != list(jobs[0].devices) for j in jobs):
+            raise SystemExit(f"{name}: {world} ranks for devices {list(devices)} (every job of a launch on the same ones)")
+        runs = [train(job, rank, world, dm) for job in jobs]
+        if rank == 0:
+            write_result(out_path, {"runs": runs})
+
+    run_gloo(work)

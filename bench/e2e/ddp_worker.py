@@ -21,12 +21,15 @@ from devices import DeviceModel
 from emulate import Emulated, pacer_report
 from hetpipe.stage.pacer import Pacer
 from model import build_layers, loss_fn, synthetic_batches
-from mpi_env import gather_results, init_gloo
+from mpi_env import gather_results, run_gloo
 
 
 def main(cfg_path: str, out_path: str) -> None:
     cfg = RunConfig.load(cfg_path)
-    rank, world = init_gloo()
+    run_gloo(lambda rank, world: run(cfg, out_path, rank, world))
+
+
+def run(cfg: RunConfig, out_path: str, rank: int, world: int) -> None:
     dm = DeviceModel.load(cfg.device_model)
     if world != len(dm.devices):
         raise SystemExit(f"ddp: {world} ranks for {len(dm.devices)} devices")
@@ -66,7 +69,6 @@ def main(cfg_path: str, out_path: str) -> None:
         write_result(out_path, {"system": "ddp", "samples_per_s": cfg.steps * cfg.global_batch / wall,
                                 "wall_s": wall, "ranks": ranks,
                                 "note": f"{world} ranks x {share} samples/step"})
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from devices import DeviceModel
 from emulate import Emulated, pacer_report
 from hetpipe.stage.pacer import Pacer
 from model import build_layers, loss_fn, synthetic_batches
-from mpi_env import gather_results, init_gloo
+from mpi_env import gather_results, run_gloo
 from split import uniform_split
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
@@ -29,7 +29,10 @@ SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
 def main(cfg_path: str, out_path: str) -> None:
     cfg = RunConfig.load(cfg_path)
-    rank, world = init_gloo()
+    run_gloo(lambda rank, world: run(cfg, out_path, rank, world))
+
+
+def run(cfg: RunConfig, out_path: str, rank: int, world: int) -> None:
     dm = DeviceModel.load(cfg.device_model)
     if world != len(dm.devices):
         raise SystemExit(f"pipelining: {world} ranks for {len(dm.devices)} devices")
@@ -73,7 +76,6 @@ def main(cfg_path: str, out_path: str) -> None:
                                 "samples_per_s": cfg.steps * cfg.microbatches * mb / wall,
                                 "wall_s": wall, "ranks": ranks,
                                 "note": f"uniform split {[r['layers'] for r in ranks]}, {cfg.microbatches} x {mb}"})
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

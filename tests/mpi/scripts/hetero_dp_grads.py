@@ -15,7 +15,7 @@ from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from baselines import weighted_loss  # noqa: E402
-from mpi_env import init_gloo  # noqa: E402
+from mpi_env import run_gloo  # noqa: E402
 from task import MinibatchStream, TaskSpec, build_layers, corpus, loss_fn  # noqa: E402
 
 TINY = TaskSpec(context=16, width=16, heads=2, blocks=1, minibatch=4, train_bytes=1 << 18, val_windows=8)
@@ -23,8 +23,7 @@ WINDOWS = {2: [5, 3], 3: [6, 1, 1]}          # per world size: unequal shares of
 STEP = 3                                     # any step: its windows are total * STEP onwards
 
 
-def main() -> None:
-    rank, world = init_gloo()
+def check(rank: int, world: int) -> None:
     windows = WINDOWS[world]
     total = sum(windows)
     text, _, _ = corpus(TINY)
@@ -35,9 +34,6 @@ def main() -> None:
     if rank == 0:
         report(stream, model, windows)
     torch.distributed.barrier()
-    # The process group is ended before the interpreter: left to exit, gloo's threads can still be
-    # joinable when their destructors run, and std::terminate aborts the rank after its result.
-    torch.distributed.destroy_process_group()
 
 
 def report(stream, model, windows) -> None:
@@ -53,4 +49,4 @@ def report(stream, model, windows) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_gloo(check)
