@@ -203,7 +203,8 @@ def prepare(args, work: Path, nm, policy: str):
     x0, y0 = MinibatchStream(text, task, 0, 1)[0]
     dm, prof, cluster = profile_device_model(build_layers(task, 0), x0, lambda out: loss_fn(out, y0),
                                              f"bytegpt{task.blocks}x{task.width}", optimizer_factor=2.0,
-                                             trials=args.profile_trials, slowdown=args.slowdown)
+                                             trials=args.profile_trials, slowdown=args.slowdown,
+                                             profile_file=getattr(args, "profile_file", None))
     dm.save(work / "devices.json")
     plan, planner = make_plan(dm, prof, cluster, nm=nm, policy=policy)
     plan = with_waves(plan, getattr(args, "waves", "equal"))

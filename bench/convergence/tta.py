@@ -414,9 +414,11 @@ def run_one(s, row: Row, lr: float, seed: int, evals: int, keep: Optional[list] 
 
 # --- the campaign ------------------------------------------------------------------------------------
 
-def r1_setting(task, slowdown: float = SLOWDOWN, nm: Optional[int] = None, trials: int = 3):
-    """R1's setting: the model profiled on the emulated testbed, its memory scaled (see the module
-    docstring), the plan made on it. Returns (setting, memory scale, bytes one device needs)."""
+def r1_setting(task, slowdown: float = SLOWDOWN, nm: Optional[int] = None, trials: int = 3,
+               profile_file: Optional[Path] = None):
+    """R1's setting: the model profiled on the emulated testbed (or its profile loaded from ``profile_file``
+    when that exists), its memory scaled (see the module docstring), the plan made on it. Returns (setting,
+    memory scale, bytes one device needs)."""
     import vclock
     from cluster_setup import make_plan, profile_device_model
     from task import MinibatchStream, build_layers, corpus, loss_fn, validation_set
@@ -426,7 +428,8 @@ def r1_setting(task, slowdown: float = SLOWDOWN, nm: Optional[int] = None, trial
     provisional, _ = testbed_emulated(1.0)
     dm, prof, _ = profile_device_model(build_layers(task, 0), x0, lambda out: loss_fn(out, y0),
                                        f"bytegpt{task.blocks}x{task.width}", optimizer_factor=2.0,
-                                       trials=trials, slowdown=slowdown, cluster=provisional)
+                                       trials=trials, slowdown=slowdown, cluster=provisional,
+                                       profile_file=profile_file)
     need = model_bytes(prof, task.minibatch)
     spec, scale = testbed_emulated(need)
     cluster = load_cluster(spec)
@@ -583,6 +586,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                     "regime, or r1=N,r2=M (default r1=100,r2=1000; --quick: r1=40,r2=60)")
     ap.add_argument("--profile-trials", type=int, default=3,
                     help="profile the model this many times, each layer's fastest kept (--quick: 1)")
+    ap.add_argument("--profile-dir", type=Path,
+                    help="keep each regime's host profile here (r1-profile.json, r2-profile.json): a file already "
+                         "there is used instead of profiling, so that runs made at different times share one "
+                         "device model and their rows compare")
     ap.add_argument("--lrs", default="3e-4,1e-3,3e-3")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--hetpipe", default="mean:0,mean:4",
@@ -611,6 +618,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def profile_file(args, regime: str) -> Optional[Path]:
+    """Where ``--profile-dir`` keeps ``regime``'s profile (None without it)."""
+    if args.profile_dir is None:
+        return None
+    args.profile_dir.mkdir(parents=True, exist_ok=True)
+    return args.profile_dir / f"{regime}-profile.json"
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -631,7 +646,7 @@ def main(argv=None) -> int:
     for name in args.regimes.split(","):
         if name == "r1":
             task = TaskSpec(width=32, blocks=7) if args.quick else R1_TASK
-            s, scale, need = r1_setting(task, trials=args.profile_trials)
+            s, scale, need = r1_setting(task, trials=args.profile_trials, profile_file=profile_file(args, name))
             verdict = memory_verdicts(s.cluster, need)
             mem = "; ".join(f"{t} {cap / 2**20:.1f} MiB {'holds' if ok else 'CANNOT hold'}"
                             for t, (_, cap, ok) in verdict.items())
@@ -643,7 +658,8 @@ def main(argv=None) -> int:
             systems = R1_SYSTEMS
         elif name == "r2":
             work = Path(tempfile.mkdtemp(prefix="hetpipe-tta-"))
-            s = vclock.setting("small" if args.quick else args.r2_task, args.profile_trials, SLOWDOWN, work=work)
+            s = vclock.setting("small" if args.quick else args.r2_task, args.profile_trials, SLOWDOWN, work=work,
+                               profile_file=profile_file(args, name))
             task = s.task
             need = model_bytes(s.prof, task.minibatch)
             mem = "; ".join(f"{t} {cap / 2**20:.1f} MiB {'holds' if ok else 'CANNOT hold'}"

@@ -233,14 +233,15 @@ def staleness_table(simulated: RunRecord, measured: RunRecord) -> str:
 
 
 def setting(task: str = "small", profile_trials: int = 1, slowdown: float = 1.5, nm: Optional[int] = None,
-            policy: str = "auto", work: Optional[Path] = None) -> Setting:
-    """The benchmark's setting (``run.prepare``: the model profiled on this host, the plan made on it)."""
+            policy: str = "auto", work: Optional[Path] = None, profile_file: Optional[Path] = None) -> Setting:
+    """The benchmark's setting (``run.prepare``: the model profiled on this host, or its profile loaded from
+    ``profile_file`` when that exists, see ``cluster_setup.profile_device_model``; the plan made on it)."""
     import tempfile
 
     from run import prepare
     from task import corpus
 
-    args = argparse.Namespace(task=task, profile_trials=profile_trials, slowdown=slowdown)
+    args = argparse.Namespace(task=task, profile_trials=profile_trials, slowdown=slowdown, profile_file=profile_file)
     work = Path(work or tempfile.mkdtemp(prefix="hetpipe-vclock-"))
     work.mkdir(parents=True, exist_ok=True)
     spec, _, val, dm, plan, _, prof, cluster = prepare(args, work, nm, policy)

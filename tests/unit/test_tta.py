@@ -187,3 +187,39 @@ def test_a_row_planned_for_time_to_accuracy_runs_the_planners_plan():
     result = tta.run_one(s, row, 1e-2, 0, evals=1)
     per_wave = sum(vw.nm or small.nm for vw in small.virtual_workers) * s.task.minibatch
     assert result["points"][-1][1] == 2 * per_wave          # 2 waves of the row's plan, not the regime's
+
+
+def test_a_saved_profile_gives_the_same_device_model_without_profiling_again(tmp_path, monkeypatch):
+    """``--profile-dir``'s mechanism (``cluster_setup.profile_device_model(profile_file=)``): the first run
+    measures and saves the profile before its slowdown; a later run loads it, profiles nothing, and gets the
+    same device model and profile times (the slowdown applied once, not twice); a profile of another model
+    or minibatch is refused, naming the file and what differs."""
+    import cluster_setup
+    from torch import nn
+
+    layers = [nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 3)]
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    loss = lambda out: nn.functional.cross_entropy(out, y)  # noqa: E731
+    path = tmp_path / "r2-profile.json"
+    dm1, prof1, _ = cluster_setup.profile_device_model(layers, x, loss, "mlp2x8", trials=2, slowdown=1.5,
+                                                       profile_file=path)
+    assert path.exists()
+    saved = ModelProfile.load(path)
+    assert all(math.isclose(1.5 * s.fwd_time[t], p.fwd_time[t], rel_tol=1e-12)
+               for s, p in zip(saved.layers, prof1.layers) for t in p.fwd_time)
+
+    def no_profiling(*a, **k):
+        raise AssertionError("profiled although a saved profile was given")
+
+    monkeypatch.setattr(cluster_setup, "profile_model", no_profiling)
+    dm2, prof2, _ = cluster_setup.profile_device_model(layers, x, loss, "mlp2x8", trials=2, slowdown=1.5,
+                                                       profile_file=path)
+    assert (dm2.fwd, dm2.bwd, dm2.host_fwd, dm2.host_bwd) == (dm1.fwd, dm1.bwd, dm1.host_fwd, dm1.host_bwd)
+    assert [(l.fwd_time, l.bwd_time) for l in prof2.layers] == [(l.fwd_time, l.bwd_time) for l in prof1.layers]
+    assert "loaded from r2-profile.json" in dm2.source
+    with pytest.raises(ValueError, match=r"r2-profile\.json.*model is 'mlp2x8', this run's is 'other'"):
+        cluster_setup.profile_device_model(layers, x, loss, "other", profile_file=path)
+    with pytest.raises(ValueError, match=r"r2-profile\.json.*minibatch size is 4, this run's is 2"):
+        cluster_setup.profile_device_model(layers, x[:2], loss, "mlp2x8", profile_file=path)
+    assert tta.profile_file(tta.parse_args(["--profile-dir", str(tmp_path / "p")]), "r1") == tmp_path / "p" / "r1-profile.json"
+    assert tta.profile_file(tta.parse_args([]), "r1") is None
