@@ -13,7 +13,7 @@ from hetpipe.plan import Plan, form_virtual_workers, make_plan
 from hetpipe.plan.cluster import load_cluster
 from hetpipe.plan.efficiency import efficiency
 from hetpipe.plan.profile import load_profile
-from hetpipe.plan.time_to_accuracy import batch_per_update, slowest_first
+from hetpipe.plan.time_to_accuracy import batch_per_update, noise_schedule, slowest_first
 from hetpipe.plan.waves import with_waves
 from hetpipe.run.pilot import measure_noise_scale, pilot_noise_scale
 
@@ -112,6 +112,41 @@ def test_the_choice_is_the_argmax_of_a_brute_force_over_the_candidates(model, no
     assert max(figures.values()) == pytest.approx(g, rel=1e-12)
     assert all(c["relative_time"] >= 1.0 for c in tta["candidates"] if "goodput" in c)
     assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_the_noise_schedule_is_the_argmax_of_a_brute_force_over_a_grid_of_noise_scales():
+    """A plan's schedule (which candidate wins as the noise scale grows) against planning anew at 400
+    noise scales from the measured one to 1e7 samples, and against a brute force over the candidates'
+    goodput T (B + M0) / (B + M) at each: the interval holding each scale names the argmax (scales within
+    1e-6 of a switch point skipped), the intervals tile [measured, inf), and the last is the fastest
+    candidate's. Where the scale passes a switch point the planner's own choice changes to the schedule's."""
+    measured = 2.0
+    plan = make_plan(cluster(), "resnet152", objective=TTA, noise_scale=measured)
+    tta = plan.meta["time_to_accuracy"]
+    schedule = tta["schedule"]
+    assert schedule[0]["candidate"] == tta["chosen"] and schedule[0]["from"] == measured
+    assert schedule[-1]["candidate"] == tta["fastest"] and schedule[-1]["to"] == math.inf
+    assert all(a["to"] == b["from"] and a["from"] < a["to"] for a, b in zip(schedule, schedule[1:]))
+    assert len(schedule) >= 2
+    rows = [c for c in tta["candidates"] if "goodput" in c]
+    m0 = tta["base_batch"]
+    switches = [seg["to"] for seg in schedule[:-1]]
+    checked = 0
+    for i in range(400):
+        b = measured * (1e7 / measured) ** (i / 399)
+        if any(abs(b - x) <= 1e-6 * x for x in switches):
+            continue
+        seg = next(seg for seg in schedule if seg["from"] <= b < seg["to"])
+        brute = max(rows, key=lambda r: r["samples_per_s"] * (b + m0) / (b + r["batch_per_update"]))
+        assert seg["candidate"] == brute["index"], b
+        checked += 1
+    assert checked > 390
+    for seg in schedule:                # planning anew inside each interval chooses its candidate
+        b = seg["from"] * 1.01 if seg["to"] == math.inf else math.sqrt(seg["from"] * seg["to"])
+        again = make_plan(cluster(), "resnet152", objective=TTA, noise_scale=b).meta["time_to_accuracy"]
+        assert again["candidates"][again["chosen"]]["devices"] == tta["candidates"][seg["candidate"]]["devices"]
+        assert again["candidates"][again["chosen"]]["vws"] == tta["candidates"][seg["candidate"]]["vws"]
+    assert noise_schedule(rows, 1e9, tta["fastest"]) == [{"candidate": tta["fastest"], "from": 1e9, "to": math.inf}]
 
 
 def test_a_small_noise_scale_makes_a_wide_data_parallel_plan_lose_to_a_narrow_one():

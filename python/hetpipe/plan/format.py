@@ -110,6 +110,12 @@ def format_candidates(plan: Plan) -> str:
     if fastest["index"] != chosen["index"]:
         lines.append(f"  the fastest, #{fastest['index']} ({fastest['layout']}, {fastest['samples_per_s']:.1f} "
                      f"samples/s), is predicted to take {fastest['relative_time']:.2f}x as long")
+    schedule = tta.get("schedule", [])
+    if len(schedule) > 1:
+        steps = [f"#{seg['candidate']} up to {seg['to']:.3g}" for seg in schedule[:-1]]
+        lines.append(f"  as the noise scale grows from {schedule[0]['from']:g} samples (it does along training): "
+                     f"{', '.join(steps)}, #{schedule[-1]['candidate']} beyond; a run switches by resuming its "
+                     f"checkpoint into the next plan")
     lines += skipped
     return "\n".join(lines)
 

@@ -133,6 +133,39 @@ def _shape(sizes: Sequence[int]) -> str:
     return "+".join(f"{n}x{s}" for s, n in sorted(counts.items(), reverse=True))
 
 
+def noise_schedule(rows: Sequence[Dict[str, Any]], noise_scale: float, chosen: int) -> List[Dict[str, Any]]:
+    """Which candidate has the largest goodput as the noise scale grows from ``noise_scale`` (it grows
+    along training, and a plan is made for one value): ``[{"candidate", "from", "to"}, ...]``, the
+    noise-scale intervals (samples) in order, the first the ``chosen`` candidate's (unless another ties
+    it there), the last ending at
+    ``math.inf`` with the candidate of the largest throughput (where every batch is as efficient).
+
+    Exact, not sampled: with throughput ``T`` (samples/s) and batch per update ``M``, a candidate's goodput
+    is ``T (B + M0) / (B + M)``, so candidate ``j`` overtakes the current one ``c`` at the one noise scale
+    where ``T_j (B + M_c) = T_c (B + M_j)``: ``B* = (T_c M_j - T_j M_c) / (T_j - T_c)``, for a ``j`` of larger
+    throughput (one of larger throughput and no larger batch would already have the larger goodput).
+    The next interval's candidate is the first to overtake; among those overtaking at the same ``B*``, the
+    one of the largest throughput (it stays ahead beyond)."""
+    feasible = {r["index"]: r for r in rows if "goodput" in r}
+    out: List[Dict[str, Any]] = []
+    current, at = chosen, noise_scale
+    while True:
+        c = feasible[current]
+        crossings = []
+        for j, r in feasible.items():
+            if r["samples_per_s"] > c["samples_per_s"] * (1 + 1e-12):
+                b = ((c["samples_per_s"] * r["batch_per_update"] - r["samples_per_s"] * c["batch_per_update"])
+                     / (r["samples_per_s"] - c["samples_per_s"]))
+                crossings.append((max(b, at), -r["samples_per_s"], j))
+        if not crossings:
+            out.append({"candidate": current, "from": at, "to": math.inf})
+            return out
+        b, _, nxt = min(crossings)
+        if b > at:                  # (a candidate tying the current one at ``at`` leaves no interval)
+            out.append({"candidate": current, "from": at, "to": b})
+        current, at = nxt, b
+
+
 def plan_for_time_to_accuracy(cluster: ClusterSpec, table: LayerTable, profile: ModelProfile, policies: Sequence[str],
                               vw_size: Optional[int], noise_scale: float, base_batch: Optional[float],
                               minibatch_size: int, search_args: Dict[str, Any],
@@ -217,7 +250,8 @@ def plan_for_time_to_accuracy(cluster: ClusterSpec, table: LayerTable, profile: 
     extra = {"time_to_accuracy": {
         "noise_scale": float(noise_scale), "base_batch": base, "minibatch_size": minibatch_size,
         "batch_model": "N x minibatch (the VWs' gradients of a wave share the global weights)",
-        "chosen": best_row["index"], "fastest": fastest["index"], "candidates": rows}}
+        "chosen": best_row["index"], "fastest": fastest["index"], "candidates": rows,
+        "schedule": noise_schedule(rows, float(noise_scale), best_row["index"])}}
     if best_row["without"]:
         extra["not_used"] = {"devices": list(best_row["without"]), "text": best_row["without_text"]}
     return to_plan(best, sub, outcomes, extra)
