@@ -620,10 +620,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def profile_file(args, regime: str) -> Optional[Path]:
     """Where ``--profile-dir`` keeps ``regime``'s profile (None without it)."""
-    if args.profile_dir is None:
-        return None
-    args.profile_dir.mkdir(parents=True, exist_ok=True)
-    return args.profile_dir / f"{regime}-profile.json"
+    return None if args.profile_dir is None else args.profile_dir / f"{regime}-profile.json"
 
 
 def main(argv=None) -> int:

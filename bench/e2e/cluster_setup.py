@@ -57,6 +57,7 @@ def profile_device_model(layers: Sequence[Any], x: Any, loss: Callable[[Any], An
     else:
         measured = measure_profile(layers, x, loss, name, optimizer_factor, trials, cluster)
         if profile_file is not None:
+            Path(profile_file).parent.mkdir(parents=True, exist_ok=True)
             measured.save(profile_file)
         how = f"fastest of {trials} profiles per layer, " if trials > 1 else ""
     prof = dataclasses.replace(measured, layers=tuple(

@@ -115,11 +115,11 @@ def test_the_choice_is_the_argmax_of_a_brute_force_over_the_candidates(model, no
 
 
 def test_the_noise_schedule_is_the_argmax_of_a_brute_force_over_a_grid_of_noise_scales():
-    """A plan's schedule (which candidate wins as the noise scale grows) against planning anew at 400
-    noise scales from the measured one to 1e7 samples, and against a brute force over the candidates'
-    goodput T (B + M0) / (B + M) at each: the interval holding each scale names the argmax (scales within
-    1e-6 of a switch point skipped), the intervals tile [measured, inf), and the last is the fastest
-    candidate's. Where the scale passes a switch point the planner's own choice changes to the schedule's."""
+    """A plan's schedule (which candidate wins as the noise scale grows) against a brute force over the
+    candidates' goodput T (B + M0) / (B + M) at 400 noise scales from the measured one to 1e7 samples: the
+    interval holding each scale names the argmax (scales within 1e-6 of a switch point skipped), the
+    intervals tile [measured, inf), and the last is the fastest candidate's. Planning anew inside each
+    interval chooses that interval's candidate."""
     measured = 2.0
     plan = make_plan(cluster(), "resnet152", objective=TTA, noise_scale=measured)
     tta = plan.meta["time_to_accuracy"]
