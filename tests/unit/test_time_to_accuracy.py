@@ -56,7 +56,7 @@ def test_the_batch_per_update_is_the_vws_times_the_minibatch():
                                                ("resnet152", 1e6, "speed")])
 def test_the_choice_is_the_argmax_of_a_brute_force_over_the_candidates(model, noise, waves):
     """Every candidate planned alone at every Nm (make_plan with the throughput objective on the cluster
-    without the k slowest devices, each policy and one-device VWs), scored by samples/s x Pollux's
+    without the k slowest devices, each policy, one-device VWs and one VW of every device), scored by samples/s x Pollux's
     efficiency of VWs x minibatch samples: the planner's choice and figures are the argmax's. With
     ``waves="speed"`` each candidate's Nm is its best for equal waves and its samples/s that of the
     same plan with waves by speed (hetpipe.plan.waves.with_waves)."""
@@ -73,14 +73,18 @@ def test_the_choice_is_the_argmax_of_a_brute_force_over_the_candidates(model, no
     best, seen, want = None, {}, {}
     for k in range(len(order)):
         sub = cluster(order[:k])
-        for layout, policy, size in (("NP", "NP", None), ("ED", "ED", None), ("HD", "HD", None), ("DP", "NP", 1)):
+        everything = len(load_cluster(sub).devices)            # one VW over every device: a single pipeline
+        for layout, policy, size in (("NP", "NP", None), ("ED", "ED", None), ("HD", "HD", None), ("DP", "NP", 1),
+                                     ("PP", "ED", everything)):
             vws = form_virtual_workers(load_cluster(sub), policy, size)
             key = tuple(sorted(tuple(v) for v in vws))
             if key in seen:
                 continue                        # the same VWs as an earlier layout: one candidate
             seen[key] = layout
             top = None
-            for nm in range(1, 2 * max(len(v) for v in vws) + 1):
+            # Nm up to twice the VW's devices; a single pipeline's up to twice a node's (a policy VW's most)
+            most = max(n["count"] for n in sub["nodes"]) if layout == "PP" else max(len(v) for v in vws)
+            for nm in range(1, 2 * most + 1):
                 try:
                     p = make_plan(sub, prof, policy=policy, vw_size=size, nm=nm)
                 except ValueError:
@@ -151,27 +155,32 @@ def test_the_noise_schedule_is_the_argmax_of_a_brute_force_over_a_grid_of_noise_
 
 def test_a_small_noise_scale_makes_a_wide_data_parallel_plan_lose_to_a_narrow_one():
     """ResNet-152: with a huge noise scale (every batch as efficient) the fastest candidate wins, four
-    one-device VWs; with B_noise = 30 two VWs of two stages win (batch 64 against 128), and the
-    throughput objective's plan (three VWs) is another again."""
+    one-device VWs; with B_noise = 30 one pipeline over the four faster devices wins (batch 32 against 128);
+    without that layout (one policy asked for) two VWs of two stages win (batch 64), and the throughput
+    objective's plan (three VWs) is another again."""
     wide = make_plan(cluster(), "resnet152", objective=TTA, noise_scale=1e9)
     tta = wide.meta["time_to_accuracy"]
     assert tta["chosen"] == tta["fastest"]
     assert wide.policy == "DP" and [len(vw.stages) for vw in wide.virtual_workers] == [1, 1, 1, 1]
     narrow = make_plan(cluster(), "resnet152", objective=TTA, noise_scale=30.0)
-    assert [len(vw.stages) for vw in narrow.virtual_workers] == [2, 2]
+    assert narrow.policy == "PP" and [len(vw.stages) for vw in narrow.virtual_workers] == [4]
+    assert devices_of(narrow) == ["n0.g0", "n0.g1", "n1.g0", "n1.g1"] and narrow.nm == 4
     tta = narrow.meta["time_to_accuracy"]
     fastest = tta["candidates"][tta["fastest"]]
     assert fastest["layout"] == "DP" and fastest["samples_per_s"] > narrow.throughput * narrow.minibatch_size
-    assert fastest["relative_time"] > 1.3         # the wide plan is predicted to take 45% longer
+    assert fastest["relative_time"] > 1.4           # the wide plan is predicted to take 51% longer
+    two = make_plan(cluster(), "resnet152", policy="ED", objective=TTA, noise_scale=30.0)
+    assert [len(vw.stages) for vw in two.virtual_workers] == [2, 2]
+    assert not any(c["layout"] in ("DP", "PP") for c in two.meta["time_to_accuracy"]["candidates"])
     fast = make_plan(cluster(), "resnet152")
-    assert len(fast.virtual_workers) == 3 and fast.throughput > narrow.throughput
+    assert len(fast.virtual_workers) == 3 and fast.throughput > two.throughput > narrow.throughput
     assert "time_to_accuracy" not in fast.meta and fast.meta["objective"] == "throughput"
 
 
 def test_leaving_the_slowest_devices_out_wins():
-    """VGG-19 at B_noise = 200: without the slow node the two VWs' batch is 64, not 96, and the WSP
-    period no longer waits for the Quadros; the best plan of the whole cluster is predicted slower."""
-    plan = make_plan(cluster(), "vgg19", objective=TTA, noise_scale=200.0)
+    """VGG-19 at B_noise = 200, ED's VWs: without the slow node the two VWs' batch is 64, not 96, and the
+    WSP period no longer waits for the Quadros; the best plan of the whole cluster is predicted slower."""
+    plan = make_plan(cluster(), "vgg19", policy="ED", objective=TTA, noise_scale=200.0)
     assert devices_of(plan) == ["n0.g0", "n0.g1", "n1.g0", "n1.g1"]
     assert plan.meta["not_used"]["devices"] == ["n2.g1", "n2.g0"]
     assert {sh.node for sh in plan.ps_shards} <= {"n0", "n1"}

@@ -7,7 +7,8 @@ distinct VW is partitioned (VWs with the same device types on the same node patt
 solution), layers are placed on PS shards, and the cost model predicts the cluster's throughput.
 The best plan by ``objective`` wins: ``throughput`` (ties: smaller Nm, less staleness), Hippie's
 ``memory_efficiency`` (:mod:`hetpipe.plan.recompute`), or ``time-to-accuracy``: the largest goodput, also
-over one-device VWs and the cluster without its slowest devices (:mod:`hetpipe.plan.time_to_accuracy`).
+over one-device VWs, one VW over every device and the cluster without its slowest devices
+(:mod:`hetpipe.plan.time_to_accuracy`).
 """
 
 from __future__ import annotations
@@ -188,9 +189,9 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     "time-to-accuracy": the plan whose predicted time to a target accuracy is shortest, i.e. the largest
     *goodput* = predicted samples/s x the statistical efficiency of its batch per update
     (:mod:`hetpipe.plan.time_to_accuracy`). Its candidates are every ``policy`` (under auto: NP, ED, HD
-    and DP, one-device VWs over the devices that hold the whole model) on the whole cluster and on the
-    cluster without its slowest devices, one more left out at a time; a candidate that does not fit is
-    skipped with its reason. The batch per update of a plan of ``N`` VWs is ``N x minibatch_size``
+    and DP, one-device VWs over the devices that hold the whole model, and PP, one VW over every device)
+    on the whole cluster and on the cluster without its slowest devices, one more left out at a time; a
+    candidate that does not fit is skipped with its reason. The batch per update of a plan of ``N`` VWs is ``N x minibatch_size``
     samples, under either aggregate (the VWs' gradients of one wave are taken on the same global
     weights; the aggregate scales the step, not the noise). ``meta["time_to_accuracy"]`` lists every
     candidate with its devices, VWs, predicted throughput, batch per update, efficiency, goodput and time

@@ -38,7 +38,10 @@ of the last node first, so the devices kept keep their ids and every slower type
 one, which makes dropping whole types slowest first part of the sequence). On each, every policy
 (:mod:`hetpipe.plan.formation`) and, when all are asked for, ``DP``: one-device VWs, pure data
 parallelism over the devices that hold the whole model (the others left out as any VW that fits
-nowhere). Policies that form the same VWs are one candidate. Each is searched over Nm (and the
+nowhere), and ``PP``: one VW over every device, pure pipelining (a batch per update of one minibatch),
+searched over Nm only up to twice a node's devices, the most a policy's VW may take, since a pipeline's
+own staleness (up to ``Nm - 1`` of its updates) is not in the model. Policies that form the same VWs are
+one candidate. Each is searched over Nm (and the
 recomputation modes asked for) for its best goodput. A device set whose memory cannot hold the model is
 skipped with the reason, and so are the smaller ones after it.
 """
@@ -58,6 +61,8 @@ from hetpipe.plan.types import Plan
 from hetpipe.plan.waves import speed_lengths, speed_throughput
 
 DP = "DP"       # the layout of one-device VWs (pure data parallelism)
+PP = "PP"       # the layout of one VW over every device of the set (pure pipelining)
+FORMATION = {DP: "NP", PP: "ED"}  # the policy forming each layout's VWs (ED: one VW when its size is the set's)
 NEEDS_NOISE_SCALE = ("measure the gradient noise scale (samples) with a short pilot on the model and its data: "
                      "hetpipe.run.pilot.measure_noise_scale(model, loss_fn, data)")
 
@@ -183,9 +188,9 @@ def plan_for_time_to_accuracy(cluster: ClusterSpec, table: LayerTable, profile: 
     def score(thr: float, mem: int, num_vws: int) -> float:
         return thr * minibatch_size * efficiency(batch_per_update(num_vws, minibatch_size), noise_scale, base)
 
-    layouts = [(p, vw_size) for p in policies]
+    layouts: List[Any] = [(p, vw_size) for p in policies]
     if set(policies) == set(POLICIES):
-        layouts.append((DP, 1))
+        layouts += [(DP, 1), (PP, None)]
     order = slowest_first(cluster, profile)
     rows: List[Dict[str, Any]] = []
     chosen = None                   # (candidate, row, device set, the device set's outcomes)
@@ -199,19 +204,28 @@ def plan_for_time_to_accuracy(cluster: ClusterSpec, table: LayerTable, profile: 
         except ValueError as e:
             rows.append({**head, "layout": "any", "skipped": str(e)})
             break                   # the smaller device sets after it hold less
-        size = vw_size
-        if size is None and default_vw_size(sub) > profile.num_layers:
-            size = profile.num_layers
         formed: Dict[Any, Dict[str, Any]] = {}
         outcomes: Dict[str, Any] = {}
         for label, lsize in layouts:
-            vws = form_virtual_workers(sub, "NP" if label == DP else label, lsize)
+            if label == PP:
+                lsize = len(sub.devices)
+                if lsize > profile.num_layers:
+                    rows.append({**head, "layout": label, "skipped": f"one VW over {lsize} devices needs a "
+                                 f"layer per stage and the model has {profile.num_layers}"})
+                    outcomes[label] = "infeasible"
+                    continue
+            vws = form_virtual_workers(sub, FORMATION.get(label, label), lsize)
             key = tuple(sorted(tuple(v) for v in vws))
             if key in formed:
                 formed[key]["layout"] += f"/{label}"
                 outcomes[label] = outcomes[formed[key]["layout"].split("/")[0]]
                 continue
-            found = search(sub, table, ["NP" if label == DP else label], lsize, score, **search_args)
+            args = search_args
+            if label == PP and args.get("max_nm") is None:
+                # Nm no larger than a policy's VW may take: a pipeline's own staleness (up to Nm - 1 of its
+                # updates) is not in the model, so this layout adds none the others do not have
+                args = {**args, "max_nm": 2 * default_vw_size(sub)}
+            found = search(sub, table, [FORMATION.get(label, label)], lsize, score, **args)
             cand = next(iter(found.values()))
             row = {**head, "layout": label}
             formed[key] = row
