@@ -353,7 +353,7 @@ def make_rows(s, systems: Sequence[str], variants: Sequence[Tuple[str, int, Dict
     mb = s.task.minibatch
     for agg, d, outer in variants:
         rule = str(outer.get("waves", "equal"))
-        own = tta_plan(s, rule, outer.get("noise"), outer.get("nm")) if outer.get("plan") == "tta" else None
+        own = tta_plan(s, rule, outer.get("noise"), outer.get("nm"), d) if outer.get("plan") == "tta" else None
         row_s = dataclasses.replace(s, plan=own) if own is not None else s
         nvw = len(row_s.plan.virtual_workers)
         n, wave = hetpipe_steps(row_s, d, budget, waves_rule=rule)
@@ -375,9 +375,11 @@ def make_rows(s, systems: Sequence[str], variants: Sequence[Tuple[str, int, Dict
     return rows, budget
 
 
-def tta_plan(s, rule: str, noise: Optional[float], nm: Optional[int] = None):
+def tta_plan(s, rule: str, noise: Optional[float], nm: Optional[int] = None, d: int = 0):
     """The plan ``make_plan(objective="time-to-accuracy")`` makes on the regime's cluster and profile, at
-    ``nm`` (default: the regime plan's Nm) and with the row's wave rule, for a noise scale of ``noise`` windows; None: measured
+    ``nm`` (default: the regime plan's Nm), at the row's staleness bound ``d`` (a pipeline runs straight
+    across waves at D >= 1 and fills and drains every wave at D = 0, so D sets the throughput it predicts)
+    and with the row's wave rule, for a noise scale of ``noise`` windows; None: measured
     as a job measures it (``Planning(objective="time-to-accuracy")``), by a pilot on the initial model and
     the first 128 minibatches of a stream no run reads. ``meta["time_to_accuracy"]`` gains the noise scale
     and where it came from."""
@@ -390,7 +392,7 @@ def tta_plan(s, rule: str, noise: Optional[float], nm: Optional[int] = None):
         noise = measure_noise_scale(build_layers(s.task, 0), loss_fn,
                                     MinibatchStream(s.text, s.task, NOISE_SEED + 1, count=128))
         source = "pilot on the initial model, 16 x 8 minibatches"
-    plan = make_plan(s.cluster, s.prof, policy="auto", nm=nm or s.plan.nm, d=0, minibatch_size=s.task.minibatch,
+    plan = make_plan(s.cluster, s.prof, policy="auto", nm=nm or s.plan.nm, d=d, minibatch_size=s.task.minibatch,
                      objective="time-to-accuracy", noise_scale=noise, waves=rule)
     plan.meta["time_to_accuracy"] = {**plan.meta["time_to_accuracy"], "noise_scale": float(noise),
                                      "noise_source": source}
