@@ -160,9 +160,9 @@ def test_hetpipe_rows_name_their_outer_optimizer_and_refuse_bad_fields():
 
 
 def test_a_row_planned_for_time_to_accuracy_runs_the_planners_plan():
-    """``plan=tta`` rows: the planner's time-to-accuracy plan at the given noise scale, at the regime's Nm, is
-    the row's (its VWs set the batch per update and the wave time), and the run follows it, not the regime's
-    one-device plan. A tiny noise scale prices every extra VW's samples (fewer VWs), a huge one only
+    """``plan=tta`` rows: the planner's time-to-accuracy plan at the given noise scale, at the regime's Nm and
+    the row's D, is the row's (its VWs set the batch per update and the wave time), and the run follows it,
+    not the regime's one-device plan. A tiny noise scale prices every extra VW's samples (fewer VWs), a huge one only
     throughput (more VWs)."""
     agg, d, outer = tta.parse_variant("mean:1:plan=tta+noise=1")
     assert outer == {"plan": "tta", "noise": 1.0}
@@ -185,7 +185,7 @@ def test_a_row_planned_for_time_to_accuracy_runs_the_planners_plan():
     assert rows[3].plan.nm == 1 and "Nm 1," in rows[3].note
     for row, plan, noise in ((rows[1], small, 1.0), (rows[2], large, 1e6)):
         meta = plan.meta["time_to_accuracy"]
-        assert plan.nm == 2 and meta["noise_scale"] == noise and meta["noise_source"] == "given"
+        assert plan.nm == 2 and plan.d == 1 and meta["noise_scale"] == noise and meta["noise_source"] == "given"
         assert row.batch == len(plan.virtual_workers) * s.task.minibatch
         assert f"policy {plan.policy}" in row.note and row.steps % plan.nm == 0
     assert len(small.virtual_workers) < len(large.virtual_workers)
