@@ -79,8 +79,7 @@ def _add_plan_command(sub) -> None:
                    help="what the plan maximises: predicted samples/s (default), Hippie's memory efficiency, or "
                         "time-to-accuracy: goodput (samples/s x statistical efficiency of the batch per update) "
                         "over every policy, one-device VWs, one VW of every device and the cluster without its "
-                        "slowest devices; prints "
-                        "the candidates (needs --noise-scale)")
+                        "slowest devices; prints the candidates (needs --noise-scale)")
     p.add_argument("--noise-scale", metavar="B", help="time-to-accuracy: the gradient noise scale in samples "
                                                        "(hetpipe.run.pilot.measure_noise_scale measures it)")
     p.add_argument("--base-batch", metavar="M0", help="time-to-accuracy: the batch whose per-sample progress is "
