@@ -192,10 +192,10 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     and DP, one-device VWs over the devices that hold the whole model, and PP, one VW over every device)
     on the whole cluster and on the cluster without its slowest devices, one more left out at a time; a
     candidate that does not fit is skipped with its reason. The batch per update of a plan of ``N`` VWs is
-    ``N x minibatch_size`` samples, under either aggregate (the VWs' gradients of one wave are taken on the same global
-    weights; the aggregate scales the step, not the noise). ``meta["time_to_accuracy"]`` lists every
-    candidate with its devices, VWs, predicted throughput, batch per update, efficiency, goodput and time
-    to target relative to the best. noise_scale: the gradient noise scale ``B_noise`` in samples
+    ``N x minibatch_size`` samples, under either aggregate (the VWs' gradients of one wave are taken on the
+    same global weights; the aggregate scales the step, not the noise). ``meta["time_to_accuracy"]`` lists
+    every candidate with its devices, VWs, predicted throughput, batch per update, efficiency, goodput and
+    time to target relative to the best. noise_scale: the gradient noise scale ``B_noise`` in samples
     (required; :func:`hetpipe.run.pilot.measure_noise_scale` measures it); base_batch: the batch whose
     per-sample progress is the unit (default ``minibatch_size``).
     waves: "equal" (HetPipe's: every VW trains Nm minibatches per wave) or "speed" (a VW's wave
