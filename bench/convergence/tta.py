@@ -244,7 +244,7 @@ OUTER_KEYS = {"outer": "outer", "lr": "outer_lr", "momentum": "outer_momentum", 
               "gain": "outer_gain", "delay": "outer_delay"}
 
 
-ROW_KEYS = ("waves", "plan", "noise", "nm")       # a row's keys that are not the PS's outer-optimizer fields
+ROW_KEYS = ("waves", "plan", "noise", "nm", "policy")     # a row's keys that are not the PS's outer-optimizer fields
 
 
 def parse_variant(text: str) -> Tuple[str, int, Dict[str, object]]:
@@ -255,8 +255,9 @@ def parse_variant(text: str) -> Tuple[str, int, Dict[str, object]]:
     ``make_plan(objective="time-to-accuracy")``'s on the regime's cluster and profile, at the regime's Nm)
     and ``noise`` (with ``plan=tta``: the noise scale in windows it plans with; without it, a pilot on the
     initial model measures one, as a job does), ``nm`` (with ``plan=tta``: the Nm it plans at instead of the
-    regime's). Returns (aggregate, D, PSRule fields, and ``waves`` when ``speed``, ``plan``, ``noise`` and
-    ``nm`` when given)."""
+    regime's) and ``policy`` (with ``plan=tta``: NP, ED or HD, the only layout it weighs, instead of every
+    policy, one-device VWs and one VW of every device). Returns (aggregate, D, PSRule fields, and ``waves``
+    when ``speed``, ``plan``, ``noise``, ``nm`` and ``policy`` when given)."""
     from hetpipe.plan.outer import OUTER_DEFAULTS, check_outer
 
     parts = text.split(":")
@@ -289,6 +290,11 @@ def parse_variant(text: str) -> Tuple[str, int, Dict[str, object]]:
                 raise SystemExit(f"tta: --hetpipe row {text!r}: nm must be an integer >= 1, got {value!r}")
             outer["nm"] = int(value)
             continue
+        if key == "policy":
+            if value.upper() not in ("NP", "ED", "HD"):
+                raise SystemExit(f"tta: --hetpipe row {text!r}: policy must be NP, ED or HD, got {value!r}")
+            outer["policy"] = value.upper()
+            continue
         if key not in OUTER_KEYS or not value:
             raise SystemExit(f"tta: --hetpipe row {text!r}: {item!r} is not KEY=VALUE with KEY in "
                              f"{sorted([*OUTER_KEYS, *ROW_KEYS])}")
@@ -298,7 +304,7 @@ def parse_variant(text: str) -> Tuple[str, int, Dict[str, object]]:
             outer[field_name] = kind(value)
         except ValueError:
             raise SystemExit(f"tta: --hetpipe row {text!r}: {key} must be a {kind.__name__}, got {value!r}") from None
-    for key in ("noise", "nm"):
+    for key in ("noise", "nm", "policy"):
         if key in outer and "plan" not in outer:
             raise SystemExit(f"tta: --hetpipe row {text!r}: {key} is what plan=tta plans with; add plan=tta")
     try:
@@ -322,6 +328,7 @@ def variant_name(agg: str, d: int, outer: Dict[str, object]) -> Tuple[str, str]:
     if outer.get("plan") == "tta":
         shape += "; plan for time to accuracy" + (f", noise {outer['noise']:g}" if "noise" in outer else "")
         shape += f", Nm {outer['nm']}" if "nm" in outer else ""
+        shape += f", {outer['policy']} only" if "policy" in outer else ""
     opts = outer_fields(outer)
     if not outer:
         return f"hetpipe-d{d}-{agg}", f"hetpipe D={d} ({agg})"
@@ -353,7 +360,8 @@ def make_rows(s, systems: Sequence[str], variants: Sequence[Tuple[str, int, Dict
     mb = s.task.minibatch
     for agg, d, outer in variants:
         rule = str(outer.get("waves", "equal"))
-        own = tta_plan(s, rule, outer.get("noise"), outer.get("nm"), d) if outer.get("plan") == "tta" else None
+        own = (tta_plan(s, rule, outer.get("noise"), outer.get("nm"), d, str(outer.get("policy", "auto")))
+               if outer.get("plan") == "tta" else None)
         row_s = dataclasses.replace(s, plan=own) if own is not None else s
         nvw = len(row_s.plan.virtual_workers)
         n, wave = hetpipe_steps(row_s, d, budget, waves_rule=rule)
@@ -375,11 +383,11 @@ def make_rows(s, systems: Sequence[str], variants: Sequence[Tuple[str, int, Dict
     return rows, budget
 
 
-def tta_plan(s, rule: str, noise: Optional[float], nm: Optional[int] = None, d: int = 0):
+def tta_plan(s, rule: str, noise: Optional[float], nm: Optional[int] = None, d: int = 0, policy: str = "auto"):
     """The plan ``make_plan(objective="time-to-accuracy")`` makes on the regime's cluster and profile, at
     ``nm`` (default: the regime plan's Nm), at the row's staleness bound ``d`` (a pipeline runs straight
-    across waves at D >= 1 and fills and drains every wave at D = 0, so D sets the throughput it predicts)
-    and with the row's wave rule, for a noise scale of ``noise`` windows; None: measured
+    across waves at D >= 1 and fills and drains every wave at D = 0, so D sets the throughput it predicts),
+    over ``policy``'s layouts and with the row's wave rule, for a noise scale of ``noise`` windows; None: measured
     as a job measures it (``Planning(objective="time-to-accuracy")``), by a pilot on the initial model and
     the first 128 minibatches of a stream no run reads. ``meta["time_to_accuracy"]`` gains the noise scale
     and where it came from."""
@@ -392,7 +400,7 @@ def tta_plan(s, rule: str, noise: Optional[float], nm: Optional[int] = None, d: 
         noise = measure_noise_scale(build_layers(s.task, 0), loss_fn,
                                     MinibatchStream(s.text, s.task, NOISE_SEED + 1, count=128))
         source = "pilot on the initial model, 16 x 8 minibatches"
-    plan = make_plan(s.cluster, s.prof, policy="auto", nm=nm or s.plan.nm, d=d, minibatch_size=s.task.minibatch,
+    plan = make_plan(s.cluster, s.prof, policy=policy, nm=nm or s.plan.nm, d=d, minibatch_size=s.task.minibatch,
                      objective="time-to-accuracy", noise_scale=noise, waves=rule)
     plan.meta["time_to_accuracy"] = {**plan.meta["time_to_accuracy"], "noise_scale": float(noise),
                                      "noise_source": source}
