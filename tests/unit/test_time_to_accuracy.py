@@ -56,8 +56,8 @@ def test_the_batch_per_update_is_the_vws_times_the_minibatch():
                                                ("resnet152", 1e6, "speed")])
 def test_the_choice_is_the_argmax_of_a_brute_force_over_the_candidates(model, noise, waves):
     """Every candidate planned alone at every Nm (make_plan with the throughput objective on the cluster
-    without the k slowest devices, each policy, one-device VWs and one VW of every device), scored by samples/s x Pollux's
-    efficiency of VWs x minibatch samples: the planner's choice and figures are the argmax's. With
+    without the k slowest devices, each policy, one-device VWs and one VW of every device), scored by
+    samples/s x Pollux's efficiency of VWs x minibatch samples: the planner's choice and figures are the argmax's. With
     ``waves="speed"`` each candidate's Nm is its best for equal waves and its samples/s that of the
     same plan with waves by speed (hetpipe.plan.waves.with_waves)."""
     prof = load_profile(model)

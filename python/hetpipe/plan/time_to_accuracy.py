@@ -41,8 +41,9 @@ parallelism over the devices that hold the whole model (the others left out as a
 nowhere), and ``PP``: one VW over every device, pure pipelining (a batch per update of one minibatch),
 searched over Nm only up to twice a node's devices, the most a policy's VW may take, since a pipeline's
 own staleness (up to ``Nm - 1`` of its updates) is not in the model. Policies that form the same VWs are
-one candidate. Each is searched over Nm (and the recomputation modes asked for) for its best goodput. A device set whose memory cannot hold the model is
-skipped with the reason, and so are the smaller ones after it.
+one candidate. Each is searched over Nm (and the recomputation modes asked for) for its best goodput. A
+device set whose memory cannot hold the model is skipped with the reason, and so are the smaller ones
+after it.
 """
 
 from __future__ import annotations
