@@ -385,12 +385,14 @@ def make_rows(s, systems: Sequence[str], variants: Sequence[Tuple[str, int, Dict
 
 def tta_plan(s, rule: str, noise: Optional[float], nm: Optional[int] = None, d: int = 0, policy: str = "auto"):
     """The plan ``make_plan(objective="time-to-accuracy")`` makes on the regime's cluster and profile, at
-    ``nm`` (default: the regime plan's Nm), at the row's staleness bound ``d`` (a pipeline runs straight
-    across waves at D >= 1 and fills and drains every wave at D = 0, so D sets the throughput it predicts),
-    over ``policy``'s layouts and with the row's wave rule, for a noise scale of ``noise`` windows; None: measured
-    as a job measures it (``Planning(objective="time-to-accuracy")``), by a pilot on the initial model and
-    the first 128 minibatches of a stream no run reads. ``meta["time_to_accuracy"]`` gains the noise scale
-    and where it came from."""
+    ``nm`` (default: the planner's own choice, as a job that sets no Nm gets it: the Nm of the largest goodput,
+    the smallest among equals, so that at D >= 1, where a full pipeline's throughput stops growing with Nm,
+    no more local staleness than the throughput needs), at the row's staleness bound ``d`` (a pipeline runs
+    straight across waves at D >= 1 and fills and drains every wave at D = 0, so D sets the throughput it
+    predicts), over ``policy``'s layouts and with the row's wave rule, for a noise scale of ``noise`` windows;
+    None: measured as a job measures it (``Planning(objective="time-to-accuracy")``), by a pilot on the
+    initial model and the first 128 minibatches of a stream no run reads. ``meta["time_to_accuracy"]`` gains
+    the noise scale and where it came from."""
     from hetpipe.plan.planner import make_plan
     from hetpipe.run.pilot import measure_noise_scale
     from task import MinibatchStream, build_layers, loss_fn
@@ -400,7 +402,7 @@ def tta_plan(s, rule: str, noise: Optional[float], nm: Optional[int] = None, d: 
         noise = measure_noise_scale(build_layers(s.task, 0), loss_fn,
                                     MinibatchStream(s.text, s.task, NOISE_SEED + 1, count=128))
         source = "pilot on the initial model, 16 x 8 minibatches"
-    plan = make_plan(s.cluster, s.prof, policy=policy, nm=nm or s.plan.nm, d=d, minibatch_size=s.task.minibatch,
+    plan = make_plan(s.cluster, s.prof, policy=policy, nm=nm, d=d, minibatch_size=s.task.minibatch,
                      objective="time-to-accuracy", noise_scale=noise, waves=rule)
     plan.meta["time_to_accuracy"] = {**plan.meta["time_to_accuracy"], "noise_scale": float(noise),
                                      "noise_source": source}
