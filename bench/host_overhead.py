@@ -348,6 +348,19 @@ def table(rows: List[Dict[str, object]]) -> str:
 CONFIGS = (("tiny", 1, 0), ("tiny", 4, 0), ("tiny", 4, 1), ("compute", 4, 0), ("compute", 4, 1))
 
 
+def parse_rows(text: str) -> List[Tuple[str, int, int]]:
+    """``--rows``: ``MODEL:NM:D`` comma-separated (``tiny:1:0,compute:4:1``); SystemExit naming the item."""
+    out = []
+    for item in text.split(","):
+        parts = item.split(":")
+        if len(parts) != 3 or parts[0] not in MODELS or not parts[1].isdigit() or not parts[2].isdigit() \
+                or int(parts[1]) < 1:
+            raise SystemExit(f"host_overhead: --rows item {item!r} is not MODEL:NM:D (MODEL one of "
+                             f"{', '.join(sorted(MODELS))}, NM >= 1, D >= 0)")
+        out.append((parts[0], int(parts[1]), int(parts[2])))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -359,6 +372,8 @@ def main() -> None:
     ap.add_argument("--pipelining", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="short runs, one repetition (a smoke test)")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--rows", default=",".join(f"{m}:{nm}:{d}" for m, nm, d in CONFIGS),
+                    help="the rows to measure, MODEL:NM:D comma-separated (default: all five)")
     args = ap.parse_args()
     if args.worker:
         pipelining(args) if args.pipelining else worker(args)
@@ -366,7 +381,7 @@ def main() -> None:
     reps = 1 if args.quick else 3
     # Even the quick run's difference of lengths must outweigh the noise of a run's start-up (tens of ms here).
     lengths = {"tiny": (20, 140) if args.quick else (100, 500), "compute": (8, 32) if args.quick else (40, 200)}
-    rows = [measure(model, nm, d, *lengths[model], reps) for model, nm, d in CONFIGS]
+    rows = [measure(model, nm, d, *lengths[model], reps) for model, nm, d in parse_rows(args.rows)]
     print(table(rows), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
