@@ -618,6 +618,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(waves=speed: each VW's wave proportional to its speed) or its plan (plan=tta: "
                          "make_plan(objective='time-to-accuracy')'s, at the noise scale a pilot measures or at "
                          "noise=B windows)")
+    ap.add_argument("--baselines", help="the baselines to run, comma-separated, in every regime that has them "
+                                        f"(default: all; {REFERENCE}, the noise scale's reference, is required): "
+                                        + ", ".join(LABELS))
     ap.add_argument("--r2-task", default="small", help="R2's task (run.py's --task)")
     ap.add_argument("--evals", type=int, default=16, help="validation points per run")
     ap.add_argument("--noise-groups", type=int, default=8, help="noise-scale measurements (8 gradients each)")
@@ -635,7 +638,30 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.steps_of.update({k: int(v) for k, v in (x.split("=") for x in args.steps.split(","))})
         else:
             args.steps_of = {k: int(args.steps) for k in args.steps_of}
+    args.baselines = parse_baselines(args.baselines)
     return args
+
+
+def parse_baselines(text: Optional[str]) -> Optional[Tuple[str, ...]]:
+    """``--baselines``: None (every baseline of each regime), else the named ones, refused in one line when a
+    name is unknown or the reference run (the noise scale is measured along it) is left out."""
+    if text is None:
+        return None
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [n for n in names if n not in LABELS]
+    if unknown:
+        raise SystemExit(f"tta: --baselines: unknown baseline(s) {', '.join(unknown)} (known: {', '.join(LABELS)})")
+    if REFERENCE not in names:
+        raise SystemExit(f"tta: --baselines {text}: {REFERENCE} is required (the gradient noise scale at each "
+                         f"target is measured along its run)")
+    return names
+
+
+def regime_systems(all_systems: Sequence[str], chosen: Optional[Sequence[str]]) -> Tuple[Tuple[str, ...], List[str]]:
+    """The regime's baselines to run (its own order) and those ``--baselines`` leaves out."""
+    if chosen is None:
+        return tuple(all_systems), []
+    return tuple(x for x in all_systems if x in chosen), [x for x in all_systems if x not in chosen]
 
 
 def profile_file(args, regime: str) -> Optional[Path]:
@@ -686,6 +712,7 @@ def main(argv=None) -> int:
             systems = R2_SYSTEMS
         else:
             raise SystemExit(f"tta: unknown regime {name!r} (r1, r2)")
+        systems, left_out = regime_systems(systems, args.baselines)
         rows, budget = make_rows(s, systems, variants, args.steps_of[name])
         from hetpipe.plan.format import format_candidates, format_plan
 
@@ -708,6 +735,8 @@ def main(argv=None) -> int:
             f"{s.plan.nm}, {len(s.plan.ps_shards)} PS shards",
             f"[{name.upper()}] budget {budget:.1f} virtual s = {steps} steps of the fastest baseline (scale "
             f"{steps / 2000:.3g} of the specified 2,000)",
+            *([f"[{name.upper()}] baselines left out (--baselines): "
+               + ", ".join(LABELS[x] for x in left_out)] if left_out else []),
             f"[{name.upper()}] host: {1e3 * host['step_1']:.1f} ms per one-minibatch step (forward, backward, Adam), "
             f"{1e3 * host['per_minibatch']:.1f} ms per minibatch in an 8-minibatch step, {eval_s:.2f} s per "
             f"validation; estimated host time of this regime {est / 60:.0f} min",

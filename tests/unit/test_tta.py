@@ -240,3 +240,16 @@ def test_a_saved_profile_gives_the_same_device_model_without_profiling_again(tmp
         cluster_setup.profile_device_model(layers, x[:2], loss, "mlp2x8", profile_file=path)
     assert tta.profile_file(tta.parse_args(["--profile-dir", str(tmp_path / "p")]), "r1") == tmp_path / "p" / "r1-profile.json"
     assert tta.profile_file(tta.parse_args([]), "r1") is None
+
+
+def test_baselines_option_keeps_the_named_rows_and_refuses_bad_names():
+    assert tta.parse_args([]).baselines is None
+    assert tta.regime_systems(tta.R1_SYSTEMS, None) == (tta.R1_SYSTEMS, [])
+    chosen = tta.parse_args(["--baselines", "fsdp,ddp-fast"]).baselines
+    # The regime's own order is kept; a baseline another regime lacks (FSDP in R2) is simply absent there.
+    assert tta.regime_systems(tta.R1_SYSTEMS, chosen) == (("ddp-fast", "fsdp"), ["hetero-dp", "pipelining"])
+    assert tta.regime_systems(tta.R2_SYSTEMS, chosen) == (("ddp-fast",), ["hetero-dp", "pipelining"])
+    with pytest.raises(SystemExit, match="unknown baseline.*ddp-slow"):
+        tta.parse_args(["--baselines", "ddp-fast,ddp-slow"])
+    with pytest.raises(SystemExit, match="ddp-fast is required"):
+        tta.parse_args(["--baselines", "fsdp"])
