@@ -12,6 +12,7 @@ from hetpipe.cli import main
 from hetpipe.plan import Plan, form_virtual_workers, make_plan
 from hetpipe.plan.cluster import load_cluster
 from hetpipe.plan.efficiency import efficiency
+from hetpipe.plan.format import format_candidates
 from hetpipe.plan.profile import load_profile
 from hetpipe.plan.time_to_accuracy import batch_per_update, noise_schedule, slowest_first
 from hetpipe.plan.waves import with_waves
@@ -151,6 +152,12 @@ def test_the_noise_schedule_is_the_argmax_of_a_brute_force_over_a_grid_of_noise_
         assert again["candidates"][again["chosen"]]["devices"] == tta["candidates"][seg["candidate"]]["devices"]
         assert again["candidates"][again["chosen"]]["vws"] == tta["candidates"][seg["candidate"]]["vws"]
     assert noise_schedule(rows, 1e9, tta["fastest"]) == [{"candidate": tta["fastest"], "from": 1e9, "to": math.inf}]
+    # The printed schedule names every switch and says that its switch points are early.
+    text = format_candidates(plan)
+    line = next(x for x in text.splitlines() if "as the noise scale grows" in x)
+    assert all(f"#{seg['candidate']} up to {seg['to']:.3g}" in line for seg in schedule[:-1])
+    assert f"#{schedule[-1]['candidate']} beyond" in line
+    assert "switch points are early" in text and "averaging of separate VWs" in text
 
 
 def test_a_small_noise_scale_makes_a_wide_data_parallel_plan_lose_to_a_narrow_one():

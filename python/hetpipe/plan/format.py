@@ -116,6 +116,10 @@ def format_candidates(plan: Plan) -> str:
         lines.append(f"  as the noise scale grows from {schedule[0]['from']:g} samples (it does along training): "
                      f"{', '.join(steps)}, #{schedule[-1]['candidate']} beyond; a run switches by resuming its "
                      f"checkpoint into the next plan")
+        # Measured (docs/clusters.md): wider plans cost samples the model does not count, so a switch
+        # the model predicts may not pay at all.
+        lines.append("  the switch points are early: the model counts neither the averaging of separate VWs "
+                     "nor a pipeline's own staleness")
     lines += skipped
     return "\n".join(lines)
 
