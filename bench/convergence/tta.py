@@ -620,7 +620,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "noise=B windows)")
     ap.add_argument("--baselines", help="the baselines to run, comma-separated, in every regime that has them "
                                         f"(default: all; {REFERENCE}, the noise scale's reference, is required): "
-                                        + ", ".join(LABELS))
+                                        + ", ".join(dict.fromkeys(R1_SYSTEMS + R2_SYSTEMS)))
     ap.add_argument("--r2-task", default="small", help="R2's task (run.py's --task)")
     ap.add_argument("--evals", type=int, default=16, help="validation points per run")
     ap.add_argument("--noise-groups", type=int, default=8, help="noise-scale measurements (8 gradients each)")
@@ -648,9 +648,10 @@ def parse_baselines(text: Optional[str]) -> Optional[Tuple[str, ...]]:
     if text is None:
         return None
     names = tuple(x.strip() for x in text.split(",") if x.strip())
-    unknown = [n for n in names if n not in LABELS]
+    known = list(dict.fromkeys(R1_SYSTEMS + R2_SYSTEMS))     # a name no regime runs would silently give no row
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise SystemExit(f"tta: --baselines: unknown baseline(s) {', '.join(unknown)} (known: {', '.join(LABELS)})")
+        raise SystemExit(f"tta: --baselines: unknown baseline(s) {', '.join(unknown)} (known: {', '.join(known)})")
     if REFERENCE not in names:
         raise SystemExit(f"tta: --baselines {text}: {REFERENCE} is required (the gradient noise scale at each "
                          f"target is measured along its run)")
