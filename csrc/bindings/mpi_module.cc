@@ -129,6 +129,8 @@ PYBIND11_MODULE(_mpi, m) {
                              "What a receive waits for when no slot is free for its payload, or ''.")
       .def_property_readonly("failed", &hetpipe::StageEndpoint::failed)
       .def_property_readonly("error", &hetpipe::StageEndpoint::error, "The progress thread's first failure, or ''.")
+      .def_property_readonly("error_kind", &hetpipe::StageEndpoint::error_kind,
+                             "'mpi' (an MPI call failed: a peer gone, the network), 'internal', or ''.")
       .def("close", &hetpipe::StageEndpoint::close, py::call_guard<py::gil_scoped_release>(),
            "Stop and join the progress thread, cancel the posted receives, give back every slot; returns\n"
            "the messages consumed and not delivered (GIL released; never waits on a peer).");

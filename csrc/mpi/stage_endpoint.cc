@@ -142,10 +142,18 @@ std::string StageEndpoint::error() const {
   return error_;
 }
 
-void StageEndpoint::fail(const std::string& message) {
+std::string StageEndpoint::error_kind() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return error_kind_;
+}
+
+void StageEndpoint::fail(const std::string& kind, const std::string& message) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (error_.empty()) error_ = "StageEndpoint: " + message;
+    if (error_.empty()) {
+      error_ = "StageEndpoint: " + message;
+      error_kind_ = kind;
+    }
   }
   failed_.store(true, std::memory_order_release);
 }
@@ -180,8 +188,10 @@ void StageEndpoint::run() {
         idle = std::min(idle * 2, std::chrono::duration_cast<us>(kMaxBackoff));
       }
     }
+  } catch (const MpiError& e) {
+    fail("mpi", e.what());
   } catch (const std::exception& e) {
-    fail(e.what());
+    fail("internal", e.what());
   }
 }
 

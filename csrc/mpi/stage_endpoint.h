@@ -130,6 +130,9 @@ class StageEndpoint {
   std::string slot_wait() const;
   bool failed() const noexcept { return failed_.load(std::memory_order_acquire); }
   std::string error() const;
+  // "mpi" when the first failure was an MPI call's error (a peer gone, the network), "internal"
+  // otherwise, "" before any failure: the caller reports the former as its peer's fault.
+  std::string error_kind() const;
   // Stops and joins the thread, cancels the posted receives, gives back every slot still held;
   // returns the messages consumed and not delivered. Idempotent (later calls return nothing).
   std::vector<std::string> close();
@@ -172,7 +175,7 @@ class StageEndpoint {
   bool test_sends();
   bool test_receives();
   void post_header(Incoming& in);
-  void fail(const std::string& message);
+  void fail(const std::string& kind, const std::string& message);
   void wake();
 
   std::shared_ptr<PinnedBufferPool> pool_;
@@ -199,9 +202,9 @@ class StageEndpoint {
   std::atomic<std::int64_t> slot_wait_{-1};  // src * 16 + kind of a payload waiting for a slot, or -1
   bool closed_ = false;
 
-  mutable std::mutex mutex_;  // guards error_; the sleep of the progress thread
+  mutable std::mutex mutex_;  // guards error_ and error_kind_; the sleep of the progress thread
   std::condition_variable wake_;
-  std::string error_;
+  std::string error_, error_kind_;
 };
 
 }  // namespace hetpipe

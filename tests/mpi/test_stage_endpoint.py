@@ -38,3 +38,17 @@ def test_chunked_payloads_arrive_whole_between_both_endpoints():
         assert wire["lengths"] == [chunk] * (n // chunk) + [n % chunk], wire
     for r in got.values():
         assert r["lost"] == [] and r["free"] == 8, r
+
+
+def test_an_mpi_error_of_the_progress_thread_is_reported_as_a_transfer_failure_in_one_line():
+    """The progress thread's MPI_Isend to a rank outside the communicator fails: the endpoint says
+    'mpi', the transport raises MPITransferError naming the call, and the report has no traceback."""
+    proc = run_mpi(1, "endpoint_mpi_error.py", timeout=120)
+    got = results(proc)
+    assert len(got) == 1, f"{proc.stdout}\n{proc.stderr}"
+    r = got[0]
+    assert r["kind_before"] == "" and r["kind_after"] == "mpi", r
+    assert r["raised"] == "MPITransferError" and "MPI_Isend (header) failed" in r["message"], r
+    assert r["transport_failure"], r
+    assert r["report"].startswith("hetpipe: rank 0 (vw 0 stage 0) failed: an MPI transfer failed"), r
+    assert "Traceback" not in r["report"] and 'File "' not in r["report"], r     # MPI's own text may span lines

@@ -63,8 +63,11 @@ def signal_grace_s() -> float:
 
 
 def transport_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is MPI's own error from a transfer (mpi4py's ``MPI.Exception``): what a rank sees
-    when its peer died or the network failed, not a fault of its own code."""
+    """Whether ``exc`` is MPI's own error from a transfer (mpi4py's ``MPI.Exception``, or an error whose
+    class sets ``mpi_transfer``: an MPI call of the core's threads): what a rank sees when its peer died
+    or the network failed, not a fault of its own code."""
+    if getattr(exc, "mpi_transfer", False) is True:
+        return True
     return type(exc).__module__.startswith("mpi4py") and type(exc).__name__ == "Exception"
 
 

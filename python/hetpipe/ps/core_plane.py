@@ -36,7 +36,7 @@ from hetpipe.ps.shard import (
 from hetpipe.schedule.trace import PS_VW, TraceEvent
 from hetpipe.transport.base import Transport
 from hetpipe.transport.core import core_mpi_missing
-from hetpipe.transport.protocol import TransportError, chunk_bytes
+from hetpipe.transport.protocol import MPITransferError, TransportError, chunk_bytes
 
 PLANE_ENV = PS_PLANE_ENV
 
@@ -205,7 +205,7 @@ class CoreShardServer(ShardServerBase):
         svc.stop()
         if svc.error_kind == "wsp":
             raise WSPViolation(svc.error, sender=None if svc.error_source < 0 else svc.error_source)
-        raise (TransportError if svc.error_kind == "mpi" else RuntimeError)(svc.error)
+        raise (MPITransferError if svc.error_kind == "mpi" else RuntimeError)(svc.error)
 
     def _stop(self) -> None:
         self.service.stop()

@@ -22,7 +22,7 @@ import numpy as np
 import hetpipe_core
 from hetpipe.util.planes import PLANES, STAGE_PLANE_ENV
 from hetpipe.transport.base import Transport
-from hetpipe.transport.protocol import ANY, KIND_NAMES, Header, Message, TransportError, chunk_bytes
+from hetpipe.transport.protocol import ANY, KIND_NAMES, Header, Message, MPITransferError, TransportError, chunk_bytes
 from hetpipe.transport.slots import slot_bytes
 
 
@@ -87,18 +87,28 @@ class CoreTransport(Transport):
         self.endpoint = _mpi.StageEndpoint(pool, MPI._handleof(comm), chunk_bytes())
 
     def _check(self) -> None:
+        """Raise the progress thread's failure: :class:`MPITransferError` for an MPI call's error."""
         if self.endpoint.failed:
-            raise TransportError(f"transport: rank {self.rank}: {self.endpoint.error}")
+            kind = MPITransferError if self.endpoint.error_kind == "mpi" else TransportError
+            raise kind(f"transport: rank {self.rank}: {self.endpoint.error}")
 
     def send(self, dest: int, header: Header, slot=None) -> None:
         self._check()
-        self.endpoint.send(dest, header.encode(), slot)
+        try:
+            self.endpoint.send(dest, header.encode(), slot)
+        except RuntimeError:
+            self._check()       # the thread failed after the check above: raise its failure, classified
+            raise
 
     def try_recv(self, src: int, kind: int, keep_slot: bool = False) -> Optional[Message]:
         if src == ANY:
             raise TransportError(f"transport: rank {self.rank}: the core endpoint receives {KIND_NAMES.get(kind, kind)} "
                                  "messages from a named rank only")
-        got = self.endpoint.try_recv(src, kind)
+        try:
+            got = self.endpoint.try_recv(src, kind)
+        except RuntimeError:
+            self._check()
+            raise
         self.slot_wait = self.endpoint.slot_wait
         if got is None:
             self._check()

@@ -65,6 +65,14 @@ class TransportError(HetpipeError, RuntimeError):
     """A message was lost or cannot be delivered."""
 
 
+class MPITransferError(TransportError):
+    """An MPI call of a core thread (a stage endpoint's or a PS shard's) failed: its peer is gone, or the
+    network. Like mpi4py's ``MPI.Exception``, the fault of no code of this rank: reported in one line
+    (``mpi_transfer``), and the launcher names the peer that died first."""
+
+    mpi_transfer = True
+
+
 class StageError(HetpipeError, RuntimeError):
     """A stage received something it cannot use (wrong shape, dtype or header)."""
 
