@@ -84,16 +84,22 @@ def _add_plan_command(sub) -> None:
                                                        "(hetpipe.run.pilot.measure_noise_scale measures it)")
     p.add_argument("--base-batch", metavar="M0", help="time-to-accuracy: the batch whose per-sample progress is "
                                                        "the unit (default: the minibatch)")
+    p.add_argument("--staleness-costs", metavar="COSTS",
+                   help="time-to-accuracy: also price the samples a plan's pipeline staleness, VW averaging and "
+                        "WSP bound (--d) cost: none (default), fitted (fitted on hetpipe's convergence "
+                        "benchmark) or PIPELINE,AVERAGING,WSP")
     p.add_argument("-o", "--output", help="write the plan as JSON to this file")
 
 
 def _statistics(args) -> dict:
-    """make_plan's ``noise_scale`` and ``base_batch`` from the command line; ArgumentError in one line."""
+    """make_plan's ``noise_scale``, ``base_batch`` and ``staleness_costs`` from the command line;
+    ArgumentError in one line."""
     from hetpipe.plan.time_to_accuracy import NEEDS_NOISE_SCALE
     from hetpipe.util.errors import ArgumentError
 
     if args.objective != "time-to-accuracy":
-        for flag, value in (("--noise-scale", args.noise_scale), ("--base-batch", args.base_batch)):
+        for flag, value in (("--noise-scale", args.noise_scale), ("--base-batch", args.base_batch),
+                            ("--staleness-costs", args.staleness_costs)):
             if value is not None:
                 raise ArgumentError(f"{flag} is for --objective time-to-accuracy")
         return {}
@@ -102,6 +108,13 @@ def _statistics(args) -> dict:
     out = {"noise_scale": number("--noise-scale", args.noise_scale)}
     if args.base_batch is not None:
         out["base_batch"] = number("--base-batch", args.base_batch, positive=True)
+    if args.staleness_costs is not None:
+        from hetpipe.plan.efficiency import staleness_costs
+
+        try:
+            out["staleness_costs"] = staleness_costs(args.staleness_costs)
+        except ValueError as e:
+            raise ArgumentError(f"--staleness-costs: {str(e).removeprefix('hetpipe: ')}") from None
     return out
 
 

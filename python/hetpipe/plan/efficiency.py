@@ -24,6 +24,7 @@ No torch import: gradients come in as NumPy arrays (or anything ``np.asarray`` t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -106,3 +107,98 @@ def efficiency(batch: float, noise_scale: float, base_batch: float) -> float:
 def goodput(throughput: float, batch: float, noise_scale: float, base_batch: float) -> float:
     """Samples per second weighted by their efficiency: the base batch's samples per second it is worth."""
     return throughput * efficiency(batch, noise_scale, base_batch)
+
+
+# --- What the efficiency leaves out: a plan's own staleness and the averaging of separate VWs ------------
+#
+# ``E(M)`` prices a batch of ``M`` samples per update as if every update were one synchronous step on
+# the current weights. A HetPipe plan is not: (1) a pipeline's forward runs on weights lacking the
+# updates of the minibatches still in flight; (2) each wave averages ``N`` separate trajectories of
+# ``Nm`` local steps (each VW with its own optimizer state), not ``Nm`` steps of the mean gradient;
+# (3) under WSP a VW's pull may lack up to ``D`` waves of the other VWs. Each costs samples on top of
+# ``1 / E(M)``. :func:`sample_cost` is that factor, one term per cause:
+#
+#     cost = (1 + pipeline * tau) * (1 + averaging * (N - 1) / N * sqrt(Nm)) * (1 + wsp * D * (N - 1) / N * Nm)
+#
+# ``tau``: the plan's mean local staleness in updates, from the schedule (:func:`local_staleness`);
+# ``(N - 1) / N``: the share of a wave's delta that comes from other VWs; ``sqrt(Nm)``: the averaged
+# trajectories drift apart with the local steps between averages (sublinearly: the two measured points,
+# Nm 1 and 4, give an exponent near 0.5); ``D * Nm``: the other VWs' local steps a pull may lack. The
+# coefficients are empirical: :data:`FITTED_STALENESS_COSTS` were fitted on the time-to-accuracy
+# benchmark's regime where every device holds the model and checked on the other regime's runs
+# (bench/convergence/staleness_fit.py, docs/performance.md); :data:`NO_STALENESS_COSTS` gives 1 for
+# every plan (Pollux's efficiency alone).
+
+
+@dataclass(frozen=True)
+class StalenessCosts:
+    """The coefficients of :func:`sample_cost`, each >= 0: per update of local (pipeline) staleness,
+    for the averaging of separate VWs, and per other-VW local step a pull may lack under WSP."""
+
+    pipeline: float = 0.0
+    averaging: float = 0.0
+    wsp: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("pipeline", "averaging", "wsp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
+                    or value == float("inf"):
+                raise ValueError(f"hetpipe: StalenessCosts.{name} must be a finite number >= 0, got {value!r}")
+
+    @property
+    def none(self) -> bool:
+        return self.pipeline == 0 and self.averaging == 0 and self.wsp == 0
+
+    def text(self) -> str:
+        return f"pipeline {self.pipeline:g}, averaging {self.averaging:g}, wsp {self.wsp:g}"
+
+
+NO_STALENESS_COSTS = StalenessCosts()
+# Fitted by bench/convergence/staleness_fit.py on the committed 2,000-step runs of the regime where every
+# device holds the model (byte-level GPT, Adam); a test refits them from those results.
+FITTED_STALENESS_COSTS = StalenessCosts(pipeline=0.127, averaging=0.194, wsp=0.111)
+STALENESS_COSTS = {"none": NO_STALENESS_COSTS, "fitted": FITTED_STALENESS_COSTS}
+
+
+def staleness_costs(value) -> StalenessCosts:
+    """A :class:`StalenessCosts` from itself, a name of :data:`STALENESS_COSTS` or ``"P,A,W"``."""
+    if isinstance(value, StalenessCosts):
+        return value
+    if isinstance(value, str):
+        if value in STALENESS_COSTS:
+            return STALENESS_COSTS[value]
+        parts = value.split(",")
+        if len(parts) == 3:
+            try:
+                return StalenessCosts(*(float(p) for p in parts))
+            except ValueError as e:
+                if "StalenessCosts" in str(e):
+                    raise
+    raise ValueError(f"hetpipe: staleness costs are one of {', '.join(STALENESS_COSTS)} or three numbers "
+                     f"'PIPELINE,AVERAGING,WSP' (each >= 0), got {value!r}")
+
+
+def local_staleness(stage_counts: Sequence[int], nm: int) -> float:
+    """The mean over a plan's stages of the updates a forward's weights lack: stage ``s`` of a VW of ``S``
+    stages runs ``min(Nm, S - s)`` forwards before its first backward (the schedule's warm-up), so its
+    forward of minibatch ``p`` follows the Apply of ``p - min(Nm, S - s)``: ``min(Nm, S - s) - 1`` of
+    its own updates are missing. The mean over each VW's stages, averaged over the VWs."""
+    if nm < 1 or not stage_counts or any(s < 1 for s in stage_counts):
+        raise ValueError(f"hetpipe: local_staleness needs Nm >= 1 and stage counts >= 1, got {nm}, "
+                         f"{list(stage_counts)}")
+    per_vw = [sum(min(nm, s - k) - 1 for k in range(s)) / s for s in stage_counts]
+    return sum(per_vw) / len(per_vw)
+
+
+def sample_cost(stage_counts: Sequence[int], nm: int, d: int, costs: StalenessCosts) -> float:
+    """How many times the samples of a synchronous step at the same batch per update a plan of VWs of
+    ``stage_counts`` stages, ``nm`` minibatches per wave and staleness bound ``d`` needs (the formula
+    above); exactly 1.0 under :data:`NO_STALENESS_COSTS`."""
+    if costs.none:
+        return 1.0
+    n = len(stage_counts)
+    others = (n - 1) / n
+    tau = local_staleness(stage_counts, nm)
+    return ((1 + costs.pipeline * tau) * (1 + costs.averaging * others * math.sqrt(nm))
+            * (1 + costs.wsp * d * others * nm))

@@ -83,12 +83,18 @@ def format_plan(plan: Plan, cluster=None) -> str:
 def format_candidates(plan: Plan) -> str:
     """The candidates of a time-to-accuracy plan (``meta["time_to_accuracy"]``) as a table: devices left
     out, VWs, Nm (each VW's, ``a/b/c``, where waves by speed make them differ), predicted samples/s, batch per
-    update, efficiency, goodput and time to the target relative to the chosen one, which is marked; skipped candidates with their reason below it."""
+    update, efficiency, the sample cost of the plan's staleness and averaging (when priced), goodput and time
+    to the target relative to the chosen one, which is marked; skipped candidates with their reason below it."""
     tta = plan.meta["time_to_accuracy"]
+    costs = tta.get("staleness_costs") or {}
+    priced = any(v > 0 for v in costs.values())
     head = (f"time to accuracy: noise scale {tta['noise_scale']:g} samples, base batch {tta['base_batch']:g}, "
             f"batch per update = VWs x minibatch ({tta['minibatch_size']})")
-    cols = ("", "#", "layout", "without", "VWs", "Nm", "samples/s", "batch/update", "efficiency", "goodput",
-            "time to target")
+    if priced:
+        head += (f"; staleness costs: pipeline {costs['pipeline']:g}, averaging {costs['averaging']:g}, "
+                 f"wsp {costs['wsp']:g}")
+    cols = ("", "#", "layout", "without", "VWs", "Nm", "samples/s", "batch/update", "efficiency")
+    cols += ("sample cost",) * priced + ("goodput", "time to target")
     rows, skipped = [], []
     for r in tta["candidates"]:
         if "goodput" not in r:
@@ -96,17 +102,19 @@ def format_candidates(plan: Plan) -> str:
             continue
         mark = "*" if r["index"] == tta["chosen"] else ""
         nm = str(r["nm"]) if len(set(r.get("waves", ()))) < 2 else "/".join(str(n) for n in r["waves"])
-        rows.append((mark, str(r["index"]), r["layout"], r["without_text"], r["vws_text"], nm,
-                     f"{r['samples_per_s']:.1f}", str(r["batch_per_update"]), f"{r['efficiency']:.3f}",
-                     f"{r['goodput']:.1f}", f"{r['relative_time']:.2f}x"))
+        cells = (mark, str(r["index"]), r["layout"], r["without_text"], r["vws_text"], nm,
+                 f"{r['samples_per_s']:.1f}", str(r["batch_per_update"]), f"{r['efficiency']:.3f}")
+        cells += (f"{r['sample_cost']:.2f}x",) * priced + (f"{r['goodput']:.1f}", f"{r['relative_time']:.2f}x")
+        rows.append(cells)
     width = [max(len(r[i]) for r in rows + [cols]) for i in range(len(cols))]
-    right = {5, 6, 7, 8, 9, 10}
+    right = set(range(5, len(cols)))
     fmt = [lambda c, w, i=i: c.rjust(w) if i in right else c.ljust(w) for i in range(len(cols))]
     lines = [head, "  ".join(f(c, w) for f, c, w in zip(fmt, cols, width)).rstrip(), "  ".join("-" * w for w in width)]
     lines += ["  ".join(f(c, w) for f, c, w in zip(fmt, r, width)).rstrip() for r in rows]
     chosen = tta["candidates"][tta["chosen"]]
     fastest = tta["candidates"][tta["fastest"]]
-    lines.append(f"* chosen: #{chosen['index']} ({chosen['layout']}), the largest goodput (samples/s x efficiency)")
+    what = "samples/s x efficiency / sample cost" if priced else "samples/s x efficiency"
+    lines.append(f"* chosen: #{chosen['index']} ({chosen['layout']}), the largest goodput ({what})")
     if fastest["index"] != chosen["index"]:
         lines.append(f"  the fastest, #{fastest['index']} ({fastest['layout']}, {fastest['samples_per_s']:.1f} "
                      f"samples/s), is predicted to take {fastest['relative_time']:.2f}x as long")
@@ -116,10 +124,11 @@ def format_candidates(plan: Plan) -> str:
         lines.append(f"  as the noise scale grows from {schedule[0]['from']:g} samples (it does along training): "
                      f"{', '.join(steps)}, #{schedule[-1]['candidate']} beyond; a run switches by resuming its "
                      f"checkpoint into the next plan")
-        # Measured (docs/clusters.md): wider plans cost samples the model does not count, so a switch
-        # the model predicts may not pay at all.
-        lines.append("  the switch points are early: the model counts neither the averaging of separate VWs "
-                     "nor a pipeline's own staleness")
+        if not priced:
+            # Measured (docs/clusters.md): wider plans cost samples the model does not count, so a switch
+            # the model predicts may not pay at all.
+            lines.append("  the switch points are early: the model counts neither the averaging of separate VWs "
+                         "nor a pipeline's own staleness (--staleness-costs fitted prices both)")
     lines += skipped
     return "\n".join(lines)
 

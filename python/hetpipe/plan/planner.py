@@ -95,11 +95,11 @@ def _stage_nodes(part: Partition) -> List[Tuple[int, int, str]]:
 
 
 def search(cluster: ClusterSpec, table: LayerTable, policies: Sequence[str], vw_size: Optional[int],
-           score: Callable[[float, int, int], float], *, nm: Optional[int], d: int, modes: Sequence[str],
+           score: Callable[[float, int, List[int], int], float], *, nm: Optional[int], d: int, modes: Sequence[str],
            exhaustive_max: int, max_nm: Optional[int], horizon: Optional[int], num_ps_shards: Optional[int],
            ps_nodes: Optional[Sequence[str]]) -> Dict[str, Any]:
-    """Per policy, in order: the best candidate over Nm and ``modes`` by ``score(throughput, memory, VWs)``
-    (ties: the first, smaller Nm), or why none fits (a string: the first VW's reason)."""
+    """Per policy, in order: the best candidate over Nm and ``modes`` by ``score(throughput, memory, stage
+    counts of the VWs, Nm)`` (ties: the first, smaller Nm), or why none fits (a string: the first VW's reason)."""
     by_id = {dv.id: dv for dv in cluster.devices}
     nodes = cluster.nodes
     all_nodes = list(nodes) + [n for n in dict.fromkeys(ps_nodes or ()) if n not in nodes]
@@ -152,7 +152,8 @@ def search(cluster: ClusterSpec, table: LayerTable, policies: Sequence[str], vw_
                                                     cluster.inter_node.bandwidth), default=0.0)
                 thr = cost_model.cluster_throughput(waves, m, d, period, horizon)
                 mem = sum(st.memory for p in parts for st in p.stages)
-                cand = _Candidate(pol, m, mode, parts, shards, waves, thr, mem, score(thr, mem, len(parts)), left_out)
+                value = score(thr, mem, [len(p.stages) for p in parts], m)
+                cand = _Candidate(pol, m, mode, parts, shards, waves, thr, mem, value, left_out)
                 if pol_best is None or cand.score > pol_best.score * (1 + 1e-9):
                     pol_best = cand
         found[pol] = pol_best if pol_best is not None else error
@@ -165,7 +166,7 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
               exhaustive_max: int = 8, derive_missing: bool = False, max_nm: Optional[int] = None,
               precision: str = "fp32", ps_nodes: Optional[Sequence[str]] = None, tf32: bool = False,
               noise_scale: Optional[float] = None, base_batch: Optional[float] = None,
-              waves: str = "equal") -> Plan:
+              waves: str = "equal", staleness_costs: Any = None) -> Plan:
     """The HetPipe plan for ``profile`` (a ModelProfile, preset name or path) on ``cluster`` (a
     ClusterSpec, preset name, path or dict).
 
@@ -197,7 +198,11 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     every candidate with its devices, VWs, predicted throughput, batch per update, efficiency, goodput and
     time to target relative to the best. noise_scale: the gradient noise scale ``B_noise`` in samples
     (required; :func:`hetpipe.run.pilot.measure_noise_scale` measures it); base_batch: the batch whose
-    per-sample progress is the unit (default ``minibatch_size``).
+    per-sample progress is the unit (default ``minibatch_size``). staleness_costs: also price the samples a
+    candidate's own staleness and averaging cost (:func:`hetpipe.plan.efficiency.sample_cost`; ``d`` is
+    the run's bound): "none" (default: Pollux's efficiency alone, optimistic for wide and deep plans),
+    "fitted" (coefficients fitted on hetpipe's convergence benchmark) or a
+    :class:`~hetpipe.plan.efficiency.StalenessCosts`.
     waves: "equal" (HetPipe's: every VW trains Nm minibatches per wave) or "speed" (a VW's wave
     proportional to its predicted speed, :mod:`hetpipe.plan.waves`), applied to the chosen plan.
     Raises ValueError naming the device, layer and bytes when nothing fits.
@@ -225,13 +230,15 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
     if objective not in OBJECTIVES:
         raise ValueError(f"make_plan: unknown objective {objective!r} (known: {', '.join(OBJECTIVES)})")
     if objective == TIME_TO_ACCURACY:
+        from hetpipe.plan.efficiency import staleness_costs as staleness_costs_of
         from hetpipe.plan.time_to_accuracy import check_statistics
 
         check_statistics("make_plan", noise_scale, base_batch,
                          minibatch_size if minibatch_size is not None else profile.minibatch_size)
-    elif noise_scale is not None or base_batch is not None:
-        raise ValueError(f"make_plan: noise_scale and base_batch are for objective={TIME_TO_ACCURACY!r}, "
-                         f"not {objective!r}")
+        costs = staleness_costs_of("none" if staleness_costs is None else staleness_costs)
+    elif noise_scale is not None or base_batch is not None or staleness_costs is not None:
+        raise ValueError(f"make_plan: noise_scale, base_batch and staleness_costs are for "
+                         f"objective={TIME_TO_ACCURACY!r}, not {objective!r}")
     used_types = sorted({dv.type for dv in cluster.devices})
     if derive_missing:
         profile = profile.derive_types({t: cluster.device_types[t].speed for t in used_types})
@@ -267,9 +274,9 @@ def make_plan(cluster: Any, profile: Any, policy: str = "auto", nm: Optional[int
             dict(nm=nm, d=d, modes=modes, exhaustive_max=exhaustive_max, max_nm=max_nm, horizon=horizon,
                  num_ps_shards=num_ps_shards, ps_nodes=ps_nodes),
             lambda best, sub, outcomes, extra: _to_plan(best, table, sub, profile, d, minibatch_size, objective,
-                                                        outcomes, precision, extra), waves), waves)
+                                                        outcomes, precision, extra), waves, costs), waves)
 
-    def score(thr: float, mem: int, num_vws: int) -> float:
+    def score(thr: float, mem: int, stage_counts: List[int], m: int) -> float:
         return thr if objective == "throughput" else memory_efficiency(thr, single, mem)
 
     found = search(cluster, table, policies, vw_size, score, nm=nm, d=d, modes=modes, exhaustive_max=exhaustive_max,

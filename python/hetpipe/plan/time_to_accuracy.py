@@ -53,7 +53,7 @@ from dataclasses import replace
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from hetpipe.plan.cluster import ClusterSpec
-from hetpipe.plan.efficiency import efficiency
+from hetpipe.plan.efficiency import NO_STALENESS_COSTS, StalenessCosts, efficiency, sample_cost
 from hetpipe.plan.formation import POLICIES, default_vw_size, form_virtual_workers
 from hetpipe.plan.profile import ModelProfile
 from hetpipe.plan.stage_cost import LayerTable
@@ -145,23 +145,25 @@ def noise_schedule(rows: Sequence[Dict[str, Any]], noise_scale: float, chosen: i
     it there), the last ending at
     ``math.inf`` with the candidate of the largest throughput (where every batch is as efficient).
 
-    Exact, not sampled: with throughput ``T`` (samples/s) and batch per update ``M``, a candidate's goodput
-    is ``T (B + M0) / (B + M)``, so candidate ``j`` overtakes the current one ``c`` at the one noise scale
+    Exact, not sampled: with throughput ``T`` (samples/s, over the candidate's sample cost, which does not
+    depend on ``B``) and batch per update ``M``, a candidate's goodput is ``T (B + M0) / (B + M)``, so candidate ``j`` overtakes the current one ``c`` at the one noise scale
     where ``T_j (B + M_c) = T_c (B + M_j)``: ``B* = (T_c M_j - T_j M_c) / (T_j - T_c)``, for a ``j`` of larger
     throughput (one of larger throughput and no larger batch would already have the larger goodput).
     The next interval's candidate is the first to overtake; among those overtaking at the same ``B*``, the
     one of the largest throughput (it stays ahead beyond)."""
     feasible = {r["index"]: r for r in rows if "goodput" in r}
+    # the samples/s a candidate is worth before its efficiency: its throughput over its sample cost
+    worth = {j: r["samples_per_s"] / r.get("sample_cost", 1.0) for j, r in feasible.items()}
     out: List[Dict[str, Any]] = []
     current, at = chosen, noise_scale
     while True:
-        c = feasible[current]
+        c, tc = feasible[current], worth[current]
         crossings = []
         for j, r in feasible.items():
-            if r["samples_per_s"] > c["samples_per_s"] * (1 + 1e-12):
-                b = ((c["samples_per_s"] * r["batch_per_update"] - r["samples_per_s"] * c["batch_per_update"])
-                     / (r["samples_per_s"] - c["samples_per_s"]))
-                crossings.append((max(b, at), -r["samples_per_s"], j))
+            tj = worth[j]
+            if tj > tc * (1 + 1e-12):
+                b = (tc * r["batch_per_update"] - tj * c["batch_per_update"]) / (tj - tc)
+                crossings.append((max(b, at), -tj, j))
         if not crossings:
             out.append({"candidate": current, "from": at, "to": math.inf})
             return out
@@ -175,18 +177,22 @@ def plan_for_time_to_accuracy(cluster: ClusterSpec, table: LayerTable, profile: 
                               vw_size: Optional[int], noise_scale: float, base_batch: Optional[float],
                               minibatch_size: int, search_args: Dict[str, Any],
                               to_plan: Callable[[Any, ClusterSpec, Dict[str, Any], Dict[str, Any]], Plan],
-                              waves: str = "equal") -> Plan:
+                              waves: str = "equal", staleness: StalenessCosts = NO_STALENESS_COSTS) -> Plan:
     """The candidate of the largest goodput as a plan (see the module docstring), its ``meta`` carrying
     ``time_to_accuracy``: the statistics and every candidate. ``to_plan(candidate, cluster, outcomes,
     extra_meta)`` builds the plan (the planner's); ``search_args``: the planner's search settings; ``waves``:
     the plan's wave rule, under which each candidate's throughput is predicted (``"speed"``:
-    :func:`hetpipe.plan.waves.speed_throughput`)."""
+    :func:`hetpipe.plan.waves.speed_throughput`); ``staleness``: the coefficients of the samples a plan's
+    own staleness and averaging cost (:func:`hetpipe.plan.efficiency.sample_cost`; the default prices
+    none, so the goodput is Pollux's alone)."""
     from hetpipe.plan.planner import check_fits_cluster, search
 
     base = float(base_batch) if base_batch is not None else float(minibatch_size)
+    d = search_args.get("d", 0)
 
-    def score(thr: float, mem: int, num_vws: int) -> float:
-        return thr * minibatch_size * efficiency(batch_per_update(num_vws, minibatch_size), noise_scale, base)
+    def score(thr: float, mem: int, stage_counts: List[int], nm: int) -> float:
+        eff = efficiency(batch_per_update(len(stage_counts), minibatch_size), noise_scale, base)
+        return thr * minibatch_size * eff / sample_cost(stage_counts, nm, d, staleness)
 
     layouts: List[Any] = [(p, vw_size) for p in policies]
     if set(policies) == set(POLICIES):
@@ -244,10 +250,12 @@ def plan_for_time_to_accuracy(cluster: ClusterSpec, table: LayerTable, profile: 
             if waves == "speed":
                 thr = speed_throughput(cand.nm, list(cand.wave_times), stages) or thr
                 row["waves"] = speed_lengths(cand.nm, list(cand.wave_times), stages)
+            cost = sample_cost(stages, cand.nm, d, staleness)
             row.update(devices=[st.device for p in cand.parts for st in p.stage_devs],
                        vws=stages, vws_text=_shape(stages),
                        nm=cand.nm, throughput=thr, samples_per_s=thr * minibatch_size,
-                       batch_per_update=batch, efficiency=eff, goodput=thr * minibatch_size * eff)
+                       batch_per_update=batch, efficiency=eff, sample_cost=cost,
+                       goodput=thr * minibatch_size * eff / cost)
             if cand.left_out:
                 row["left_out"] = [s.device for vw, *_ in cand.left_out for s in vw]
             if chosen is None or row["goodput"] > chosen[1]["goodput"] * (1 + 1e-9):
@@ -264,6 +272,7 @@ def plan_for_time_to_accuracy(cluster: ClusterSpec, table: LayerTable, profile: 
     extra = {"time_to_accuracy": {
         "noise_scale": float(noise_scale), "base_batch": base, "minibatch_size": minibatch_size,
         "batch_model": "N x minibatch (the VWs' gradients of a wave share the global weights)",
+        "staleness_costs": {"pipeline": staleness.pipeline, "averaging": staleness.averaging, "wsp": staleness.wsp},
         "chosen": best_row["index"], "fastest": fastest["index"], "candidates": rows,
         "schedule": noise_schedule(rows, float(noise_scale), best_row["index"])}}
     if best_row["without"]:
