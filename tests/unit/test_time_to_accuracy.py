@@ -11,7 +11,7 @@ import torch
 from hetpipe.cli import main
 from hetpipe.plan import Plan, form_virtual_workers, make_plan
 from hetpipe.plan.cluster import load_cluster
-from hetpipe.plan.efficiency import efficiency
+from hetpipe.plan.efficiency import efficiency, sample_cost, staleness_costs
 from hetpipe.plan.format import format_candidates
 from hetpipe.plan.profile import load_profile
 from hetpipe.plan.time_to_accuracy import batch_per_update, noise_schedule, slowest_first
@@ -52,17 +52,24 @@ def test_the_batch_per_update_is_the_vws_times_the_minibatch():
     assert batch_per_update(1, 32) == 32 and batch_per_update(4, 32) == 128
 
 
-@pytest.mark.parametrize("model,noise,waves", [("vgg19", 200.0, "equal"), ("resnet152", 30.0, "equal"),
-                                               ("resnet152", 1e6, "equal"), ("vgg19", 200.0, "speed"),
-                                               ("resnet152", 1e6, "speed")])
-def test_the_choice_is_the_argmax_of_a_brute_force_over_the_candidates(model, noise, waves):
+@pytest.mark.parametrize("model,noise,waves,costs,d", [
+    ("vgg19", 200.0, "equal", "none", 0), ("resnet152", 30.0, "equal", "none", 0),
+    ("resnet152", 1e6, "equal", "none", 0), ("vgg19", 200.0, "speed", "none", 0),
+    ("resnet152", 1e6, "speed", "none", 0), ("resnet152", 1e6, "equal", "fitted", 1),
+    ("vgg19", 200.0, "equal", "fitted", 0)])
+def test_the_choice_is_the_argmax_of_a_brute_force_over_the_candidates(model, noise, waves, costs, d):
     """Every candidate planned alone at every Nm (make_plan with the throughput objective on the cluster
     without the k slowest devices, each policy, one-device VWs and one VW of every device), scored by
-    samples/s x Pollux's efficiency of VWs x minibatch samples: the planner's choice and figures are the argmax's. With
+    samples/s x Pollux's efficiency of VWs x minibatch samples (over the sample cost of its stages, Nm and D
+    when ``costs`` are priced): the planner's choice and figures are the argmax's. With
     ``waves="speed"`` each candidate's Nm is its best for equal waves and its samples/s that of the
     same plan with waves by speed (hetpipe.plan.waves.with_waves)."""
     prof = load_profile(model)
     b = prof.minibatch_size
+    priced = staleness_costs(costs)
+
+    def cost(p):
+        return sample_cost([len(vw.stages) for vw in p.virtual_workers], p.nm, d, priced)
 
     def model_time(t):
         return sum(layer.fwd_time[t] + layer.bwd_time[t] for layer in prof.layers)
@@ -87,22 +94,22 @@ def test_the_choice_is_the_argmax_of_a_brute_force_over_the_candidates(model, no
             most = max(n["count"] for n in sub["nodes"]) if layout == "PP" else max(len(v) for v in vws)
             for nm in range(1, 2 * most + 1):
                 try:
-                    p = make_plan(sub, prof, policy=policy, vw_size=size, nm=nm)
+                    p = make_plan(sub, prof, policy=policy, vw_size=size, nm=nm, d=d)
                 except ValueError:
                     continue                    # does not fit
                 n = len(p.virtual_workers)
-                g = p.throughput * b * efficiency(n * b, noise, b)
+                g = p.throughput * b * efficiency(n * b, noise, b) / cost(p)
                 if top is None or g > top[0] * (1 + 1e-9):
                     top = (g, p)
             if top is None:
                 continue
             if waves == "speed":
                 p = with_waves(top[1], "speed")
-                top = (p.throughput * b * efficiency(len(p.virtual_workers) * b, noise, b), p)
+                top = (p.throughput * b * efficiency(len(p.virtual_workers) * b, noise, b) / cost(p), p)
             if best is None or top[0] > best[0] * (1 + 1e-9):
                 best = (top[0], top[1], tuple(order[:k]), layout)
             want[(tuple(order[:k]), layout)] = top[0]
-    plan = make_plan(cluster(), prof, objective=TTA, noise_scale=noise, waves=waves)
+    plan = make_plan(cluster(), prof, d=d, objective=TTA, noise_scale=noise, waves=waves, staleness_costs=costs)
     figures = goodputs(plan)
     assert {(w, layout.split("/")[0]): g for (w, layout), g in figures.items()} == pytest.approx(want, rel=1e-12)
     g, ref, without, layout = best
@@ -215,7 +222,11 @@ def test_the_default_objective_is_unchanged_by_the_new_arguments():
     ({"objective": TTA, "noise_scale": "10"}, "noise_scale must be a finite number >= 0"),
     ({"objective": TTA, "noise_scale": 10.0, "base_batch": 0}, "base_batch must be a finite number > 0"),
     ({"objective": "accuracy", "noise_scale": 10.0}, "unknown objective 'accuracy'"),
-    ({"noise_scale": 10.0}, "noise_scale and base_batch are for objective='time-to-accuracy'"),
+    ({"noise_scale": 10.0}, "noise_scale, base_batch and staleness_costs are for objective='time-to-accuracy'"),
+    ({"staleness_costs": "fitted"}, "noise_scale, base_batch and staleness_costs are for objective="),
+    ({"objective": TTA, "noise_scale": 10.0, "staleness_costs": "best"}, "staleness costs are one of none, fitted"),
+    ({"objective": TTA, "noise_scale": 10.0, "staleness_costs": "0.1,-1,0"},
+     "StalenessCosts.averaging must be a finite number >= 0, got -1.0"),
 ])
 def test_bad_arguments_are_refused_in_one_line_naming_them(kwargs, message):
     with pytest.raises(ValueError, match=message) as e:

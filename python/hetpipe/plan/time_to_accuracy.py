@@ -25,11 +25,15 @@ relative to it is the ratio of their goodputs (the unknown ``samples_to_target(M
   ``N x b`` passes ``B_noise``: the ``N`` equal steps overshoot together.
 
 Limits: the model is first order over a wave (the VWs' local trajectories stay close to the global
-weights); it ignores staleness (a VW's forward sees up to ``Nm - 1`` of its own updates late, and with
-``D >= 1`` the other VWs' waves arrive up to ``D`` waves late) and the drift of local steps between
+weights); by default it ignores staleness (a VW's forward sees up to ``Nm - 1`` of its own updates late,
+and with ``D >= 1`` the other VWs' waves arrive up to ``D`` waves late) and the drift of local steps between
 synchronisations, both of which cost progress per sample on top of ``E``, more for wider and staler
-plans; and it assumes the learning rate is suited to each batch (Pollux adapts it, AdaScale-style; a
-run here keeps the one it is given). ``B_noise`` changes during training; a plan uses one measurement
+plans. ``staleness`` prices them as a factor on the samples a candidate needs
+(:func:`hetpipe.plan.efficiency.sample_cost`, its coefficients empirical: "fitted" were fitted on hetpipe's
+convergence benchmark and cut the error of the predicted samples on the regime left out of the fit from
+1.68x to 1.31x, docs/performance.md); a candidate's goodput is then divided by its cost. The model
+assumes the learning rate is suited to each batch (Pollux adapts it, AdaScale-style; a run here keeps the
+one it is given). ``B_noise`` changes during training; a plan uses one measurement
 (:func:`hetpipe.run.pilot.measure_noise_scale`).
 
 **The candidates**: the whole cluster, then the cluster without its slowest device, its two slowest, ...
@@ -146,8 +150,8 @@ def noise_schedule(rows: Sequence[Dict[str, Any]], noise_scale: float, chosen: i
     ``math.inf`` with the candidate of the largest throughput (where every batch is as efficient).
 
     Exact, not sampled: with throughput ``T`` (samples/s, over the candidate's sample cost, which does not
-    depend on ``B``) and batch per update ``M``, a candidate's goodput is ``T (B + M0) / (B + M)``, so candidate ``j`` overtakes the current one ``c`` at the one noise scale
-    where ``T_j (B + M_c) = T_c (B + M_j)``: ``B* = (T_c M_j - T_j M_c) / (T_j - T_c)``, for a ``j`` of larger
+    depend on ``B``) and batch per update ``M``, a candidate's goodput is ``T (B + M0) / (B + M)``, so
+    candidate ``j`` overtakes the current one ``c`` at the one noise scale where ``T_j (B + M_c) = T_c (B + M_j)``: ``B* = (T_c M_j - T_j M_c) / (T_j - T_c)``, for a ``j`` of larger
     throughput (one of larger throughput and no larger batch would already have the larger goodput).
     The next interval's candidate is the first to overtake; among those overtaking at the same ``B*``, the
     one of the largest throughput (it stays ahead beyond)."""
