@@ -244,7 +244,7 @@ OUTER_KEYS = {"outer": "outer", "lr": "outer_lr", "momentum": "outer_momentum", 
               "gain": "outer_gain", "delay": "outer_delay"}
 
 
-ROW_KEYS = ("waves", "plan", "noise", "nm", "policy")     # a row's keys that are not the PS's outer-optimizer fields
+ROW_KEYS = ("waves", "plan", "noise", "nm", "policy", "costs")  # a row's keys that are not the PS's outer-optimizer fields
 
 
 def parse_variant(text: str) -> Tuple[str, int, Dict[str, object]]:
@@ -255,7 +255,8 @@ def parse_variant(text: str) -> Tuple[str, int, Dict[str, object]]:
     ``make_plan(objective="time-to-accuracy")``'s on the regime's cluster and profile, at the regime's Nm)
     and ``noise`` (with ``plan=tta``: the noise scale in windows it plans with; without it, a pilot on the
     initial model measures one, as a job does), ``nm`` (with ``plan=tta``: the Nm it plans at instead of the
-    regime's) and ``policy`` (with ``plan=tta``: NP, ED or HD, the only layout it weighs, instead of every
+    regime's), ``costs`` (with ``plan=tta``: ``fitted`` prices the plans' staleness, ``none`` by default) and
+    ``policy`` (with ``plan=tta``: NP, ED or HD, the only layout it weighs, instead of every
     policy, one-device VWs and one VW of every device). Returns (aggregate, D, PSRule fields, and ``waves``
     when ``speed``, ``plan``, ``noise``, ``nm`` and ``policy`` when given)."""
     from hetpipe.plan.outer import OUTER_DEFAULTS, check_outer
@@ -290,6 +291,11 @@ def parse_variant(text: str) -> Tuple[str, int, Dict[str, object]]:
                 raise SystemExit(f"tta: --hetpipe row {text!r}: nm must be an integer >= 1, got {value!r}")
             outer["nm"] = int(value)
             continue
+        if key == "costs":
+            if value not in ("none", "fitted"):
+                raise SystemExit(f"tta: --hetpipe row {text!r}: costs must be none or fitted, got {value!r}")
+            outer["costs"] = value
+            continue
         if key == "policy":
             if value.upper() not in ("NP", "ED", "HD"):
                 raise SystemExit(f"tta: --hetpipe row {text!r}: policy must be NP, ED or HD, got {value!r}")
@@ -304,7 +310,7 @@ def parse_variant(text: str) -> Tuple[str, int, Dict[str, object]]:
             outer[field_name] = kind(value)
         except ValueError:
             raise SystemExit(f"tta: --hetpipe row {text!r}: {key} must be a {kind.__name__}, got {value!r}") from None
-    for key in ("noise", "nm", "policy"):
+    for key in ("noise", "nm", "policy", "costs"):
         if key in outer and "plan" not in outer:
             raise SystemExit(f"tta: --hetpipe row {text!r}: {key} is what plan=tta plans with; add plan=tta")
     try:
@@ -329,6 +335,7 @@ def variant_name(agg: str, d: int, outer: Dict[str, object]) -> Tuple[str, str]:
         shape += "; plan for time to accuracy" + (f", noise {outer['noise']:g}" if "noise" in outer else "")
         shape += f", Nm {outer['nm']}" if "nm" in outer else ""
         shape += f", {outer['policy']} only" if "policy" in outer else ""
+        shape += f", staleness costs {outer['costs']}" if "costs" in outer else ""
     opts = outer_fields(outer)
     if not outer:
         return f"hetpipe-d{d}-{agg}", f"hetpipe D={d} ({agg})"
@@ -360,7 +367,8 @@ def make_rows(s, systems: Sequence[str], variants: Sequence[Tuple[str, int, Dict
     mb = s.task.minibatch
     for agg, d, outer in variants:
         rule = str(outer.get("waves", "equal"))
-        own = (tta_plan(s, rule, outer.get("noise"), outer.get("nm"), d, str(outer.get("policy", "auto")))
+        own = (tta_plan(s, rule, outer.get("noise"), outer.get("nm"), d, str(outer.get("policy", "auto")),
+                        str(outer.get("costs", "none")))
                if outer.get("plan") == "tta" else None)
         row_s = dataclasses.replace(s, plan=own) if own is not None else s
         nvw = len(row_s.plan.virtual_workers)
@@ -383,7 +391,8 @@ def make_rows(s, systems: Sequence[str], variants: Sequence[Tuple[str, int, Dict
     return rows, budget
 
 
-def tta_plan(s, rule: str, noise: Optional[float], nm: Optional[int] = None, d: int = 0, policy: str = "auto"):
+def tta_plan(s, rule: str, noise: Optional[float], nm: Optional[int] = None, d: int = 0, policy: str = "auto",
+             costs: str = "none"):
     """The plan ``make_plan(objective="time-to-accuracy")`` makes on the regime's cluster and profile, at
     ``nm`` (default: the planner's own choice, as a job that sets no Nm gets it: the Nm of the largest goodput,
     the smallest among equals, so that at D >= 1, where a full pipeline's throughput stops growing with Nm,
@@ -391,8 +400,9 @@ def tta_plan(s, rule: str, noise: Optional[float], nm: Optional[int] = None, d: 
     straight across waves at D >= 1 and fills and drains every wave at D = 0, so D sets the throughput it
     predicts), over ``policy``'s layouts and with the row's wave rule, for a noise scale of ``noise`` windows;
     None: measured as a job measures it (``Planning(objective="time-to-accuracy")``), by a pilot on the
-    initial model and the first 128 minibatches of a stream no run reads. ``meta["time_to_accuracy"]`` gains
-    the noise scale and where it came from."""
+    initial model and the first 128 minibatches of a stream no run reads; ``costs``: the planner's staleness
+    costs (``none`` or ``fitted``, :func:`hetpipe.plan.efficiency.sample_cost`). ``meta["time_to_accuracy"]``
+    gains the noise scale and where it came from."""
     from hetpipe.plan.planner import make_plan
     from hetpipe.run.pilot import measure_noise_scale
     from task import MinibatchStream, build_layers, loss_fn
@@ -403,7 +413,7 @@ def tta_plan(s, rule: str, noise: Optional[float], nm: Optional[int] = None, d: 
                                     MinibatchStream(s.text, s.task, NOISE_SEED + 1, count=128))
         source = "pilot on the initial model, 16 x 8 minibatches"
     plan = make_plan(s.cluster, s.prof, policy=policy, nm=nm, d=d, minibatch_size=s.task.minibatch,
-                     objective="time-to-accuracy", noise_scale=noise, waves=rule)
+                     objective="time-to-accuracy", noise_scale=noise, waves=rule, staleness_costs=costs)
     plan.meta["time_to_accuracy"] = {**plan.meta["time_to_accuracy"], "noise_scale": float(noise),
                                      "noise_source": source}
     return plan
