@@ -174,11 +174,16 @@ def test_a_row_planned_for_time_to_accuracy_runs_the_planners_plan():
     assert at_nm == {"plan": "tta", "noise": 1.0, "nm": 1}
     assert tta.variant_name(agg1, d1, at_nm)[1] == "hetpipe D=0 (mean; plan for time to accuracy, noise 1, Nm 1)"
     assert tta.parse_variant("mean:1:plan=tta+policy=ed")[2] == {"plan": "tta", "policy": "ED"}
+    priced = tta.parse_variant("mean:1:plan=tta+costs=fitted")[2]
+    assert priced == {"plan": "tta", "costs": "fitted"} and tta.outer_fields(priced) == {}
+    assert tta.variant_name("mean", 1, priced)[1] == ("hetpipe D=1 (mean; plan for time to accuracy, "
+                                                      "staleness costs fitted)")
     for bad, culprit in [("mean:1:plan=fast", "plan must be tta"), ("mean:1:plan=tta+noise=x", "noise must be a number"),
                          ("mean:1:plan=tta+noise=-2", "noise must be > 0"), ("mean:1:noise=8", "add plan=tta"),
                          ("mean:1:plan=tta+nm=0", "nm must be an integer >= 1"), ("mean:1:nm=2", "add plan=tta"),
                          ("mean:1:plan=tta+policy=DP", "policy must be NP, ED or HD"),
-                         ("mean:1:policy=ED", "add plan=tta")]:
+                         ("mean:1:policy=ED", "add plan=tta"), ("mean:1:costs=fitted", "add plan=tta"),
+                         ("mean:1:plan=tta+costs=0.1", "costs must be none or fitted")]:
         with pytest.raises(SystemExit, match=culprit):
             tta.parse_variant(bad)
     s = r1_setting()
@@ -186,11 +191,17 @@ def test_a_row_planned_for_time_to_accuracy_runs_the_planners_plan():
     rows, budget = tta.make_rows(s, ["ddp-fast"], [("mean", 1, {"plan": "tta", "noise": 1.0}),
                                                    ("mean", 1, {"plan": "tta", "noise": 1e6}),
                                                    ("mean", 1, {"plan": "tta", "noise": 1.0, "nm": 1}),
-                                                   ("mean", 1, {"plan": "tta", "noise": 1.0, "policy": "ED"})], 4)
+                                                   ("mean", 1, {"plan": "tta", "noise": 1.0, "policy": "ED"}),
+                                                   ("mean", 1, {"plan": "tta", "noise": 1.0, "costs": "fitted"})], 4)
     small, large = rows[1].plan, rows[2].plan
     assert rows[3].plan.nm == 1 and "Nm 1," in rows[3].note
     only = rows[4].plan.meta["time_to_accuracy"]["candidates"]     # ED's VWs alone: no DP, no single pipeline
     assert rows[4].plan.policy == "ED" and {c["layout"] for c in only} <= {"ED", "any"}
+    costed = make_plan(s.cluster, s.prof, d=1, minibatch_size=s.task.minibatch, objective="time-to-accuracy",
+                       noise_scale=1.0, staleness_costs="fitted")
+    assert rows[5].plan.meta["time_to_accuracy"]["staleness_costs"] == {"pipeline": 0.127, "averaging": 0.194,
+                                                                         "wsp": 0.111}
+    assert rows[5].plan.virtual_workers == costed.virtual_workers and rows[5].plan.nm == costed.nm
     for row, plan, noise in ((rows[1], small, 1.0), (rows[2], large, 1e6)):
         meta = plan.meta["time_to_accuracy"]
         own = make_plan(s.cluster, s.prof, nm=None, d=1, minibatch_size=s.task.minibatch,
