@@ -31,7 +31,7 @@ synchronisations, both of which cost progress per sample on top of ``E``, more f
 plans. ``staleness`` prices them as a factor on the samples a candidate needs
 (:func:`hetpipe.plan.efficiency.sample_cost`, its coefficients empirical: "fitted" were fitted on hetpipe's
 convergence benchmark and cut the error of the predicted samples on the regime left out of the fit from
-1.68x to 1.31x, docs/performance.md); a candidate's goodput is then divided by its cost. The model
+1.60x to 1.30x, docs/performance.md); a candidate's goodput is then divided by its cost. The model
 assumes the learning rate is suited to each batch (Pollux adapts it, AdaScale-style; a run here keeps the
 one it is given). ``B_noise`` changes during training; a plan uses one measurement
 (:func:`hetpipe.run.pilot.measure_noise_scale`).
