@@ -244,7 +244,8 @@ OUTER_KEYS = {"outer": "outer", "lr": "outer_lr", "momentum": "outer_momentum", 
               "gain": "outer_gain", "delay": "outer_delay"}
 
 
-ROW_KEYS = ("waves", "plan", "noise", "nm", "policy", "costs")  # a row's keys that are not the PS's outer-optimizer fields
+# a row's keys that are not the PS's outer-optimizer fields
+ROW_KEYS = ("waves", "plan", "noise", "nm", "policy", "costs")
 
 
 def parse_variant(text: str) -> Tuple[str, int, Dict[str, object]]:

@@ -53,7 +53,7 @@ after it.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from hetpipe.plan.cluster import ClusterSpec
@@ -151,8 +151,9 @@ def noise_schedule(rows: Sequence[Dict[str, Any]], noise_scale: float, chosen: i
 
     Exact, not sampled: with throughput ``T`` (samples/s, over the candidate's sample cost, which does not
     depend on ``B``) and batch per update ``M``, a candidate's goodput is ``T (B + M0) / (B + M)``, so
-    candidate ``j`` overtakes the current one ``c`` at the one noise scale where ``T_j (B + M_c) = T_c (B + M_j)``: ``B* = (T_c M_j - T_j M_c) / (T_j - T_c)``, for a ``j`` of larger
-    throughput (one of larger throughput and no larger batch would already have the larger goodput).
+    candidate ``j`` overtakes the current one ``c`` at the one noise scale where ``T_j (B + M_c) =
+    T_c (B + M_j)``: ``B* = (T_c M_j - T_j M_c) / (T_j - T_c)``, for a ``j`` of larger throughput (one of
+    larger throughput and no larger batch would already have the larger goodput).
     The next interval's candidate is the first to overtake; among those overtaking at the same ``B*``, the
     one of the largest throughput (it stays ahead beyond)."""
     feasible = {r["index"]: r for r in rows if "goodput" in r}
@@ -276,7 +277,7 @@ def plan_for_time_to_accuracy(cluster: ClusterSpec, table: LayerTable, profile: 
     extra = {"time_to_accuracy": {
         "noise_scale": float(noise_scale), "base_batch": base, "minibatch_size": minibatch_size,
         "batch_model": "N x minibatch (the VWs' gradients of a wave share the global weights)",
-        "staleness_costs": {"pipeline": staleness.pipeline, "averaging": staleness.averaging, "wsp": staleness.wsp},
+        "staleness_costs": asdict(staleness),
         "chosen": best_row["index"], "fastest": fastest["index"], "candidates": rows,
         "schedule": noise_schedule(rows, float(noise_scale), best_row["index"])}}
     if best_row["without"]:
